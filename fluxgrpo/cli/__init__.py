@@ -1,0 +1,1 @@
+"""The typer CLI: thin commands that parse, validate and call library functions."""

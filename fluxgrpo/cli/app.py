@@ -1,0 +1,46 @@
+"""The ``fluxgrpo`` command. Each subcommand lives in its own light module; heavy imports happen inside
+the command body so ``fluxgrpo --help`` never imports torch."""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+from fluxgrpo import __version__
+
+app = typer.Typer(
+    name="fluxgrpo",
+    help="GRPO fine-tuning of FLUX.1-dev against HPSv2 (DanceGRPO), on Ascend, GPUs and CPU.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+# (command name, module under fluxgrpo.cli); each module defines `command`.
+COMMANDS: tuple[tuple[str, str], ...] = (
+    ("env-check", "env_check"),
+)
+
+for _name, _module in COMMANDS:
+    app.command(_name)(importlib.import_module(f"fluxgrpo.cli.{_module}").command)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"fluxgrpo {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """GRPO fine-tuning of FLUX.1-dev against HPSv2 (DanceGRPO), on Ascend, GPUs and CPU."""
+    from fluxgrpo.runtime.report import guard_torch_import
+
+    guard_torch_import()
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,49 @@
+"""What every command shares: stderr console, error → exit-code mapping, JSON output.
+
+Results go to stdout (a rich table, or one JSON document with --json); logs, progress and errors go to
+stderr. Exit codes: 0 ok, 1 runtime failure, 2 usage error. ``FLUXGRPO_DEBUG=1`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from fluxgrpo.errors import FluxgrpoError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+err_console = Console(stderr=True)
+out_console = Console()
+
+
+def handle_errors(fn: F) -> F:
+    """Turn FluxgrpoError into one red line on stderr and its exit code (1 runtime, 2 usage)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except FluxgrpoError as exc:
+            if os.environ.get("FLUXGRPO_DEBUG"):
+                raise
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            err_console.print("[yellow]interrupted[/]")
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def print_json(document: Any) -> None:
+    """One JSON document on stdout."""
+    sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
+    sys.stdout.flush()

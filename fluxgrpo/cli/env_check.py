@@ -1,0 +1,85 @@
+"""``fluxgrpo env-check``: what this machine has and whether training could start."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from fluxgrpo.cli.common import handle_errors, out_console, print_json
+from fluxgrpo.paths import DEFAULT_EMBEDDINGS_DIR, DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR
+
+_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+@handle_errors
+def command(
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
+    flux_dir: Annotated[str, typer.Option("--flux-dir", help="FLUX diffusers folder.")] = DEFAULT_FLUX_DIR,
+    hps_dir: Annotated[str, typer.Option("--hps-dir", help="Folder of the HPS and open_clip weights.")] = DEFAULT_HPS_DIR,
+    embeddings_dir: Annotated[
+        str, typer.Option("--embeddings", help="Embeddings folder written by `fluxgrpo preprocess`.")
+    ] = DEFAULT_EMBEDDINGS_DIR,
+    device: Annotated[str, typer.Option("--device", help="auto, or a device type to check for.")] = "auto",
+) -> None:
+    """Report devices, versions, accelerator variables, weights and embeddings; exit 0 only if training could start.
+
+    Examples:
+      fluxgrpo env-check
+      fluxgrpo env-check --json > env.json
+    """
+    from fluxgrpo.envcheck import collect_report
+
+    report = collect_report(flux_dir, hps_dir, embeddings_dir, requested_device=device)
+    if json_output:
+        print_json(report)
+    else:
+        _render(report)
+    if not report["ready"]:
+        raise typer.Exit(1)
+
+
+def _render(report: dict) -> None:
+    from rich.table import Table
+
+    system = Table(title="fluxgrpo env-check", show_header=False, title_justify="left")
+    system.add_column("item", style="bold")
+    system.add_column("value")
+    system.add_row("fluxgrpo", report["fluxgrpo_version"])
+    system.add_row("platform", report["platform"])
+    system.add_row("python", report["python"])
+    for name, version in report["packages"].items():
+        system.add_row(name, version or "[dim]not installed[/]")
+    dev = report["device"]
+    stack = dev["accelerator_stack"]
+    system.add_row("accelerator runtime", stack["cann_version"] or "[dim]not found[/]")
+    system.add_row("device", f"{dev['type']} × {dev['count']} (backend {dev['backend']})" if dev["type"] else "?")
+    for d in dev["devices"]:
+        system.add_row(f"  [{d['index']}] {d['name']}", f"{_gib(d['total_bytes'])} total, {_gib(d['free_bytes'])} free")
+    system.add_row("disk free", f"{_gib(report['disk']['free_bytes'])} at {report['disk']['path']}")
+    system.add_row("/dev/shm", _gib(report["shm"]["total_bytes"]))
+    out_console.print(system)
+
+    env = Table(title="Accelerator environment variables", title_justify="left")
+    env.add_column("variable")
+    env.add_column("value")
+    env.add_column("recommended (set for workers when unset)")
+    for row in report["accelerator_env"]:
+        env.add_row(row["name"], row["value"] if row["value"] is not None else "[dim]unset[/]",
+                    row["recommended"] or "[dim]cluster-specific[/]")
+    out_console.print(env)
+
+    checks = Table(title="Checks", title_justify="left")
+    checks.add_column("check")
+    checks.add_column("status")
+    checks.add_column("detail")
+    checks.add_column("what to do")
+    for c in report["checks"]:
+        checks.add_row(c["name"], f"[{_STYLE[c['status']]}]{c['status']}[/]", c["detail"], c["fix"] or "")
+    out_console.print(checks)
+    verdict = "[green]ready to train[/]" if report["ready"] else "[bold red]not ready: fix the failing checks above[/]"
+    out_console.print(verdict)

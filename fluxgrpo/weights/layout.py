@@ -1,0 +1,108 @@
+"""Where each weights part lives and what makes it complete.
+
+The layout is the real one (FLUX.1-dev's diffusers folders, the HPSv2 and open_clip files), so tiny and
+real weights load through the same code. A part is *complete* when its manifest (written last by
+``fetch-weights``) lists files that are all present with the right sizes; a folder placed by hand with no
+manifest is checked for the required files only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fluxgrpo.weights.manifest import read_manifest, verify_manifest
+
+FLUX_COMPONENTS = ("scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "transformer", "vae")
+HPS_CHECKPOINT = "HPS_v2.1_compressed.pt"
+OPEN_CLIP_WEIGHTS = "open_clip_pytorch_model.bin"
+# Written beside the tiny reward checkpoints only: the architecture of a non-ViT-H-14 open_clip model.
+# Its absence means the real ViT-H-14.
+REWARD_ARCH_FILE = "open_clip_config.json"
+HPS_MANIFEST = "manifest.hps.json"
+CLIP_MANIFEST = "manifest.clip.json"
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
+_MODEL_COMPONENTS = ("text_encoder", "text_encoder_2", "transformer", "vae")
+
+
+@dataclass
+class PartStatus:
+    """Whether one weights part is usable, and what to do if not."""
+
+    name: str  # flux | hps | clip
+    path: str
+    complete: bool
+    source: str | None = None  # from the manifest: tiny | hf | modelscope; None when placed by hand
+    problems: list[str] = field(default_factory=list)
+    fix: str | None = None
+
+
+def _has_weights(folder: Path) -> bool:
+    return folder.is_dir() and any(p.name.endswith(_WEIGHT_SUFFIXES) for p in folder.iterdir())
+
+
+def check_flux_dir(flux_dir: str | Path) -> PartStatus:
+    """Check the FLUX diffusers folder: model_index.json, every component, and the manifest if present."""
+    root = Path(flux_dir)
+    fix = f"run `fluxgrpo fetch-weights --flux-dir {root}` (or --source tiny for a CPU trial)"
+    status = PartStatus("flux", str(root), complete=False, fix=fix)
+    if not root.is_dir():
+        status.problems.append(f"weights not found in {root}")
+        return status
+    if not (root / "model_index.json").is_file():
+        status.problems.append(f"{root}/model_index.json is missing (not a diffusers FLUX folder)")
+    for comp in FLUX_COMPONENTS:
+        sub = root / comp
+        if not sub.is_dir():
+            status.problems.append(f"component {comp}/ is missing")
+        elif comp in _MODEL_COMPONENTS and not ((sub / "config.json").is_file() and _has_weights(sub)):
+            status.problems.append(f"{comp}/ has no config.json or no weights file")
+    manifest = read_manifest(root)
+    if manifest is not None:
+        status.source = manifest.source
+        status.problems.extend(verify_manifest(root, manifest))
+    status.complete = not status.problems
+    if status.complete:
+        status.fix = None
+    return status
+
+
+def check_reward_file(hps_dir: str | Path, filename: str, part: str, manifest_name: str) -> PartStatus:
+    root = Path(hps_dir)
+    only = {"hps": "hps", "clip": "clip"}[part]
+    status = PartStatus(
+        part, str(root / filename), complete=False,
+        fix=f"run `fluxgrpo fetch-weights --only {only} --hps-dir {root}`",
+    )
+    path = root / filename
+    if not path.is_file():
+        status.problems.append(f"{path} not found")
+        return status
+    manifest = read_manifest(root, manifest_name)
+    if manifest is not None:
+        status.source = manifest.source
+        status.problems.extend(verify_manifest(root, manifest))
+    elif path.stat().st_size == 0:
+        status.problems.append(f"{path} is empty")
+    status.complete = not status.problems
+    if status.complete:
+        status.fix = None
+    return status
+
+
+def check_hps_dir(hps_dir: str | Path) -> list[PartStatus]:
+    """Check the HPSv2 checkpoint and the open_clip ViT-H-14 weights in ``hps_dir``."""
+    return [
+        check_reward_file(hps_dir, HPS_CHECKPOINT, "hps", HPS_MANIFEST),
+        check_reward_file(hps_dir, OPEN_CLIP_WEIGHTS, "clip", CLIP_MANIFEST),
+    ]
+
+
+def reward_architecture(hps_dir: str | Path) -> dict | None:
+    """The open_clip model config stored beside tiny reward weights, or None for the real ViT-H-14."""
+    path = Path(hps_dir) / REWARD_ARCH_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())

@@ -1,0 +1,205 @@
+"""The runtime: device detection (accelerators faked), torch_npu import safety, env defaults, launch argv."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.runtime import device as rt
+from fluxgrpo.runtime import dist, launch
+from fluxgrpo.runtime.npu_env import NPU_ENV_DEFAULTS, apply_npu_env_defaults
+
+
+@pytest.fixture
+def fake_accelerators(monkeypatch):
+    def set_available(npu: bool, cuda: bool):
+        monkeypatch.setattr(rt, "npu_available", lambda: npu)
+        monkeypatch.setattr(rt, "cuda_available", lambda: cuda)
+
+    return set_available
+
+
+@pytest.mark.parametrize(
+    ("npu", "cuda", "expected"),
+    [(True, True, "npu"), (True, False, "npu"), (False, True, "cuda"), (False, False, "cpu")],
+)
+def test_detection_order_is_npu_cuda_cpu(fake_accelerators, npu, cuda, expected):
+    fake_accelerators(npu, cuda)
+    assert rt.resolve_device_type(None) == expected
+    assert rt.resolve_device_type("auto") == expected
+    assert rt.available_device_types()[-1] == "cpu"
+
+
+def test_override_and_errors(fake_accelerators):
+    fake_accelerators(False, True)
+    assert rt.resolve_device_type("cpu") == "cpu"
+    assert rt.resolve_device_type("CUDA") == "cuda"
+    with pytest.raises(UsageError, match="--device"):
+        rt.resolve_device_type("tpu")
+    with pytest.raises(FluxgrpoError, match="not installed"):
+        rt.resolve_device_type("npu")
+    fake_accelerators(False, False)
+    with pytest.raises(FluxgrpoError, match="--device cpu"):
+        rt.resolve_device_type("cuda")
+
+
+def test_backend_for_each_device():
+    assert [rt.backend_for(t) for t in rt.DEVICE_TYPES] == ["hccl", "nccl", "gloo"]
+
+
+def test_broken_torch_npu_is_reported_not_raised(tmp_path, monkeypatch):
+    pkg = tmp_path / "torch_npu"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise ImportError('libhccl.so: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
+    rt._reset_npu_status_for_tests()
+    try:
+        status = rt.npu_import_status()
+        assert status.installed and not status.importable
+        assert "libhccl.so" in status.error
+        assert not rt.npu_available()
+        with pytest.raises(FluxgrpoError, match="does not import"):
+            rt.resolve_device_type("npu")
+    finally:
+        rt._reset_npu_status_for_tests()
+
+
+def test_guard_torch_import_sets_autoload_only_when_torch_npu_present(tmp_path, monkeypatch):
+    from fluxgrpo.runtime.report import AUTOLOAD_ENV, guard_torch_import
+
+    monkeypatch.delenv(AUTOLOAD_ENV, raising=False)
+    guard_torch_import()
+    import os
+
+    assert AUTOLOAD_ENV not in os.environ  # no torch_npu here
+    (tmp_path / "torch_npu").mkdir()
+    (tmp_path / "torch_npu" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    guard_torch_import()
+    assert os.environ[AUTOLOAD_ENV] == "0"
+    monkeypatch.setenv(AUTOLOAD_ENV, "1")
+    guard_torch_import()
+    assert os.environ[AUTOLOAD_ENV] == "1"  # the user's choice wins
+
+
+def test_npu_env_defaults_never_override_user_values():
+    env = {"TASK_QUEUE_ENABLE": "0"}
+    applied = apply_npu_env_defaults(env)
+    assert env["TASK_QUEUE_ENABLE"] == "0"
+    assert "TASK_QUEUE_ENABLE" not in applied
+    assert env["HCCL_CONNECT_TIMEOUT"] == "1200"
+    assert set(applied) == {v.name for v in NPU_ENV_DEFAULTS} - {"TASK_QUEUE_ENABLE"}
+    assert apply_npu_env_defaults(env) == {}  # idempotent
+
+
+def test_single_process_context_on_cpu(monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    ctx = dist.init_distributed("cpu")
+    assert (ctx.rank, ctx.local_rank, ctx.world_size, ctx.backend) == (0, 0, 1, "gloo")
+    assert ctx.is_main and not ctx.distributed
+    t = torch.arange(3.0)
+    assert torch.equal(dist.all_gather_tensor(ctx, t), t)
+    assert dist.all_gather_object(ctx, {"a": 1}) == [{"a": 1}]
+
+
+def test_local_rank_picks_device_never_rank(fake_accelerators, monkeypatch):
+    calls = []
+
+    class FakeModule:
+        @staticmethod
+        def device_count():
+            return 8
+
+        @staticmethod
+        def set_device(i):
+            calls.append(i)
+
+    monkeypatch.setattr(rt, "device_module", lambda t: FakeModule)
+    monkeypatch.setenv("RANK", "11")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    device = rt.device_for_local_rank("cuda", 3)
+    assert device == torch.device("cuda", 3) and calls == [3]
+    with pytest.raises(FluxgrpoError, match="LOCAL_RANK 9"):
+        rt.device_for_local_rank("cuda", 9)
+
+
+def test_cpu_autocast_is_a_no_op_and_accelerators_use_bf16():
+    assert rt.compute_dtype("cpu") == torch.float32
+    assert rt.compute_dtype("cuda") == torch.bfloat16
+    with rt.autocast("cpu"):
+        assert not torch.is_autocast_enabled("cpu")
+
+
+def test_rng_state_round_trip():
+    device = torch.device("cpu")
+    rt.seed_everything(3)
+    state = rt.rng_state(device)
+    a = torch.rand(4)
+    rt.set_rng_state(device, state)
+    assert torch.equal(torch.rand(4), a)
+
+
+# --- launch -------------------------------------------------------------------------------------------
+
+
+def test_torchrun_argv_single_node():
+    argv = launch.build_torchrun_argv("fluxgrpo.worker", ["--x", "1"], launch.LaunchSpec(nproc_per_node=16),
+                                      python="py")
+    assert argv == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=16",
+                    "-m", "fluxgrpo.worker", "--x", "1"]
+
+
+def test_torchrun_argv_multi_node_and_logs(tmp_path):
+    spec = launch.LaunchSpec(nproc_per_node=8, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29600)
+    argv = launch.build_torchrun_argv("m", [], spec, python="py", log_dir=tmp_path)
+    assert argv[3:7] == ["--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=29600"]
+    assert "--nproc-per-node=8" in argv and "--local-ranks-filter=0" in argv and f"--log-dir={tmp_path}" in argv
+    assert spec.world_size == 16
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (launch.LaunchSpec(nproc_per_node=0), "--dies"),
+        (launch.LaunchSpec(nnodes=2), "--master-addr"),
+        (launch.LaunchSpec(nnodes=2, node_rank=2, master_addr="a"), "--node-rank"),
+        (launch.LaunchSpec(master_port=70000), "--master-port"),
+    ],
+)
+def test_launch_spec_validation(spec, message):
+    with pytest.raises(UsageError, match=message):
+        spec.validate()
+
+
+def test_run_torchrun_names_first_failing_rank():
+    def runner(argv, env):
+        error_dir = Path(env[launch.ERROR_DIR_ENV])
+        (error_dir / "rank1.json").write_text(json.dumps({"rank": 1, "error": "OOM on rank 1", "time": time.time()}))
+        (error_dir / "rank0.json").write_text(json.dumps({"rank": 0, "error": "peer gone", "time": time.time() + 5}))
+        return 1
+
+    with pytest.raises(FluxgrpoError, match="rank 1 failed: OOM on rank 1"):
+        launch.run_torchrun(["x"], runner=runner)
+    with pytest.raises(FluxgrpoError, match="exited with code 7"):
+        launch.run_torchrun(["x"], runner=lambda argv, env: 7)
+    launch.run_torchrun(["x"], runner=lambda argv, env: 0)
+
+
+def test_worker_errors_records_and_reraises(tmp_path, monkeypatch):
+    monkeypatch.setenv(launch.ERROR_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "2")
+
+    @launch.worker_errors
+    def worker():
+        raise ValueError("bad shape")
+
+    with pytest.raises(ValueError):
+        worker()
+    record = json.loads((tmp_path / "rank2.json").read_text())
+    assert record["rank"] == 2 and record["error"] == "ValueError: bad shape" and "Traceback" in record["traceback"]
