@@ -20,6 +20,7 @@ app = typer.Typer(
 # (command name, module under fluxgrpo.cli); each module defines `command`.
 COMMANDS: tuple[tuple[str, str], ...] = (
     ("env-check", "env_check"),
+    ("train", "train"),
 )
 
 for _name, _module in COMMANDS:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.runtime.npu_env import NPU_ENV_DEFAULTS
 
 ERROR_DIR_ENV = "FLUXGRPO_ERROR_DIR"
 
@@ -50,6 +51,13 @@ class LaunchSpec:
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+
+def worker_env_defaults(device_type: str) -> dict[str, str]:
+    """Variables to set for workers on ``device_type`` that the user has not set (the NPU recipe's defaults)."""
+    if device_type != "npu":
+        return {}
+    return {v.name: v.recommended for v in NPU_ENV_DEFAULTS if v.name not in os.environ}
 
 
 def build_torchrun_argv(

@@ -1,0 +1,454 @@
+"""Training checkpoints: an exact resume, written atomically, with a diffusers-format export beside it.
+
+``output_dir/checkpoint-{k}/`` holds the state *after* k iterations (DanceGRPO saves at the start of step
+k, one update early, and keeps no optimizer state; see dancegrpo-spec.md §7):
+
+    transformer/        config.json + diffusion_pytorch_model[-0000i-of-0000n].safetensors (+ index json):
+                        ``FluxTransformer2DModel.from_pretrained`` loads it; ``sample`` uses it.
+    transformer_ema/    the same, with the EMA weights (only when an EMA is kept).
+    state/              torch.distributed.checkpoint (DCP) files for {"model", "optim", "lr_scheduler", "ema"},
+                        trainer_state.json, and rng_rank{r}.pt for every rank.
+    COMPLETE            written last; JSON facts about the checkpoint (iteration, world size, what it holds).
+
+Atomicity: everything is written into ``checkpoint-{k}.tmp/``; only when every rank has finished does rank 0
+write ``COMPLETE`` and rename the folder. A folder with a ``.tmp`` (or ``.trash``) suffix, or without
+``COMPLETE``, is never taken for a checkpoint, so an interrupted save (Ctrl-C, a killed worker, a full disk)
+never looks complete; its leftovers are removed by the next save. Deletions (keep-last pruning, replacing a
+checkpoint of the same iteration) rename the folder to ``.trash`` first, so a half-deleted checkpoint is
+never taken for a complete one either.
+
+With more than one process ``output_dir`` must be on a filesystem every rank sees (DCP requires it anyway).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.runtime.dist import DistContext
+
+CHECKPOINT_PREFIX = "checkpoint-"
+TMP_SUFFIX = ".tmp"
+TRASH_SUFFIX = ".trash"
+COMPLETE_MARKER = "COMPLETE"
+TRANSFORMER_DIR = "transformer"
+EMA_TRANSFORMER_DIR = "transformer_ema"
+STATE_DIR = "state"
+TRAINER_STATE_FILE = "trainer_state.json"
+FORMAT_VERSION = 1
+# diffusers' own default for save_pretrained: FLUX.1-dev's 47.6 GB fp32 transformer becomes 5 shards.
+DEFAULT_MAX_SHARD_SIZE = "10GB"
+
+_COMPLETE_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
+_LEFTOVER_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}\d+({re.escape(TMP_SUFFIX)}|{re.escape(TRASH_SUFFIX)})$")
+
+
+@dataclass
+class LoadedState:
+    """What ``load_checkpoint`` hands back after restoring the model, optimizer, scheduler, EMA and global RNGs."""
+
+    trainer_state: dict[str, Any]  # the dict given to save_checkpoint (identical on every rank)
+    rng_states: dict[str, Any]  # this rank's ``rng_states`` as given to save_checkpoint (caller-owned generators)
+    iteration: int  # iterations completed when the checkpoint was written
+    path: Path  # the checkpoint folder
+
+
+# --------------------------------------------------------------------------------------------- discovery
+
+
+def checkpoint_dir(output_dir: str | Path, iteration: int) -> Path:
+    """Where the checkpoint of ``iteration`` lives once complete."""
+    return Path(output_dir) / f"{CHECKPOINT_PREFIX}{iteration}"
+
+
+def checkpoint_iteration(path: str | Path) -> int | None:
+    """The iteration in a ``checkpoint-{k}`` folder name; None for any other name (``.tmp`` included)."""
+    match = _COMPLETE_NAME.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def is_complete_checkpoint(path: str | Path) -> bool:
+    """True for a ``checkpoint-{k}`` folder whose save finished (it holds the ``COMPLETE`` marker)."""
+    path = Path(path)
+    return checkpoint_iteration(path) is not None and (path / COMPLETE_MARKER).is_file()
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """The complete checkpoints in ``output_dir``, oldest iteration first; [] when the folder does not exist."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and is_complete_checkpoint(p)]
+    return sorted(found, key=lambda p: checkpoint_iteration(p) or 0)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest iteration, or None."""
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def read_checkpoint_info(path: str | Path) -> dict[str, Any]:
+    """The facts in a complete checkpoint's ``COMPLETE`` marker (iteration, world_size, has_ema, ...).
+
+    Raises:
+        FluxgrpoError: ``path`` is not a complete checkpoint.
+    """
+    path = Path(path)
+    if not is_complete_checkpoint(path):
+        raise FluxgrpoError(_not_complete_message(path, path.parent))
+    return json.loads((path / COMPLETE_MARKER).read_text())
+
+
+def resolve_resume(output_dir: str | Path, resume: str | bool | None) -> Path | None:
+    """The checkpoint ``--resume`` points at.
+
+    - None / False: no resume (None).
+    - True or ``"latest"`` (``--resume`` with no value): the latest complete checkpoint in ``output_dir``, or
+      None when there is none yet, so the same command both starts a run and continues it after a preemption.
+    - a path (or a folder name inside ``output_dir``, e.g. ``checkpoint-40``): that checkpoint.
+
+    Raises:
+        FluxgrpoError: the given folder is missing or not a complete checkpoint; the message lists the complete
+            ones in ``output_dir``.
+    """
+    if resume is None or resume is False:
+        return None
+    if resume is True or (isinstance(resume, str) and resume.strip().lower() == "latest"):
+        return latest_checkpoint(output_dir)
+    given = Path(resume).expanduser()
+    candidates = [given] if given.is_absolute() else [given, Path(output_dir) / given]
+    for candidate in candidates:
+        if is_complete_checkpoint(candidate):
+            return candidate
+    existing = next((c for c in candidates if c.exists()), given)
+    raise FluxgrpoError(_not_complete_message(existing, Path(output_dir)))
+
+
+def _not_complete_message(path: Path, output_dir: Path) -> str:
+    if not path.exists():
+        why = "it does not exist"
+    elif path.name.endswith((TMP_SUFFIX, TRASH_SUFFIX)):
+        why = "it is the leftover of an interrupted save or delete"
+    elif checkpoint_iteration(path) is None:
+        why = f"its name is not {CHECKPOINT_PREFIX}<iteration>"
+    else:
+        why = f"it has no {COMPLETE_MARKER} marker (the save was interrupted)"
+    complete = [p.name for p in list_checkpoints(output_dir)]
+    if complete:
+        hint = (
+            f"complete checkpoints in {output_dir}: {', '.join(complete)}; pass one of them to --resume, "
+            "or --resume with no value for the latest"
+        )
+    else:
+        hint = f"there is no complete checkpoint in {output_dir}; drop --resume to start a new run"
+    return f"{path} is not a complete checkpoint ({why}): {hint}"
+
+
+# --------------------------------------------------------------------------------------------- save
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    iteration: int,
+    ctx: DistContext,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    *,
+    ema: Any = None,
+    trainer_state: dict[str, Any],
+    keep_last: int | None,
+    export_dtype: torch.dtype = torch.float32,
+    rng_states: dict[str, Any] | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> Path:
+    """Write ``output_dir/checkpoint-{iteration}/`` atomically; a collective: every rank calls it.
+
+    Args:
+        iteration: iterations completed; the checkpoint holds the weights after this many updates.
+        model: the transformer, plain or FSDP2-sharded (``fully_shard``); any wrapper that
+            ``torch.distributed.checkpoint.state_dict`` understands.
+        lr_scheduler: anything with ``state_dict()`` / ``load_state_dict()`` (a torch LR scheduler).
+        ema: optional, with ``state_dict()`` (what resume needs, sharded or not), ``load_state_dict()`` and
+            ``full_state_dict()`` (full CPU tensors keyed like the model's state dict, at least on rank 0; called on
+            every rank, so it may be a collective).
+        trainer_state: JSON-serialisable, identical on every rank (iteration, sampler position, resolved config);
+            rank 0 writes it.
+        keep_last: keep this many complete checkpoints (highest iterations), deleting older ones; the one just
+            written is always kept. None keeps every checkpoint.
+        export_dtype: dtype of the floating-point tensors in the diffusers export (the resume state keeps the
+            training dtype).
+        rng_states: this rank's extra RNG states (e.g. a sampler's ``torch.Generator.get_state()``); the global
+            python/numpy/torch/device RNGs are always saved. Returned by ``load_checkpoint`` as ``rng_states``.
+        max_shard_size: the export is split into diffusers-style shards above this size.
+
+    Returns:
+        The complete checkpoint folder.
+
+    Raises:
+        UsageError: ``keep_last`` < 1 or ``iteration`` < 0.
+        TypeError: ``trainer_state`` is not JSON-serialisable.
+    """
+    if keep_last is not None and keep_last < 1:
+        raise UsageError(f"keep_last is {keep_last}: keep at least 1 checkpoint, or leave it unset to keep them all")
+    if iteration < 0:
+        raise UsageError(f"checkpoint iteration must be >= 0, got {iteration}")
+    # Checked on every rank before any collective, so a bad dict fails everywhere instead of hanging the others.
+    trainer_state_json = json.dumps(trainer_state, indent=2) + "\n"
+
+    root = Path(output_dir)
+    final = checkpoint_dir(root, iteration)
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    if ctx.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(root)
+        (tmp / STATE_DIR).mkdir(parents=True)
+    rt_dist.barrier(ctx)
+
+    _export_model(tmp / TRANSFORMER_DIR, ctx, model, export_dtype, max_shard_size)
+    if ema is not None:
+        ema_weights = ema.full_state_dict()
+        if ctx.is_main:
+            _write_diffusers_folder(
+                tmp / EMA_TRANSFORMER_DIR, _diffusers_config(model), ema_weights, export_dtype, max_shard_size
+            )
+        del ema_weights
+
+    _save_training_state(tmp / STATE_DIR, ctx, model, optimizer, lr_scheduler, ema)
+    _write_durably(
+        tmp / STATE_DIR / f"rng_rank{ctx.rank}.pt",
+        lambda f: torch.save({"global": rt_device.rng_state(ctx.device), "extra": dict(rng_states or {})}, f),
+    )
+    if ctx.is_main:
+        _write_durably(tmp / STATE_DIR / TRAINER_STATE_FILE, lambda f: f.write(trainer_state_json.encode()))
+    # Every rank's files are on disk before rank 0 declares the checkpoint complete.
+    rt_dist.barrier(ctx)
+
+    if ctx.is_main:
+        info = {
+            "format_version": FORMAT_VERSION,
+            "iteration": iteration,
+            "world_size": ctx.world_size,
+            "has_ema": ema is not None,
+            "has_lr_scheduler": lr_scheduler is not None,
+            "export_dtype": str(export_dtype).removeprefix("torch."),
+        }
+        _write_durably(tmp / COMPLETE_MARKER, lambda f: f.write((json.dumps(info, indent=2) + "\n").encode()))
+        _publish(tmp, final)
+        if keep_last is not None:
+            _prune(root, keep_last, keep=final)
+    rt_dist.barrier(ctx)
+    return final
+
+
+def _export_model(
+    directory: Path, ctx: DistContext, model: torch.nn.Module, export_dtype: torch.dtype, max_shard_size: int | str
+) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # A collective: each rank contributes its shards; with cpu_offload only rank 0 receives the full tensors.
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ctx.is_main:
+        _write_diffusers_folder(directory, _diffusers_config(model), full, export_dtype, max_shard_size)
+    del full
+
+
+def _save_training_state(directory: Path, ctx: DistContext, model, optimizer, lr_scheduler, ema) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
+    if lr_scheduler is not None:
+        state["lr_scheduler"] = lr_scheduler.state_dict()
+    if ema is not None:
+        state["ema"] = ema.state_dict()
+    dcp.save(state, checkpoint_id=str(directory), no_dist=not ctx.distributed)
+
+
+def _diffusers_config(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's config as diffusers' ``save_config`` writes it, naming the diffusers class.
+
+    ``fully_shard`` swaps the instance's class for a generated ``FSDP<Name>`` subclass, and ``torch.compile``
+    wraps the module; ``_class_name`` must still say ``FluxTransformer2DModel`` for pipelines to load it.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    base = getattr(model, "_orig_mod", model)
+    config = json.loads(base.to_json_string())
+    config["_class_name"] = next(k for k in type(base).__mro__ if not issubclass(k, FSDPModule)).__name__
+    return config
+
+
+def _write_diffusers_folder(
+    directory: Path,
+    config: dict[str, Any],
+    state_dict: dict[str, torch.Tensor],
+    export_dtype: torch.dtype,
+    max_shard_size: int | str,
+) -> None:
+    """config.json + safetensors shards named and indexed the way diffusers' ``save_pretrained`` does."""
+    from diffusers.utils import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    def dtype_of(tensor: torch.Tensor) -> torch.dtype:
+        return export_dtype if tensor.is_floating_point() else tensor.dtype
+
+    directory.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    _write_durably(directory / CONFIG_NAME, lambda f: f.write(text.encode()))
+
+    # Sized with meta stand-ins in the export dtype, so shards stay under the limit after the cast and no
+    # second full copy of the weights is ever held: each shard is cast, written and dropped in turn.
+    sizing = {name: torch.empty(t.shape, dtype=dtype_of(t), device="meta") for name, t in state_dict.items()}
+    pattern = SAFETENSORS_WEIGHTS_NAME.replace(".safetensors", "{suffix}.safetensors")
+    split = split_torch_state_dict_into_shards(sizing, filename_pattern=pattern, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        shard = {name: state_dict[name].to(dtype_of(state_dict[name])).contiguous() for name in names}
+        save_file(shard, str(directory / filename), metadata={"format": "pt"})
+        _fsync(directory / filename)
+        del shard
+    if split.is_sharded:
+        index = {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename}
+        index_text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+        _write_durably(directory / SAFE_WEIGHTS_INDEX_NAME, lambda f: f.write(index_text.encode()))
+
+
+# --------------------------------------------------------------------------------------------- load
+
+
+def load_checkpoint(
+    path: str | Path,
+    ctx: DistContext,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    *,
+    ema: Any = None,
+) -> LoadedState:
+    """Restore model, optimizer, scheduler, EMA and this rank's global RNGs from a complete checkpoint.
+
+    A collective: every rank calls it, with the objects built exactly as for a fresh run (same sharding).
+    The global python/numpy/torch/device RNG states are restored last, so call this right before training
+    continues; extra generators saved through ``rng_states`` come back in ``LoadedState.rng_states``.
+
+    Raises:
+        FluxgrpoError: ``path`` is not a complete checkpoint; it was written by a different number of
+            processes; or ``ema`` is given but the checkpoint has no EMA state.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = Path(path)
+    info = read_checkpoint_info(path)
+    saved_world = int(info["world_size"])
+    if saved_world != ctx.world_size:
+        raise FluxgrpoError(
+            f"{path} was saved by {saved_world} process(es) but this run has {ctx.world_size}: resuming on a "
+            f"different number of processes is not supported (each rank's RNG and data position would not match); "
+            f"resume with --dies {saved_world}, or start a new run from the exported weights in {path / TRANSFORMER_DIR}"
+        )
+    if ema is not None and not info.get("has_ema", False):
+        raise FluxgrpoError(
+            f"{path} has no EMA state (it was saved without --use-ema): resume without --use-ema, "
+            "or start a new run from its exported weights"
+        )
+    if lr_scheduler is not None and not info.get("has_lr_scheduler", True):
+        raise FluxgrpoError(f"{path} has no learning-rate scheduler state: it cannot resume a run that uses one")
+
+    # DCP loads in place into tensors laid out the way this run shards them; get_state_dict gives that
+    # layout (and materialises an untouched optimizer's state so there is somewhere to load into).
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
+    if lr_scheduler is not None:
+        state["lr_scheduler"] = lr_scheduler.state_dict()
+    if ema is not None:
+        state["ema"] = ema.state_dict()
+    dcp.load(state, checkpoint_id=str(path / STATE_DIR), no_dist=not ctx.distributed)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if lr_scheduler is not None:
+        lr_scheduler.load_state_dict(state["lr_scheduler"])
+    if ema is not None:
+        ema.load_state_dict(state["ema"])
+
+    trainer_state = json.loads((path / STATE_DIR / TRAINER_STATE_FILE).read_text())
+    # Written by save_checkpoint itself; python's and numpy's RNG states are not tensors, so weights_only
+    # cannot read them (trusting this file is the same as trusting the DCP metadata pickle beside it).
+    rng = torch.load(path / STATE_DIR / f"rng_rank{ctx.rank}.pt", weights_only=False)
+    rt_device.set_rng_state(ctx.device, rng["global"])
+    return LoadedState(
+        trainer_state=trainer_state, rng_states=rng["extra"], iteration=int(info["iteration"]), path=path
+    )
+
+
+# --------------------------------------------------------------------------------------------- filesystem
+
+
+def _fsync(path: Path) -> None:
+    # Some filesystems (and all directories on some platforms) refuse fsync; durability is then best effort.
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_durably(path: Path, write) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _rename(src: Path, dst: Path) -> None:
+    """One atomic rename on a POSIX filesystem (a separate function so tests can interrupt a save here)."""
+    os.replace(src, dst)
+    _fsync(dst.parent)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished tmp folder to its final name, replacing a checkpoint of the same iteration."""
+    if final.exists():
+        trash = final.with_name(final.name + TRASH_SUFFIX)
+        if trash.exists():
+            shutil.rmtree(trash)
+        _rename(final, trash)
+        _rename(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        _rename(tmp, final)
+
+
+def _remove_leftovers(output_dir: Path) -> None:
+    """Delete ``.tmp`` / ``.trash`` folders left by an interrupted save or delete."""
+    for entry in output_dir.iterdir():
+        if entry.is_dir() and _LEFTOVER_NAME.match(entry.name):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _prune(output_dir: Path, keep_last: int, keep: Path) -> None:
+    """Delete complete checkpoints beyond the ``keep_last`` highest iterations, never ``keep``."""
+    complete = list_checkpoints(output_dir)
+    survivors = set(complete[-keep_last:]) | {keep}
+    for path in complete:
+        if path in survivors:
+            continue
+        trash = path.with_name(path.name + TRASH_SUFFIX)
+        if trash.exists():
+            shutil.rmtree(trash)
+        _rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)

@@ -1,0 +1,134 @@
+"""``fluxgrpo train``: the GRPO loop under torchrun.
+
+The hyperparameter flags are generated from ``fluxgrpo.config.TrainConfig`` so a flag, its YAML key and its
+help can never drift apart (and no flag exists that the trainer ignores).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Annotated, Any, Optional
+
+import typer
+
+from fluxgrpo.cli.common import err_console, handle_errors, out_console, print_json
+
+_PY_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _hyperparameter_parameters() -> list[inspect.Parameter]:
+    from dataclasses import MISSING
+
+    from fluxgrpo.config import config_fields
+
+    params = []
+    for f in config_fields():
+        flag = f.name.replace("_", "-")
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        default = f.default if f.default is not MISSING else None
+        if kind == "bool":
+            option = typer.Option(None, f"--{flag}/--no-{flag}", help=f"{f.metadata['help']} [default: {default}]",
+                                  show_default=False, rich_help_panel="Hyperparameters (also YAML keys)")
+        else:
+            option = typer.Option(None, f"--{flag}", help=f"{f.metadata['help']} [default: {default}]",
+                                  show_default=False, rich_help_panel="Hyperparameters (also YAML keys)")
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                        annotation=Optional[_PY_TYPES[kind]]))  # noqa: UP007 (typer needs Optional)
+    return params
+
+
+def _list_configs() -> None:
+    from rich.table import Table
+
+    from fluxgrpo.config import config_summary, shipped_configs
+
+    table = Table(title="Shipped configs (--config NAME)", title_justify="left", show_lines=True)
+    table.add_column("name", style="bold")
+    table.add_column("what it is, and the command that launches it")
+    for name, path in sorted(shipped_configs().items()):
+        table.add_row(name, config_summary(path))
+    out_console.print(table)
+
+
+def _train(
+    *,
+    config: str | None,
+    list_configs: bool,
+    dies: int,
+    nnodes: int,
+    node_rank: int,
+    master_addr: str | None,
+    master_port: int | None,
+    resume: str | None,
+    dry_run: bool,
+    json_output: bool,
+    **hyperparameters: Any,
+) -> None:
+    if list_configs:
+        _list_configs()
+        return
+    from fluxgrpo.config import build_config
+    from fluxgrpo.metrics import reward_trend
+    from fluxgrpo.runtime.launch import LaunchSpec
+    from fluxgrpo.train import launch_training, plan_training
+
+    cfg = build_config(config, hyperparameters)
+    spec = LaunchSpec(nproc_per_node=dies, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+                      master_port=master_port)
+    plan = plan_training(cfg, spec, resume)
+    if dry_run:
+        print_json({"config": cfg.to_dict(), "derived": plan.derived, "device_type": plan.device_type,
+                    "worker_env": plan.worker_env})
+        return
+    err_console.print(f"[bold]fluxgrpo train[/]: {plan.device_type} × {spec.world_size}, output {cfg.output_dir}")
+    records = launch_training(plan, log=lambda line: err_console.print(line, highlight=False))
+    trend = reward_trend(records)
+    result = {"output_dir": cfg.output_dir, "iterations": len(records), "reward_trend": trend,
+              "final": records[-1] if records else None}
+    if json_output:
+        print_json(result)
+    elif trend is not None:
+        arrow = "↑" if trend["change"] > 0 else "↓"
+        out_console.print(
+            f"reward {trend['first']:.4f} → {trend['last']:.4f} ({arrow} {trend['change']:+.4f}; mean of the first "
+            f"and last {trend['window']} of {trend['iterations']} iterations). Checkpoints and metrics.jsonl in "
+            f"{cfg.output_dir}"
+        )
+
+
+def command(
+    config: Annotated[Optional[str], typer.Option("--config", help="Shipped config name (see --list-configs) or a YAML file.")] = None,  # noqa: UP007
+    list_configs: Annotated[bool, typer.Option("--list-configs", help="Show the shipped configs and exit.")] = False,
+    dies: Annotated[int, typer.Option("--dies", help="Worker processes on this node (one per accelerator die).")] = 1,
+    nnodes: Annotated[int, typer.Option("--nnodes", help="Nodes in the job (run the same command on each).")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", help="This node's index, 0 … nnodes−1.")] = 0,
+    master_addr: Annotated[Optional[str], typer.Option("--master-addr", help="Address of node 0 (multi-node).")] = None,  # noqa: UP007
+    master_port: Annotated[Optional[int], typer.Option("--master-port", help="Rendezvous port on node 0.")] = None,  # noqa: UP007
+    resume: Annotated[
+        Optional[str],  # noqa: UP007
+        typer.Option("--resume", flag_value="latest", help="Continue from the latest complete checkpoint, or from DIR."),
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate, print the resolved config as JSON, start nothing.")] = False,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the run summary as one JSON document.")] = False,
+    **hyperparameters: Any,
+) -> None:
+    """Fine-tune the FLUX transformer with GRPO (rollout → reward → advantages → update → checkpoint).
+
+    Examples:
+      fluxgrpo train --config tiny-cpu --dies 2
+      fluxgrpo train --config a3-16die --dies 16
+      fluxgrpo train --config a3-16die --dies 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1
+      fluxgrpo train --config a3-16die --dies 16 --resume
+    """
+    _train(config=config, list_configs=list_configs, dies=dies, nnodes=nnodes, node_rank=node_rank,
+           master_addr=master_addr, master_port=master_port, resume=resume, dry_run=dry_run,
+           json_output=json_output, **hyperparameters)
+
+
+def _with_generated_signature(fn):
+    fixed = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    fn.__signature__ = inspect.Signature([*fixed, *_hyperparameter_parameters()])
+    return fn
+
+
+command = _with_generated_signature(handle_errors(command))

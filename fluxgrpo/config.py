@@ -1,0 +1,283 @@
+"""Training configuration: one typed dataclass, DanceGRPO's names, validated before any worker starts.
+
+Sources, later wins: the defaults below (the Atlas A3 16-die recipe) → a YAML file (``--config``, a shipped
+name such as ``tiny-cpu`` or a path) → command-line flags. A YAML key is the flag without dashes, with
+underscores for hyphens (``--num-generations`` ↔ ``num_generations``). Unknown keys are rejected, and every
+problem is reported at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from fluxgrpo.errors import UsageError
+from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
+from fluxgrpo.runtime.device import DEVICE_TYPES
+from fluxgrpo.paths import DEFAULT_EMBEDDINGS_DIR, DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR, DEFAULT_OUTPUT_DIR, EMBEDDINGS_INDEX
+
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+
+
+def _opt(default: Any, help: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class TrainConfig:
+    """Every knob of a training run. Defaults reproduce the Atlas A3 16-die DanceGRPO recipe."""
+
+    # --- data and weights -----------------------------------------------------------------------------
+    model: str = _opt(DEFAULT_FLUX_DIR, "FLUX diffusers folder (from `fluxgrpo fetch-weights`).")
+    hps_dir: str = _opt(DEFAULT_HPS_DIR, "Folder of HPS_v2.1_compressed.pt and open_clip_pytorch_model.bin.")
+    data_json_path: str = _opt(
+        f"{DEFAULT_EMBEDDINGS_DIR}/{EMBEDDINGS_INDEX}", "Embeddings index written by `fluxgrpo preprocess`."
+    )
+    output_dir: str = _opt(DEFAULT_OUTPUT_DIR, "Checkpoints, metrics.jsonl, sample images and the resolved config.")
+    reward: str = _opt("hpsv2", "Reward model: hpsv2, pickscore, or brightness (a smoke test for tiny models).")
+    # --- rollout --------------------------------------------------------------------------------------
+    height: int = _opt(720, "Image height in pixels (multiple of 16).")
+    width: int = _opt(720, "Image width in pixels (multiple of 16).")
+    sampling_steps: int = _opt(16, "Denoising steps N per trajectory.")
+    eta: float = _opt(0.3, "SDE noise level η (the same at every step).")
+    shift: float = _opt(3.0, "Time shift s of the σ schedule.")
+    guidance: float = _opt(3.5, "FLUX-dev distilled guidance value.")
+    num_generations: int = _opt(12, "Trajectories per prompt G (the group size).")
+    train_batch_size: int = _opt(1, "Prompts per rank per iteration.")
+    init_same_noise: bool = _opt(True, "Share the initial noise within each group (not across prompts).")
+    rollout_batch_size: int = _opt(4, "Trajectories per transformer forward during rollout.")
+    # --- policy update --------------------------------------------------------------------------------
+    timestep_fraction: float = _opt(0.6, "Fraction of the N−1 transitions each trajectory trains on.")
+    clip_range: float = _opt(1e-4, "PPO clip ε on the probability ratio.")
+    adv_clip_max: float = _opt(5.0, "Advantages are clipped to ±this.")
+    learning_rate: float = _opt(1e-5, "AdamW learning rate.")
+    weight_decay: float = _opt(1e-4, "AdamW weight decay.")
+    max_grad_norm: float = _opt(1.0, "Gradient-norm clip before each optimizer step.")
+    gradient_accumulation_steps: int = _opt(4, "Micro-batches per optimizer step.")
+    train_micro_batch_size: int = _opt(1, "Trajectories per training forward.")
+    lr_scheduler: str = _opt("constant_with_warmup", f"Learning-rate schedule: {', '.join(LR_SCHEDULERS)}.")
+    lr_warmup_steps: int = _opt(0, "Warm-up optimizer steps.")
+    use_ema: bool = _opt(False, "Keep an EMA of the weights (sharded like the model), saved with checkpoints.")
+    ema_decay: float = _opt(0.995, "EMA decay per optimizer step.")
+    # --- loop, checkpoints, logging -------------------------------------------------------------------
+    seed: int = _opt(42, "Seed for prompts, noise and timestep draws (per rank: derived from it).")
+    max_train_steps: int = _opt(300, "Iterations (rollout + update rounds).")
+    checkpointing_steps: int = _opt(40, "Save a checkpoint every this many iterations (and after the last).")
+    keep_last: int = _opt(0, "Keep only the newest K checkpoints (0 keeps all).")
+    save_images_every: int = _opt(10, "Save a few rollout images every K iterations (0 never).")
+    images_per_save: int = _opt(4, "How many images each rank saves when it does.")
+    gradient_checkpointing: bool = _opt(True, "Activation checkpointing in every transformer block.")
+    cpu_offload: bool = _opt(False, "Offload sharded parameters and optimizer state to host memory (FSDP).")
+    attention: str = _opt("sdpa", f"Attention kernel: {' or '.join(ATTENTION_BACKENDS)} (the fused Ascend kernel: bf16 only).")
+    device: str = _opt("auto", f"auto (first found of {', '.join(DEVICE_TYPES)}), or one of them.")
+    tensorboard: bool = _opt(False, "Also log metrics to TensorBoard (output_dir/tensorboard).")
+    wandb: bool = _opt(False, "Also log metrics to Weights & Biases.")
+
+    # ---------------------------------------------------------------------------------------------------
+    @property
+    def trajectories_per_rank(self) -> int:
+        return self.train_batch_size * self.num_generations
+
+    @property
+    def train_timesteps(self) -> int:
+        """T_train = int((N−1)·fraction): the last transition never trains (it cannot change the reward)."""
+        return int((self.sampling_steps - 1) * self.timestep_fraction)
+
+    def derived(self, world_size: int) -> dict[str, Any]:
+        """The numbers a user checks before spending a cluster-day."""
+        per_rank = self.trajectories_per_rank
+        micro_batches = math.ceil(per_rank / self.train_micro_batch_size)
+        return {
+            "world_size": world_size,
+            "prompts_per_iteration": world_size * self.train_batch_size,
+            "images_per_iteration": world_size * per_rank,
+            "trajectories_per_rank": per_rank,
+            "train_timesteps_per_trajectory": self.train_timesteps,
+            "micro_batches_per_iteration": micro_batches,
+            "optimizer_steps_per_iteration": math.ceil(micro_batches / self.gradient_accumulation_steps),
+            "trajectories_per_optimizer_step": world_size * self.train_micro_batch_size * self.gradient_accumulation_steps,
+            "rollout_forwards_per_rank": per_rank * self.sampling_steps,
+            "train_forward_backward_per_rank": per_rank * self.train_timesteps,
+            "total_optimizer_steps": self.max_train_steps
+            * math.ceil(micro_batches / self.gradient_accumulation_steps),
+        }
+
+    def problems(self) -> list[str]:
+        """Every inconsistency, each saying which numbers disagree and how to fix them."""
+        out: list[str] = []
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value <= 0 or value % 16:
+                out.append(f"--{name} {value} must be a positive multiple of 16 (FLUX packs 2×2 latents of 8× VAE pixels)")
+        positive_ints = ("sampling_steps", "num_generations", "train_batch_size", "rollout_batch_size",
+                         "gradient_accumulation_steps", "train_micro_batch_size", "max_train_steps",
+                         "checkpointing_steps")
+        for name in positive_ints:
+            if getattr(self, name) < 1:
+                out.append(f"--{_flag(name)} must be at least 1 (got {getattr(self, name)})")
+        if self.num_generations < 2:
+            out.append(f"--num-generations {self.num_generations}: GRPO needs at least 2 trajectories per prompt "
+                       "to compute a group advantage")
+        if self.sampling_steps >= 2 and not 0 < self.timestep_fraction <= 1:
+            out.append(f"--timestep-fraction {self.timestep_fraction} must be in (0, 1]")
+        elif self.sampling_steps >= 1 and self.train_timesteps < 1:
+            out.append(
+                f"--timestep-fraction {self.timestep_fraction} × (--sampling-steps {self.sampling_steps} − 1) trains "
+                "no timestep: raise either"
+            )
+        per_rank = self.trajectories_per_rank
+        for name in ("rollout_batch_size", "train_micro_batch_size"):
+            size = getattr(self, name)
+            if size >= 1 and per_rank >= 1 and per_rank % size:
+                divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+                out.append(
+                    f"--{_flag(name)} {size} does not divide the {per_rank} trajectories per rank "
+                    f"(--train-batch-size {self.train_batch_size} × --num-generations {self.num_generations}); "
+                    f"use one of {divisors} so every batch has the same shape"
+                )
+        for name in ("eta", "clip_range", "adv_clip_max", "learning_rate", "max_grad_norm"):
+            if not getattr(self, name) > 0:
+                out.append(f"--{_flag(name)} must be positive (got {getattr(self, name)})")
+        if self.shift <= 0:
+            out.append(f"--shift must be positive (got {self.shift})")
+        if self.weight_decay < 0 or self.lr_warmup_steps < 0 or self.keep_last < 0:
+            out.append("--weight-decay, --lr-warmup-steps and --keep-last cannot be negative")
+        if self.save_images_every < 0 or self.images_per_save < 0:
+            out.append("--save-images-every and --images-per-save cannot be negative")
+        if not 0 < self.ema_decay < 1:
+            out.append(f"--ema-decay {self.ema_decay} must be in (0, 1)")
+        if self.lr_scheduler not in LR_SCHEDULERS:
+            out.append(f"--lr-scheduler {self.lr_scheduler!r}: use one of {', '.join(LR_SCHEDULERS)}")
+        if self.device != "auto" and self.device not in DEVICE_TYPES:
+            out.append(f"--device {self.device!r}: use auto or one of {', '.join(DEVICE_TYPES)}")
+        if self.attention not in ATTENTION_BACKENDS:
+            out.append(f"--attention {self.attention!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
+        return out
+
+    def validate(self) -> TrainConfig:
+        problems = self.problems()
+        if problems:
+            raise UsageError("invalid training configuration:\n  - " + "\n  - ".join(problems))
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def config_fields() -> list[dataclasses.Field]:
+    return list(fields(TrainConfig))
+
+
+# --- shipped configs and YAML -------------------------------------------------------------------------
+
+
+def shipped_configs() -> dict[str, Path]:
+    """Config name → file for the YAML files inside the package (``fluxgrpo/configs``)."""
+    folder = resources.files("fluxgrpo") / "configs"
+    return {Path(p.name).stem: Path(str(p)) for p in folder.iterdir() if p.name.endswith(".yaml")}
+
+
+def config_summary(path: Path) -> str:
+    """The first comment lines of a shipped config: what it is and the command that launches it."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("# ").rstrip())
+    return "\n".join(lines)
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    shipped = shipped_configs()
+    if name_or_path in shipped:
+        return shipped[name_or_path]
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    raise UsageError(
+        f"--config {name_or_path!r} is neither a shipped config ({', '.join(sorted(shipped))}) nor a file; "
+        "see `fluxgrpo train --list-configs`"
+    )
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path} must hold a mapping of option names to values")
+    return data
+
+
+def build_config(config: str | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Defaults → YAML file → flag overrides (None values mean "not given"), validated.
+
+    Raises:
+        UsageError: unknown keys, wrong types, or inconsistent values (all listed together).
+    """
+    values: dict[str, Any] = {}
+    problems: list[str] = []
+    known = {f.name: f for f in config_fields()}
+    if config:
+        path = resolve_config_path(config)
+        for key, value in read_yaml(path).items():
+            key = str(key).replace("-", "_")
+            if key not in known:
+                problems.append(f"{path}: unknown key {key!r}")
+                continue
+            values[key] = value
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            values[key] = value
+    for key, value in list(values.items()):
+        try:
+            values[key] = _coerce(known[key], value)
+        except (TypeError, ValueError):
+            problems.append(f"{key}: {value!r} is not a valid {known[key].type}")
+    if problems:
+        raise UsageError("invalid training configuration:\n  - " + "\n  - ".join(problems))
+    return TrainConfig(**values).validate()
+
+
+def _coerce(f: dataclasses.Field, value: Any) -> Any:
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ValueError(value)
+    if kind == "int":
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(value)
+        return int(value)
+    if kind == "float":
+        if isinstance(value, bool):
+            raise ValueError(value)
+        return float(value)
+    return str(value)
+
+
+def save_resolved(cfg: TrainConfig, path: Path, derived: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+    """Write the resolved config (loadable with --config) with the derived numbers as a comment block."""
+    import yaml
+
+    header = ["# Resolved fluxgrpo training config (load it again with --config <this file>).", "# Derived:"]
+    header += [f"#   {k}: {v}" for k, v in derived.items()]
+    for k, v in (extra or {}).items():
+        header.append(f"#   {k}: {v}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(header) + "\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def load_resolved(path: Path) -> TrainConfig:
+    return build_config(str(path))

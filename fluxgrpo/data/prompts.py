@@ -1,0 +1,33 @@
+"""Prompt files: one prompt per line, UTF-8."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fluxgrpo.errors import FluxgrpoError
+
+
+def bundled_prompts_path() -> Path:
+    """The prompt list shipped with fluxgrpo (varied English prompts, for trials and tests)."""
+    return Path(__file__).with_name("prompts.txt")
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """The prompts in ``path``: each line stripped, blank lines dropped, duplicates kept once (first occurrence).
+
+    Dropping duplicates keeps each prompt's embedding and its GRPO group statistics from being counted twice.
+
+    Raises:
+        FluxgrpoError: the file is missing, unreadable, not UTF-8, or holds no prompt.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FluxgrpoError(f"prompt file {path} not found: pass an existing file with --prompts") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FluxgrpoError(f"cannot read prompt file {path} ({exc}): pass a UTF-8 text file with --prompts") from None
+    prompts = list(dict.fromkeys(line.strip() for line in text.splitlines() if line.strip()))
+    if not prompts:
+        raise FluxgrpoError(f"prompt file {path} holds no prompts (one per line): pass another file with --prompts")
+    return prompts

@@ -1,0 +1,47 @@
+"""Group-relative advantages: each reward standardised within its prompt's group of G generations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GroupAdvantages:
+    """Advantages and how many rewards had to be ignored."""
+
+    advantages: torch.Tensor  # [B·G] fp32, clipped to ±adv_clip_max; 0 where the reward was not finite
+    num_nonfinite: int  # rewards that were NaN/±inf (excluded from their group's mean and std)
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, adv_clip_max: float, eps: float = 1e-8
+) -> GroupAdvantages:
+    """A_j = clamp((r_j − mean_g) / (std_g + eps), ±adv_clip_max) per contiguous group g of ``group_size``.
+
+    std is the unbiased (n−1) estimator, as in DanceGRPO. A non-finite reward gets advantage 0 and is left out
+    of its group's statistics, so one failed reward cannot poison the whole group; a group with fewer than two
+    finite rewards has no usable spread and gets all zeros. For DanceGRPO's global (non-group) mode pass all
+    rewards with ``group_size = len(rewards)``.
+
+    Args:
+        rewards: [B·G] rewards, groups contiguous ([p0×G, p1×G, …]).
+        group_size: G; must divide the number of rewards.
+        adv_clip_max: clip bound, > 0.
+        eps: added to the std, 1e-8 as in DanceGRPO.
+    """
+    if rewards.ndim != 1 or group_size < 1 or rewards.shape[0] % group_size:
+        raise ValueError(f"rewards {tuple(rewards.shape)} do not split into groups of {group_size}")
+    grouped = rewards.to(torch.float32).reshape(-1, group_size)  # [groups, G]
+    finite = torch.isfinite(grouped)
+    count = finite.sum(dim=1, keepdim=True).to(torch.float32)  # [groups, 1]
+    safe = torch.where(finite, grouped, torch.zeros_like(grouped))
+    mean = safe.sum(dim=1, keepdim=True) / count.clamp(min=1)
+    squared_dev = torch.where(finite, (grouped - mean) ** 2, torch.zeros_like(grouped))
+    std = (squared_dev.sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+    advantages = (safe - mean) / (std + eps)
+    usable = finite & (count >= 2)
+    advantages = torch.where(usable, advantages, torch.zeros_like(advantages))
+    advantages = advantages.clamp(-adv_clip_max, adv_clip_max)
+    return GroupAdvantages(advantages=advantages.reshape(-1), num_nonfinite=int((~finite).sum().item()))

@@ -1,0 +1,140 @@
+"""Sampling trajectories with the SDE step and recording what the policy update needs."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fluxgrpo.errors import UsageError
+from fluxgrpo.grpo.schedule import model_timesteps
+from fluxgrpo.grpo.sde import sde_step
+from fluxgrpo.grpo.types import Conditioning, Rollout
+from fluxgrpo.runtime.device import autocast
+
+
+def predict_velocity(
+    transformer: nn.Module,
+    latents: torch.Tensor,
+    cond: Conditioning,
+    timesteps: torch.Tensor,
+    guidance: torch.Tensor,
+    img_ids: torch.Tensor,
+    device_type: str,
+) -> torch.Tensor:
+    """One FluxTransformer2DModel forward under the device's autocast: v for [b, L, C] latents.
+
+    ``timesteps`` [b] are σ-valued (in [0, 1]) and ``guidance`` [b] is the raw guidance scale: diffusers'
+    Flux transformer multiplies both by 1000 itself. Shared by rollout and update so that both feed the
+    model identically.
+    """
+    with autocast(device_type):
+        return transformer(
+            hidden_states=latents,
+            encoder_hidden_states=cond.prompt_embeds,
+            pooled_projections=cond.pooled,
+            timestep=timesteps,
+            img_ids=img_ids,
+            txt_ids=cond.text_ids,
+            guidance=guidance,
+            return_dict=False,
+        )[0]
+
+
+@torch.no_grad()
+def generate_rollout(
+    transformer: nn.Module,
+    cond: Conditioning,
+    initial_noise: torch.Tensor,
+    sigmas: torch.Tensor,
+    *,
+    eta: float,
+    guidance: float,
+    img_ids: torch.Tensor,
+    rollout_batch_size: int,
+    device_type: str,
+    generator: torch.Generator,
+) -> Rollout:
+    """Sample B trajectories z_0 … z_N with the SDE step, in chunks of ``rollout_batch_size`` per forward.
+
+    The transformer runs in eval mode, without gradients, under ``autocast(device_type)``; each step's SDE
+    update runs in fp32. The step noise comes from ``generator`` (on any device), drawn per step for all B
+    trajectories at once, so the samples do not depend on ``rollout_batch_size`` and the stream can be
+    saved and restored for an exact resume. The loop makes no host sync.
+
+    The rollout batch size is a speed knob, not a semantic one, but batch-dependent kernels can make the
+    rollout's log-probs differ slightly from the update's recomputation at another micro-batch size; the
+    update reports |log ρ| of its first micro-batch so the training loop can check ratio ≈ 1.
+
+    Args:
+        transformer: a FluxTransformer2DModel (plain or FSDP2-sharded) or any module with its forward.
+        cond: conditioning with one row per trajectory; computation happens on ``cond.prompt_embeds.device``.
+        initial_noise: [B, L, C] z_0 (any float dtype; DanceGRPO draws it in bf16).
+        sigmas: [N+1] exact σ table from ``sigma_schedule``.
+        eta: SDE noise level η > 0.
+        guidance: FLUX distilled-guidance value (3.5).
+        img_ids: [L, 3] image position ids.
+        rollout_batch_size: trajectories per forward.
+        device_type: the runtime device type, for autocast.
+        generator: RNG for the step noise.
+    """
+    if rollout_batch_size < 1:
+        raise UsageError(f"--rollout-batch-size must be at least 1, got {rollout_batch_size}")
+    num_trajectories = initial_noise.shape[0]
+    if cond.num_rows != num_trajectories:
+        raise ValueError(f"{cond.num_rows} conditioning rows for {num_trajectories} trajectories")
+    device = cond.prompt_embeds.device
+    sigmas = sigmas.to(device=device, dtype=torch.float32)
+    num_steps = sigmas.shape[0] - 1
+    fed_timesteps = model_timesteps(sigmas)
+    img_ids = img_ids.to(device)
+
+    was_training = transformer.training
+    transformer.eval()
+    latents = torch.empty(
+        (num_trajectories, num_steps + 1, *initial_noise.shape[1:]), dtype=torch.float32, device=device
+    )
+    latents[:, 0] = initial_noise.to(device=device, dtype=torch.float32)
+    log_probs = torch.empty((num_trajectories, num_steps), dtype=torch.float32, device=device)
+    final_x0 = torch.empty_like(latents[:, 0])
+    guidance_values = torch.full((num_trajectories,), guidance, dtype=torch.float32, device=device)
+
+    chunks = [
+        (start, min(start + rollout_batch_size, num_trajectories))
+        for start in range(0, num_trajectories, rollout_batch_size)
+    ]
+    try:
+        for step in range(num_steps):
+            step_noise = torch.randn(
+                latents[:, 0].shape, generator=generator, device=generator.device, dtype=torch.float32
+            ).to(device)
+            for start, stop in chunks:
+                current = latents[start:stop, step]
+                velocity = predict_velocity(
+                    transformer,
+                    current,
+                    cond.rows(start, stop),
+                    fed_timesteps[step].expand(stop - start),
+                    guidance_values[start:stop],
+                    img_ids,
+                    device_type,
+                )
+                result = sde_step(
+                    current, velocity, sigmas[step], sigmas[step + 1], eta, noise=step_noise[start:stop]
+                )
+                latents[start:stop, step + 1] = result.prev_sample
+                log_probs[start:stop, step] = result.log_prob
+                if step == num_steps - 1:
+                    final_x0[start:stop] = result.x0_pred
+    finally:
+        transformer.train(was_training)
+
+    return Rollout(
+        latents=latents,
+        log_probs=log_probs,
+        final_x0=final_x0,
+        sigmas=sigmas,
+        img_ids=img_ids,
+        eta=float(eta),
+        guidance=float(guidance),
+        captions=cond.captions,
+    )

@@ -1,0 +1,333 @@
+"""The GRPO training loop that runs on every rank (DanceGRPO's FLUX recipe, without its bugs).
+
+Each iteration, on each rank:
+
+1. draw ``train_batch_size`` prompts (a seeded distributed sampler whose epoch advances) and repeat each G times;
+2. rollout: SDE sampling with per-step log-probs, in chunks of ``rollout_batch_size`` (``rollout.py``);
+3. decode the final x̂0 with the VAE and score the images with the reward model, batched, on the device;
+4. group advantages (unbiased std + 1e-8, clipped), rewards gathered across ranks for logging;
+5. policy update on a random subset of timesteps per trajectory, PPO-clip, gradient accumulation (``update.py``);
+6. metrics (rank 0) and, every ``checkpointing_steps`` iterations and after the last, a checkpoint.
+
+Deviations from DanceGRPO, each deliberate: initial noise is shared within a group only (not across the
+prompts on a rank); rollout and update are batched; rewards are computed from tensors in float32 (no PNG
+round trip, no fp16 autocast); leftover gradients at the end of an iteration are stepped, not dropped; the
+sampler's epoch advances; a checkpoint holds the state *after* its iteration and everything needed for an
+exact resume. All randomness in an iteration comes from generators seeded by (seed, rank, iteration), so a
+resumed run draws exactly what an uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fluxgrpo.config import TrainConfig
+from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.runtime.dist import DistContext
+
+
+def derive_seed(seed: int, rank: int, iteration: int, stream: int) -> int:
+    """A distinct 63-bit seed per (run seed, rank, iteration, random stream)."""
+    mixed = (seed * 1_000_003 + rank) * 1_000_033 + iteration
+    return (mixed * 31 + stream) % (2**63 - 1)
+
+
+NOISE_STREAM, TIMESTEP_STREAM = 1, 2
+
+
+@dataclass
+class TrainingParts:
+    """Everything a rank holds for training."""
+
+    ctx: DistContext
+    transformer: torch.nn.Module
+    vae: torch.nn.Module
+    reward_fn: Any
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    ema: Any
+    dataset: Any
+    sampler: Any
+
+
+# --------------------------------------------------------------------------------------------- set-up
+
+
+def shard_transformer(transformer: torch.nn.Module, cpu_offload: bool) -> None:
+    """FSDP2: one unit per double and single block, then the root (embedders, norm_out, proj_out)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
+    for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
+        fully_shard(block, **kwargs)
+    fully_shard(transformer, **kwargs)
+
+
+def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
+    from diffusers.optimization import get_scheduler
+
+    from fluxgrpo.data.embeddings import EmbeddingDataset
+    from fluxgrpo.data.sampler import PromptSampler
+    from fluxgrpo.grpo.ema import ShardedEMA
+    from fluxgrpo.models.flux import load_transformer, load_vae
+    from fluxgrpo.models.reward import load_reward
+
+    dataset = EmbeddingDataset(cfg.data_json_path)
+    transformer = load_transformer(cfg.model, dtype=torch.float32, device=ctx.device)
+    adapt_for_device(transformer, cfg, ctx)
+    if cfg.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    if ctx.distributed:
+        shard_transformer(transformer, cfg.cpu_offload)
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.learning_rate, betas=(0.9, 0.999), eps=1e-8, weight_decay=cfg.weight_decay
+    )
+    total_steps = cfg.derived(ctx.world_size)["total_optimizer_steps"]
+    lr_scheduler = get_scheduler(
+        cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.lr_warmup_steps, num_training_steps=max(total_steps, 1)
+    )
+    ema = ShardedEMA(transformer, cfg.ema_decay) if cfg.use_ema else None
+    vae = load_vae(cfg.model, dtype=rt_device.compute_dtype(ctx.device_type), device=ctx.device)
+    vae.requires_grad_(False).eval()
+    reward_fn = load_reward(cfg.reward, cfg.hps_dir, ctx.device)
+    sampler = PromptSampler(
+        len(dataset), rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.train_batch_size, seed=cfg.seed
+    )
+    return TrainingParts(ctx, transformer, vae, reward_fn, optimizer, lr_scheduler, ema, dataset, sampler)
+
+
+def adapt_for_device(transformer: torch.nn.Module, cfg: TrainConfig, ctx: DistContext) -> None:
+    """Accelerator-specific kernels (fused RMSNorm, float32 RoPE, fused attention), decided by the runtime."""
+    from fluxgrpo.runtime.adapt import adapt_transformer
+
+    adapt_transformer(transformer, ctx.device_type, attention=cfg.attention,
+                      compute_dtype=rt_device.compute_dtype(ctx.device_type))
+
+
+# --------------------------------------------------------------------------------------------- stages
+
+
+def draw_prompts(parts: TrainingParts, cfg: TrainConfig):
+    """Conditioning for this rank's prompts, each row repeated G times (groups contiguous)."""
+    from fluxgrpo.grpo.types import Conditioning
+
+    indices = parts.sampler.next_batch()
+    items = [parts.dataset[i] for i in indices]
+    device = parts.ctx.device
+    cond = Conditioning(
+        prompt_embeds=torch.stack([it.prompt_embeds for it in items]).to(device, torch.float32),
+        pooled=torch.stack([it.pooled for it in items]).to(device, torch.float32),
+        text_ids=items[0].text_ids.to(device, torch.float32),
+        captions=tuple(it.caption for it in items),
+    )
+    return cond.repeat_interleave(cfg.num_generations)
+
+
+def initial_noise(cfg: TrainConfig, num_prompts: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """[B, L, C] packed Gaussian noise; shared by the G members of a group when ``init_same_noise``."""
+    from fluxgrpo.grpo.latents import latent_shape, pack_latents
+
+    shape = latent_shape(cfg.height, cfg.width)
+    draws = num_prompts if cfg.init_same_noise else num_prompts * cfg.num_generations
+    noise = torch.randn(
+        (draws, shape.channels, shape.latent_height, shape.latent_width),
+        generator=generator, device=device, dtype=torch.float32,
+    )
+    packed = pack_latents(noise)
+    return packed.repeat_interleave(cfg.num_generations, dim=0) if cfg.init_same_noise else packed
+
+
+def decode_and_score(parts: TrainingParts, cfg: TrainConfig, final_x0: torch.Tensor, captions) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images [B,3,H,W] in [0,1] and rewards [B] fp32, decoded and scored in chunks of rollout_batch_size."""
+    from fluxgrpo.grpo.latents import unpack_latents
+    from fluxgrpo.models.flux import decode_latents
+
+    images, rewards = [], []
+    chunk = cfg.rollout_batch_size
+    with torch.no_grad():
+        for start in range(0, final_x0.shape[0], chunk):
+            latents = unpack_latents(final_x0[start : start + chunk], cfg.height, cfg.width)
+            with rt_device.autocast(parts.ctx.device_type):
+                batch = decode_latents(parts.vae, latents.to(next(parts.vae.parameters()).dtype))
+            batch = batch.float()
+            rewards.append(parts.reward_fn(batch, list(captions[start : start + chunk])).float())
+            images.append(batch)
+    return torch.cat(images), torch.cat(rewards)
+
+
+def save_sample_images(images: torch.Tensor, output_dir: Path, rank: int, count: int) -> None:
+    """``images/flux_{rank}_{idx}.png`` for the first ``count`` trajectories (overwritten each time)."""
+    from PIL import Image
+
+    folder = output_dir / "images"
+    folder.mkdir(parents=True, exist_ok=True)
+    pixels = (images[:count].clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    for idx, array in enumerate(pixels):
+        Image.fromarray(array).save(folder / f"flux_{rank}_{idx}.png")
+
+
+# --------------------------------------------------------------------------------------------- metrics
+
+
+def reward_statistics(ctx: DistContext, rewards: torch.Tensor, group_size: int) -> dict[str, float]:
+    """Global reward statistics over every rank's trajectories (one gather)."""
+    gathered = rt_dist.all_gather_tensor(ctx, rewards.detach().float())
+    finite = gathered[torch.isfinite(gathered)]
+    groups = gathered.reshape(-1, group_size)
+    group_std = torch.stack([g[torch.isfinite(g)].std() if torch.isfinite(g).sum() > 1 else g.new_tensor(0.0)
+                             for g in groups])
+    if finite.numel() == 0:
+        return {"reward_mean": math.nan, "reward_std": math.nan, "reward_min": math.nan, "reward_max": math.nan,
+                "group_std_mean": math.nan, "zero_std_group_fraction": 1.0,
+                "nonfinite_rewards": float(gathered.numel())}
+    values = torch.stack([
+        finite.mean(), finite.std() if finite.numel() > 1 else finite.new_tensor(0.0), finite.min(), finite.max(),
+        group_std.mean(), (group_std < 1e-8).float().mean(), (~torch.isfinite(gathered)).sum().float(),
+    ]).tolist()
+    names = ("reward_mean", "reward_std", "reward_min", "reward_max", "group_std_mean", "zero_std_group_fraction",
+             "nonfinite_rewards")
+    return dict(zip(names, values, strict=True))
+
+
+def reduce_update_stats(ctx: DistContext, stats: dict[str, float]) -> dict[str, float]:
+    """Mean over ranks of the averages, min of mins, max of maxes, sums of counts."""
+    mean_keys = ("loss", "ratio_mean", "clip_fraction", "grad_norm_mean")
+    mean = torch.tensor([stats[k] for k in mean_keys], dtype=torch.float64).float()
+    rt_dist.all_reduce_sum(ctx, mean)
+    lows = torch.tensor([-stats["ratio_min"]], dtype=torch.float32)
+    highs = torch.tensor([stats["ratio_max"], stats["first_abs_log_ratio"], stats["grad_norm_max"]], dtype=torch.float32)
+    both = torch.cat([lows, highs])
+    rt_dist.all_reduce_max(ctx, both)
+    out = dict(zip(mean_keys, (mean / ctx.world_size).tolist(), strict=True))
+    out["ratio_min"] = -both[0].item()
+    out["ratio_max"], out["first_abs_log_ratio"], out["grad_norm_max"] = both[1:].tolist()
+    out["optimizer_steps"] = stats["optimizer_steps"]
+    out["skipped_steps"] = stats["skipped_steps"]
+    return out
+
+
+# --------------------------------------------------------------------------------------------- the loop
+
+
+def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
+    """Run the GRPO loop on this rank; returns rank 0's metrics records (empty on other ranks)."""
+    from fluxgrpo.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+    from fluxgrpo.grpo.advantages import group_advantages
+    from fluxgrpo.grpo.latents import image_ids
+    from fluxgrpo.grpo.rollout import generate_rollout
+    from fluxgrpo.grpo.schedule import sigma_schedule
+    from fluxgrpo.grpo.update import policy_update
+    from fluxgrpo.metrics import MetricsLogger
+
+    ctx = rt_dist.init_distributed(cfg.device)
+    try:
+        if ctx.device_type == "cpu" and ctx.distributed:
+            torch.set_num_threads(1)  # N workers share the host's cores; oversubscription is far slower
+        rt_device.seed_everything(cfg.seed + ctx.rank)
+        output_dir = Path(cfg.output_dir)
+        parts = build_parts(cfg, ctx)
+        start = 0
+        checkpoint = resolve_resume(output_dir, resume) if resume is not None else None
+        if checkpoint is not None:
+            loaded = load_checkpoint(checkpoint, ctx, parts.transformer, parts.optimizer, parts.lr_scheduler,
+                                     ema=parts.ema)
+            start = loaded.iteration
+            parts.sampler.load_state_dict(loaded.trainer_state["sampler"][str(ctx.rank)])
+            rt_dist.rank0_print(ctx, f"resumed from {checkpoint} after iteration {start}")
+        metrics = MetricsLogger(output_dir, enabled=ctx.is_main, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
+                                config=cfg.to_dict())
+        sigmas = sigma_schedule(cfg.sampling_steps, cfg.shift).to(ctx.device)
+        img_ids = image_ids(cfg.height, cfg.width).to(ctx.device)
+        records = []
+        for iteration in range(start + 1, cfg.max_train_steps + 1):
+            t0 = time.perf_counter()
+            rt_device.reset_peak_memory(ctx.device)
+            noise_gen = torch.Generator(device=ctx.device).manual_seed(
+                derive_seed(cfg.seed, ctx.rank, iteration, NOISE_STREAM))
+            timestep_gen = torch.Generator().manual_seed(derive_seed(cfg.seed, ctx.rank, iteration, TIMESTEP_STREAM))
+
+            cond = draw_prompts(parts, cfg)
+            noise = initial_noise(cfg, cfg.train_batch_size, noise_gen, ctx.device)
+            rollout = generate_rollout(
+                parts.transformer, cond, noise, sigmas, eta=cfg.eta, guidance=cfg.guidance, img_ids=img_ids,
+                rollout_batch_size=cfg.rollout_batch_size, device_type=ctx.device_type, generator=noise_gen,
+            )
+            rt_device.synchronize(ctx.device)
+            t1 = time.perf_counter()
+
+            images, rewards = decode_and_score(parts, cfg, rollout.final_x0, cond.captions)
+            rt_device.synchronize(ctx.device)
+            t2 = time.perf_counter()
+
+            adv = group_advantages(rewards, cfg.num_generations, cfg.adv_clip_max)
+            update = policy_update(
+                parts.transformer, rollout, cond, adv.advantages,
+                timestep_fraction=cfg.timestep_fraction, clip_range=cfg.clip_range, adv_clip_max=cfg.adv_clip_max,
+                micro_batch_size=cfg.train_micro_batch_size, grad_accum_steps=cfg.gradient_accumulation_steps,
+                max_grad_norm=cfg.max_grad_norm, optimizer=parts.optimizer, lr_scheduler=parts.lr_scheduler,
+                device_type=ctx.device_type, generator_cpu=timestep_gen, ema=parts.ema,
+            )
+            rt_device.synchronize(ctx.device)
+            t3 = time.perf_counter()
+
+            record = {"iteration": iteration}
+            record.update(reward_statistics(ctx, rewards, cfg.num_generations))
+            advantages = adv.advantages.float()
+            record.update({"advantage_abs_mean": advantages.abs().mean().item(),
+                           "advantage_min": advantages.min().item(), "advantage_max": advantages.max().item()})
+            record.update(reduce_update_stats(ctx, update.as_floats()))
+            peak = rt_device.peak_memory_bytes(ctx.device)
+            record.update({
+                "lr": parts.lr_scheduler.get_last_lr()[0],
+                "seconds_rollout": t1 - t0, "seconds_decode_reward": t2 - t1, "seconds_update": t3 - t2,
+                "images_per_second": ctx.world_size * cfg.trajectories_per_rank / (t3 - t0),
+                "peak_memory_gib": None if peak is None else peak / 2**30,
+            })
+            if cfg.save_images_every and iteration % cfg.save_images_every == 0:
+                save_sample_images(images, output_dir, ctx.rank, cfg.images_per_save)
+            metrics.log(record)
+            records.append(record)
+
+            if iteration % cfg.checkpointing_steps == 0 or iteration == cfg.max_train_steps:
+                samplers = rt_dist.all_gather_object(ctx, parts.sampler.state_dict())
+                trainer_state = {
+                    "iteration": iteration,
+                    "sampler": {str(r): s for r, s in enumerate(samplers)},
+                    "config": cfg.to_dict(),
+                }
+                path = save_checkpoint(output_dir, iteration, ctx, parts.transformer, parts.optimizer,
+                                       parts.lr_scheduler, ema=parts.ema, trainer_state=trainer_state,
+                                       keep_last=cfg.keep_last or None)
+                rt_dist.rank0_print(ctx, f"saved {path}")
+        metrics.close()
+        return records if ctx.is_main else []
+    finally:
+        rt_dist.teardown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Worker entry point under torchrun: ``python -m fluxgrpo.grpo.trainer --config RESOLVED.yaml``."""
+    import argparse
+
+    from fluxgrpo.config import load_resolved
+    from fluxgrpo.runtime.launch import worker_errors
+
+    parser = argparse.ArgumentParser(description="fluxgrpo training worker (started by `fluxgrpo train`)")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--resume", default=None)
+    args = parser.parse_args(argv)
+    cfg = load_resolved(Path(args.config))
+    worker_errors(train)(cfg, args.resume)
+
+
+if __name__ == "__main__":
+    main()

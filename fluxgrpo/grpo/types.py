@@ -1,0 +1,158 @@
+"""Dataclasses that carry tensors between the GRPO stages (rollout → reward → advantages → update).
+
+Shape letters used throughout ``fluxgrpo.grpo``:
+    B  trajectories on this rank (prompts × num_generations, groups contiguous)
+    N  sampling steps (the σ table has N+1 points)
+    T  trained timesteps per trajectory, T_train = int((N−1)·timestep_fraction)
+    L  image tokens, (height/16)·(width/16)
+    C  packed latent channels, 64 for FLUX (16 VAE channels × 2×2)
+    S  text tokens (512 for FLUX.1-dev's T5)
+    D  T5 hidden size (4096), P pooled CLIP size (768)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """Text conditioning, one row per trajectory (already repeated G times per prompt for grouping).
+
+    The computation device of rollout and update is ``prompt_embeds.device``.
+    """
+
+    prompt_embeds: torch.Tensor  # [B, S, D] (bf16 as preprocessed), T5 last hidden state
+    pooled: torch.Tensor  # [B, P] CLIP pooled output
+    text_ids: torch.Tensor  # [S, 3] text position ids (zeros for FLUX), shared by all rows
+    captions: tuple[str, ...] | None = None  # [B] the prompt text of each row, for logging and rewards
+
+    def __post_init__(self) -> None:
+        rows = self.prompt_embeds.shape[0]
+        if self.pooled.shape[0] != rows:
+            raise ValueError(f"pooled has {self.pooled.shape[0]} rows but prompt_embeds has {rows}")
+        if self.text_ids.ndim != 2 or self.text_ids.shape[0] != self.prompt_embeds.shape[1]:
+            raise ValueError(
+                f"text_ids must be [S, 3] with S = {self.prompt_embeds.shape[1]} text tokens, got "
+                f"{tuple(self.text_ids.shape)}"
+            )
+        if self.captions is not None and len(self.captions) != rows:
+            raise ValueError(f"{len(self.captions)} captions for {rows} rows")
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.prompt_embeds.shape[0])
+
+    def rows(self, start: int, stop: int) -> Conditioning:
+        """Rows ``start:stop`` as views (no copy)."""
+        return Conditioning(
+            prompt_embeds=self.prompt_embeds[start:stop],
+            pooled=self.pooled[start:stop],
+            text_ids=self.text_ids,
+            captions=None if self.captions is None else self.captions[start:stop],
+        )
+
+    def repeat_interleave(self, group_size: int) -> Conditioning:
+        """Each row repeated ``group_size`` times in place: [p0×G, p1×G, …], DanceGRPO's contiguous groups."""
+        captions = None
+        if self.captions is not None:
+            captions = tuple(caption for caption in self.captions for _ in range(group_size))
+        return Conditioning(
+            prompt_embeds=self.prompt_embeds.repeat_interleave(group_size, dim=0),
+            pooled=self.pooled.repeat_interleave(group_size, dim=0),
+            text_ids=self.text_ids,
+            captions=captions,
+        )
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """What sampling keeps for the update: the whole SDE trajectory, its log-probs and the decoded-from x̂0.
+
+    Everything a recomputation needs (σ table, η, guidance, image ids) is stored here, so the update uses
+    exactly the rollout's settings. The latents stay on the computation device in fp32: at the 8-die recipe's
+    size (B=24, N=16, 720²) they are about 210 MB, small beside a sharded 12 B-parameter model.
+    """
+
+    latents: torch.Tensor  # [B, N+1, L, C] fp32, z_0 (initial noise) … z_N
+    log_probs: torch.Tensor  # [B, N] fp32, log p(z_{i+1} | z_i) as a per-element mean
+    final_x0: torch.Tensor  # [B, L, C] fp32, x̂0 predicted at step N−1: what the VAE decodes
+    sigmas: torch.Tensor  # [N+1] fp32, the exact σ table (1 → 0)
+    img_ids: torch.Tensor  # [L, 3] image position ids used for every forward
+    eta: float  # SDE noise level η
+    guidance: float  # FLUX distilled-guidance value (3.5 for FLUX.1-dev)
+    captions: tuple[str, ...] | None = None  # [B], copied from the conditioning
+
+    @property
+    def num_trajectories(self) -> int:
+        return int(self.latents.shape[0])
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.latents.shape[1]) - 1
+
+
+@dataclass(frozen=True)
+class OptimizerStepEvent:
+    """Passed to ``policy_update``'s ``on_optimizer_step`` at every accumulation boundary."""
+
+    index: int  # 0-based boundary number within this update
+    grad_norm: torch.Tensor  # [] fp32, global norm before clipping (a plain tensor, also under FSDP2)
+    skipped: bool  # True when the norm was not finite and the step was dropped (weights untouched)
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """What one ``policy_update`` did. Tensors are 0-d fp32 on the computation device, reduced once at the end.
+
+    Nothing here is averaged over ranks; the training loop does that once per iteration if it wants to.
+    """
+
+    loss_sum: torch.Tensor  # [] Σ over (micro-batch, step) of the scaled loss: DanceGRPO's `total_loss` per rank
+    ratio_mean: torch.Tensor  # [] mean ρ over every trained (trajectory, timestep)
+    ratio_min: torch.Tensor  # []
+    ratio_max: torch.Tensor  # []
+    clip_fraction: torch.Tensor  # [] fraction of (trajectory, timestep) pairs with |ρ−1| > clip_range
+    grad_norms: torch.Tensor  # [num_boundaries] pre-clip global grad norm at each boundary (non-finite if skipped)
+    first_microbatch_max_abs_log_ratio: torch.Tensor  # [] max |log ρ| of micro-batch 0, before any optimizer step
+    optimizer_steps: int  # optimizer steps taken
+    skipped_steps: int  # boundaries whose grad norm was non-finite: gradients dropped, weights untouched
+    num_microbatches: int
+    train_timestep_indices: torch.Tensor  # [B, T] int64 cpu, σ-table index of each trained step, in training order
+
+    @property
+    def grad_norm_last(self) -> torch.Tensor:
+        return self.grad_norms[-1]
+
+    def as_floats(self) -> dict[str, float]:
+        """Plain numbers for logging (one host sync for the lot)."""
+        finite_norms = self.grad_norms[torch.isfinite(self.grad_norms)]
+        packed = torch.stack(
+            [
+                self.loss_sum,
+                self.ratio_mean,
+                self.ratio_min,
+                self.ratio_max,
+                self.clip_fraction,
+                self.first_microbatch_max_abs_log_ratio,
+                finite_norms.mean() if finite_norms.numel() else torch.full_like(self.loss_sum, float("nan")),
+                finite_norms.max() if finite_norms.numel() else torch.full_like(self.loss_sum, float("nan")),
+            ]
+        ).tolist()
+        names: Sequence[str] = (
+            "loss",
+            "ratio_mean",
+            "ratio_min",
+            "ratio_max",
+            "clip_fraction",
+            "first_abs_log_ratio",
+            "grad_norm_mean",
+            "grad_norm_max",
+        )
+        out = dict(zip(names, packed, strict=True))
+        out["optimizer_steps"] = float(self.optimizer_steps)
+        out["skipped_steps"] = float(self.skipped_steps)
+        return out
