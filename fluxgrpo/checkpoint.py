@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -275,7 +276,16 @@ def _save_training_state(directory: Path, ctx: DistContext, model, optimizer, lr
         state["lr_scheduler"] = lr_scheduler.state_dict()
     if ema is not None:
         state["ema"] = ema.state_dict()
-    dcp.save(state, checkpoint_id=str(directory), no_dist=not ctx.distributed)
+    with _quiet_single_process_dcp():
+        dcp.save(state, checkpoint_id=str(directory), no_dist=not ctx.distributed)
+
+
+@contextlib.contextmanager
+def _quiet_single_process_dcp():
+    """DCP warns on every single-process save/load that it is assuming one process; that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def _diffusers_config(model: torch.nn.Module) -> dict[str, Any]:
@@ -377,7 +387,8 @@ def load_checkpoint(
         state["lr_scheduler"] = lr_scheduler.state_dict()
     if ema is not None:
         state["ema"] = ema.state_dict()
-    dcp.load(state, checkpoint_id=str(path / STATE_DIR), no_dist=not ctx.distributed)
+    with _quiet_single_process_dcp():
+        dcp.load(state, checkpoint_id=str(path / STATE_DIR), no_dist=not ctx.distributed)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])

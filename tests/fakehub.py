@@ -369,7 +369,7 @@ class _Handler(BaseHTTPRequestHandler):
         repo = self.fake._by_id.get(f"{parts[3]}/{parts[4]}")
         if repo is None:
             return self._ms_error(404, f"model {parts[3]}/{parts[4]} does not exist")
-        if repo.gated and self.headers.get("Cookie", "").find("m_session_id=") < 0:
+        if repo.gated and not (self.headers.get("Authorization") or "m_session_id=" in (self.headers.get("Cookie") or "")):
             return self._ms_error(401, "login required")
         revision = query.get("Revision", "master")
         if parts[5] == "revisions":

@@ -14,12 +14,15 @@ app = typer.Typer(
     help="GRPO fine-tuning of FLUX.1-dev against HPSv2 (DanceGRPO), on Ascend, GPUs and CPU.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    add_completion=False,  # static scripts ship in completions/ (see fluxgrpo/cli/completions.py)
     rich_markup_mode="rich",
 )
 
 # (command name, module under fluxgrpo.cli); each module defines `command`.
 COMMANDS: tuple[tuple[str, str], ...] = (
     ("env-check", "env_check"),
+    ("fetch-weights", "fetch_weights"),
+    ("preprocess", "preprocess"),
     ("train", "train"),
 )
 

@@ -1,0 +1,88 @@
+"""``fluxgrpo preprocess``: encode a prompt file with FLUX's text encoders into DanceGRPO's embedding layout."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from fluxgrpo.cli.common import err_console, handle_errors, out_console, print_json
+from fluxgrpo.paths import DEFAULT_EMBEDDINGS_DIR, DEFAULT_FLUX_DIR, EMBEDDINGS_INDEX
+from fluxgrpo.runtime.device import DEVICE_TYPES
+
+
+@handle_errors
+def command(
+    prompts: Annotated[
+        Optional[str],  # noqa: UP007 (typer needs Optional)
+        typer.Option("--prompts", help="Prompt file, one per line. [default: the bundled prompt list]", show_default=False),
+    ] = None,
+    model: Annotated[str, typer.Option("--model", help="FLUX diffusers folder (its text encoders are used).")] = DEFAULT_FLUX_DIR,
+    out: Annotated[
+        str, typer.Option("--out", help=f"Embeddings folder; {EMBEDDINGS_INDEX} is written there last.")
+    ] = DEFAULT_EMBEDDINGS_DIR,
+    max_sequence_length: Annotated[
+        int, typer.Option("--max-sequence-length", help="T5 tokens per prompt (padded; longer prompts are cut).")
+    ] = 512,
+    dies: Annotated[int, typer.Option("--dies", help="Worker processes, one per device (torchrun).")] = 1,
+    device: Annotated[
+        str, typer.Option("--device", help=f"auto (the best found), or one of {', '.join(DEVICE_TYPES)}.")
+    ] = "auto",
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
+) -> None:
+    """Encode prompts once (T5 + CLIP pooled) so training never loads the text encoders.
+
+    Re-running resumes: prompts already encoded are skipped.
+
+    Examples:
+      fluxgrpo preprocess
+      fluxgrpo preprocess --prompts my_prompts.txt --dies 8
+    """
+    from fluxgrpo.data.prompts import bundled_prompts_path
+    from fluxgrpo.errors import UsageError
+
+    if dies < 1:
+        raise UsageError(f"--dies must be at least 1 (got {dies})")
+    prompts_path = prompts or str(bundled_prompts_path())
+    if dies == 1:
+        from fluxgrpo.preprocess import preprocess
+
+        summary = preprocess(prompts_path, model, out, max_sequence_length, device).to_dict()
+    else:
+        summary = _run_workers(prompts_path, model, out, max_sequence_length, dies, device)
+    if json_output:
+        print_json(summary)
+        return
+    from rich.table import Table
+
+    table = Table(title="preprocess", show_header=False, title_justify="left")
+    table.add_column("item", style="bold")
+    table.add_column("value")
+    table.add_row("index", summary["index_path"])
+    table.add_row("prompts", str(summary["prompts"]))
+    table.add_row("encoded now", str(summary["encoded"]))
+    table.add_row("already present", str(summary["skipped"]))
+    table.add_row("truncated", f"{summary['truncated']} (longer than {summary['seq_len']} T5 tokens)")
+    table.add_row("shapes", f"[{summary['seq_len']}, {summary['embed_dim']}] + pooled [{summary['pooled_dim']}], "
+                            f"{summary['dtype']}")
+    table.add_row("ranks", str(summary["world_size"]))
+    out_console.print(table)
+
+
+def _run_workers(prompts_path: str, model: str, out: str, max_sequence_length: int, dies: int, device: str) -> dict:
+    """Launch ``python -m fluxgrpo.preprocess`` on ``dies`` workers; rank 0 hands back the summary in a file."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from fluxgrpo.preprocess import check_inputs, worker_argv
+    from fluxgrpo.runtime.launch import LaunchSpec, build_torchrun_argv, run_torchrun
+
+    check_inputs(prompts_path, model, out, max_sequence_length)  # fail here, not in every worker
+    with tempfile.TemporaryDirectory(prefix="fluxgrpo-preprocess-") as tmp:
+        summary_path = Path(tmp) / "summary.json"
+        args = worker_argv(prompts_path, model, out, max_sequence_length, device, summary_path)
+        argv = build_torchrun_argv("fluxgrpo.preprocess", args, LaunchSpec(nproc_per_node=dies))
+        err_console.print(f"launching {dies} workers: {' '.join(argv)}")
+        run_torchrun(argv)
+        return json.loads(summary_path.read_text())

@@ -1,0 +1,303 @@
+"""``fluxgrpo preprocess``: encode a prompt file once with FLUX's text encoders into DanceGRPO's embedding layout.
+
+Runs in one process, or on every rank under torchrun (``python -m fluxgrpo.preprocess ...`` is the worker entry
+the CLI launches for ``--dies N``). Prompt ``i`` belongs to rank ``i % world``: every prompt is encoded exactly
+once, with no sampler padding (DanceGRPO's sampler encoded up to W-1 prompts twice and listed them twice).
+
+Restartable: each file is written under a temp name and renamed, a re-run skips prompts whose three files exist
+with the right shapes, and ``videos2caption.json`` is written by rank 0 last, after every rank has finished, so a
+partial run never looks complete. ``.fluxgrpo-preprocess.json`` records what the folder's files were made from
+(prompt list, sequence length, text encoders); a re-run with different inputs is refused instead of mixing them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from fluxgrpo.data.embeddings import (
+    EMBEDDING_DIRS,
+    EmbeddingDataset,
+    embedding_files,
+    stored_embedding_ok,
+    write_embedding,
+    write_index,
+)
+from fluxgrpo.data.prompts import read_prompts
+from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.models.flux import require_flux_dir
+from fluxgrpo.paths import EMBEDDINGS_INDEX
+from fluxgrpo.weights.manifest import read_manifest
+
+STATE_FILE = ".fluxgrpo-preprocess.json"
+ENCODE_BATCH = 8  # prompts per encoder call; every T5 input is padded to the same length, so batching is exact
+_ENCODER_PARTS = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+
+
+@dataclass(frozen=True)
+class PreprocessSummary:
+    """What a preprocess run produced (the same on every rank)."""
+
+    out_dir: str
+    index_path: str
+    prompts: int  # prompts in the file after blank lines and duplicates are dropped
+    encoded: int  # encoded by this run, all ranks together
+    skipped: int  # already present and valid from an earlier run
+    truncated: int  # prompts longer than seq_len T5 tokens, cut to seq_len
+    world_size: int
+    seq_len: int  # S
+    embed_dim: int  # D
+    pooled_dim: int  # P
+    dtype: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_inputs(prompts_path: str | Path, flux_dir: str | Path, out_dir: str | Path, max_sequence_length: int,
+                 probe_name: str = ".write-probe") -> list[str]:
+    """Everything that can be checked before a model loads: the prompts, the weights, a writable ``out_dir``.
+
+    Returns the prompts. Creates ``out_dir`` and its three sub-folders.
+    """
+    if max_sequence_length < 1:
+        raise UsageError(f"--max-sequence-length must be at least 1 (got {max_sequence_length}); FLUX uses 512")
+    prompts = read_prompts(prompts_path)
+    require_flux_dir(flux_dir)
+    out = Path(out_dir)
+    try:
+        for folder in EMBEDDING_DIRS:
+            (out / folder).mkdir(parents=True, exist_ok=True)
+        probe = out / probe_name
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise FluxgrpoError(f"cannot write embeddings to {out} ({exc.strerror or exc}): pass a writable folder with --out") from None
+    return prompts
+
+
+def _encoder_dims(flux_dir: Path) -> tuple[int, int]:
+    """(D, P) from the encoders' config files, so valid stored files can be recognised without loading a model."""
+    try:
+        t5 = json.loads((flux_dir / "text_encoder_2" / "config.json").read_text())
+        clip = json.loads((flux_dir / "text_encoder" / "config.json").read_text())
+        return int(t5["d_model"]), int(clip["hidden_size"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise FluxgrpoError(f"cannot read the text encoder configs in {flux_dir} ({exc}): run `fluxgrpo fetch-weights`") from None
+
+
+def _encoder_identity(flux_dir: Path) -> list[Any]:
+    """The text encoder and tokenizer files, by manifest hash where there is one, else by size."""
+    manifest = read_manifest(flux_dir)
+    if manifest is not None:
+        return sorted([f.path, f.size, f.sha256] for f in manifest.files if f.path.split("/")[0] in _ENCODER_PARTS)
+    return sorted(
+        [p.relative_to(flux_dir).as_posix(), p.stat().st_size, None]
+        for part in _ENCODER_PARTS
+        for p in (flux_dir / part).rglob("*")
+        if p.is_file()
+    )
+
+
+def _fingerprint(prompts: list[str], max_sequence_length: int, flux_dir: Path) -> dict[str, Any]:
+    digest = hashlib.sha256("\n".join(prompts).encode()).hexdigest()
+    encoders = hashlib.sha256(json.dumps(_encoder_identity(flux_dir)).encode()).hexdigest()
+    return {"prompts": len(prompts), "prompts_sha256": digest, "max_sequence_length": max_sequence_length,
+            "text_encoders_sha256": encoders}
+
+
+def _check_folder_matches(out: Path, prompts: list[str], fingerprint: dict[str, Any]) -> None:
+    """Refuse a folder whose files were made from other inputs; every rank runs it and reaches the same verdict."""
+    state_path = out / STATE_FILE
+    fix = f"pass a new --out, or delete {out} to start over"
+    if state_path.is_file():
+        try:
+            recorded = json.loads(state_path.read_text())
+        except ValueError:
+            recorded = None
+        if recorded != fingerprint:
+            raise FluxgrpoError(
+                f"{out} holds embeddings made from another prompt list, --max-sequence-length or text encoders: {fix}"
+            )
+        return
+    has_files = any(any((out / folder).glob("*.pt")) for folder in EMBEDDING_DIRS)
+    if not has_files:
+        return
+    index = out / EMBEDDINGS_INDEX
+    if index.is_file():  # a folder from DanceGRPO or an older run: adopt it if it lists exactly these prompts
+        try:
+            if EmbeddingDataset(index).captions == prompts:
+                return
+        except FluxgrpoError:
+            pass
+    raise FluxgrpoError(f"{out} already holds embedding files that were not made from these prompts: {fix}")
+
+
+def preprocess(
+    prompts_path: str | Path,
+    flux_dir: str | Path,
+    out_dir: str | Path,
+    max_sequence_length: int = 512,
+    device: str | None = None,
+) -> PreprocessSummary:
+    """Encode every prompt in ``prompts_path`` with the text encoders in ``flux_dir`` into ``out_dir``.
+
+    Call it from every rank under torchrun, or once in a plain process (a world of one). ``device`` is a device
+    type or None/"auto" for the best one found. Only the text encoders are loaded, and only on ranks that have
+    prompts left to encode. Returns the same summary on every rank.
+
+    Raises:
+        FluxgrpoError: bad prompt file, incomplete weights, unwritable or mismatched ``out_dir`` (all before any
+            model loads).
+    """
+    from fluxgrpo.runtime import dist as rt_dist
+
+    out = Path(out_dir)
+    flux_dir = Path(flux_dir)
+    ctx = rt_dist.init_distributed(device)
+    prompts = check_inputs(prompts_path, flux_dir, out, max_sequence_length, probe_name=f".write-probe-{ctx.rank}")
+    embed_dim, pooled_dim = _encoder_dims(flux_dir)
+    fingerprint = _fingerprint(prompts, max_sequence_length, flux_dir)
+    _check_folder_matches(out, prompts, fingerprint)
+    rt_dist.barrier(ctx)  # every rank has passed the check before rank 0 records it
+    if ctx.is_main:
+        tmp = out / f".{STATE_FILE}.tmp"
+        tmp.write_text(json.dumps(fingerprint, indent=2) + "\n")
+        os.replace(tmp, out / STATE_FILE)
+
+    mine = list(range(ctx.rank, len(prompts), ctx.world_size))
+    todo = [i for i in mine if not stored_embedding_ok(out, i, max_sequence_length, embed_dim, pooled_dim)]
+    if sum(rt_dist.all_gather_object(ctx, len(todo))) and ctx.is_main:
+        (out / EMBEDDINGS_INDEX).unlink(missing_ok=True)  # the folder is about to be incomplete until the end
+        rt_dist.rank0_print(ctx, f"encoding prompts into {out} on {ctx.world_size} rank(s) ({ctx.device_type})")
+
+    truncated, dtype = _encode_and_write(ctx, flux_dir, out, prompts, mine, todo, max_sequence_length)
+
+    stats = rt_dist.all_gather_object(ctx, {"encoded": len(todo), "truncated": truncated, "dtype": dtype})
+    rt_dist.barrier(ctx)
+    encoded = sum(s["encoded"] for s in stats)
+    truncated_total = sum(s["truncated"] for s in stats)
+    dtype = next((s["dtype"] for s in stats if s["dtype"]), None) or _stored_dtype(out)
+    if ctx.is_main:
+        if truncated_total:
+            rt_dist.rank0_print(
+                ctx,
+                f"warning: {truncated_total} of {len(prompts)} prompts are longer than {max_sequence_length} T5 "
+                "tokens and were truncated to it",
+            )
+        missing = [str(p) for i in range(len(prompts)) for p in embedding_files(out, i).values() if not p.is_file()]
+        if missing:
+            raise FluxgrpoError(f"{len(missing)} embedding file(s) were not written, e.g. {missing[0]}: run again")
+        write_index(out, prompts)
+    rt_dist.barrier(ctx)  # no rank returns before the index exists
+    return PreprocessSummary(
+        out_dir=str(out),
+        index_path=str(out / EMBEDDINGS_INDEX),
+        prompts=len(prompts),
+        encoded=encoded,
+        skipped=len(prompts) - encoded,
+        truncated=truncated_total,
+        world_size=ctx.world_size,
+        seq_len=max_sequence_length,
+        embed_dim=embed_dim,
+        pooled_dim=pooled_dim,
+        dtype=dtype,
+    )
+
+
+def _encode_and_write(ctx: Any, flux_dir: Path, out: Path, prompts: list[str], mine: list[int], todo: list[int],
+                      max_sequence_length: int) -> tuple[int, str | None]:
+    """Encode this rank's ``todo`` prompts and write them; returns (this rank's truncated count, stored dtype).
+
+    Truncation is counted over all of this rank's prompts, encoded now or earlier, so the count does not depend
+    on how often the run was restarted.
+    """
+    from transformers import T5Tokenizer
+
+    from fluxgrpo.models.flux import encode_prompts, load_text_encoders
+    from fluxgrpo.runtime.device import autocast, compute_dtype
+
+    if not todo:
+        tokenizer = T5Tokenizer.from_pretrained(flux_dir / "tokenizer_2")
+        return _count_truncated(tokenizer, [prompts[i] for i in mine], max_sequence_length), None
+
+    import torch
+
+    dtype = compute_dtype(ctx.device_type)
+    # Weights in the compute dtype (DanceGRPO loads the encoders in bf16 too): T5-XXL is 19 GB in float32.
+    encoders = load_text_encoders(flux_dir, dtype=dtype, device=ctx.device)
+    truncated = _count_truncated(encoders.t5_tokenizer, [prompts[i] for i in mine], max_sequence_length)
+    text_ids_row = torch.zeros(3, dtype=dtype)
+    for start in range(0, len(todo), ENCODE_BATCH):
+        batch = todo[start : start + ENCODE_BATCH]
+        with autocast(ctx.device_type):
+            encoded = encode_prompts(encoders, [prompts[i] for i in batch], max_sequence_length)
+        for row, index in enumerate(batch):
+            write_embedding(out, index, encoded.prompt_embeds[row].to(dtype), encoded.pooled[row].to(dtype), text_ids_row)
+    return truncated, str(dtype).removeprefix("torch.")
+
+
+def _count_truncated(tokenizer: Any, prompts: list[str], max_sequence_length: int) -> int:
+    if not prompts:
+        return 0
+    ids = tokenizer(prompts, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+    return sum(len(row) > max_sequence_length for row in ids)
+
+
+def _stored_dtype(out: Path) -> str:
+    """The dtype of prompt 0's stored embedding (a run that only skipped never saw the encoders)."""
+    import torch
+
+    tensor = torch.load(embedding_files(out, 0)["prompt_embed"], map_location="cpu", weights_only=True, mmap=True)
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def worker_argv(prompts_path: str | Path, flux_dir: str | Path, out_dir: str | Path, max_sequence_length: int,
+                device: str | None, summary_json: str | Path | None = None) -> list[str]:
+    """The arguments of ``python -m fluxgrpo.preprocess`` for these settings (what the CLI hands torchrun)."""
+    argv = ["--prompts", str(prompts_path), "--model", str(flux_dir), "--out", str(out_dir),
+            "--max-sequence-length", str(max_sequence_length), "--device", device or "auto"]
+    if summary_json is not None:
+        argv += ["--summary-json", str(summary_json)]
+    return argv
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Worker entry: ``[torchrun ...] python -m fluxgrpo.preprocess --prompts F --model D --out O ...``."""
+    from fluxgrpo.runtime import dist as rt_dist
+    from fluxgrpo.runtime.launch import worker_errors
+
+    parser = argparse.ArgumentParser(prog="python -m fluxgrpo.preprocess", description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--model", required=True, help="FLUX diffusers folder")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--max-sequence-length", type=int, default=512)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--summary-json", default=None, help="rank 0 writes the summary here")
+    args = parser.parse_args(argv)
+
+    @worker_errors
+    def run() -> PreprocessSummary:
+        try:
+            return preprocess(args.prompts, args.model, args.out, args.max_sequence_length, args.device)
+        finally:
+            rt_dist.teardown()
+
+    try:
+        summary = run()
+    except FluxgrpoError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if args.summary_json and int(os.environ.get("RANK", "0")) == 0:
+        Path(args.summary_json).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Shell completion scripts in completions/ are generated from the CLI and must not go stale."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fluxgrpo.cli.app import COMMANDS
+from fluxgrpo.cli.completions import SHELLS, completion_script
+
+COMPLETIONS = Path(__file__).resolve().parents[1] / "completions"
+
+
+@pytest.mark.parametrize("shell", sorted(SHELLS))
+def test_committed_script_matches_the_cli(shell):
+    committed = (COMPLETIONS / SHELLS[shell]).read_text()
+    assert committed == completion_script(shell), (
+        f"completions/{SHELLS[shell]} is stale: run `python -m fluxgrpo.cli.completions`"
+    )
+
+
+@pytest.mark.parametrize("shell", sorted(SHELLS))
+def test_scripts_name_every_subcommand(shell):
+    script = completion_script(shell)
+    for name, _ in COMMANDS:
+        assert name in script
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash not installed")
+def test_bash_completion_offers_subcommands_and_flags():
+    script = COMPLETIONS / SHELLS["bash"]
+
+    def complete(words: str) -> list[str]:
+        cword = len(words.split()) - 1
+        probe = (f'source "{script}"; COMP_WORDS=({words}); COMP_CWORD={cword}; _fluxgrpo; '
+                 'printf "%s\\n" "${COMPREPLY[@]}"')
+        return subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+
+    assert "train" in complete("fluxgrpo tr")
+    assert complete("fluxgrpo train --num-gen") == ["--num-generations"]
+    assert "--json" in complete("fluxgrpo env-check --js")
