@@ -28,9 +28,10 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -369,7 +370,8 @@ def load_checkpoint(
         raise FluxgrpoError(
             f"{path} was saved by {saved_world} process(es) but this run has {ctx.world_size}: resuming on a "
             f"different number of processes is not supported (each rank's RNG and data position would not match); "
-            f"resume with --dies {saved_world}, or start a new run from the exported weights in {path / TRANSFORMER_DIR}"
+            f"resume with --dies {saved_world}, or start a new run from the exported weights in "
+            f"{path / TRANSFORMER_DIR}"
         )
     if ema is not None and not info.get("has_ema", False):
         raise FluxgrpoError(
@@ -418,7 +420,8 @@ def _fsync(path: Path) -> None:
             os.close(fd)
 
 
-def _write_durably(path: Path, write) -> None:
+def _write_durably(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write a file through ``write`` and fsync it, so the COMPLETE marker never precedes its data on disk."""
     with open(path, "wb") as f:
         write(f)
         f.flush()

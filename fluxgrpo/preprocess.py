@@ -23,6 +23,7 @@ from typing import Any
 
 from fluxgrpo.data.embeddings import (
     EMBEDDING_DIRS,
+    PROMPT_EMBED_DIR,
     EmbeddingDataset,
     embedding_files,
     stored_embedding_ok,
@@ -78,8 +79,15 @@ def check_inputs(prompts_path: str | Path, flux_dir: str | Path, out_dir: str | 
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
-        raise FluxgrpoError(f"cannot write embeddings to {out} ({exc.strerror or exc}): pass a writable folder with --out") from None
+        raise FluxgrpoError(
+            f"cannot write embeddings to {out} ({exc.strerror or exc}): pass a writable folder with --out"
+        ) from None
     return prompts
+
+
+def rank_indices(count: int, rank: int, world_size: int) -> list[int]:
+    """The prompt indices rank ``rank`` encodes: i with i % world_size == rank (disjoint, covering, no padding)."""
+    return list(range(rank, count, world_size))
 
 
 def _encoder_dims(flux_dir: Path) -> tuple[int, int]:
@@ -89,7 +97,9 @@ def _encoder_dims(flux_dir: Path) -> tuple[int, int]:
         clip = json.loads((flux_dir / "text_encoder" / "config.json").read_text())
         return int(t5["d_model"]), int(clip["hidden_size"])
     except (OSError, ValueError, KeyError) as exc:
-        raise FluxgrpoError(f"cannot read the text encoder configs in {flux_dir} ({exc}): run `fluxgrpo fetch-weights`") from None
+        raise FluxgrpoError(
+            f"cannot read the text encoder configs in {flux_dir} ({exc}): run `fluxgrpo fetch-weights`"
+        ) from None
 
 
 def _encoder_identity(flux_dir: Path) -> list[Any]:
@@ -171,7 +181,7 @@ def preprocess(
         tmp.write_text(json.dumps(fingerprint, indent=2) + "\n")
         os.replace(tmp, out / STATE_FILE)
 
-    mine = list(range(ctx.rank, len(prompts), ctx.world_size))
+    mine = rank_indices(len(prompts), ctx.rank, ctx.world_size)
     todo = [i for i in mine if not stored_embedding_ok(out, i, max_sequence_length, embed_dim, pooled_dim)]
     if sum(rt_dist.all_gather_object(ctx, len(todo))) and ctx.is_main:
         (out / EMBEDDINGS_INDEX).unlink(missing_ok=True)  # the folder is about to be incomplete until the end
@@ -239,7 +249,8 @@ def _encode_and_write(ctx: Any, flux_dir: Path, out: Path, prompts: list[str], m
         with autocast(ctx.device_type):
             encoded = encode_prompts(encoders, [prompts[i] for i in batch], max_sequence_length)
         for row, index in enumerate(batch):
-            write_embedding(out, index, encoded.prompt_embeds[row].to(dtype), encoded.pooled[row].to(dtype), text_ids_row)
+            embeds, pooled = encoded.prompt_embeds[row].to(dtype), encoded.pooled[row].to(dtype)
+            write_embedding(out, index, embeds, pooled, text_ids_row)
     return truncated, str(dtype).removeprefix("torch.")
 
 
@@ -254,7 +265,8 @@ def _stored_dtype(out: Path) -> str:
     """The dtype of prompt 0's stored embedding (a run that only skipped never saw the encoders)."""
     import torch
 
-    tensor = torch.load(embedding_files(out, 0)["prompt_embed"], map_location="cpu", weights_only=True, mmap=True)
+    path = embedding_files(out, 0)[PROMPT_EMBED_DIR]
+    tensor = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     return str(tensor.dtype).removeprefix("torch.")
 
 

@@ -58,7 +58,8 @@ class TinyEma:
             value.mul_(self.decay).add_(current[name], alpha=1 - self.decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.shadow)
+        # Copies, so a resume that forgets load_state_dict (DCP loads in place) is caught.
+        return {name: value.clone() for name, value in self.shadow.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, value in self.shadow.items():

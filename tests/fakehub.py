@@ -8,7 +8,8 @@ listed in shared/reference/feasibility.md §7), records every request, and shuts
 Fault injection, per file and counted (``times=-1`` means every time):
 - ``corrupt``: serve the right number of bytes with the first byte changed (a hash mismatch).
 - ``drop``: send the headers and half the body, then close the connection.
-- ``refuse``: answer the content request with 403, as if access were withdrawn mid-run.
+- ``refuse``: answer the content request with 403, as if access were withdrawn mid-run (a pending ``drop``
+  of the same file goes first, so drop-then-refuse leaves a partial file behind a failed run).
 Repositories can be gated (HF: 401 without a token, 403 with a token that has no grant) and unknown
 repositories, revisions and files answer 404 with the hub's error code.
 """
@@ -147,13 +148,13 @@ class FakeHub:
         with self._lock:
             self.requests.append(request)
 
-    def content_requests(self) -> list[tuple[str, str, str | None]]:
-        """(repo_id, file path, Range header) for every GET of file bytes, in arrival order."""
+    def content_requests(self, methods: tuple[str, ...] = ("GET",)) -> list[tuple[str, str, str | None]]:
+        """(repo_id, file path, Range header) for every request of file bytes (GET; HEAD too if asked), in order."""
         out = []
         with self._lock:
             recorded = list(self.requests)
         for req in recorded:
-            if req.method != "GET":
+            if req.method not in methods:
                 continue
             located = _locate_content(self.flavour, req)
             if located is not None:
@@ -231,7 +232,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve_bytes(self, repo: FakeRepo, rel: str, headers: dict[str, str]) -> None:
         """The file, honouring Range, with the configured faults."""
-        if self.command == "GET" and self.fake._fault("refuse", repo.repo_id, rel):
+        drop = self.command == "GET" and self.fake._fault("drop", repo.repo_id, rel)
+        if self.command == "GET" and not drop and self.fake._fault("refuse", repo.repo_id, rel):
             if self.fake.flavour == "hf":
                 self._hf_error(403, "Forbidden", "access withdrawn")
             else:
@@ -250,7 +252,7 @@ class _Handler(BaseHTTPRequestHandler):
         body = data[first:last + 1]
         if self.command == "GET" and body and self.fake._fault("corrupt", repo.repo_id, rel):
             body = bytes([body[0] ^ 0xFF]) + body[1:]
-        drop = self.command == "GET" and len(body) > 1 and self.fake._fault("drop", repo.repo_id, rel)
+        drop = drop and len(body) > 1
         self.send_response(status)
         for key, value in {**headers, "Accept-Ranges": "bytes"}.items():
             self.send_header(key, value)

@@ -47,7 +47,7 @@ def base_transformer() -> nn.Module:
     )
 
 
-def make_inputs(num_trajectories: int, seed: int = 0) -> tuple[Conditioning, torch.Tensor]:
+def make_batch(num_trajectories: int, seed: int = 0) -> tuple[Conditioning, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     cond = Conditioning(
         prompt_embeds=torch.randn(num_trajectories, TEXT_TOKENS, TEXT_DIM, generator=generator),
@@ -120,7 +120,7 @@ def snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def test_rollout_shapes_and_stored_values(base_transformer):
     transformer = copy.deepcopy(base_transformer)
-    cond, noise = make_inputs(3)
+    cond, noise = make_batch(3)
     rollout = rollout_of(transformer, cond, noise)
     assert rollout.latents.shape == (3, NUM_STEPS + 1, 16, 64) and rollout.latents.dtype == torch.float32
     assert rollout.log_probs.shape == (3, NUM_STEPS) and rollout.final_x0.shape == (3, 16, 64)
@@ -145,7 +145,7 @@ def test_rollout_shapes_and_stored_values(base_transformer):
 
 def test_rollout_is_reproducible_and_independent_of_chunking(base_transformer):
     transformer = copy.deepcopy(base_transformer)
-    cond, noise = make_inputs(4)
+    cond, noise = make_batch(4)
     whole = rollout_of(transformer, cond, noise, rollout_batch_size=4)
     again = rollout_of(transformer, cond, noise, rollout_batch_size=4)
     singles = rollout_of(transformer, cond, noise, rollout_batch_size=1)
@@ -163,7 +163,7 @@ def test_rollout_is_reproducible_and_independent_of_chunking(base_transformer):
 @pytest.mark.parametrize(("rollout_batch_size", "micro_batch_size"), [(4, 1), (4, 4), (1, 1), (2, 2)])
 def test_ratio_is_one_before_the_first_optimizer_step(base_transformer, rollout_batch_size, micro_batch_size):
     transformer = copy.deepcopy(base_transformer)
-    cond, noise = make_inputs(4)
+    cond, noise = make_batch(4)
     rollout = rollout_of(transformer, cond, noise, rollout_batch_size=rollout_batch_size)
     stats, _ = update_of(transformer, rollout, cond, torch.tensor([1.0, -1.0, 0.5, -0.5]),
                          micro_batch_size=micro_batch_size, grad_accum_steps=8)  # fmt: skip
@@ -176,7 +176,7 @@ def test_ratio_is_one_before_the_first_optimizer_step(base_transformer, rollout_
 
 def test_every_trainable_parameter_changes(base_transformer):
     transformer = copy.deepcopy(base_transformer)
-    cond, noise = make_inputs(4)
+    cond, noise = make_batch(4)
     rollout = rollout_of(transformer, cond, noise)
     before = snapshot(transformer)
     ema = CountingEma()
@@ -191,7 +191,7 @@ def test_every_trainable_parameter_changes(base_transformer):
 def test_leftover_gradients_are_stepped(base_transformer):
     # B = 5 micro-batches of 1, GA = 2: boundaries after micro-batches 2 and 4, then the leftover 5th.
     transformer = copy.deepcopy(base_transformer)
-    cond, noise = make_inputs(5)
+    cond, noise = make_batch(5)
     rollout = rollout_of(transformer, cond, noise)
     events: list[OptimizerStepEvent] = []
     stats, scheduler = update_of(transformer, rollout, cond, torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0]),
@@ -203,7 +203,7 @@ def test_leftover_gradients_are_stepped(base_transformer):
 
 def test_fewer_trajectories_than_accumulation_steps_still_steps(base_transformer):
     transformer = copy.deepcopy(base_transformer)
-    cond, noise = make_inputs(1)
+    cond, noise = make_batch(1)
     rollout = rollout_of(transformer, cond, noise)
     before = snapshot(transformer)
     stats, _ = update_of(transformer, rollout, cond, torch.tensor([1.5]), grad_accum_steps=4)
@@ -213,7 +213,7 @@ def test_fewer_trajectories_than_accumulation_steps_still_steps(base_transformer
 
 def test_non_finite_loss_skips_the_step_and_keeps_weights(base_transformer):
     transformer = copy.deepcopy(base_transformer)
-    cond, noise = make_inputs(2)
+    cond, noise = make_batch(2)
     rollout = rollout_of(transformer, cond, noise)
     before = snapshot(transformer)
     ema = CountingEma()
@@ -228,7 +228,7 @@ def test_non_finite_loss_skips_the_step_and_keeps_weights(base_transformer):
 
 def test_only_the_poisoned_window_is_skipped(base_transformer):
     transformer = copy.deepcopy(base_transformer)
-    cond, noise = make_inputs(4)
+    cond, noise = make_batch(4)
     rollout = rollout_of(transformer, cond, noise)
     before = snapshot(transformer)
     events: list[OptimizerStepEvent] = []
@@ -242,7 +242,7 @@ def test_only_the_poisoned_window_is_skipped(base_transformer):
 
 def test_non_finite_reward_trains_with_zero_advantage(base_transformer):
     transformer = copy.deepcopy(base_transformer)
-    cond, noise = make_inputs(4)
+    cond, noise = make_batch(4)
     rollout = rollout_of(transformer, cond, noise)
     rewards = torch.tensor([0.3, float("nan"), 0.2, 0.4])
     advantages = group_advantages(rewards, group_size=2, adv_clip_max=5.0)
@@ -266,7 +266,7 @@ class TimestepSpy(nn.Module):
 
 
 def test_each_trajectory_trains_on_its_own_random_timesteps(base_transformer):
-    cond, noise = make_inputs(6)
+    cond, noise = make_batch(6)
     spy = TimestepSpy(copy.deepcopy(base_transformer))
     rollout = rollout_of(spy, cond, noise)
     spy.fed.clear()
@@ -279,7 +279,7 @@ def test_each_trajectory_trains_on_its_own_random_timesteps(base_transformer):
     expected = torch.stack([torch.randperm(NUM_STEPS - 1, generator=generator)[:num_train] for _ in range(6)])
     assert torch.equal(indices, expected)  # drawn per trajectory, in order, from generator_cpu
     for row in indices:
-        assert len(set(row.tolist())) == num_train and 0 <= row.min() and row.max() <= NUM_STEPS - 2
+        assert len(set(row.tolist())) == num_train and row.min() >= 0 and row.max() <= NUM_STEPS - 2
     assert len({tuple(row.tolist()) for row in indices}) > 1
 
     # Micro-batch of trajectories (0, 1), step k feeds [t(idx[0, k]), t(idx[1, k])]: per-sample timesteps.
@@ -291,7 +291,7 @@ def test_each_trajectory_trains_on_its_own_random_timesteps(base_transformer):
 
 
 def test_bad_batching_flags_are_usage_errors(base_transformer):
-    cond, noise = make_inputs(2)
+    cond, noise = make_batch(2)
     with pytest.raises(UsageError, match="--rollout-batch-size"):
         rollout_of(base_transformer, cond, noise, rollout_batch_size=0)
     rollout = rollout_of(copy.deepcopy(base_transformer), cond, noise)

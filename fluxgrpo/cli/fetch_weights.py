@@ -21,7 +21,9 @@ def command(
     source: Annotated[
         str, typer.Option("--source", help="tiny (random tiny models, offline, for CPU trials), hf or modelscope.")
     ] = "hf",
-    flux_dir: Annotated[str, typer.Option("--flux-dir", help="Where the FLUX diffusers folder goes.")] = DEFAULT_FLUX_DIR,
+    flux_dir: Annotated[
+        str, typer.Option("--flux-dir", help="Where the FLUX diffusers folder goes.")
+    ] = DEFAULT_FLUX_DIR,
     hps_dir: Annotated[
         str, typer.Option("--hps-dir", help="Where the HPS checkpoint and open_clip weights go.")
     ] = DEFAULT_HPS_DIR,
@@ -29,6 +31,8 @@ def command(
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
 ) -> None:
     """Fetch FLUX.1-dev + HPSv2.1 weights, or write tiny random ones for a CPU trial.
+
+    Each part gets a manifest, written last, which env-check, train and sample read to call it complete.
 
     Examples:
       fluxgrpo fetch-weights --source tiny

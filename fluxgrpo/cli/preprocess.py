@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -14,10 +14,14 @@ from fluxgrpo.runtime.device import DEVICE_TYPES
 @handle_errors
 def command(
     prompts: Annotated[
-        Optional[str],  # noqa: UP007 (typer needs Optional)
-        typer.Option("--prompts", help="Prompt file, one per line. [default: the bundled prompt list]", show_default=False),
+        str | None,
+        typer.Option(
+            "--prompts", help="Prompt file, one per line. [default: the bundled prompt list]", show_default=False
+        ),
     ] = None,
-    model: Annotated[str, typer.Option("--model", help="FLUX diffusers folder (its text encoders are used).")] = DEFAULT_FLUX_DIR,
+    model: Annotated[
+        str, typer.Option("--model", help="FLUX diffusers folder (its text encoders are used).")
+    ] = DEFAULT_FLUX_DIR,
     out: Annotated[
         str, typer.Option("--out", help=f"Embeddings folder; {EMBEDDINGS_INDEX} is written there last.")
     ] = DEFAULT_EMBEDDINGS_DIR,

@@ -115,7 +115,7 @@ def stored_embedding_ok(out_dir: str | Path, index: int, seq_len: int, embed_dim
         embeds = _load(files[PROMPT_EMBED_DIR], mmap=True)
         pooled = _load(files[POOLED_DIR], mmap=True)
         text_ids = _load(files[TEXT_IDS_DIR], mmap=True)
-    except Exception:  # missing, truncated or not a tensor file: all mean "encode again"
+    except Exception:  # noqa: BLE001 (missing, truncated or not a tensor file all mean "encode again")
         return False
     return (
         tuple(embeds.shape) == (seq_len, embed_dim)
@@ -142,9 +142,13 @@ class EmbeddingDataset:
         except (OSError, ValueError) as exc:
             raise FluxgrpoError(f"cannot read embeddings index {self.json_path} ({exc}): {self._fix}") from None
         needed = (*_ENTRY_KEYS.values(), "caption")
-        if not isinstance(entries, list) or not all(isinstance(e, dict) and all(k in e for k in needed) for e in entries):
+        well_formed = isinstance(entries, list) and all(
+            isinstance(entry, dict) and all(key in entry for key in needed) for entry in entries
+        )
+        if not well_formed:
             raise FluxgrpoError(
-                f"{self.json_path} is not a videos2caption.json (a list of entries with {', '.join(needed)}): {self._fix}"
+                f"{self.json_path} is not a videos2caption.json (a list of entries with {', '.join(needed)}): "
+                f"{self._fix}"
             )
         if not entries:
             raise FluxgrpoError(f"{self.json_path} lists no prompts: {self._fix} with a non-empty --prompts file")
@@ -167,7 +171,7 @@ class EmbeddingDataset:
             raise FluxgrpoError(f"embedding file {path} is missing: {self._fix} (it re-encodes only what is missing)")
         try:
             tensor = _load(path, mmap=mmap)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 (torch.load fails in many ways on a damaged file; all are "corrupt")
             raise FluxgrpoError(
                 f"embedding file {path} is corrupt ({type(exc).__name__}): delete it and {self._fix}"
             ) from None

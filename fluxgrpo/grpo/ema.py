@@ -3,7 +3,7 @@
 DanceGRPO gathered the full fp32 model to rank 0's host memory for every EMA update (about 95 GB of host
 RAM for FLUX.1-dev). Here each rank keeps the EMA of its own parameter shards only: for an FSDP2
 (``fully_shard``) model the EMA tensors are DTensors with the parameters' placements, updated locally with
-no communication. Only ``full_state_dict`` (export) gathers.
+no communication. Only ``full_state_dict`` (export) gathers, one tensor at a time, to rank 0.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.grpo.rollout import reshard_sharded_modules
 
 # Wrappers that insert a path segment into parameter names; EMA keys use the unwrapped (diffusers) names.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
@@ -32,21 +33,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
-def _reshard(model: nn.Module) -> None:
-    """Put FSDP2 modules back in their sharded state.
-
-    After a forward without gradients FSDP2 may leave the root's parameters unsharded, and while they are,
-    ``named_parameters()`` returns the full tensors instead of the sharded DTensors.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-
-
 def _trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    _reshard(model)
+    reshard_sharded_modules(model)
     return {
         _canonical_name(name): parameter for name, parameter in model.named_parameters() if parameter.requires_grad
     }
@@ -55,8 +43,8 @@ def _trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 class ShardedEMA:
     """EMA ← decay·EMA + (1−decay)·θ for every trainable parameter, kept in fp32 beside each local shard.
 
-    Works on plain modules and FSDP2 modules alike. ``update`` is local (no collectives); ``full_state_dict``
-    is a collective under FSDP2 and must be called on every rank.
+    Works on plain modules and FSDP2 modules alike. ``update``, ``state_dict`` and ``swap_into`` are local
+    (no collectives); ``full_state_dict`` is a collective under FSDP2.
     """
 
     def __init__(self, model: nn.Module, decay: float) -> None:
@@ -94,7 +82,8 @@ class ShardedEMA:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy saved EMA values in place. Accepts sharded (DTensor) values or full plain tensors."""
+        """Copy saved EMA values in place. Accepts sharded (DTensor) values (local) or full plain tensors, which
+        are distributed to the EMA's placements (a collective under FSDP2)."""
         if state.keys() != self._shadow.keys():
             missing = sorted(self._shadow.keys() - state.keys())[:3]
             extra = sorted(state.keys() - self._shadow.keys())[:3]
@@ -111,13 +100,22 @@ class ShardedEMA:
                 value = distribute_tensor(value.to(shadow.device), shadow.device_mesh, placements)
             _local(shadow).copy_(_local(value))
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameter name → full fp32 CPU tensor, for export. A collective under FSDP2: call on every rank."""
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """Parameter name → full fp32 CPU tensor, for export.
+
+        Under FSDP2 this is a collective (call it on every rank). Tensors are gathered one at a time and, with
+        ``rank0_only``, kept on rank 0 only (other ranks get ``{}``): a full copy per rank would cost
+        ranks × 47.6 GB of host memory for FLUX.1-dev on one node.
+        """
+        import torch.distributed as dist
+
+        keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
         out = {}
         for name, shadow in self._shadow.items():
             full_tensor = getattr(shadow, "full_tensor", None)
             full = full_tensor() if callable(full_tensor) else shadow
-            out[name] = full.detach().to("cpu", copy=True)
+            if keep:
+                out[name] = full.detach().to("cpu", copy=True)
         return out
 
     @contextlib.contextmanager
@@ -132,7 +130,7 @@ class ShardedEMA:
         try:
             yield model
         finally:
-            _reshard(model)
+            reshard_sharded_modules(model)
             with torch.no_grad():
                 for backup, (_, parameter) in zip(backups, pairs, strict=True):
                     _local(parameter).copy_(backup)

@@ -21,7 +21,7 @@ PATCH = 2  # 2×2 packing, so pixels must be a multiple of 8·2 = 16
 class LatentShape:
     """Sizes derived from an image size."""
 
-    latent_channels: int  # 16
+    channels: int  # 16 VAE latent channels
     latent_height: int  # height / 8
     latent_width: int  # width / 8
     num_tokens: int  # L = (height/16)·(width/16)
@@ -30,7 +30,7 @@ class LatentShape:
     @property
     def unpacked(self) -> tuple[int, int, int]:
         """(16, h, w): one VAE latent without the batch axis."""
-        return (self.latent_channels, self.latent_height, self.latent_width)
+        return (self.channels, self.latent_height, self.latent_width)
 
     @property
     def packed(self) -> tuple[int, int]:
@@ -52,7 +52,7 @@ def latent_shape(height: int, width: int) -> LatentShape:
     _check_image_size(height, width)
     latent_height, latent_width = height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR
     return LatentShape(
-        latent_channels=LATENT_CHANNELS,
+        channels=LATENT_CHANNELS,
         latent_height=latent_height,
         latent_width=latent_width,
         num_tokens=(latent_height // PATCH) * (latent_width // PATCH),

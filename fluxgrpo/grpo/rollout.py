@@ -12,6 +12,21 @@ from fluxgrpo.grpo.types import Conditioning, Rollout
 from fluxgrpo.runtime.device import autocast
 
 
+def reshard_sharded_modules(module: nn.Module) -> None:
+    """Return every FSDP2 submodule to its sharded state; a no-op for plain modules.
+
+    After a forward without gradients FSDP2 leaves the root's parameters unsharded (it reshards the root only
+    after backward), and while they are, ``parameters()`` yields the full plain tensors instead of the sharded
+    DTensors that the optimizer holds. Anything that walks the parameters (gradient clipping, the EMA) must
+    see the sharded ones.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for submodule in module.modules():
+        if isinstance(submodule, FSDPModule):
+            submodule.reshard()
+
+
 def predict_velocity(
     transformer: nn.Module,
     latents: torch.Tensor,
@@ -59,7 +74,8 @@ def generate_rollout(
     The transformer runs in eval mode, without gradients, under ``autocast(device_type)``; each step's SDE
     update runs in fp32. The step noise comes from ``generator`` (on any device), drawn per step for all B
     trajectories at once, so the samples do not depend on ``rollout_batch_size`` and the stream can be
-    saved and restored for an exact resume. The loop makes no host sync.
+    saved and restored for an exact resume. The loop makes no host sync. On return the module is back in
+    its previous train/eval mode, with FSDP2 parameters resharded.
 
     The rollout batch size is a speed knob, not a semantic one, but batch-dependent kernels can make the
     rollout's log-probs differ slightly from the update's recomputation at another micro-batch size; the
@@ -126,6 +142,7 @@ def generate_rollout(
                 if step == num_steps - 1:
                     final_x0[start:stop] = result.x0_pred
     finally:
+        reshard_sharded_modules(transformer)
         transformer.train(was_training)
 
     return Rollout(

@@ -106,7 +106,8 @@ class OptimizerStepEvent:
 
 @dataclass(frozen=True)
 class UpdateStats:
-    """What one ``policy_update`` did. Tensors are 0-d fp32 on the computation device, reduced once at the end.
+    """What one ``policy_update`` did, for this rank. Float tensors are fp32 on the computation device, built up
+    without host syncs and reduced once at the end; ``as_floats`` turns them into numbers with one sync.
 
     Nothing here is averaged over ranks; the training loop does that once per iteration if it wants to.
     """

@@ -11,7 +11,7 @@ from torch import nn
 
 from fluxgrpo.errors import UsageError
 from fluxgrpo.grpo.loss import clipped_policy_loss
-from fluxgrpo.grpo.rollout import predict_velocity
+from fluxgrpo.grpo.rollout import predict_velocity, reshard_sharded_modules
 from fluxgrpo.grpo.schedule import model_timesteps, num_train_timesteps
 from fluxgrpo.grpo.sde import sde_step
 from fluxgrpo.grpo.types import Conditioning, OptimizerStepEvent, Rollout, UpdateStats
@@ -124,7 +124,6 @@ def policy_update(
 
     train_indices = draw_train_timesteps(num_trajectories, num_steps, num_train, generator_cpu)  # [B, T] cpu
     train_indices_device = train_indices.to(device)
-    trainable = [parameter for parameter in transformer.parameters() if parameter.requires_grad]
     loss_scale = 1.0 / (grad_accum_steps * num_train)
 
     zero = torch.zeros((), dtype=torch.float32, device=device)
@@ -137,6 +136,8 @@ def policy_update(
 
     def boundary() -> None:
         nonlocal optimizer_steps, skipped_steps
+        # Walked after backward, when FSDP2 has resharded: these are the parameters the optimizer holds.
+        trainable = [parameter for parameter in transformer.parameters() if parameter.requires_grad]
         norm = _as_plain_tensor(torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)).detach()
         norm = norm.to(device=device, dtype=torch.float32)
         grad_norms.append(norm)
@@ -153,6 +154,7 @@ def policy_update(
         if on_optimizer_step is not None:
             on_optimizer_step(OptimizerStepEvent(index=len(grad_norms) - 1, grad_norm=norm, skipped=not finite))
 
+    reshard_sharded_modules(transformer)
     transformer.train()
     optimizer.zero_grad(set_to_none=True)
     micro_batches = [

@@ -13,13 +13,11 @@ resolution of about 2e-4), the encoders run in the runtime's compute dtype and e
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import json
 import logging
 import pickle
-import shutil
 import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -96,7 +94,6 @@ def register_open_clip_config(config: dict[str, Any]) -> str:
         # added, so the file must outlive the call: it lives in a folder removed when the process exits.
         if _config_dir is None:
             _config_dir = tempfile.TemporaryDirectory(prefix="fluxgrpo-open-clip-")
-            atexit.register(shutil.rmtree, _config_dir.name, True)
         path = Path(_config_dir.name) / f"{name}.json"
         path.write_text(json.dumps(model_cfg))
         open_clip.add_model_config(path)
@@ -124,7 +121,9 @@ def read_state_dict(path: Path) -> dict[str, Any]:
         except Exception as exc:
             raise FluxgrpoError(f"cannot read {path} ({exc}): re-run `fluxgrpo fetch-weights`") from exc
     except Exception as exc:
-        raise FluxgrpoError(f"cannot read {path} ({type(exc).__name__}: {exc}): re-run `fluxgrpo fetch-weights`") from exc
+        raise FluxgrpoError(
+            f"cannot read {path} ({type(exc).__name__}: {exc}): re-run `fluxgrpo fetch-weights`"
+        ) from exc
     state = obj.get("state_dict", obj) if isinstance(obj, dict) else None
     if not isinstance(state, dict) or not state:
         raise FluxgrpoError(f"{path} holds no state dict: re-run `fluxgrpo fetch-weights`")

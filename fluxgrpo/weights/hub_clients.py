@@ -79,16 +79,43 @@ class HubClient(Protocol):
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """The exception and its explicit causes (``raise … from``), not what it merely interrupted."""
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
         yield cur
-        cur = cur.__cause__ or cur.__context__
+        cur = cur.__cause__
 
 
 def _disk_full(exc: BaseException) -> bool:
     return any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in _chain(exc))
+
+
+class _Never(Exception):
+    """Stands in for an exception class this library version does not have, so isinstance() is simply False."""
+
+
+def _error_class(module: object, name: str) -> type[BaseException]:
+    return getattr(module, name, _Never)
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """Connection-level failures of the HTTP stacks huggingface_hub has used (httpx2 in 2.x, httpx, requests)."""
+    import importlib
+
+    found: list[type[BaseException]] = []
+    for module_name, names in (
+        ("httpx2", ("ConnectError", "TimeoutException", "RemoteProtocolError")),
+        ("httpx", ("ConnectError", "TimeoutException", "RemoteProtocolError")),
+        ("requests", ("ConnectionError", "Timeout")),
+    ):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        found.extend(getattr(module, name) for name in names if hasattr(module, name))
+    return tuple(found)
 
 
 def _where(repo: str, revision: str | None, path: str | None) -> str:
@@ -109,7 +136,10 @@ class HuggingFaceClient:
     source = "hf"
 
     def __init__(self, token: str | None, endpoint: str | None) -> None:
-        from huggingface_hub import HfApi
+        try:
+            from huggingface_hub import HfApi
+        except ImportError as exc:
+            raise FluxgrpoError(f"--source hf needs huggingface_hub ({exc}): `pip install 'huggingface_hub>=1.0'`") from exc
 
         # HF_ENDPOINT is read here, not at huggingface_hub's import, so a mirror set later still counts.
         self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or HF_DEFAULT_ENDPOINT).rstrip("/")
@@ -191,7 +221,6 @@ class HuggingFaceClient:
         self, exc: BaseException, repo: str, revision: str | None, path: str | None = None, root: Path | None = None
     ) -> FluxgrpoError:
         """One actionable line for a huggingface_hub / network failure (subclasses are tested first)."""
-        import httpx2
         from huggingface_hub import errors as hf
 
         if isinstance(exc, FluxgrpoError):
@@ -215,23 +244,16 @@ class HuggingFaceClient:
                 f"repository {repo} not found on {self.endpoint} (or it is private: run `hf auth login` or pass "
                 "--token)"
             )
-        if isinstance(exc, hf.RemoteEntryNotFoundError):
+        if isinstance(exc, _error_class(hf, "RemoteEntryNotFoundError")):
             return FluxgrpoError(f"{where} is listed but the hub has no such file (404): rerun, or pin --revision")
-        if isinstance(exc, hf.DisabledRepoError):
+        if isinstance(exc, _error_class(hf, "DisabledRepoError")):
             return FluxgrpoError(f"repository {repo} has been disabled on {self.endpoint}")
-        if isinstance(exc, hf.OfflineModeIsEnabled):
+        if isinstance(exc, _error_class(hf, "OfflineModeIsEnabled")):
             return FluxgrpoError("HF_HUB_OFFLINE is set, so nothing can be downloaded: unset it and rerun")
-        if isinstance(exc, hf.XetDownloadError):
+        if isinstance(exc, _error_class(hf, "XetDownloadError")):
             return FluxgrpoError(f"Xet download of {where} failed ({exc}): rerun, or set HF_HUB_DISABLE_XET=1")
         if _disk_full(exc):
             return FluxgrpoError(f"disk full while downloading {where} into {root}: free space and rerun")
-        for cause in _chain(exc):
-            if isinstance(cause, (httpx2.ConnectError, httpx2.TimeoutException, httpx2.RemoteProtocolError)):
-                return FluxgrpoError(
-                    f"cannot reach {self.endpoint} ({type(cause).__name__}: {cause}): check the network or proxy, "
-                    "use a mirror with --endpoint / HF_ENDPOINT, or try --source modelscope; files already "
-                    "downloaded are kept"
-                )
         if isinstance(exc, hf.HfHubHTTPError) and exc.response is not None:
             status = exc.response.status_code
             if status == 401:
@@ -244,6 +266,14 @@ class HuggingFaceClient:
             return FluxgrpoError(
                 f"{self.endpoint} answered HTTP {status} for {where}: rerun later; files already downloaded are kept"
             )
+        network = _network_errors()
+        for cause in _chain(exc):
+            if isinstance(cause, network):
+                return FluxgrpoError(
+                    f"cannot reach {self.endpoint} ({type(cause).__name__}: {cause}): check the network or proxy, "
+                    "use a mirror with --endpoint / HF_ENDPOINT, or try --source modelscope; files already "
+                    "downloaded are kept"
+                )
         return FluxgrpoError(f"downloading {where} failed: {type(exc).__name__}: {exc}; rerun to continue")
 
 
@@ -260,11 +290,17 @@ class ModelScopeClient:
     source = "modelscope"
 
     def __init__(self, token: str | None, endpoint: str | None) -> None:
-        from modelscope_hub import HubApi, HubConfig
+        try:
+            from modelscope_hub import HubApi, HubConfig
+        except ImportError as exc:
+            raise FluxgrpoError(
+                f"--source modelscope needs modelscope_hub ({exc}): `pip install 'modelscope>=1.40'` (or modelscope-hub)"
+            ) from exc
 
-        config = HubConfig(endpoint=endpoint, token=token)
+        config = HubConfig(endpoint=endpoint, token=token)  # reads MODELSCOPE_* now, not at first import
         self.endpoint = config.endpoint
         self._api = HubApi(config=config)
+        self._downloader = self._api.downloader  # built here: its lazy first use from worker threads would race
 
     def resolve(self, repo: str, revision: str | None) -> tuple[str, list[RemoteFile]]:
         resolved = revision or "master"
@@ -275,7 +311,7 @@ class ModelScopeClient:
         files = [
             RemoteFile(f.path, int(f.size or 0), sha256=(f.sha256 or None))
             for f in listing
-            if f.path and str(f.type) != "tree"
+            if f.path and not f.is_dir
         ]
         return resolved, files
 
@@ -286,7 +322,7 @@ class ModelScopeClient:
         try:
             # Our own sha256 check follows (once, with one re-download); passing expected_sha256 here would
             # make modelscope_hub hash again and retry with its own back-off.
-            self._api.downloader.download_file(
+            self._downloader.download_file(
                 repo_id=repo, repo_type="model", file_path=remote.path, revision=revision, local_dir=root,
                 file_size=remote.size, progress_callbacks=[callback_class_for(advance)],
             )
@@ -362,6 +398,11 @@ class ModelScopeClient:
             return FluxgrpoError(f"{where} arrived with the wrong size or content ({exc}): rerun to download it again")
         if _disk_full(exc):
             return FluxgrpoError(f"disk full while downloading {where} into {root}: free space and rerun")
+        if path is not None and isinstance(exc, ms.RequestTimeoutError):
+            return FluxgrpoError(
+                f"timed out downloading {where} ({exc}): rerun to continue from the partial file; on a slow link "
+                "raise MODELSCOPE_DOWNLOAD_TOTAL_TIMEOUT (seconds allowed per file, 3600 by default)"
+            )
         for cause in _chain(exc):
             if isinstance(cause, (ms.NetworkError, requests.ConnectionError, requests.Timeout)):
                 return FluxgrpoError(

@@ -20,6 +20,19 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
+_DESCRIPTION_WIDTH = 40
+
+
+def _fit(text: str) -> str:
+    """Fixed width. A long path keeps its folder and the end of its name (the shard number tells shards apart)."""
+    if len(text) > _DESCRIPTION_WIDTH:
+        indent = text[: len(text) - len(text.lstrip())]
+        folder, _, name = text.strip().rpartition("/")
+        head = f"{indent}{folder}/…" if folder else f"{indent}…"
+        text = head + name[-(_DESCRIPTION_WIDTH - len(head)):]
+    return text[:_DESCRIPTION_WIDTH].ljust(_DESCRIPTION_WIDTH)
+
+
 class FileBar:
     """Bytes of one file; every advance also moves the overall bar. Safe to call from worker threads."""
 
@@ -59,7 +72,7 @@ class ProgressView:
 
             self._progress = Progress(
                 TextColumn("{task.description}", markup=False),
-                BarColumn(),
+                BarColumn(bar_width=16),
                 DownloadColumn(),
                 TransferSpeedColumn(),
                 TimeRemainingColumn(),
@@ -86,7 +99,7 @@ class ProgressView:
         with self._lock:
             if self._overall is not None:
                 self._progress.remove_task(self._overall)
-            self._overall = self._progress.add_task(description, total=total)
+            self._overall = self._progress.add_task(_fit(description), total=total)
 
     def end_overall(self) -> None:
         if self._progress is None:
@@ -96,10 +109,14 @@ class ProgressView:
                 self._progress.remove_task(self._overall)
                 self._overall = None
 
+    def overall_bar(self) -> FileBar:
+        """Advances the overall bar only (for work that is not one file's download, such as hashing)."""
+        return FileBar(self, None)
+
     def file(self, name: str, size: int) -> FileBar:
         if self._progress is None:
             return FileBar(self, None)
-        return FileBar(self, self._progress.add_task(f"  {name}", total=size))
+        return FileBar(self, self._progress.add_task(_fit(f"  {name}"), total=size))
 
     def _advance(self, task_id: Any | None, n: int) -> None:
         if self._progress is None:
@@ -128,12 +145,12 @@ def tqdm_class_for(advance: Callable[[int], None]) -> type:
             self.total = kwargs.get("total")
             self.format_dict: dict[str, Any] = {}
 
-        def update(self, n: int | float = 1) -> None:
+        def update(self, n: float = 1) -> None:
             if n:
                 self.n += int(n)
                 advance(int(n))
 
-        def update_transfer(self, n: int | float = 1) -> None:
+        def update_transfer(self, n: float = 1) -> None:
             pass
 
         def set_postfix_str(self, *args: Any, **kwargs: Any) -> None:

@@ -57,7 +57,9 @@ def npu_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6)
     if not 2 <= self.dim() <= 8:
         raise RuntimeError(f"npu_rms_norm: x must have 2 to 8 dims, got {self.dim()}")
     if tuple(self.shape[self.dim() - gamma.dim() :]) != tuple(gamma.shape):
-        raise RuntimeError(f"npu_rms_norm: gamma shape {tuple(gamma.shape)} must equal x's trailing dims {tuple(self.shape)}")
+        raise RuntimeError(
+            f"npu_rms_norm: gamma shape {tuple(gamma.shape)} must equal x's trailing dims {tuple(self.shape)}"
+        )
     reduced_dims = tuple(range(self.dim() - gamma.dim(), self.dim()))
     x32 = self.float()
     rstd = torch.rsqrt(x32.pow(2).mean(dim=reduced_dims, keepdim=True) + epsilon)
@@ -87,16 +89,18 @@ def npu_fusion_attention(
     sync: bool = False,
     softmax_layout: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
-    """softmax(q·kᵀ·scale, masked) · v for BSND / BNSD inputs; returns (out, softmax_max, softmax_sum, reserved, 0, 0, 0).
+    """softmax(q·kᵀ·scale, masked) · v for BSND / BNSD inputs.
 
-    softmax_max and softmax_sum are per row ([B, N, Sq, 1]); the device returns them in its own tiled layout,
-    which nothing outside the kernel's backward reads.
+    Returns (out, softmax_max, softmax_sum, reserved, 0, 0, 0) like the device. softmax_max and softmax_sum are
+    per row ([B, N, Sq, 1]); the device returns them in its own tiled layout, which only its backward reads.
     """
     CALLS["npu_fusion_attention"] += 1
     if input_layout not in ("BSND", "BNSD"):
         raise NotImplementedError(f"fake npu_fusion_attention models BSND and BNSD only, not {input_layout}")
     if len({query.dtype, key.dtype, value.dtype}) != 1 or query.dtype not in FUSION_ATTENTION_DTYPES:
-        raise RuntimeError(f"npu_fusion_attention: q/k/v dtypes must match, got {query.dtype}, {key.dtype}, {value.dtype}")
+        raise RuntimeError(
+            f"npu_fusion_attention: q/k/v dtypes must match, got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
     if pse is not None or padding_mask is not None or keep_prob != 1.0:
         raise NotImplementedError("fake npu_fusion_attention does not model pse, padding_mask or dropout")
     if input_layout == "BSND":

@@ -1,0 +1,62 @@
+"""Shared fixtures. None is autouse: a test asks for what it needs by name.
+
+``tiny_weights`` -> ``TinyWeights(flux_dir, hps_dir)``
+    Tiny random FLUX (diffusers folder) and HPS (``HPS_v2.1_compressed.pt``, ``open_clip_pytorch_model.bin``,
+    ``open_clip_config.json``) weights from ``fetch-weights --source tiny`` with seed 0, written once per test
+    session. Both folders pass ``check_flux_dir`` / ``check_hps_dir``. Shared: treat them as read-only (copy
+    them with ``shutil.copytree`` into ``tmp_path`` before changing anything).
+
+``tiny_embeddings`` -> ``TinyEmbeddings(out_dir, index_path, prompts_path, prompts, flux_dir)``
+    The first 8 bundled prompts preprocessed in-process on cpu with ``max_sequence_length`` 32 by the tiny
+    encoders: DanceGRPO's layout under ``out_dir`` (prompt_embed [32, 32], pooled [32], float32), index at
+    ``index_path``. Written once per session; read-only as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+TINY_EMBEDDING_PROMPTS = 8
+TINY_SEQUENCE_LENGTH = 32
+
+
+@dataclass(frozen=True)
+class TinyWeights:
+    flux_dir: Path
+    hps_dir: Path
+
+
+@dataclass(frozen=True)
+class TinyEmbeddings:
+    out_dir: Path
+    index_path: Path
+    prompts_path: Path
+    prompts: list[str]
+    flux_dir: Path
+
+
+@pytest.fixture(scope="session")
+def tiny_weights(tmp_path_factory: pytest.TempPathFactory) -> TinyWeights:
+    from fluxgrpo.weights.tiny import write_tiny_weights
+
+    root = tmp_path_factory.mktemp("tiny-weights")
+    weights = TinyWeights(flux_dir=root / "flux", hps_dir=root / "hps_ckpt")
+    write_tiny_weights(weights.flux_dir, weights.hps_dir, seed=0)
+    return weights
+
+
+@pytest.fixture(scope="session")
+def tiny_embeddings(tmp_path_factory: pytest.TempPathFactory, tiny_weights: TinyWeights) -> TinyEmbeddings:
+    from fluxgrpo.data.prompts import bundled_prompts_path, read_prompts
+    from fluxgrpo.preprocess import preprocess
+
+    root = tmp_path_factory.mktemp("tiny-embeddings")
+    prompts = read_prompts(bundled_prompts_path())[:TINY_EMBEDDING_PROMPTS]
+    prompts_path = root / "prompts.txt"
+    prompts_path.write_text("\n".join(prompts) + "\n")
+    out_dir = root / "rl_embeddings"
+    summary = preprocess(prompts_path, tiny_weights.flux_dir, out_dir, TINY_SEQUENCE_LENGTH, device="cpu")
+    return TinyEmbeddings(out_dir, Path(summary.index_path), prompts_path, prompts, tiny_weights.flux_dir)
