@@ -18,7 +18,7 @@ from typing import Any
 
 from fluxgrpo import __version__
 from fluxgrpo.paths import DEFAULT_EMBEDDINGS_DIR, DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR, EMBEDDINGS_INDEX
-from fluxgrpo.weights.layout import check_flux_dir, check_hps_dir
+from fluxgrpo.weights.layout import check_flux_dir, check_hps_dir, check_pickscore_dir, pickscore_dir
 
 # torchrun workers exchange tensors through shared memory; containers often default to 64 MiB.
 MIN_SHM_BYTES = 1 << 30
@@ -95,6 +95,7 @@ def collect_report(
     dev = device_report(requested_device)
     flux = check_flux_dir(flux_dir)
     hps, clip = check_hps_dir(hps_dir)
+    pick = check_pickscore_dir(pickscore_dir(hps_dir))
     emb = embeddings_status(embeddings_dir)
     report: dict[str, Any] = {
         "fluxgrpo_version": __version__,
@@ -103,7 +104,7 @@ def collect_report(
         "packages": package_versions(),
         "device": dev,
         "accelerator_env": accelerator_env_report(),
-        "weights": {p.name: asdict(p) for p in (flux, hps, clip)},
+        "weights": {p.name: asdict(p) for p in (flux, hps, clip, pick)},
         "embeddings": emb,
         "disk": _disk(Path(data_dir)),
         "shm": _shm(),
@@ -115,6 +116,10 @@ def collect_report(
                   f"{p.path} ({p.source or 'placed by hand'})" if p.complete else "; ".join(p.problems), p.fix)
             for p in (flux, hps, clip)
         ],
+        # Only `--reward pickscore` needs these weights, so their absence is a warning.
+        Check("weights: pickscore", "ok" if pick.complete else "warn",
+              f"{pick.path} ({pick.source or 'placed by hand'})" if pick.complete else "; ".join(pick.problems),
+              pick.fix),
         Check("embeddings", "ok" if emb["complete"] else "fail",
               f"{emb['prompts']} prompts in {emb['path']}" if emb["complete"] else "; ".join(emb["problems"]),
               None if emb["complete"] else f"run `fluxgrpo preprocess --model {flux_dir} --out {embeddings_dir}`"),

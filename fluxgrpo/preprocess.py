@@ -297,9 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     @worker_errors
     def run() -> PreprocessSummary:
         try:
-            return preprocess(args.prompts, args.model, args.out, args.max_sequence_length, args.device)
-        finally:
-            rt_dist.teardown()
+            summary = preprocess(args.prompts, args.model, args.out, args.max_sequence_length, args.device)
+        except BaseException:
+            rt_dist.teardown(failed=True)
+            raise
+        rt_dist.teardown()
+        return summary
 
     try:
         summary = run()

@@ -16,7 +16,7 @@ from typing import Any
 from fluxgrpo.config import TrainConfig, save_resolved
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.runtime.launch import LaunchSpec, build_torchrun_argv, run_torchrun
-from fluxgrpo.weights.layout import check_flux_dir, check_hps_dir
+from fluxgrpo.weights.layout import check_flux_dir, check_hps_dir, check_pickscore_dir, pickscore_dir
 
 RESOLVED_CONFIG = "config.yaml"
 WORKER_MODULE = "fluxgrpo.grpo.trainer"
@@ -45,6 +45,10 @@ def preflight(cfg: TrainConfig) -> None:
         for part in check_hps_dir(cfg.hps_dir):
             if not part.complete:
                 raise FluxgrpoError(f"{part.name} weights are not usable ({'; '.join(part.problems)}): {part.fix}")
+    if cfg.reward == "pickscore":
+        status = check_pickscore_dir(pickscore_dir(cfg.hps_dir))
+        if not status.complete:
+            raise FluxgrpoError(f"PickScore weights are not usable ({'; '.join(status.problems)}): {status.fix}")
     emb_dir = Path(cfg.data_json_path).parent
     emb = embeddings_status(emb_dir)
     if not emb["complete"]:

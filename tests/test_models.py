@@ -265,10 +265,10 @@ def test_brightness_is_the_mean_pixel_value():
 def test_load_reward_registry(tiny_weights):
     from fluxgrpo.models.reward import BrightnessReward, HpsV2Reward, load_reward, reward_names
 
-    assert reward_names() == ["hpsv2", "brightness"]
+    assert reward_names() == ["hpsv2", "pickscore", "brightness"]
     assert isinstance(load_reward("brightness", tiny_weights.hps_dir), BrightnessReward)
     assert isinstance(load_reward("hpsv2", tiny_weights.hps_dir, "cpu"), HpsV2Reward)
-    with pytest.raises(UsageError, match="hpsv2, brightness"):
+    with pytest.raises(UsageError, match="hpsv2, pickscore, brightness"):
         load_reward("pickscore", tiny_weights.hps_dir)
 
 

@@ -24,6 +24,9 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("fetch-weights", "fetch_weights"),
     ("preprocess", "preprocess"),
     ("train", "train"),
+    ("bench", "bench"),
+    ("sample", "sample"),
+    ("score", "score"),
 )
 
 for _name, _module in COMMANDS:

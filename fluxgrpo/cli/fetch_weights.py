@@ -1,8 +1,8 @@
-"""``fluxgrpo fetch-weights``: put FLUX and HPS weights in place, in the layout every command loads from."""
+"""``fluxgrpo fetch-weights``: put FLUX, HPS and PickScore weights in place, in the layout every command loads from."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -10,67 +10,207 @@ from fluxgrpo.cli.common import err_console, handle_errors, out_console, print_j
 from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR
 
 SOURCES = ("tiny", "hf", "modelscope")
+HUB_HELP = "Hub sources (hf, modelscope)"
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _parse_only(only: str | None) -> list[str] | None:
+    """``--only flux,hps`` → ["flux", "hps"]; None when not given. Names are checked by the library."""
+    from fluxgrpo.errors import UsageError
+
+    if only is None:
+        return None
+    names = [name.strip() for name in only.split(",") if name.strip()]
+    if not names:
+        raise UsageError("--only needs at least one part, e.g. `--only flux,hps,clip` or `--only pickscore`")
+    return names
+
+
 @handle_errors
 def command(
     source: Annotated[
-        str, typer.Option("--source", help="tiny (random tiny models, offline, for CPU trials), hf or modelscope.")
+        str, typer.Option("--source", help="hf (Hugging Face), modelscope, or tiny (random tiny models, offline).")
     ] = "hf",
+    only: Annotated[
+        str | None,
+        typer.Option(
+            "--only",
+            help="Comma-separated parts: flux, hps, clip, pickscore. Default: flux,hps,clip from a hub; every part "
+            "for tiny.",
+        ),
+    ] = None,
     flux_dir: Annotated[
         str, typer.Option("--flux-dir", help="Where the FLUX diffusers folder goes.")
     ] = DEFAULT_FLUX_DIR,
     hps_dir: Annotated[
-        str, typer.Option("--hps-dir", help="Where the HPS checkpoint and open_clip weights go.")
+        str,
+        typer.Option("--hps-dir", help="Where the HPS checkpoint and open_clip weights go (PickScore: pickscore/)."),
     ] = DEFAULT_HPS_DIR,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the tiny random weights (--source tiny).")] = 0,
+    revision: Annotated[
+        str | None,
+        typer.Option("--revision", help="Branch, tag or commit to fetch; needs a single part (--only).",
+                     rich_help_panel=HUB_HELP),
+    ] = None,
+    token: Annotated[
+        str | None,
+        typer.Option("--token", help="Access token. Default: HF_TOKEN / `hf auth login`, MODELSCOPE_API_TOKEN / "
+                     "`modelscope login`. Never printed or saved.", rich_help_panel=HUB_HELP, show_default=False),
+    ] = None,
+    endpoint: Annotated[
+        str | None,
+        typer.Option("--endpoint", help="Hub URL, e.g. a mirror. Default: HF_ENDPOINT / MODELSCOPE_ENDPOINT, else the "
+                     "hub itself.", rich_help_panel=HUB_HELP),
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="List the files, their sizes and what is missing; download nothing.",
+                           rich_help_panel=HUB_HELP)
+    ] = False,
+    max_workers: Annotated[
+        int | None,
+        typer.Option("--max-workers", help="Files downloaded in parallel (default 8).", rich_help_panel=HUB_HELP,
+                     show_default=False),
+    ] = None,
+    rehash: Annotated[
+        bool, typer.Option("--rehash", help="Re-read every file on disk to verify it, even those a manifest vouches "
+                           "for.", rich_help_panel=HUB_HELP)
+    ] = False,
+    seed: Annotated[
+        int | None, typer.Option("--seed", help="Seed of the tiny random weights, --source tiny only (default 0).",
+                                 show_default=False)
+    ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
 ) -> None:
-    """Fetch FLUX.1-dev + HPSv2.1 weights, or write tiny random ones for a CPU trial.
+    """Fetch FLUX.1-dev, HPSv2.1 and (on request) PickScore weights, or write tiny random ones for a CPU trial.
 
-    Each part gets a manifest, written last, which env-check, train and sample read to call it complete.
+    Each part gets a manifest, written last, which env-check, train and sample read to call it complete. A rerun
+    downloads only what is missing or damaged; FLUX.1-dev is gated on Hugging Face (accept its licence first).
 
     Examples:
-      fluxgrpo fetch-weights --source tiny
+      fluxgrpo fetch-weights
+      fluxgrpo fetch-weights --dry-run
+      fluxgrpo fetch-weights --source modelscope
+      HF_ENDPOINT=https://hf-mirror.com fluxgrpo fetch-weights --only hps,clip,pickscore
       fluxgrpo fetch-weights --source tiny --flux-dir /tmp/flux --hps-dir /tmp/hps --seed 1
     """
     from fluxgrpo.errors import UsageError
 
     if source not in SOURCES:
         raise UsageError(f"unknown --source {source!r}: use one of {', '.join(SOURCES)}")
-    if source != "tiny":
-        raise UsageError(
-            f"--source {source} is not available in this build yet; only --source tiny (offline random weights) is"
-        )
+    parts = _parse_only(only)
+    if source == "tiny":
+        hub_only = {"--revision": revision, "--token": token, "--endpoint": endpoint, "--dry-run": dry_run,
+                    "--max-workers": max_workers, "--rehash": rehash}
+        given = [flag for flag, value in hub_only.items() if value not in (None, False)]
+        if given:
+            raise UsageError(f"{given[0]} applies to --source hf or modelscope, not to --source tiny")
+        _tiny(parts, flux_dir, hps_dir, 0 if seed is None else seed, json_output)
+        return
+    if seed is not None:
+        raise UsageError("--seed applies to --source tiny only: hub weights are the published ones")
+    _hub(source, parts, flux_dir, hps_dir, revision=revision, token=token, endpoint=endpoint, dry_run=dry_run,
+         max_workers=8 if max_workers is None else max_workers, rehash=rehash, json_output=json_output)
+
+
+def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_output: bool) -> None:
     from pathlib import Path
 
-    from fluxgrpo.weights.layout import check_flux_dir, check_hps_dir
-    from fluxgrpo.weights.tiny import write_tiny_weights
+    from fluxgrpo.weights.layout import check_flux_dir, check_hps_dir, check_pickscore_dir, pickscore_dir
+    from fluxgrpo.weights.tiny import TINY_PARTS, write_tiny_weights
 
+    selected = parts or list(TINY_PARTS)
     err_console.print(f"writing tiny random weights (seed {seed}) to {flux_dir} and {hps_dir}")
-    summary = write_tiny_weights(Path(flux_dir), Path(hps_dir), seed=seed)
-    parts = [
-        (check_flux_dir(flux_dir), summary.flux_bytes),
-        *zip(check_hps_dir(hps_dir), (summary.hps_bytes, summary.clip_bytes), strict=True),
-    ]
-    rows = [
-        {"part": status.name, "path": status.path, "source": status.source, "complete": status.complete,
-         "bytes": size, "problems": status.problems}
-        for status, size in parts
-    ]
+    summary = write_tiny_weights(Path(flux_dir), Path(hps_dir), seed=seed, parts=selected)
+    checks = {
+        "flux": lambda: check_flux_dir(flux_dir),
+        "hps": lambda: check_hps_dir(hps_dir)[0],
+        "clip": lambda: check_hps_dir(hps_dir)[1],
+        "pickscore": lambda: check_pickscore_dir(pickscore_dir(hps_dir)),
+    }
+    sizes = {"flux": summary.flux_bytes, "hps": summary.hps_bytes, "clip": summary.clip_bytes,
+             "pickscore": summary.pickscore_bytes}
+    rows = []
+    for part in summary.parts:
+        status = checks[part]()
+        rows.append({"part": status.name, "path": status.path, "source": status.source, "complete": status.complete,
+                     "bytes": sizes[part], "problems": status.problems})
     if json_output:
-        print_json({"source": source, "seed": seed, "parts": rows})
+        print_json({"source": "tiny", "seed": seed, "parts": rows})
         return
     from rich.table import Table
 
-    table = Table(title=f"fetch-weights --source {source}", title_justify="left")
+    table = Table(title="fetch-weights --source tiny", title_justify="left")
     for column in ("part", "path", "source", "size", "status"):
         table.add_column(column)
     for row in rows:
         status = "[green]complete[/]" if row["complete"] else f"[bold red]{'; '.join(row['problems'])}[/]"
         table.add_row(row["part"], row["path"], row["source"] or "", _mib(row["bytes"]), status)
     out_console.print(table)
+
+
+def _hub(source: str, parts: list[str] | None, flux_dir: str, hps_dir: str, *, revision: str | None,
+         token: str | None, endpoint: str | None, dry_run: bool, max_workers: int, rehash: bool,
+         json_output: bool) -> None:
+    from fluxgrpo.weights.hub import DEFAULT_PARTS, fetch_from_hub
+
+    summary = fetch_from_hub(
+        source, parts=parts or list(DEFAULT_PARTS), flux_dir=flux_dir, hps_dir=hps_dir, revision=revision,
+        token=token, endpoint=endpoint, dry_run=dry_run, max_workers=max_workers, progress=not json_output,
+        rehash=rehash,
+    )
+    if json_output:
+        print_json(summary.to_dict())
+    elif dry_run:
+        _print_plan(summary)
+    else:
+        _print_summary(summary)
+
+
+def _short(revision: str) -> str:
+    return revision[:12] if len(revision) == 40 else revision
+
+
+def _print_plan(summary: Any) -> None:
+    from rich.table import Table
+
+    from fluxgrpo.weights.hub_progress import format_bytes
+
+    plan = summary.plan
+    for part in plan.parts:
+        table = Table(title=f"{part.part}: {part.repo}@{_short(part.revision)} → {part.root}", title_justify="left")
+        table.add_column("file", overflow="fold")
+        table.add_column("size", justify="right")
+        table.add_column("state")
+        for planned in part.files:
+            table.add_row(planned.path, format_bytes(planned.size), planned.state)
+        out_console.print(table)
+    files = sum(len(p.files) for p in plan.parts)
+    out_console.print(
+        f"dry run ({plan.source}, {plan.endpoint}): {plan.files_to_fetch} of {files} files to download, "
+        f"{format_bytes(plan.bytes_to_fetch)} of {format_bytes(plan.bytes_total)} ({plan.bytes_to_fetch} bytes); "
+        "nothing was written",
+        highlight=False, soft_wrap=True,
+    )
+
+
+def _print_summary(summary: Any) -> None:
+    from rich.table import Table
+
+    from fluxgrpo.weights.hub_progress import format_bytes
+
+    table = Table(title=f"fetch-weights --source {summary.source} ({summary.endpoint})", title_justify="left")
+    for column in ("part", "repo", "folder", "files", "downloaded", "already present"):
+        table.add_column(column, overflow="fold")
+    for part in summary.parts:
+        table.add_row(part.part, f"{part.repo}@{_short(part.revision)}", part.dir, str(part.files),
+                      f"{part.files_downloaded} ({format_bytes(part.bytes_downloaded)})",
+                      format_bytes(part.bytes_present))
+    out_console.print(table)
+    out_console.print(
+        f"complete: {summary.files} files in place; downloaded {summary.files_downloaded} "
+        f"({format_bytes(summary.bytes_downloaded)}), {format_bytes(summary.bytes_present)} already present; "
+        f"{summary.seconds:.1f} s",
+        highlight=False, soft_wrap=True,
+    )

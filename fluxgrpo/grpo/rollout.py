@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -27,6 +29,13 @@ def reshard_sharded_modules(module: nn.Module) -> None:
             submodule.reshard()
 
 
+def has_sharded_modules(module: nn.Module) -> bool:
+    """Whether any submodule is FSDP2-sharded (``fully_shard``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(submodule, FSDPModule) for submodule in module.modules())
+
+
 def predict_velocity(
     transformer: nn.Module,
     latents: torch.Tensor,
@@ -35,14 +44,15 @@ def predict_velocity(
     guidance: torch.Tensor,
     img_ids: torch.Tensor,
     device_type: str,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """One FluxTransformer2DModel forward under the device's autocast: v for [b, L, C] latents.
 
     ``timesteps`` [b] are σ-valued (in [0, 1]) and ``guidance`` [b] is the raw guidance scale: diffusers'
     Flux transformer multiplies both by 1000 itself. Shared by rollout and update so that both feed the
-    model identically.
+    model identically. ``compute_dtype`` overrides the runtime's autocast dtype (``fluxgrpo bench --dtype``).
     """
-    with autocast(device_type):
+    with autocast(device_type, compute_dtype):
         return transformer(
             hidden_states=latents,
             encoder_hidden_states=cond.prompt_embeds,
@@ -68,6 +78,7 @@ def generate_rollout(
     rollout_batch_size: int,
     device_type: str,
     generator: torch.Generator,
+    compute_dtype: torch.dtype | None = None,
 ) -> Rollout:
     """Sample B trajectories z_0 … z_N with the SDE step, in chunks of ``rollout_batch_size`` per forward.
 
@@ -76,6 +87,10 @@ def generate_rollout(
     trajectories at once, so the samples do not depend on ``rollout_batch_size`` and the stream can be
     saved and restored for an exact resume. The loop makes no host sync. On return the module is back in
     its previous train/eval mode, with FSDP2 parameters resharded.
+
+    An unsharded module's fp32 weights are cast to the compute dtype once per rollout, not once per forward
+    (one autocast region spans the loop, so autocast's weight-cast cache lives that long); the results are
+    bit-identical either way.
 
     The rollout batch size is a speed knob, not a semantic one, but batch-dependent kernels can make the
     rollout's log-probs differ slightly from the update's recomputation at another micro-batch size; the
@@ -92,6 +107,7 @@ def generate_rollout(
         rollout_batch_size: trajectories per forward.
         device_type: the runtime device type, for autocast.
         generator: RNG for the step noise.
+        compute_dtype: autocast dtype; None is the runtime's choice for ``device_type``.
     """
     if rollout_batch_size < 1:
         raise UsageError(f"--rollout-batch-size must be at least 1, got {rollout_batch_size}")
@@ -118,29 +134,36 @@ def generate_rollout(
         (start, min(start + rollout_batch_size, num_trajectories))
         for start in range(0, num_trajectories, rollout_batch_size)
     ]
+    # Autocast keeps every weight's low-precision copy until its outermost region ends, so a full copy of the
+    # model is alive at the end of each forward anyway: spanning the whole loop costs no extra peak memory and
+    # replaces steps × chunks casts of every weight by one. (sde_step works in fp32 on fp32 inputs, which
+    # autocast leaves alone.) Not for FSDP2-sharded modules, whose gathered weights are freed and re-gathered.
+    cast_once = contextlib.nullcontext() if has_sharded_modules(transformer) else autocast(device_type, compute_dtype)
     try:
-        for step in range(num_steps):
-            step_noise = torch.randn(
-                latents[:, 0].shape, generator=generator, device=generator.device, dtype=torch.float32
-            ).to(device)
-            for start, stop in chunks:
-                current = latents[start:stop, step]
-                velocity = predict_velocity(
-                    transformer,
-                    current,
-                    cond.rows(start, stop),
-                    fed_timesteps[step].expand(stop - start),
-                    guidance_values[start:stop],
-                    img_ids,
-                    device_type,
-                )
-                result = sde_step(
-                    current, velocity, sigmas[step], sigmas[step + 1], eta, noise=step_noise[start:stop]
-                )
-                latents[start:stop, step + 1] = result.prev_sample
-                log_probs[start:stop, step] = result.log_prob
-                if step == num_steps - 1:
-                    final_x0[start:stop] = result.x0_pred
+        with cast_once:
+            for step in range(num_steps):
+                step_noise = torch.randn(
+                    latents[:, 0].shape, generator=generator, device=generator.device, dtype=torch.float32
+                ).to(device)
+                for start, stop in chunks:
+                    current = latents[start:stop, step]
+                    velocity = predict_velocity(
+                        transformer,
+                        current,
+                        cond.rows(start, stop),
+                        fed_timesteps[step].expand(stop - start),
+                        guidance_values[start:stop],
+                        img_ids,
+                        device_type,
+                        compute_dtype,
+                    )
+                    result = sde_step(
+                        current, velocity, sigmas[step], sigmas[step + 1], eta, noise=step_noise[start:stop]
+                    )
+                    latents[start:stop, step + 1] = result.prev_sample
+                    log_probs[start:stop, step] = result.log_prob
+                    if step == num_steps - 1:
+                        final_x0[start:stop] = result.x0_pred
     finally:
         reshard_sharded_modules(transformer)
         transformer.train(was_training)

@@ -309,9 +309,11 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
                                        keep_last=cfg.keep_last or None)
                 rt_dist.rank0_print(ctx, f"saved {path}")
         metrics.close()
-        return records if ctx.is_main else []
-    finally:
-        rt_dist.teardown()
+    except BaseException:
+        rt_dist.teardown(failed=True)
+        raise
+    rt_dist.teardown()
+    return records if ctx.is_main else []
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -58,6 +58,7 @@ def policy_update(
     generator_cpu: torch.Generator,
     ema: _Ema | None = None,
     on_optimizer_step: Callable[[OptimizerStepEvent], None] | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> UpdateStats:
     """Train the policy on one rollout; returns statistics reduced once at the end.
 
@@ -97,6 +98,7 @@ def policy_update(
         generator_cpu: CPU RNG for the timestep permutations (save it for an exact resume).
         ema: updated once per optimizer step taken.
         on_optimizer_step: called at every boundary, taken or skipped.
+        compute_dtype: autocast dtype; None is the runtime's choice for ``device_type``.
     """
     if micro_batch_size < 1:
         raise UsageError(f"--train-micro-batch-size must be at least 1, got {micro_batch_size}")
@@ -177,6 +179,7 @@ def policy_update(
                 guidance_values[start:stop],
                 img_ids,
                 device_type,
+                compute_dtype,
             )
             new_log_prob = sde_step(
                 x, velocity, sigmas[step_index], sigmas[step_index + 1], rollout.eta, prev_sample=x_next

@@ -68,13 +68,16 @@ def init_distributed(requested_device: str | None = None, timeout_minutes: int =
     return DistContext(rank, local_rank, world_size, device_type, device, backend)
 
 
-def teardown() -> None:
+def teardown(*, failed: bool = False) -> None:
+    """Leave the process group; after a failure skip the barrier, which would wait forever for busy peers."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        if not failed:
+            with contextlib.suppress(Exception):
+                dist.barrier()
         with contextlib.suppress(Exception):
-            dist.barrier()
-        dist.destroy_process_group()
+            dist.destroy_process_group()
 
 
 def barrier(ctx: DistContext) -> None:

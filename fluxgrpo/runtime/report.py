@@ -89,7 +89,7 @@ def device_report(requested: str | None = None) -> dict[str, Any]:
 
 PACKAGES = (
     "torch", "torchvision", "torch-npu", "diffusers", "transformers", "open_clip_torch",
-    "huggingface_hub", "modelscope", "safetensors", "typer", "rich",
+    "huggingface_hub", "modelscope", "modelscope-hub", "safetensors", "typer", "rich",
 )
 
 

@@ -1,6 +1,6 @@
 """Real weights from Hugging Face or ModelScope into the standard layout: planned, resumable, verified.
 
-For each selected part (``HUB_PARTS``: flux, hps, clip):
+For each selected part (``HUB_PARTS``: flux, hps, clip by default; pickscore, which is two parts, on request):
 
 1. list the repo at a resolved revision and keep only the allow-listed files (FLUX.1-dev's diffusers
    folders, never the 23 GB single-file checkpoints beside them);
@@ -8,9 +8,9 @@ For each selected part (``HUB_PARTS``: flux, hps, clip):
    files kept in git, its git blob id) match what the hub lists; a partial download the client can continue
    is *resume*; anything else is *download*;
 3. check free disk space for what is missing, for all parts before any part starts;
-4. remove the part's manifest (so an interrupted re-fetch never looks complete), download the rest in
-   parallel straight into the folder, verify every downloaded file (a mismatch is downloaded once more, then
-   it is an error);
+4. remove the part's manifest (so an interrupted re-fetch never looks complete) and any file the part
+   supersedes (the tiny reward's architecture file), download the rest in parallel straight into the folder,
+   verify every downloaded file (a mismatch is downloaded once more, then it is an error);
 5. write the part's manifest last, listing every file with its size and sha256.
 
 A second run over a complete folder downloads nothing. To avoid re-reading 40 GB on every run, a file that
@@ -50,6 +50,13 @@ from fluxgrpo.weights.layout import (
     HPS_CHECKPOINT,
     HPS_MANIFEST,
     OPEN_CLIP_WEIGHTS,
+    PICKSCORE_BPE_FILES,
+    PICKSCORE_DIR,
+    PICKSCORE_MODEL_DIR,
+    PICKSCORE_PROCESSOR_DIR,
+    PICKSCORE_TOKENIZER_JSON,
+    PICKSCORE_WEIGHTS,
+    REWARD_ARCH_FILE,
 )
 from fluxgrpo.weights.manifest import (
     MANIFEST_NAME,
@@ -70,13 +77,19 @@ class HubPart:
 
     name: str
     repos: Mapping[str, tuple[str, ...]]  # source → candidate repo ids, tried in order
-    allow: tuple[str, ...]  # fnmatch patterns over repo paths; each must match at least one file
+    # Each entry must match at least one file: an fnmatch pattern over repo paths, or a tuple of alternative
+    # patterns of which the first that matches anything is taken (e.g. safetensors, else the .bin).
+    allow: tuple[str | tuple[str, ...], ...]
     root: str  # "flux" → flux_dir, "hps" → hps_dir
     manifest_name: str
     subdir: str = ""  # below the root, for a part that must not mix with the others there
+    optional: tuple[str, ...] = ()  # patterns fetched when the repo has them, not required
+    # Files of another variant of this part that must go when it is fetched (they would change how it loads).
+    replaces: tuple[str, ...] = ()
 
 
 _CLIP_REPO = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+_CLIP_MIRROR_REPO = "AI-ModelScope/CLIP-ViT-H-14-laion2B-s32B-b79K"
 
 HUB_PARTS: dict[str, HubPart] = {
     part.name: part
@@ -94,17 +107,63 @@ HUB_PARTS: dict[str, HubPart] = {
             allow=(HPS_CHECKPOINT,),
             root="hps",
             manifest_name=HPS_MANIFEST,
+            # The tiny reward's architecture file would make the loader build the tiny model around real weights.
+            replaces=(REWARD_ARCH_FILE,),
         ),
         HubPart(
             "clip",
             # ModelScope's copy under the laion id has only one source; AI-ModelScope's is the known fallback.
-            {"hf": (_CLIP_REPO,), "modelscope": (_CLIP_REPO, "AI-ModelScope/CLIP-ViT-H-14-laion2B-s32B-b79K")},
+            {"hf": (_CLIP_REPO,), "modelscope": (_CLIP_REPO, _CLIP_MIRROR_REPO)},
             allow=(OPEN_CLIP_WEIGHTS,),
             root="hps",
             manifest_name=CLIP_MANIFEST,
         ),
+        HubPart(
+            "pickscore-model",
+            # AI-ModelScope/PickScore_v1 is the copy DiffSynth-Studio's PickScore metric downloads.
+            {"hf": ("yuvalkirstain/PickScore_v1",), "modelscope": ("AI-ModelScope/PickScore_v1",)},
+            allow=("config.json", PICKSCORE_WEIGHTS),
+            root="hps",
+            manifest_name=MANIFEST_NAME,
+            subdir=f"{PICKSCORE_DIR}/{PICKSCORE_MODEL_DIR}",
+        ),
+        HubPart(
+            "pickscore-processor",
+            # PickScore was trained with laion's CLIP-H processor; the AI-ModelScope copy is the one DiffSynth-Studio
+            # loads it from, the laion id on ModelScope is the fallback.
+            {"hf": (_CLIP_REPO,), "modelscope": (_CLIP_MIRROR_REPO, _CLIP_REPO)},
+            # The tokenizer in either form is required; whichever other files of it the repo has come along.
+            allow=(
+                "preprocessor_config.json", "tokenizer_config.json", (PICKSCORE_TOKENIZER_JSON, PICKSCORE_BPE_FILES[0])
+            ),
+            optional=(PICKSCORE_TOKENIZER_JSON, *PICKSCORE_BPE_FILES, "special_tokens_map.json"),
+            root="hps",
+            manifest_name=MANIFEST_NAME,
+            subdir=f"{PICKSCORE_DIR}/{PICKSCORE_PROCESSOR_DIR}",
+        ),
     )
 }
+
+# Names --only accepts besides the parts themselves: one name for parts that are only useful together.
+PART_GROUPS: dict[str, tuple[str, ...]] = {"pickscore": ("pickscore-model", "pickscore-processor")}
+# What a plain `fetch-weights` fetches: everything training with the default reward (HPSv2.1) needs.
+DEFAULT_PARTS: tuple[str, ...] = ("flux", "hps", "clip")
+PART_CHOICES: tuple[str, ...] = (*DEFAULT_PARTS, *PART_GROUPS, *(p for p in HUB_PARTS if p not in DEFAULT_PARTS))
+
+
+def expand_parts(names: Sequence[str]) -> list[str]:
+    """Part names with each group (``pickscore``) replaced by its parts, in HUB_PARTS order, without repeats.
+
+    Raises UsageError naming --only for an unknown name or an empty selection.
+    """
+    unknown = [name for name in names if name not in HUB_PARTS and name not in PART_GROUPS]
+    if unknown:
+        raise UsageError(f"unknown part {unknown[0]!r}: choose from {', '.join(PART_CHOICES)} (--only)")
+    wanted = {part for name in names for part in PART_GROUPS.get(name, (name,))}
+    if not wanted:
+        raise UsageError(f"no part selected: choose from {', '.join(PART_CHOICES)} (--only)")
+    return [name for name in HUB_PARTS if name in wanted]
+
 
 PRESENT = "present"  # on disk, size and digest verified
 UNVERIFIED = "unverified"  # on disk with the right size, digest not read (plans made without verify)
@@ -264,7 +323,7 @@ class FetchSummary:
 def plan_fetch(
     source: str,
     *,
-    parts: Sequence[str] = tuple(HUB_PARTS),
+    parts: Sequence[str] = DEFAULT_PARTS,
     flux_dir: str | Path = DEFAULT_FLUX_DIR,
     hps_dir: str | Path = DEFAULT_HPS_DIR,
     revision: str | None = None,
@@ -290,7 +349,7 @@ def plan_fetch(
 def fetch_from_hub(
     source: str,
     *,
-    parts: Sequence[str] = tuple(HUB_PARTS),
+    parts: Sequence[str] = DEFAULT_PARTS,
     flux_dir: str | Path = DEFAULT_FLUX_DIR,
     hps_dir: str | Path = DEFAULT_HPS_DIR,
     revision: str | None = None,
@@ -303,9 +362,10 @@ def fetch_from_hub(
 ) -> FetchSummary:
     """Fetch the selected parts from ``source`` ("hf" or "modelscope") into the standard layout.
 
-    ``revision`` (branch, tag or commit) pins the repo of a single selected part; ``token`` and ``endpoint``
-    default to the hub's own settings (HF_TOKEN / ``hf auth login``, HF_ENDPOINT; MODELSCOPE_API_TOKEN /
-    ``modelscope login``, MODELSCOPE_ENDPOINT). ``dry_run`` only plans (see ``plan_fetch``). Progress and notes
+    ``parts`` are names from ``PART_CHOICES`` (a group such as "pickscore" stands for its parts). ``revision``
+    (branch, tag or commit) pins the repo of a single selected part; ``token`` and ``endpoint`` default to the
+    hub's own settings (HF_TOKEN / ``hf auth login``, HF_ENDPOINT; MODELSCOPE_API_TOKEN / ``modelscope login``,
+    MODELSCOPE_ENDPOINT). ``dry_run`` only plans (see ``plan_fetch``). Progress and notes
     go to stderr when ``progress``. Raises ``FluxgrpoError`` with one actionable line on any failure; files
     finished before it are kept and count on the next run.
     """
@@ -354,15 +414,11 @@ def fetch_from_hub(
 
 
 def _select_parts(parts: Sequence[str], revision: str | None) -> list[HubPart]:
-    unknown = [p for p in parts if p not in HUB_PARTS]
-    if unknown:
-        raise UsageError(f"unknown part {unknown[0]!r}: choose from {', '.join(HUB_PARTS)} (--only)")
-    selected = [part for name, part in HUB_PARTS.items() if name in parts]
-    if not selected:
-        raise UsageError(f"no part selected: choose from {', '.join(HUB_PARTS)} (--only)")
+    selected = [HUB_PARTS[name] for name in expand_parts(parts)]
     if revision is not None and len(selected) > 1:
         raise UsageError(
-            "--revision pins one repository: pass it with a single part, e.g. `--only flux --revision <commit>`"
+            "--revision pins one repository: pass it with a single part, e.g. `--only flux --revision <commit>` "
+            f"(pickscore is two repositories: {', '.join(PART_GROUPS['pickscore'])})"
         )
     return selected
 
@@ -386,7 +442,12 @@ def _resolve_part(
     """(repo, resolved revision, allow-listed files) from the first candidate repo that has them all."""
     candidates = part.repos.get(client.source, ())
     if not candidates:
-        raise UsageError(f"part {part.name!r} is not available from --source {client.source}")
+        others = [source for source, repos in part.repos.items() if repos]
+        raise UsageError(
+            f"{part.name} has no known repository on {client.source}: fetch it with "
+            f"`fluxgrpo fetch-weights --source {others[0]} --only {part.name}`" if others
+            else f"{part.name} has no known repository on any hub"
+        )
     first_error: FluxgrpoError | None = None
     for repo in candidates:
         try:
@@ -403,14 +464,27 @@ def _resolve_part(
 def _allowed_files(
     part: HubPart, repo: str, revision: str, listing: list[RemoteFile], endpoint: str
 ) -> list[RemoteFile]:
-    files = sorted((f for f in listing if any(fnmatchcase(f.path, p) for p in part.allow)), key=lambda f: f.path)
-    unmatched = [p for p in part.allow if not any(fnmatchcase(f.path, p) for f in files)]
+    """The listed files the part takes: every required entry must match, optional patterns may not."""
+
+    def matching(pattern: str) -> list[RemoteFile]:
+        return [f for f in listing if fnmatchcase(f.path, pattern)]
+
+    chosen: dict[str, RemoteFile] = {}
+    unmatched: list[str] = []
+    for entry in part.allow:
+        alternatives = (entry,) if isinstance(entry, str) else entry
+        found = next((hits for hits in map(matching, alternatives) if hits), [])
+        if not found:
+            unmatched.append(" or ".join(alternatives))
+        chosen.update((f.path, f) for f in found)
     if unmatched:
         raise MissingFiles(
             f"{repo}@{revision} on {endpoint} has no file matching {', '.join(unmatched)} (needed for {part.name}): "
             "check the repo, or pin a --revision that has it"
         )
-    return files
+    for pattern in part.optional:
+        chosen.update((f.path, f) for f in matching(pattern))
+    return sorted(chosen.values(), key=lambda f: f.path)
 
 
 def _classify(
@@ -569,6 +643,11 @@ def _check_disk_space(plans: list[PartPlan]) -> None:
 def _fetch_part(client: HubClient, plan: PartPlan, max_workers: int, view: ProgressView) -> PartResult:
     manifest_path = plan.root / plan.manifest_name
     manifest_path.unlink(missing_ok=True)  # stale until every file below is verified again
+    for name in HUB_PARTS[plan.part].replaces:
+        superseded = plan.root / name
+        if superseded.is_file():
+            superseded.unlink()
+            view.log(f"{plan.part}: removed {superseded} (it described other weights than the ones fetched)")
     todo = sorted(plan.to_fetch, key=lambda f: f.size, reverse=True)  # longest transfers start first
     fetched_bytes = 0
     if todo:

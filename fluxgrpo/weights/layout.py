@@ -22,6 +22,17 @@ OPEN_CLIP_WEIGHTS = "open_clip_pytorch_model.bin"
 REWARD_ARCH_FILE = "open_clip_config.json"
 HPS_MANIFEST = "manifest.hps.json"
 CLIP_MANIFEST = "manifest.clip.json"
+# PickScore lives in its own folder inside the HPS folder, so `train --hps-dir` finds every reward in one place:
+# <hps_dir>/pickscore/model     CLIPModel (config.json + weights) from yuvalkirstain/PickScore_v1
+# <hps_dir>/pickscore/processor CLIP processor (preprocessor_config.json + tokenizer) from laion's CLIP-ViT-H-14
+# Each subfolder is a plain Hugging Face folder (from_pretrained loads it) with its own manifest.json.
+PICKSCORE_DIR = "pickscore"
+PICKSCORE_MODEL_DIR = "model"
+PICKSCORE_PROCESSOR_DIR = "processor"
+PICKSCORE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # either one; the hub repo has both
+# The CLIP tokenizer as tokenizers' single file, or as the BPE pair; the hub repo has both.
+PICKSCORE_TOKENIZER_JSON = "tokenizer.json"
+PICKSCORE_BPE_FILES = ("vocab.json", "merges.txt")
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 _MODEL_COMPONENTS = ("text_encoder", "text_encoder_2", "transformer", "vae")
@@ -31,7 +42,7 @@ _MODEL_COMPONENTS = ("text_encoder", "text_encoder_2", "transformer", "vae")
 class PartStatus:
     """Whether one weights part is usable, and what to do if not."""
 
-    name: str  # flux | hps | clip
+    name: str  # flux | hps | clip | pickscore
     path: str
     complete: bool
     source: str | None = None  # from the manifest: tiny | hf | modelscope; None when placed by hand
@@ -106,3 +117,48 @@ def reward_architecture(hps_dir: str | Path) -> dict | None:
     if not path.is_file():
         return None
     return json.loads(path.read_text())
+
+
+def pickscore_dir(hps_dir: str | Path) -> Path:
+    """Where the PickScore model and processor live for a given HPS folder: ``<hps_dir>/pickscore``."""
+    return Path(hps_dir) / PICKSCORE_DIR
+
+
+def check_pickscore_dir(folder: str | Path) -> PartStatus:
+    """Check a PickScore folder (``pickscore_dir(hps_dir)``): the model and processor subfolders and their manifests.
+
+    Complete when ``model/`` has config.json and a weights file and ``processor/`` has preprocessor_config.json,
+    tokenizer_config.json and the tokenizer (tokenizer.json, or vocab.json + merges.txt), and each manifest present
+    lists files that are all in place.
+    """
+    root = Path(folder)
+    model, processor = root / PICKSCORE_MODEL_DIR, root / PICKSCORE_PROCESSOR_DIR
+    status = PartStatus(
+        "pickscore", str(root), complete=False,
+        fix=f"run `fluxgrpo fetch-weights --only pickscore --hps-dir {root.parent}` (or --source tiny for a CPU trial)",
+    )
+    if not root.is_dir():
+        status.problems.append(f"PickScore weights not found in {root}")
+        return status
+    if not (model / "config.json").is_file():
+        status.problems.append(f"{model}/config.json is missing")
+    if not any((model / name).is_file() for name in PICKSCORE_WEIGHTS):
+        status.problems.append(f"{model} has no {' or '.join(PICKSCORE_WEIGHTS)}")
+    for name in ("preprocessor_config.json", "tokenizer_config.json"):
+        if not (processor / name).is_file():
+            status.problems.append(f"{processor}/{name} is missing")
+    has_bpe = all((processor / name).is_file() for name in PICKSCORE_BPE_FILES)
+    if not (processor / PICKSCORE_TOKENIZER_JSON).is_file() and not has_bpe:
+        status.problems.append(f"{processor} has no {PICKSCORE_TOKENIZER_JSON} (nor {' + '.join(PICKSCORE_BPE_FILES)})")
+    sources = []
+    for sub in (model, processor):
+        manifest = read_manifest(sub)
+        if manifest is not None:
+            sources.append(manifest.source)
+            status.problems.extend(f"{sub.name}/: {problem}" for problem in verify_manifest(sub, manifest))
+    if sources:
+        status.source = "+".join(dict.fromkeys(sources))  # "hf", or e.g. "modelscope+hf" when mixed
+    status.complete = not status.problems
+    if status.complete:
+        status.fix = None
+    return status

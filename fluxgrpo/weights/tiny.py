@@ -1,31 +1,41 @@
-"""``fetch-weights --source tiny``: write tiny random, seeded FLUX and HPS weights in exactly the real layout.
+"""``fetch-weights --source tiny``: tiny random, seeded FLUX, HPS and PickScore weights in exactly the real layout.
 
 The FLUX part is a ``FluxPipeline.save_pretrained`` folder (what FLUX.1-dev's diffusers repo holds); the reward
 part is saved the way the real files are: ``HPS_v2.1_compressed.pt`` is ``{"state_dict": ...}`` of a full open_clip
 CLIP and ``open_clip_pytorch_model.bin`` is a plain open_clip state dict (LAION's initial weights, which HPS was
 fine-tuned from, so here it is a different random draw). Only the tiny part also gets ``open_clip_config.json``,
-the architecture (the real one is ViT-H-14). Manifests are written last, so a part with a manifest is complete.
+the architecture (the real one is ViT-H-14). PickScore goes to ``<hps_dir>/pickscore``: ``model/`` is a
+``CLIPModel.save_pretrained`` folder, ``processor/`` the CLIP tokenizer and image processor config, as the two hub
+repos hold them. Manifests are written last, so a part with a manifest is complete.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.weights.layout import (
     CLIP_MANIFEST,
     HPS_CHECKPOINT,
     HPS_MANIFEST,
     OPEN_CLIP_WEIGHTS,
+    PICKSCORE_BPE_FILES,
+    PICKSCORE_MODEL_DIR,
+    PICKSCORE_PROCESSOR_DIR,
     REWARD_ARCH_FILE,
+    pickscore_dir,
 )
 from fluxgrpo.weights.manifest import MANIFEST_NAME, Manifest, describe_files, read_manifest, write_manifest
 
 TINY_SOURCE = "tiny"
 _REWARD_FILES = (HPS_CHECKPOINT, OPEN_CLIP_WEIGHTS, REWARD_ARCH_FILE, HPS_MANIFEST, CLIP_MANIFEST)
+# What --only can name for --source tiny. hps and clip are one pair (the HPS checkpoint and the initial weights
+# it was fine-tuned from), written together.
+TINY_PARTS = ("flux", "hps", "clip", "pickscore")
 
 
 @dataclass(frozen=True)
@@ -38,6 +48,8 @@ class TinyWeightsSummary:
     flux_bytes: int
     hps_bytes: int
     clip_bytes: int
+    pickscore_bytes: int = 0
+    parts: tuple[str, ...] = TINY_PARTS  # the parts written, in TINY_PARTS order
 
 
 def _refuse_unless_tiny_or_empty(folder: Path, manifest_names: tuple[str, ...], own_files: tuple[str, ...] | None,
@@ -114,13 +126,60 @@ def write_tiny_reward(hps_dir: Path, seed: int = 0) -> tuple[int, int]:
     return sum(f.size for f in hps_files), sum(f.size for f in clip_files)
 
 
-def write_tiny_weights(flux_dir: Path, hps_dir: Path, seed: int = 0) -> TinyWeightsSummary:
-    """Write tiny random FLUX (``flux_dir``) and HPS (``hps_dir``) weights, offline, in the real layout.
+def write_tiny_pickscore(folder: Path, seed: int = 0) -> int:
+    """Write a tiny PickScore (``model/`` + ``processor/``) into ``folder`` with a manifest in each; returns bytes.
 
-    Afterwards ``check_flux_dir(flux_dir)`` and ``check_hps_dir(hps_dir)`` report complete. The same seed gives
-    the same weights. A folder holding non-tiny weights (another source's manifest, or files without one) is
-    never overwritten: FluxgrpoError names the flag to change.
+    ``folder`` is normally ``pickscore_dir(hps_dir)``; afterwards ``check_pickscore_dir(folder)`` reports complete.
     """
-    flux_bytes = write_tiny_flux(Path(flux_dir), seed)
-    hps_bytes, clip_bytes = write_tiny_reward(Path(hps_dir), seed)
-    return TinyWeightsSummary(Path(flux_dir), Path(hps_dir), seed, flux_bytes, hps_bytes, clip_bytes)
+    from transformers import CLIPImageProcessor
+
+    from fluxgrpo.models.tiny import PICKSCORE_PROCESSOR_CONFIG, build_tiny_clip_tokenizer, build_tiny_pickscore_model
+
+    folder = Path(folder)
+    model_dir, processor_dir = folder / PICKSCORE_MODEL_DIR, folder / PICKSCORE_PROCESSOR_DIR
+    for sub in (model_dir, processor_dir):
+        _refuse_unless_tiny_or_empty(sub, (MANIFEST_NAME,), None, "--hps-dir")
+    for sub in (model_dir, processor_dir):
+        if sub.exists():
+            shutil.rmtree(sub)  # an earlier tiny folder: start clean so no stale file survives
+
+    build_tiny_pickscore_model(seed).save_pretrained(model_dir)
+    tokenizer = build_tiny_clip_tokenizer()
+    tokenizer.save_pretrained(processor_dir)
+    # The hub repo also has the BPE pair (vocab.json + merges.txt), which transformers 5 no longer writes; the
+    # tiny vocabulary has no merges, so the pair is the vocabulary and merges.txt's version line.
+    (processor_dir / PICKSCORE_BPE_FILES[0]).write_text(json.dumps(tokenizer.get_vocab(), ensure_ascii=False) + "\n")
+    (processor_dir / PICKSCORE_BPE_FILES[1]).write_text("#version: 0.2\n")
+    CLIPImageProcessor(**PICKSCORE_PROCESSOR_CONFIG).save_pretrained(processor_dir)
+    total = 0
+    for sub in (model_dir, processor_dir):
+        files = describe_files(sub, _relative_files(sub, {MANIFEST_NAME}))
+        write_manifest(sub, Manifest(part="pickscore", source=TINY_SOURCE, files=files), MANIFEST_NAME)
+        total += sum(f.size for f in files)
+    return total
+
+
+def write_tiny_weights(
+    flux_dir: Path, hps_dir: Path, seed: int = 0, parts: Sequence[str] = TINY_PARTS
+) -> TinyWeightsSummary:
+    """Write tiny random FLUX (``flux_dir``), HPS and PickScore (``hps_dir``) weights, offline, in the real layout.
+
+    ``parts`` selects from ``TINY_PARTS`` ("hps" and "clip" are written together). Afterwards
+    ``check_flux_dir(flux_dir)``, ``check_hps_dir(hps_dir)`` and ``check_pickscore_dir(pickscore_dir(hps_dir))``
+    report complete for what was written. The same seed gives the same weights. A folder holding non-tiny weights
+    (another source's manifest, or files without one) is never overwritten: FluxgrpoError names the flag to change.
+    """
+    unknown = [part for part in parts if part not in TINY_PARTS]
+    if unknown or not parts:
+        raise UsageError(
+            f"{'unknown part ' + repr(unknown[0]) if unknown else 'no part selected'} for --source tiny: choose from "
+            f"{', '.join(TINY_PARTS)} (--only)"
+        )
+    written = set(parts)
+    if written & {"hps", "clip"}:
+        written |= {"hps", "clip"}
+    flux_bytes = write_tiny_flux(Path(flux_dir), seed) if "flux" in written else 0
+    hps_bytes, clip_bytes = write_tiny_reward(Path(hps_dir), seed) if "hps" in written else (0, 0)
+    pickscore_bytes = write_tiny_pickscore(pickscore_dir(hps_dir), seed) if "pickscore" in written else 0
+    return TinyWeightsSummary(Path(flux_dir), Path(hps_dir), seed, flux_bytes, hps_bytes, clip_bytes, pickscore_bytes,
+                              tuple(part for part in TINY_PARTS if part in written))

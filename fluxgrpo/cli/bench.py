@@ -1,0 +1,161 @@
+"""``fluxgrpo bench``: per-phase time, throughput, memory and MFU of one GRPO iteration, batched vs batch 1."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, Optional
+
+import typer
+
+from fluxgrpo.cli.common import err_console, handle_errors, out_console
+from fluxgrpo.paths import DEFAULT_HPS_DIR
+
+
+@handle_errors
+def command(
+    model: Annotated[str, typer.Option("--model", help="tiny, flux-dev-shaped (FLUX.1-dev's architecture, random weights, "
+                                        "nothing downloaded), or a diffusers FLUX folder.")] = "tiny",
+    blocks: Annotated[Optional[str], typer.Option("--blocks", help="D,S double and single blocks (FLUX.1-dev: 19,38); "  # noqa: UP007
+                                                   "fewer to fit one device.")] = None,
+    resolution: Annotated[Optional[str], typer.Option("--resolution", help="Image sizes to measure in turn: 512,720 "  # noqa: UP007
+                                                       "(squares) or 720x1280. Default 64 for tiny, else 720.")] = None,
+    steps: Annotated[int, typer.Option("--steps", help="Sampling steps N per trajectory.")] = 16,
+    rollout_batch_sizes: Annotated[str, typer.Option("--rollout-batch-sizes", help="Trajectories per forward to "
+                                                     "compare (rollout, decode, reward).")] = "1,2,4,8",
+    micro_batch_sizes: Annotated[str, typer.Option("--micro-batch-sizes", help="Training micro-batch sizes to "
+                                                   "compare (update).")] = "1,2",
+    activation_checkpointing: Annotated[str, typer.Option("--activation-checkpointing", help="Update with "
+                                                          "checkpointing: both, on or off.")] = "both",
+    trajectories: Annotated[Optional[int], typer.Option("--trajectories", help="Trajectories B per iteration "  # noqa: UP007
+                                                         "[default: lcm of all batch sizes].")] = None,
+    train_timesteps: Annotated[Optional[int], typer.Option("--train-timesteps", help="Trained timesteps T per "  # noqa: UP007
+                                                            "trajectory [default: int((N-1)·0.6), at least 1].")] = None,
+    text_tokens: Annotated[int, typer.Option("--text-tokens", help="T5 tokens of the random conditioning.")] = 512,
+    dies: Annotated[int, typer.Option("--dies", help="Devices; more than 1 runs torchrun workers with the "
+                                      "transformer sharded as in training.")] = 1,
+    device: Annotated[str, typer.Option("--device", help="auto, or a device type (see `fluxgrpo env-check`).")] = "auto",
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype bf16 or fp32 (weights stay fp32) "  # noqa: UP007
+                                                  "[default: bf16 on accelerators, fp32 on cpu].")] = None,
+    attention: Annotated[str, typer.Option("--attention", help="Attention kernel, as `fluxgrpo train --attention`.")] = "sdpa",
+    peak_tflops: Annotated[Optional[float], typer.Option("--peak-tflops", help="Dense peak TFLOPS of one device for "  # noqa: UP007
+                                                          "MFU [default: from the device table].")] = None,
+    repeats: Annotated[int, typer.Option("--repeats", help="Timed runs per configuration (the median is shown).")] = 3,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed runs before them.")] = 1,
+    reward: Annotated[str, typer.Option("--reward", help="auto, tiny-clip, vit-h-14 (random weights), brightness, "
+                                        "or hpsv2 (weights from --hps-dir).")] = "auto",
+    hps_dir: Annotated[str, typer.Option("--hps-dir", help="HPS weights for --reward hpsv2.")] = DEFAULT_HPS_DIR,
+    compile_model: Annotated[bool, typer.Option("--compile", help="torch.compile the transformer (opt-in).")] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for weights, conditioning and noise.")] = 0,
+    json_output: Annotated[bool, typer.Option("--json", help="JSON lines (config, device, versions, model, figures, "
+                                              "summaries) on stdout as they are measured.")] = False,
+) -> None:
+    """Measure one GRPO iteration phase by phase, at several batch sizes side by side.
+
+    Examples:
+      fluxgrpo bench --model tiny --steps 2
+      fluxgrpo bench --model flux-dev-shaped --blocks 8,16 --resolution 720 --steps 16 --json > bench.jsonl
+    """
+    import json
+    import sys
+
+    from fluxgrpo.bench import build_bench_config, run_bench
+
+    cfg = build_bench_config(
+        model=model, blocks=blocks, resolution=resolution, rollout_batch_sizes=rollout_batch_sizes,
+        micro_batch_sizes=micro_batch_sizes, steps=steps, activation_checkpointing=activation_checkpointing,
+        trajectories=trajectories, train_timesteps=train_timesteps, text_tokens=text_tokens, dies=dies,
+        device=device, dtype=dtype, attention=attention, peak_tflops=peak_tflops, repeats=repeats, warmup=warmup,
+        reward=reward, hps_dir=hps_dir, compile=compile_model, seed=seed,
+    )
+
+    def emit(record: dict[str, Any]) -> None:
+        if json_output:
+            sys.stdout.write(json.dumps(record, default=str) + "\n")
+            sys.stdout.flush()
+
+    records = run_bench(cfg, emit=emit, log=lambda line: err_console.print(line, highlight=False, markup=False))
+    if not json_output:
+        _render(records)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _bytes(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f} GiB" if value >= 2**28 else f"{value / 2**20:.1f} MiB"
+
+
+def _ratio(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _phase(figure: dict[str, Any]) -> str:
+    checkpointing = figure["activation_checkpointing"]
+    return figure["phase"] + ("" if checkpointing is None else (" ckpt" if checkpointing else " no-ckpt"))
+
+
+def _render(records: list[dict[str, Any]]) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    # A pipe or a CI log has no width of its own: do not squeeze the table into rich's 80-column default.
+    console = out_console if out_console.is_terminal else Console(width=160)
+
+    device = next(r for r in records if r["record"] == "device")
+    model = next(r for r in records if r["record"] == "model")
+    config = next(r for r in records if r["record"] == "config")
+    peak = f"{device['peak_tflops']:g} TFLOPS ({device['peak_source']})" if device["peak_tflops"] else device["peak_source"]
+    console.print(
+        f"[bold]fluxgrpo bench[/]: {model['name']} ({model['double_blocks']}+{model['single_blocks']} blocks, width "
+        f"{model['hidden']}, {model['transformer_parameters'] / 1e6:.1f} M parameters), {config['dtype']} on "
+        f"{device['type']} × {device['world_size']} ({device['name']}); peak {peak}\n"
+        f"B = {model['trajectories']} trajectories, N = {model['steps']} steps, T = {model['train_timesteps']} trained "
+        f"timesteps, {model['text_tokens']} text tokens, reward {model['reward']}; median of {config['repeats']} runs",
+        highlight=False,
+    )
+    figures = [r for r in records if r["record"] == "figure"]
+    console.print("rate: images/s (rollout, decode, reward), trained samples/s (update), steps/s (optimizer); "
+                      "× = rate over the same phase's rate at its smallest batch size", highlight=False)
+    for summary in (r for r in records if r["record"] == "summary"):
+        resolution = summary["resolution"]
+        rows = [f for f in figures if f["resolution"] == resolution]
+        # (header, cell); a column that is empty in every row (MFU and memory on cpu) is left out.
+        columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+            ("phase", _phase),
+            ("batch", lambda f: str(f["batch_size"] or "-")),
+            ("seconds", lambda f: _seconds(f["seconds"]) if f["seconds"] is not None else f"[red]{f['error']}[/]"),
+            ("rate", lambda f: _seconds(f["per_second"])),
+            ("×", lambda f: _ratio(f["speedup"])),
+            ("TFLOP/s", lambda f: "-" if f["tflops"] is None else f"{f['tflops']:.3g}"),
+            ("MFU", lambda f: "-" if f["mfu"] is None else f"{f['mfu']:.1%}"),
+            ("peak mem", lambda f: _bytes(f["peak_memory_bytes"])),
+            ("act mem", lambda f: _bytes(f["activation_bytes"])),
+            ("|log ρ|", lambda f: "-" if f["max_abs_log_ratio"] is None else f"{f['max_abs_log_ratio']:.0e}"),
+        ]
+        cells = [[cell(f) for _, cell in columns] for f in rows]
+        keep = [i for i in range(len(columns)) if i < 3 or any(row[i] != "-" for row in cells)]
+        table = Table(title=f"{resolution}, {rows[0]['work'] if rows else 0} images per iteration",
+                      title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        for i in keep:
+            table.add_column(columns[i][0], justify="left" if i == 0 else "right", no_wrap=True)
+        for row in cells:
+            table.add_row(*(row[i] for i in keep))
+        console.print(table)
+        for it in summary["iterations"]:
+            mode = "checkpointing on" if it["activation_checkpointing"] else "checkpointing off"
+            for end in ("smallest", "largest"):
+                part = it[end]
+                shares = ", ".join(f"{phase} {share:.0%}" for phase, share in part["share"].items())
+                sizes = ", ".join(f"{phase} {size}" for phase, size in part["batch_sizes"].items())
+                console.print(f"iteration ({mode}; {sizes}): {part['seconds']:.3g} s, "
+                              f"{part['images_per_second']:.3g} images/s: {shares}", highlight=False)
+            console.print(f"iteration speed-up, largest vs smallest batches ({mode}): {it['speedup']:.2f}×",
+                          highlight=False)
+        for size, saved in summary["activation_checkpointing_by_micro_batch"].items():
+            console.print(
+                f"activation checkpointing at micro-batch {size}: saves {_bytes(saved['peak_memory_saved_bytes'])} "
+                f"peak, {_bytes(saved['activation_bytes_saved'])} of activations; update time × "
+                f"{_ratio(saved['time_ratio_on_over_off'])}", highlight=False,
+            )

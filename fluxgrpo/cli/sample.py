@@ -1,0 +1,143 @@
+"""``fluxgrpo sample``: images from the base model or a trained checkpoint, with an index and a contact sheet."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from fluxgrpo.cli.common import err_console, handle_errors, out_console, print_json
+from fluxgrpo.paths import DEFAULT_FLUX_DIR
+from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
+from fluxgrpo.runtime.device import DEVICE_TYPES
+
+
+@handle_errors
+def command(
+    model: Annotated[str, typer.Option("--model", help="FLUX diffusers folder (the base model).")] = DEFAULT_FLUX_DIR,
+    checkpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--checkpoint",
+            help="A checkpoint-<k> folder, or a training --output-dir (its latest complete checkpoint). "
+            "[default: none, the base model]",
+            show_default=False,
+        ),
+    ] = None,
+    ema: Annotated[bool, typer.Option("--ema", help="Use the checkpoint's EMA weights (runs trained with --use-ema).")] = False,
+    prompts_file: Annotated[
+        str | None, typer.Option("--prompts", help="Prompt file, one per line (blank lines and repeats dropped).")
+    ] = None,
+    prompt: Annotated[
+        list[str] | None, typer.Option("--prompt", help="A prompt; repeat the flag for more (instead of --prompts).")
+    ] = None,
+    images_per_prompt: Annotated[int, typer.Option("--images-per-prompt", help="Images K per prompt.")] = 1,
+    height: Annotated[int, typer.Option("--height", help="Image height in pixels (multiple of 16).")] = 720,
+    width: Annotated[int, typer.Option("--width", help="Image width in pixels (multiple of 16).")] = 720,
+    steps: Annotated[int, typer.Option("--steps", help="Denoising steps.")] = 28,
+    guidance: Annotated[float, typer.Option("--guidance", help="FLUX-dev distilled guidance.")] = 3.5,
+    seed: Annotated[
+        int, typer.Option("--seed", help="Run seed S; image j of prompt i is seeded from (S, i, j).")
+    ] = 0,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", help="Images per forward pass (does not change the images).")
+    ] = 1,
+    dies: Annotated[
+        int, typer.Option("--dies", help="Worker processes, one per device (torchrun); prompts are split.")
+    ] = 1,
+    out: Annotated[
+        str | None,
+        typer.Option(
+            "--out",
+            help="Output folder; index.json is written there last. "
+            "[default: data/outputs/samples/base, or .../<run>-checkpoint-<k>[-ema]]",
+            show_default=False,
+        ),
+    ] = None,
+    device: Annotated[
+        str, typer.Option("--device", help=f"auto (the best found), or one of {', '.join(DEVICE_TYPES)}.")
+    ] = "auto",
+    attention: Annotated[
+        str, typer.Option("--attention", help=f"Attention kernel: {' or '.join(ATTENTION_BACKENDS)}.")
+    ] = "sdpa",
+    max_sequence_length: Annotated[
+        int, typer.Option("--max-sequence-length", help="T5 tokens per prompt (padded; longer prompts are cut).")
+    ] = 512,
+    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
+) -> None:
+    """Generate images with the base model or a trained checkpoint, reproducibly (same seed, same images).
+
+    Writes <out>/<i:04d>_<j:02d>.png, a grid.png contact sheet and, last, index.json (which `fluxgrpo score`
+    reads).
+
+    Examples:
+      fluxgrpo sample --prompts prompts.txt --images-per-prompt 4
+      fluxgrpo sample --checkpoint data/outputs/grpo --prompts prompts.txt --images-per-prompt 4 --dies 8
+    """
+    from fluxgrpo.data.prompts import read_prompts
+    from fluxgrpo.errors import UsageError
+    from fluxgrpo.sample import SampleSettings, build_request
+
+    if dies < 1:
+        raise UsageError(f"--dies must be at least 1 (got {dies})")
+    if prompts_file is not None and prompt:
+        raise UsageError("pass either --prompts FILE or --prompt TEXT, not both")
+    if prompts_file is not None:
+        prompts = read_prompts(prompts_file)
+    else:
+        prompts = list(dict.fromkeys(text.strip() for text in prompt or [] if text.strip()))
+    settings = SampleSettings(height=height, width=width, steps=steps, guidance=guidance, seed=seed,
+                              images_per_prompt=images_per_prompt, batch_size=batch_size,
+                              max_sequence_length=max_sequence_length, attention=attention)
+    request = build_request(model=model, prompts=prompts, out_dir=out, checkpoint=checkpoint, ema=ema,
+                            settings=settings, device=device)
+    if dies == 1:
+        from fluxgrpo.sample import sample
+
+        summary = sample(request).to_dict()
+    else:
+        summary = _run_workers(request, dies)
+    if json_output:
+        print_json(summary)
+        return
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="sample", show_header=False, title_justify="left")
+    table.add_column("item", style="bold")
+    table.add_column("value")
+    weights = "base model" if summary["checkpoint"] is None else summary["checkpoint"]
+    if summary["ema"]:
+        weights += " (EMA)"
+    table.add_row("weights", escape(weights))
+    table.add_row("images", f"{summary['images']} ({summary['prompts']} prompts × {summary['images_per_prompt']})")
+    table.add_row("index", escape(summary["index_path"]))
+    table.add_row("grid", escape(summary["grid_path"]))
+    table.add_row("ran on", f"{summary['world_size']} × {summary['device_type']}, {summary['dtype']}")
+    out_console.print(table)
+
+
+def _run_workers(request, dies: int) -> dict:
+    """Launch ``python -m fluxgrpo.sample`` on ``dies`` workers; rank 0 hands back the summary in a file."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from fluxgrpo.errors import UsageError
+    from fluxgrpo.runtime import device as rt_device
+    from fluxgrpo.runtime.launch import LaunchSpec, build_torchrun_argv, run_torchrun, worker_env_defaults
+
+    device_type = rt_device.resolve_device_type(request.device)
+    if device_type != "cpu" and dies > rt_device.device_count(device_type):
+        raise UsageError(
+            f"--dies {dies} but only {rt_device.device_count(device_type)} {device_type} device(s) are visible"
+        )
+    with tempfile.TemporaryDirectory(prefix="fluxgrpo-sample-") as tmp:
+        request_path = Path(tmp) / "request.json"
+        request_path.write_text(json.dumps(request.to_dict(), indent=2) + "\n", encoding="utf-8")
+        summary_path = Path(tmp) / "summary.json"
+        args = ["--request", str(request_path), "--summary-json", str(summary_path)]
+        argv = build_torchrun_argv("fluxgrpo.sample", args, LaunchSpec(nproc_per_node=dies))
+        err_console.print(f"launching {dies} workers: {' '.join(argv)}")
+        run_torchrun(argv, env=worker_env_defaults(device_type))
+        return json.loads(summary_path.read_text())

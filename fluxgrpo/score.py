@@ -1,0 +1,485 @@
+"""``fluxgrpo score``: reward scores of saved images against their prompts, per image, per prompt and overall.
+
+Inputs, one of:
+
+- ``--index DIR/index.json`` from ``fluxgrpo sample``: every image with its prompt, prompt and image index, seed;
+- ``--images DIR --prompts FILE``: the images directly in DIR (.png, .jpg, .jpeg, .webp, .bmp; ``grid.png``, the
+  contact sheet ``sample`` writes, is skipped), sorted by name with digit runs compared as numbers (``img2``
+  before ``img10``), paired in that order with the non-blank lines of FILE, one line per image (repeated lines
+  are kept: several images may share a prompt). The counts must match. Images with the same prompt text form
+  one prompt group, numbered in order of first appearance.
+
+HPSv2 scores come from ``HpsV2Reward.score_pil``: hpsv2's own PIL input path (RGB, longest side to 224, zero
+padding to a square, CLIP normalisation) and the cosine of the image and text features, batched, with the
+encoders in float32 (``_load_scorer``). Other rewards (``--reward brightness``, a smoke test) get the images as
+[B, 3, H, W] tensors in [0, 1], a batch at a time when its images share a size, else one at a time.
+
+Statistics: mean and population standard deviation (divide by n; 0 for a single image).
+``--compare OTHER`` pairs images by (prompt_index, image_index); both runs must list the same pairs with the same
+prompts and seeds. Per prompt it reports both means and ``difference = this − other``; overall
+``mean_difference = mean(this) − mean(other)`` over all paired images (equal to the mean per-image difference),
+and ``improved_fraction``: the share of prompts whose mean went up (difference > 0).
+
+Nothing is written until every image is scored; the CSV is written to a temp file and renamed.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from fluxgrpo.errors import FluxgrpoError, UsageError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+DEFAULT_SCORE_BATCH = 16
+
+
+# --------------------------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class ImageToScore:
+    """One image and what it is scored against."""
+
+    path: Path  # where it is read from
+    file: str  # how it is reported: its name inside the index's or the images' folder
+    prompt: str
+    prompt_index: int  # the run's prompt index (index mode) or the prompt group's (folder mode)
+    image_index: int  # j within its prompt
+    seed: int | None  # from the index; None in folder mode
+
+
+@dataclass(frozen=True)
+class ScoredImage:
+    file: str
+    prompt: str
+    prompt_index: int
+    image_index: int
+    seed: int | None
+    score: float
+
+
+@dataclass(frozen=True)
+class PromptScore:
+    prompt_index: int
+    prompt: str
+    count: int
+    mean: float
+    std: float  # population std (divide by count)
+
+
+@dataclass(frozen=True)
+class Overall:
+    count: int
+    mean: float
+    std: float
+
+
+@dataclass(frozen=True)
+class ComparedPrompt:
+    prompt_index: int
+    prompt: str
+    count: int  # paired images of this prompt
+    mean: float  # this run
+    other_mean: float
+    difference: float  # mean − other_mean
+
+
+@dataclass(frozen=True)
+class Comparison:
+    other: str  # the other index
+    count: int  # paired images
+    mean: float
+    other_mean: float
+    mean_difference: float  # mean − other_mean
+    improved_prompts: int  # prompts with difference > 0
+    prompt_count: int
+    improved_fraction: float  # improved_prompts / prompt_count
+    prompts: list[ComparedPrompt]
+    other_images: list[ScoredImage]  # the other run's scores, ordered as ``images`` of the report
+
+
+@dataclass(frozen=True)
+class ScoreReport:
+    """Everything ``score`` measured; ``to_dict`` is the --json document."""
+
+    reward: str
+    source: dict[str, str]  # {"index": path} or {"images": dir, "prompts": file}
+    images: list[ScoredImage]  # ordered by (prompt_index, image_index)
+    prompts: list[PromptScore]
+    overall: Overall
+    comparison: Comparison | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Stable keys: reward, source, overall, prompts, images, compare (null without --compare)."""
+        compare = None
+        if self.comparison is not None:
+            compare = asdict(self.comparison)
+            compare.pop("other_images")
+            others = {(o.prompt_index, o.image_index): o for o in self.comparison.other_images}
+            compare["images"] = [
+                {"prompt_index": image.prompt_index, "image_index": image.image_index, "file": image.file,
+                 "other_file": others[(image.prompt_index, image.image_index)].file, "score": image.score,
+                 "other_score": others[(image.prompt_index, image.image_index)].score,
+                 "difference": image.score - others[(image.prompt_index, image.image_index)].score}
+                for image in self.images
+            ]
+        return {
+            "reward": self.reward,
+            "source": self.source,
+            "overall": asdict(self.overall),
+            "prompts": [asdict(p) for p in self.prompts],
+            "images": [asdict(i) for i in self.images],
+            "compare": compare,
+        }
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """A scoring job; exactly one of ``index`` or (``images_dir`` and ``prompts_file``)."""
+
+    index: str | None = None
+    images_dir: str | None = None
+    prompts_file: str | None = None
+    reward: str = "hpsv2"
+    hps_dir: str = "hps_ckpt"
+    batch_size: int = DEFAULT_SCORE_BATCH
+    device: str = "auto"
+    compare: str | None = None  # another sample index
+
+    def validate(self) -> ScoreRequest:
+        if self.index is not None and (self.images_dir is not None or self.prompts_file is not None):
+            raise UsageError("pass either --index or --images with --prompts, not both")
+        if self.index is None and (self.images_dir is None or self.prompts_file is None):
+            raise UsageError("pass --index DIR/index.json (from `fluxgrpo sample`), or --images DIR with --prompts FILE")
+        if self.compare is not None and self.index is None:
+            raise UsageError("--compare needs --index: images are paired by the prompt and image indexes of both runs")
+        if self.batch_size < 1:
+            raise UsageError(f"--batch-size must be at least 1 (got {self.batch_size})")
+        return self
+
+
+class _Pairable(Protocol):
+    prompt: str
+    prompt_index: int
+    image_index: int
+    seed: int | None
+
+
+# --------------------------------------------------------------------------------------------- inputs
+
+
+def read_prompt_lines(path: str | Path) -> list[str]:
+    """One prompt per image: each line stripped, blank lines dropped, repeats kept (unlike ``read_prompts``)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FluxgrpoError(f"prompt file {path} not found: pass an existing file with --prompts") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FluxgrpoError(f"cannot read prompt file {path} ({exc}): pass a UTF-8 text file with --prompts") from None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise FluxgrpoError(f"prompt file {path} holds no prompts (one per image): pass another file with --prompts")
+    return lines
+
+
+def natural_key(name: str) -> tuple[list[Any], str]:
+    """Sort key comparing digit runs as numbers: ``img2.png`` < ``img10.png``; ties broken by the exact name."""
+    parts = re.split(r"(\d+)", name)
+    return [int(part) if index % 2 else part.casefold() for index, part in enumerate(parts)], name
+
+
+def list_images(directory: str | Path) -> list[Path]:
+    """The images directly in ``directory`` (by suffix, ``grid.png`` skipped), in ``natural_key`` order."""
+    from fluxgrpo.sample import GRID_FILE
+
+    folder = Path(directory)
+    if not folder.is_dir():
+        raise FluxgrpoError(f"--images {folder} is not a folder: pass the folder holding the images")
+    found = [p for p in folder.iterdir()
+             if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and p.name != GRID_FILE]
+    if not found:
+        raise FluxgrpoError(f"--images {folder} holds no images ({', '.join(IMAGE_SUFFIXES)})")
+    return sorted(found, key=lambda p: natural_key(p.name))
+
+
+def images_from_folder(images_dir: str | Path, prompts_file: str | Path) -> list[ImageToScore]:
+    """Pair the folder's images (name order) with the prompt file's lines (file order); see the module doc."""
+    paths = list_images(images_dir)
+    prompts = read_prompt_lines(prompts_file)
+    if len(paths) != len(prompts):
+        raise FluxgrpoError(
+            f"{len(paths)} images in {images_dir} but {len(prompts)} prompt lines in {prompts_file}: "
+            "give one prompt line per image, in the order of the image names"
+        )
+    group: dict[str, int] = {}
+    seen: dict[str, int] = {}
+    items = []
+    for path, prompt in zip(paths, prompts, strict=True):
+        prompt_index = group.setdefault(prompt, len(group))
+        image_index = seen.get(prompt, 0)
+        seen[prompt] = image_index + 1
+        items.append(ImageToScore(path=path, file=path.name, prompt=prompt, prompt_index=prompt_index,
+                                  image_index=image_index, seed=None))
+    return items
+
+
+def images_from_index(index_path: str | Path) -> list[ImageToScore]:
+    """Every image a sample index lists (``read_index`` checks it and its files)."""
+    from fluxgrpo.sample import read_index
+
+    index = read_index(index_path)
+    return [ImageToScore(path=index.image_path(image), file=image.file, prompt=image.prompt,
+                         prompt_index=image.prompt_index, image_index=image.image_index, seed=image.seed)
+            for image in index.images]
+
+
+def check_images_readable(items: Iterable[ImageToScore]) -> None:
+    """Open every image's header, so a file that is no image fails before any model loads."""
+    from PIL import Image, UnidentifiedImageError
+
+    for item in items:
+        try:
+            with Image.open(item.path):
+                pass
+        except (OSError, UnidentifiedImageError, ValueError) as exc:
+            raise FluxgrpoError(f"cannot read image {item.path} ({exc}): replace or remove it") from None
+
+
+def load_image(path: Path) -> Any:
+    """The image at ``path``, fully decoded, as RGB."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image.convert("RGB")
+    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
+        raise FluxgrpoError(f"cannot read image {path} ({exc}): replace or remove it") from None
+
+
+def match_runs(this: Sequence[_Pairable], other: Sequence[_Pairable], this_name: str,
+               other_name: str) -> list[tuple[Any, Any]]:
+    """Pair two runs' images by (prompt_index, image_index), in ``this`` order.
+
+    Raises:
+        FluxgrpoError: an image is in one run only, or a pair differs in prompt or seed (the message says which).
+    """
+    others = {(o.prompt_index, o.image_index): o for o in other}
+    mine = {(t.prompt_index, t.image_index) for t in this}
+    fix = "compare runs sampled from the same prompts with the same --seed and --images-per-prompt"
+    only_other = sorted(set(others) - mine)
+    if only_other:
+        key = only_other[0]
+        raise FluxgrpoError(f"prompt {key[0]} image {key[1]} is in {other_name} but not in {this_name}: {fix}")
+    pairs = []
+    for image in this:
+        key = (image.prompt_index, image.image_index)
+        match = others.get(key)
+        if match is None:
+            raise FluxgrpoError(f"prompt {key[0]} image {key[1]} is in {this_name} but not in {other_name}: {fix}")
+        if match.prompt != image.prompt:
+            raise FluxgrpoError(
+                f"prompt {key[0]} differs: {image.prompt!r} in {this_name} but {match.prompt!r} in {other_name}: {fix}"
+            )
+        if match.seed != image.seed:
+            raise FluxgrpoError(
+                f"prompt {key[0]} image {key[1]} has seed {image.seed} in {this_name} but {match.seed} in "
+                f"{other_name}: {fix}"
+            )
+        pairs.append((image, match))
+    return pairs
+
+
+# --------------------------------------------------------------------------------------------- arithmetic
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, population standard deviation) of a non-empty sequence."""
+    mean = math.fsum(values) / len(values)
+    return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+
+
+def per_prompt(images: Sequence[ScoredImage]) -> list[PromptScore]:
+    """Mean and std of each prompt's scores, by prompt_index."""
+    groups: dict[int, list[ScoredImage]] = {}
+    for image in images:
+        groups.setdefault(image.prompt_index, []).append(image)
+    out = []
+    for prompt_index in sorted(groups):
+        scores = [image.score for image in groups[prompt_index]]
+        mean, std = mean_std(scores)
+        out.append(PromptScore(prompt_index, groups[prompt_index][0].prompt, len(scores), mean, std))
+    return out
+
+
+def overall(images: Sequence[ScoredImage]) -> Overall:
+    mean, std = mean_std([image.score for image in images])
+    return Overall(len(images), mean, std)
+
+
+def compare_runs(this: Sequence[ScoredImage], other: Sequence[ScoredImage], other_name: str,
+                 this_name: str = "this run") -> Comparison:
+    """Side by side per prompt, the mean difference (this − other) and the fraction of prompts improved."""
+    pairs = match_runs(this, other, this_name, other_name)
+    mine = [a for a, _ in pairs]
+    theirs = [b for _, b in pairs]
+    prompts = []
+    other_by_prompt = {p.prompt_index: p for p in per_prompt(theirs)}
+    for stats in per_prompt(mine):
+        other_mean = other_by_prompt[stats.prompt_index].mean
+        prompts.append(ComparedPrompt(stats.prompt_index, stats.prompt, stats.count, stats.mean, other_mean,
+                                      stats.mean - other_mean))
+    improved = sum(p.difference > 0 for p in prompts)
+    mean = overall(mine).mean
+    other_mean = overall(theirs).mean
+    return Comparison(other=other_name, count=len(pairs), mean=mean, other_mean=other_mean,
+                      mean_difference=mean - other_mean, improved_prompts=improved, prompt_count=len(prompts),
+                      improved_fraction=improved / len(prompts), prompts=prompts, other_images=theirs)
+
+
+# --------------------------------------------------------------------------------------------- scoring
+
+
+def _load_scorer(name: str, hps_dir: str | Path, device: Any, batch_size: int) -> Any:
+    """The reward ``name`` on ``device``; HPSv2 with its encoders in float32 where the reward allows choosing."""
+    import inspect
+
+    import torch
+
+    from fluxgrpo.models.reward import HpsV2Reward, load_reward
+
+    if name != HpsV2Reward.name:
+        return load_reward(name, hps_dir, device)
+    # Scores compared across runs should not carry bf16 rounding (8 significant bits). On cpu the runtime's compute
+    # dtype is float32 anyway; on accelerators this needs HpsV2Reward's compute_dtype argument, asked for when the
+    # installed reward module has it.
+    extra = {"compute_dtype": torch.float32} if "compute_dtype" in inspect.signature(HpsV2Reward).parameters else {}
+    return HpsV2Reward(hps_dir, device, batch_size=batch_size, **extra)
+
+
+def score_items(items: Sequence[ImageToScore], scorer: Any, batch_size: int, device: Any = "cpu",
+                progress: Any = None) -> list[ScoredImage]:
+    """Score ``items`` in batches of ``batch_size`` images (decoded per batch, so memory stays bounded)."""
+    import torch
+
+    from fluxgrpo.models.reward import pil_to_tensor
+
+    scored: list[ScoredImage] = []
+    for start in range(0, len(items), batch_size):
+        batch = items[start : start + batch_size]
+        images = [load_image(item.path) for item in batch]
+        prompts = [item.prompt for item in batch]
+        with torch.no_grad():
+            if hasattr(scorer, "score_pil"):
+                values = scorer.score_pil(images, prompts)
+            elif len({image.size for image in images}) == 1:
+                values = scorer(torch.stack([pil_to_tensor(image) for image in images]).to(device), prompts)
+            else:  # tensor rewards take [B, 3, H, W]: images of different sizes go one at a time
+                values = torch.cat([scorer(pil_to_tensor(image).unsqueeze(0).to(device), [prompt])
+                                    for image, prompt in zip(images, prompts, strict=True)])
+        for item, value in zip(batch, values.float().cpu().tolist(), strict=True):
+            scored.append(ScoredImage(file=item.file, prompt=item.prompt, prompt_index=item.prompt_index,
+                                      image_index=item.image_index, seed=item.seed, score=float(value)))
+        if progress is not None:
+            progress(len(batch))
+    return scored
+
+
+def score(request: ScoreRequest, progress: Any = None) -> ScoreReport:
+    """Score the images ``request`` names (and, with ``compare``, the other run's) and summarise them.
+
+    ``progress(n)`` is called after every batch of n images. Every input is checked (index, files, image headers,
+    pairing for --compare) before the reward model loads.
+
+    Raises:
+        UsageError: inconsistent flags.
+        FluxgrpoError: a missing, moved or unreadable input, a prompt count that does not match the images, two
+            runs that cannot be compared; nothing is written in any of these cases.
+    """
+    from fluxgrpo.runtime import device as rt_device
+
+    request.validate()
+    if request.index is not None:
+        items = images_from_index(request.index)
+        source = {"index": str(request.index)}
+    else:
+        items = images_from_folder(request.images_dir, request.prompts_file)
+        source = {"images": str(request.images_dir), "prompts": str(request.prompts_file)}
+    items = sorted(items, key=lambda item: (item.prompt_index, item.image_index))
+    other_items: list[ImageToScore] = []
+    if request.compare is not None:
+        other_items = images_from_index(request.compare)
+        match_runs(items, other_items, str(request.index), str(request.compare))
+    check_images_readable([*items, *other_items])
+
+    device_type = rt_device.resolve_device_type(request.device)
+    device = rt_device.device_for_local_rank(device_type, 0)
+    scorer = _load_scorer(request.reward, request.hps_dir, device, request.batch_size)
+    images = score_items(items, scorer, request.batch_size, device, progress)
+    comparison = None
+    if request.compare is not None:
+        others = score_items(other_items, scorer, request.batch_size, device, progress)
+        comparison = compare_runs(images, others, str(request.compare), str(request.index))
+    return ScoreReport(reward=request.reward, source=source, images=images, prompts=per_prompt(images),
+                       overall=overall(images), comparison=comparison)
+
+
+# --------------------------------------------------------------------------------------------- CSV
+
+
+CSV_COLUMNS = ("file", "prompt_index", "image_index", "seed", "prompt", "score")
+CSV_COMPARE_COLUMNS = ("other_file", "other_score", "difference")
+
+
+def check_csv_destination(path: str | Path) -> Path:
+    """``--out`` can be written: its folder exists and is writable, and it is not a folder itself."""
+    path = Path(path)
+    if path.is_dir():
+        raise FluxgrpoError(f"--out {path} is a folder: pass a file name such as scores.csv")
+    folder = path.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise FluxgrpoError(f"cannot write {path}: its folder {folder} does not exist or is not writable (--out)")
+    return path
+
+
+def csv_text(report: ScoreReport) -> str:
+    """One row per image; with a comparison also the other run's file, score and the difference."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    others = {}
+    if report.comparison is not None:
+        others = {(o.prompt_index, o.image_index): o for o in report.comparison.other_images}
+    writer.writerow(CSV_COLUMNS + (CSV_COMPARE_COLUMNS if others else ()))
+    for image in report.images:
+        row = [image.file, image.prompt_index, image.image_index, "" if image.seed is None else image.seed,
+               image.prompt, repr(image.score)]
+        if others:
+            other = others[(image.prompt_index, image.image_index)]
+            row += [other.file, repr(other.score), repr(image.score - other.score)]
+        writer.writerow(row)
+    return buffer.getvalue()
+
+
+def write_csv(report: ScoreReport, path: str | Path) -> Path:
+    """Write the CSV to a temp file beside ``path`` and rename it: a reader never sees half a file."""
+    path = check_csv_destination(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            f.write(csv_text(report))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise FluxgrpoError(f"cannot write {path} ({exc.strerror or exc}): choose another --out") from None
+    return path

@@ -1,0 +1,274 @@
+"""``fluxgrpo score``: HPSv2 against open_clip computed by hand, pairing, --compare arithmetic, CSV, errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from fluxgrpo.cli.app import app
+from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.score import (
+    ScoredImage,
+    ScoreRequest,
+    compare_runs,
+    mean_std,
+    natural_key,
+    score,
+)
+
+runner = CliRunner()
+# OpenAI CLIP's pixel statistics, as hpsv2 normalises with them (written out here, not imported from fluxgrpo).
+MEAN = (0.48145466, 0.4578275, 0.40821073)
+STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def gray_png(path: Path, level: int, size: tuple[int, int] = (8, 8)) -> Path:
+    """A solid gray image: its brightness score is level / 255."""
+    Image.new("RGB", size, (level, level, level)).save(path)
+    return path
+
+
+def hand_made_index(folder: Path, prompts: list[str], levels: list[list[int]], seeds: list[list[int]]) -> Path:
+    """A sample index written by hand: image j of prompt i is a solid gray of levels[i][j] with seed seeds[i][j]."""
+    folder.mkdir(parents=True)
+    images = []
+    for i, prompt in enumerate(prompts):
+        for j, level in enumerate(levels[i]):
+            name = f"{i:04d}_{j:02d}.png"
+            gray_png(folder / name, level)
+            images.append({"file": name, "prompt": prompt, "prompt_index": i, "image_index": j, "seed": seeds[i][j]})
+    document = {"format": "fluxgrpo-sample-index", "format_version": 1, "fluxgrpo_version": "test", "model": "m",
+                "checkpoint": None, "ema": False, "settings": {}, "prompts": prompts, "grid": "grid.png",
+                "images": images}
+    (folder / "index.json").write_text(json.dumps(document))
+    return folder / "index.json"
+
+
+# --- HPSv2 equals open_clip computed directly ---------------------------------------------------------------------
+
+
+def test_hps_score_equals_open_clip_computed_directly(tiny_weights, tmp_path):
+    import open_clip
+    import torchvision.transforms.v2.functional as TF
+
+    # A fixed, non-square, non-constant image (so the resize and the padding both matter).
+    rows, cols = np.mgrid[0:60, 0:90]
+    array = np.stack([(rows * 4) % 256, (cols * 3) % 256, ((rows + cols) * 2) % 256], axis=-1).astype(np.uint8)
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.fromarray(array).save(folder / "fixed.png")
+    prompt = "a red cat on a blue chair"
+    (tmp_path / "prompts.txt").write_text(prompt + "\n")
+
+    report = score(ScoreRequest(images_dir=str(folder), prompts_file=str(tmp_path / "prompts.txt"),
+                                hps_dir=str(tiny_weights.hps_dir), device="cpu"))
+
+    # The model built by hand from the tiny checkpoint: its open_clip config registered under a name of our own.
+    config = json.loads((tiny_weights.hps_dir / "open_clip_config.json").read_text())
+    config_path = tmp_path / "test-score-tiny-hps.json"
+    config_path.write_text(json.dumps(config.get("model_cfg", config)))
+    open_clip.add_model_config(config_path)
+    model = open_clip.create_model("test-score-tiny-hps", pretrained=None, precision="fp32", device="cpu").eval()
+    state = torch.load(tiny_weights.hps_dir / "HPS_v2.1_compressed.pt", map_location="cpu", weights_only=True)
+    model.load_state_dict(state["state_dict"])
+    tokenizer = open_clip.get_tokenizer("test-score-tiny-hps")
+    # hpsv2's validation transform: longest side to 224 (bicubic, antialiased): 60 x 90 → 149 x 224 (60 · 224/90
+    # = 149.3), zero padding centred to 224 x 224 (75 rows: 37 above, 38 below), CLIP normalisation.
+    pixels = TF.to_dtype(TF.to_image(Image.open(folder / "fixed.png").convert("RGB")), torch.float32, scale=True)
+    pixels = TF.resize(pixels, [149, 224], interpolation=TF.InterpolationMode.BICUBIC, antialias=True)
+    pixels = TF.pad(pixels, [0, 37, 0, 38], fill=0.0)
+    pixels = TF.normalize(pixels, MEAN, STD).unsqueeze(0)
+    assert pixels.shape == (1, 3, 224, 224)
+    with torch.no_grad():
+        image_features = model.encode_image(pixels, normalize=True)
+        text_features = model.encode_text(tokenizer([prompt]), normalize=True)
+    expected = (image_features @ text_features.T).item()
+
+    assert report.images[0].score == pytest.approx(expected, abs=1e-6)
+    assert report.overall.count == 1 and report.overall.std == 0.0
+
+
+# --- arithmetic -----------------------------------------------------------------------------------------------------
+
+
+def test_mean_std_is_the_population_std():
+    # 0.2, 0.4, 0.6, 0.6: mean 0.45; deviations -0.25, -0.05, 0.15, 0.15; squares sum 0.11; / 4 = 0.0275
+    mean, std = mean_std([0.2, 0.4, 0.6, 0.6])
+    assert mean == pytest.approx(0.45) and std == pytest.approx(math.sqrt(0.0275))
+    assert mean_std([0.3]) == (0.3, 0.0)
+
+
+def _scored(values: dict[tuple[int, int], float], prompts=("p0", "p1")) -> list[ScoredImage]:
+    return [ScoredImage(f"{i}_{j}.png", prompts[i], i, j, 100 * i + j, v) for (i, j), v in values.items()]
+
+
+def test_compare_runs_pure_arithmetic():
+    # this:  p0 = 0.5, 0.7 (mean 0.6); p1 = 0.1, 0.3 (mean 0.2); p2 = 0.4 (mean 0.4)
+    # other: p0 = 0.4, 0.4 (mean 0.4); p1 = 0.2, 0.2 (mean 0.2); p2 = 0.5 (mean 0.5)
+    # differences: p0 +0.2 (improved), p1 0.0 (not improved: equal), p2 -0.1 → 1 of 3 improved
+    # overall: this (0.5+0.7+0.1+0.3+0.4)/5 = 0.4; other (0.4+0.4+0.2+0.2+0.5)/5 = 0.34; difference 0.06
+    prompts = ("p0", "p1", "p2")
+    this = _scored({(0, 0): 0.5, (0, 1): 0.7, (1, 0): 0.1, (1, 1): 0.3, (2, 0): 0.4}, prompts)
+    other = _scored({(2, 0): 0.5, (1, 1): 0.2, (0, 0): 0.4, (1, 0): 0.2, (0, 1): 0.4}, prompts)  # any order
+    result = compare_runs(this, other, "other.json")
+    assert [(p.prompt_index, p.count) for p in result.prompts] == [(0, 2), (1, 2), (2, 1)]
+    assert [p.difference for p in result.prompts] == pytest.approx([0.2, 0.0, -0.1])
+    assert (result.mean, result.other_mean, result.mean_difference) == pytest.approx((0.4, 0.34, 0.06))
+    assert (result.improved_prompts, result.prompt_count, result.improved_fraction) == (1, 3, pytest.approx(1 / 3))
+
+
+def test_compare_refuses_runs_that_do_not_pair():
+    this = _scored({(0, 0): 0.5, (1, 0): 0.1})
+    with pytest.raises(FluxgrpoError, match=r"prompt 1 image 0 is in this run but not in b\.json"):
+        compare_runs(this, _scored({(0, 0): 0.5}), "b.json")
+    with pytest.raises(FluxgrpoError, match=r"prompt 0 image 1 is in b\.json but not in this run"):
+        compare_runs(this, _scored({(0, 0): 0.5, (1, 0): 0.1, (0, 1): 0.2}), "b.json")
+    with pytest.raises(FluxgrpoError, match=r"prompt 1 differs: 'p1' in this run but 'other' in b\.json"):
+        compare_runs(this, _scored({(0, 0): 0.5, (1, 0): 0.1}, prompts=("p0", "other")), "b.json")
+    reseeded = [ScoredImage(o.file, o.prompt, o.prompt_index, o.image_index, 7, o.score) for o in this]
+    with pytest.raises(FluxgrpoError, match=r"prompt 0 image 0 has seed 0 in this run but 7 in b\.json.*--seed"):
+        compare_runs(this, reseeded, "b.json")
+
+
+def test_cli_compare_on_hand_made_indexes(tmp_path):
+    # Solid grays scored by brightness (level / 255): 51 → 0.2, 102 → 0.4, 153 → 0.6, 204 → 0.8.
+    #   this:  p0 = 0.2, 0.4 (mean 0.3, std 0.1); p1 = 0.6, 0.6 (mean 0.6, std 0)
+    #   other: p0 = 0.2, 0.2 (mean 0.2);          p1 = 0.8, 0.8 (mean 0.8)
+    #   per prompt this − other: p0 +0.1 (improved), p1 -0.2 → improved fraction 1/2
+    #   overall this 1.8 / 4 = 0.45 (std sqrt(0.0275), see test_mean_std_is_the_population_std); other 2.0 / 4 = 0.5
+    #   mean difference 0.45 - 0.5 = -0.05
+    prompts, seeds = ["p0", "p1"], [[11, 12], [21, 22]]
+    this = hand_made_index(tmp_path / "this", prompts, [[51, 102], [153, 153]], seeds)
+    other = hand_made_index(tmp_path / "other", prompts, [[51, 51], [204, 204]], seeds)
+    csv_path = tmp_path / "scores.csv"
+    result = runner.invoke(app, ["score", "--index", str(this), "--compare", str(other), "--reward", "brightness",
+                                 "--device", "cpu", "--json", "--out", str(csv_path), "--batch-size", "3"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert list(document) == ["reward", "source", "overall", "prompts", "images", "compare"]
+    assert document["overall"]["count"] == 4
+    assert document["overall"]["mean"] == pytest.approx(0.45, abs=1e-6)
+    assert document["overall"]["std"] == pytest.approx(math.sqrt(0.0275), abs=1e-6)
+    assert [(p["mean"], p["std"], p["count"]) for p in document["prompts"]] == [
+        (pytest.approx(0.3, abs=1e-6), pytest.approx(0.1, abs=1e-6), 2), (pytest.approx(0.6, abs=1e-6), 0.0, 2)]
+    compare = document["compare"]
+    assert [p["difference"] for p in compare["prompts"]] == [pytest.approx(0.1, abs=1e-6), pytest.approx(-0.2, abs=1e-6)]
+    assert compare["mean"] == pytest.approx(0.45, abs=1e-6) and compare["other_mean"] == pytest.approx(0.5, abs=1e-6)
+    assert compare["mean_difference"] == pytest.approx(-0.05, abs=1e-6)
+    assert (compare["improved_prompts"], compare["prompt_count"], compare["improved_fraction"]) == (1, 2, 0.5)
+
+    rows = list(csv.DictReader(csv_path.open()))
+    assert [r["file"] for r in rows] == ["0000_00.png", "0000_01.png", "0001_00.png", "0001_01.png"]
+    assert [r["seed"] for r in rows] == ["11", "12", "21", "22"]
+    assert [float(r["difference"]) for r in rows] == [pytest.approx(d, abs=1e-6) for d in (0.0, 0.2, -0.2, -0.2)]
+
+    table = runner.invoke(app, ["score", "--index", str(this), "--compare", str(other), "--reward", "brightness",
+                                "--device", "cpu"])
+    assert table.exit_code == 0, table.output
+    assert "mean difference (this − other): -0.05000" in table.stdout
+    assert "improved prompts: 1 of 2 (50%)" in table.stdout
+    assert "0.30000 ± 0.10000" in table.stdout
+
+
+# --- inputs and errors ----------------------------------------------------------------------------------------------
+
+
+def test_images_pair_with_prompt_lines_in_name_order(tmp_path):
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    # name order with digits as numbers: img1, img2, img10 (plain string order would put img10 second)
+    gray_png(folder / "img10.png", 204)
+    gray_png(folder / "img2.png", 102)
+    gray_png(folder / "img1.png", 51)
+    gray_png(folder / "grid.png", 255)  # sample's contact sheet: skipped
+    (folder / "notes.txt").write_text("not an image")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\n\na dog\na cat\n")  # blank line dropped, the repeated "a cat" kept
+    report = score(ScoreRequest(images_dir=str(folder), prompts_file=str(prompts), reward="brightness", device="cpu"))
+    assert [(i.file, i.prompt, i.prompt_index, i.image_index) for i in report.images] == [
+        ("img1.png", "a cat", 0, 0), ("img10.png", "a cat", 0, 1), ("img2.png", "a dog", 1, 0)]
+    by_file = {i.file: i.score for i in report.images}
+    assert by_file == {"img1.png": pytest.approx(0.2), "img2.png": pytest.approx(0.4), "img10.png": pytest.approx(0.8)}
+    # "a cat" = img1 (0.2) and img10 (0.8): mean 0.5, std 0.3
+    assert (report.prompts[0].mean, report.prompts[0].std) == (pytest.approx(0.5), pytest.approx(0.3))
+    assert sorted(["img10", "img2", "img1"], key=natural_key) == ["img1", "img2", "img10"]
+
+    prompts.write_text("a cat\na dog\n")
+    result = runner.invoke(app, ["score", "--images", str(folder), "--prompts", str(prompts), "--reward",
+                                 "brightness", "--device", "cpu"])
+    assert result.exit_code == 1
+    assert "3 images in" in result.stderr and "but 2 prompt lines in" in result.stderr
+
+
+def test_errors_name_the_file_and_write_nothing(tmp_path):
+    seeds = [[1]]
+    index = hand_made_index(tmp_path / "run", ["p0"], [[51]], seeds)
+    csv_path = tmp_path / "scores.csv"
+    common = ["--reward", "brightness", "--device", "cpu", "--out", str(csv_path)]
+
+    (tmp_path / "run" / "0000_00.png").write_bytes(b"this is no png")
+    unreadable = runner.invoke(app, ["score", "--index", str(index), *common])
+    assert unreadable.exit_code == 1 and "0000_00.png" in unreadable.stderr and "cannot read image" in unreadable.stderr
+
+    gray_png(tmp_path / "run" / "0000_00.png", 51)
+    (tmp_path / "run" / "0000_00.png").rename(tmp_path / "elsewhere.png")
+    moved = runner.invoke(app, ["score", "--index", str(index), *common])
+    assert moved.exit_code == 1 and "lists 0000_00.png, which is not in" in moved.stderr
+
+    (tmp_path / "elsewhere.png").rename(tmp_path / "run" / "0000_00.png")
+    document = json.loads(index.read_text())
+    document["images"][0]["prompt_index"] = 3
+    index.write_text(json.dumps(document))
+    no_prompt = runner.invoke(app, ["score", "--index", str(index), *common])
+    assert no_prompt.exit_code == 1 and "0000_00.png has no prompt" in no_prompt.stderr
+
+    foreign = tmp_path / "videos2caption.json"
+    foreign.write_text(json.dumps([{"caption": "p0", "prompt_embed_path": "0.pt"}]))
+    not_ours = runner.invoke(app, ["score", "--index", str(foreign), *common])
+    assert not_ours.exit_code == 1 and "videos2caption.json is not a fluxgrpo sample index" in not_ours.stderr
+
+    other = hand_made_index(tmp_path / "other", ["p0"], [[51]], [[2]])
+    fresh = hand_made_index(tmp_path / "fresh", ["p0"], [[51]], seeds)
+    mismatch = runner.invoke(app, ["score", "--index", str(fresh), "--compare", str(other), *common])
+    assert mismatch.exit_code == 1 and "has seed 1 in" in mismatch.stderr and "but 2 in" in mismatch.stderr
+    assert not csv_path.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_usage_errors_exit_2(tmp_path):
+    index = hand_made_index(tmp_path / "run", ["p0"], [[51]], [[1]])
+    assert runner.invoke(app, ["score"]).exit_code == 2
+    assert runner.invoke(app, ["score", "--images", str(tmp_path)]).exit_code == 2  # no --prompts
+    assert runner.invoke(app, ["score", "--index", str(index), "--images", str(tmp_path), "--prompts", "p"]).exit_code == 2
+    assert runner.invoke(app, ["score", "--images", str(tmp_path), "--prompts", "p", "--compare", str(index)]).exit_code == 2
+    assert runner.invoke(app, ["score", "--index", str(index), "--reward", "nope", "--device", "cpu"]).exit_code == 2
+    assert runner.invoke(app, ["score", "--index", str(index), "--batch-size", "0"]).exit_code == 2
+    with pytest.raises(UsageError, match="--compare needs --index"):
+        ScoreRequest(images_dir="d", prompts_file="p", compare="x").validate()
+
+
+def test_sample_then_score_hpsv2_by_index_equals_by_folder(tiny_weights, tmp_path):
+    from fluxgrpo.sample import SampleSettings, build_request, sample
+
+    settings = SampleSettings(height=32, width=48, steps=2, max_sequence_length=16, images_per_prompt=2)
+    request = build_request(model=str(tiny_weights.flux_dir), prompts=["a red cat", "a blue dog"],
+                            out_dir=tmp_path / "run", checkpoint=None, ema=False, settings=settings, device="cpu")
+    sample(request, show_progress=False)
+    by_index = score(ScoreRequest(index=str(tmp_path / "run" / "index.json"), hps_dir=str(tiny_weights.hps_dir),
+                                  device="cpu", batch_size=3))
+    lines = tmp_path / "lines.txt"
+    lines.write_text("a red cat\na red cat\na blue dog\na blue dog\n")  # 0000_00, 0000_01, 0001_00, 0001_01
+    by_folder = score(ScoreRequest(images_dir=str(tmp_path / "run"), prompts_file=str(lines),
+                                   hps_dir=str(tiny_weights.hps_dir), device="cpu", batch_size=1))
+    assert [i.file for i in by_index.images] == [i.file for i in by_folder.images]
+    assert [i.score for i in by_index.images] == pytest.approx([i.score for i in by_folder.images], abs=1e-6)
+    assert len({round(i.score, 6) for i in by_index.images}) > 1  # scores depend on the image and prompt
+    assert by_index.images[0].seed is not None and by_folder.images[0].seed is None

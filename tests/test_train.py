@@ -1,0 +1,248 @@
+"""`fluxgrpo train` end to end on the tiny weights: learning, exact resume, 2-process FSDP2, failures, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from fluxgrpo.cli.app import app
+from fluxgrpo.config import build_config
+from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.metrics import read_metrics, reward_trend
+from fluxgrpo.runtime.launch import LaunchSpec
+from fluxgrpo.train import launch_training, plan_training
+
+runner = CliRunner()
+
+
+def tiny_config(tiny_weights, tiny_embeddings, output_dir: Path, **overrides):
+    values = {
+        "model": str(tiny_weights.flux_dir),
+        "hps_dir": str(tiny_weights.hps_dir),
+        "data_json_path": str(tiny_embeddings.index_path),
+        "output_dir": str(output_dir),
+        "max_train_steps": 4,
+        "checkpointing_steps": 2,
+        "save_images_every": 0,
+        "num_generations": 4,
+        "rollout_batch_size": 4,
+        "train_micro_batch_size": 2,
+        "sampling_steps": 6,
+    }
+    values.update(overrides)
+    return build_config("tiny-cpu", values)
+
+
+def run(cfg, dies: int = 1, resume: str | None = None):
+    return launch_training(plan_training(cfg, LaunchSpec(nproc_per_node=dies), resume), log=lambda _: None)
+
+
+def exported_weights(checkpoint: Path, folder: str = "transformer") -> dict[str, torch.Tensor]:
+    files = sorted((checkpoint / folder).glob("*.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(f))
+    return out
+
+
+def initial_weights(tiny_weights) -> dict[str, torch.Tensor]:
+    return exported_weights(tiny_weights.flux_dir)
+
+
+def test_ratio_is_one_before_the_first_update_and_metrics_are_complete(tiny_weights, tiny_embeddings, tmp_path):
+    records = run(tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", max_train_steps=2))
+    assert [r["iteration"] for r in records] == [1, 2]
+    first = records[0]
+    assert first["first_abs_log_ratio"] < 1e-5
+    for key in ("reward_mean", "reward_std", "reward_min", "reward_max", "group_std_mean", "zero_std_group_fraction",
+                "advantage_abs_mean", "ratio_mean", "ratio_min", "ratio_max", "clip_fraction", "loss",
+                "grad_norm_mean", "lr", "seconds_rollout", "seconds_decode_reward", "seconds_update",
+                "images_per_second", "peak_memory_gib", "nonfinite_rewards", "skipped_steps"):
+        assert key in first, key
+    assert read_metrics(tmp_path / "out") == records
+    config_text = (tmp_path / "out" / "config.yaml").read_text()
+    assert "images_per_iteration: 4" in config_text and "num_generations: 4" in config_text
+
+
+def test_exact_resume_matches_an_uninterrupted_run(tiny_weights, tiny_embeddings, tmp_path):
+    straight = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "straight", use_ema=True, ema_decay=0.9)
+    run(straight)
+    interrupted = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "resumed", use_ema=True, ema_decay=0.9,
+                              max_train_steps=2)
+    run(interrupted)
+    resumed = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "resumed", use_ema=True, ema_decay=0.9)
+    records = run(resumed, resume="latest")
+    assert [r["iteration"] for r in records] == [3, 4]
+    for folder in ("transformer", "transformer_ema"):
+        a = exported_weights(tmp_path / "straight" / "checkpoint-4", folder)
+        b = exported_weights(tmp_path / "resumed" / "checkpoint-4", folder)
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"{folder}/{name} differs after resume"
+    straight_metrics = read_metrics(tmp_path / "straight")
+    resumed_metrics = read_metrics(tmp_path / "resumed")
+    assert [r["reward_mean"] for r in straight_metrics] == [r["reward_mean"] for r in resumed_metrics]
+
+
+def test_checkpoint_loads_with_diffusers_and_holds_the_last_iteration(tiny_weights, tiny_embeddings, tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    run(tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", max_train_steps=3, checkpointing_steps=2))
+    names = sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("checkpoint-"))
+    assert names == ["checkpoint-2", "checkpoint-3"]  # every 2 iterations, and always after the last one
+    model = FluxTransformer2DModel.from_pretrained(tmp_path / "out" / "checkpoint-3" / "transformer")
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_reward_rises_on_a_fixed_seed(tiny_weights, tiny_embeddings, tmp_path):
+    # The shipped tiny-cpu settings (brightness reward, lr 3e-3, clip 1e-2) on one process.
+    cfg = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", max_train_steps=16, checkpointing_steps=16,
+                      num_generations=8, rollout_batch_size=8, train_micro_batch_size=4, sampling_steps=8)
+    records = run(cfg)
+    trend = reward_trend(records, window=4)
+    assert trend["last"] > trend["first"], trend
+
+
+def test_nonfinite_rewards_get_zero_advantage_and_training_goes_on(tiny_weights, tiny_embeddings, tmp_path,
+                                                                   monkeypatch):
+    import fluxgrpo.models.reward as reward_module
+
+    real_load = reward_module.load_reward
+
+    def load_with_failures(name, hps_dir, device="cpu"):
+        inner = real_load(name, hps_dir, device)
+
+        def score(images, prompts):
+            rewards = inner(images, prompts).clone()
+            rewards[0] = float("nan")
+            rewards[-1] = float("inf")
+            return rewards
+
+        return score
+
+    monkeypatch.setattr(reward_module, "load_reward", load_with_failures)
+    records = run(tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", max_train_steps=2))
+    assert all(r["nonfinite_rewards"] == 2 for r in records)
+    assert all(r["reward_mean"] is not None for r in records)
+    weights = exported_weights(tmp_path / "out" / "checkpoint-2")
+    assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+@pytest.mark.slow
+def test_two_workers_every_parameter_changes(tiny_weights, tiny_embeddings, tmp_path):
+    result = runner.invoke(app, [
+        "train", "--config", "tiny-cpu", "--dies", "2", "--json",
+        "--model", str(tiny_weights.flux_dir), "--hps-dir", str(tiny_weights.hps_dir),
+        "--data-json-path", str(tiny_embeddings.index_path), "--output-dir", str(tmp_path / "out"),
+        "--max-train-steps", "2", "--checkpointing-steps", "2", "--num-generations", "4", "--rollout-batch-size", "4",
+        "--train-micro-batch-size", "2", "--sampling-steps", "6", "--save-images-every", "1", "--images-per-save", "2",
+    ])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["iterations"] == 2 and summary["reward_trend"] is not None
+    records = read_metrics(tmp_path / "out")
+    assert records[0]["first_abs_log_ratio"] < 1e-5
+    assert records[0]["images_per_second"] > 0
+    before = initial_weights(tiny_weights)
+    after = exported_weights(tmp_path / "out" / "checkpoint-2")
+    assert before.keys() == after.keys()
+    unchanged = [name for name in before if torch.equal(before[name], after[name])]
+    assert not unchanged, f"parameters that did not train: {unchanged}"
+    images = sorted(p.name for p in (tmp_path / "out" / "images").iterdir())
+    assert images == ["flux_0_0.png", "flux_0_1.png", "flux_1_0.png", "flux_1_1.png"]
+    assert (tmp_path / "out" / "logs").is_dir()
+
+
+@pytest.mark.slow
+def test_a_failing_rank_stops_the_run_and_is_named(tiny_weights, tiny_embeddings, tmp_path):
+    from fluxgrpo.data.sampler import PromptSampler
+
+    emb = tmp_path / "emb"
+    shutil.copytree(tiny_embeddings.out_dir, emb)
+    # Rank 1's first prompt (seed 42, 2 ranks, 1 prompt each): corrupt its embedding so only rank 1 fails.
+    entries = json.loads((emb / "videos2caption.json").read_text())
+    victim = PromptSampler(len(entries), rank=1, world_size=2, batch_size=1, seed=42).next_batch()[0]
+    (emb / "prompt_embed" / entries[victim]["prompt_embed_path"]).write_bytes(b"not a tensor")
+    cfg = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", data_json_path=str(emb / "videos2caption.json"),
+                      max_train_steps=1)
+    with pytest.raises(FluxgrpoError, match=r"rank 1 failed"):
+        run(cfg, dies=2)
+    assert not any(p.name.startswith("checkpoint-") for p in (tmp_path / "out").iterdir())
+
+
+def test_stand_in_npu_kernels_run_when_forced(tiny_weights, tiny_embeddings, tmp_path, monkeypatch):
+    from fluxgrpo.runtime import device as rt_device
+
+    fake = Path(__file__).parent / "fake_torch_npu"
+    monkeypatch.syspath_prepend(str(fake))
+    saved = sys.modules.pop("torch_npu", None)
+    monkeypatch.setenv("FLUXGRPO_FORCE_NPU_ADAPT", "1")
+    rt_device._reset_npu_status_for_tests()
+    try:
+        import torch_npu
+
+        before = dict(torch_npu.CALLS)
+        run(tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", max_train_steps=1, checkpointing_steps=1))
+        calls = torch_npu.CALLS.get("npu_rms_norm", 0) - before.get("npu_rms_norm", 0)
+        assert calls > 0
+        # the swapped modules keep the state-dict keys: the export matches the base model's keys
+        assert exported_weights(tmp_path / "out" / "checkpoint-1").keys() == initial_weights(tiny_weights).keys()
+    finally:
+        sys.modules.pop("torch_npu", None)
+        if saved is not None:
+            sys.modules["torch_npu"] = saved
+        rt_device._reset_npu_status_for_tests()
+
+
+# --- checks before any worker starts ------------------------------------------------------------------
+
+
+def test_missing_weights_say_which_command_fixes_them(tiny_weights, tiny_embeddings, tmp_path):
+    cfg = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", model=str(tmp_path / "nothing"))
+    with pytest.raises(FluxgrpoError, match="fluxgrpo fetch-weights"):
+        run(cfg)
+
+
+def test_missing_embeddings_say_which_command_fixes_them(tiny_weights, tiny_embeddings, tmp_path):
+    cfg = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out",
+                      data_json_path=str(tmp_path / "emb" / "videos2caption.json"))
+    with pytest.raises(FluxgrpoError, match="fluxgrpo preprocess"):
+        run(cfg)
+
+
+def test_embeddings_for_another_model_are_refused(tiny_weights, tiny_embeddings, tmp_path):
+    emb = tmp_path / "emb"
+    shutil.copytree(tiny_embeddings.out_dir, emb)
+    first = json.loads((emb / "videos2caption.json").read_text())[0]
+    torch.save(torch.zeros(32, 4096), emb / "prompt_embed" / first["prompt_embed_path"])
+    cfg = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", data_json_path=str(emb / "videos2caption.json"))
+    with pytest.raises(FluxgrpoError, match="made for another model"):
+        run(cfg)
+
+
+def test_unwritable_output_dir_is_refused_before_anything_runs(tiny_weights, tiny_embeddings, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cfg = tiny_config(tiny_weights, tiny_embeddings, blocker / "out")
+    with pytest.raises(FluxgrpoError, match="--output-dir"):
+        plan_training(cfg, LaunchSpec())
+
+
+def test_cli_dry_run_and_usage_errors(tiny_weights, tiny_embeddings, tmp_path):
+    result = runner.invoke(app, ["train", "--config", "tiny-cpu", "--dies", "2", "--dry-run",
+                                 "--output-dir", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["derived"]["images_per_iteration"] == 16 and plan["device_type"] == "cpu"
+    bad = runner.invoke(app, ["train", "--config", "tiny-cpu", "--rollout-batch-size", "3"])
+    assert bad.exit_code == 2 and "does not divide" in bad.output
+    assert runner.invoke(app, ["train", "--config", "nope"]).exit_code == 2
+    listing = runner.invoke(app, ["train", "--list-configs"])
+    assert listing.exit_code == 0 and "a3-16die" in listing.stdout
