@@ -16,7 +16,9 @@ class MetricsLogger:
     """Appends one JSON object per iteration; a no-op on ranks other than 0."""
 
     def __init__(self, output_dir: Path, *, enabled: bool, tensorboard: bool = False, wandb: bool = False,
-                 config: dict[str, Any] | None = None) -> None:
+                 config: dict[str, Any] | None = None, resume_after: int = 0) -> None:
+        """Keep only records of iterations ≤ ``resume_after`` (0 for a fresh run): a run that died past its last
+        checkpoint logged iterations that the resumed run repeats, and metrics.jsonl must read as one run."""
         self.enabled = enabled
         self._file = None
         self._tb = None
@@ -24,7 +26,11 @@ class MetricsLogger:
         if not enabled:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(output_dir / METRICS_FILE, "a", buffering=1)
+        path = output_dir / METRICS_FILE
+        if path.is_file():
+            kept = [r for r in read_metrics(output_dir) if r.get("iteration", 0) <= resume_after]
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self._file = open(path, "a", buffering=1)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -674,9 +674,12 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> SampleSummary:
         try:
             request = SampleRequest.from_dict(json.loads(Path(args.request).read_text(encoding="utf-8")))
-            return sample(request)
-        finally:
-            rt_dist.teardown()
+            summary = sample(request)
+        except BaseException:
+            rt_dist.teardown(failed=True)  # no barrier: peers may be inside a collective
+            raise
+        rt_dist.teardown()
+        return summary
 
     try:
         summary = run()

@@ -350,20 +350,15 @@ def compare_runs(this: Sequence[ScoredImage], other: Sequence[ScoredImage], othe
 
 
 def _load_scorer(name: str, hps_dir: str | Path, device: Any, batch_size: int) -> Any:
-    """The reward ``name`` on ``device``; HPSv2 with its encoders in float32 where the reward allows choosing."""
-    import inspect
-
+    """The reward ``name`` on ``device``; HPSv2 with its encoders in float32."""
     import torch
 
     from fluxgrpo.models.reward import HpsV2Reward, load_reward
 
     if name != HpsV2Reward.name:
         return load_reward(name, hps_dir, device)
-    # Scores compared across runs should not carry bf16 rounding (8 significant bits). On cpu the runtime's compute
-    # dtype is float32 anyway; on accelerators this needs HpsV2Reward's compute_dtype argument, asked for when the
-    # installed reward module has it.
-    extra = {"compute_dtype": torch.float32} if "compute_dtype" in inspect.signature(HpsV2Reward).parameters else {}
-    return HpsV2Reward(hps_dir, device, batch_size=batch_size, **extra)
+    # Scores compared across runs should not carry bf16 rounding (8 significant bits): fp32 throughout.
+    return HpsV2Reward(hps_dir, device, batch_size=batch_size, compute_dtype=torch.float32)
 
 
 def score_items(items: Sequence[ImageToScore], scorer: Any, batch_size: int, device: Any = "cpu",

@@ -199,20 +199,26 @@ def reward_statistics(ctx: DistContext, rewards: torch.Tensor, group_size: int) 
 
 
 def reduce_update_stats(ctx: DistContext, stats: dict[str, float]) -> dict[str, float]:
-    """Mean over ranks of the averages, min of mins, max of maxes, sums of counts."""
+    """Mean over ranks of the averages, min of mins, max of maxes (tensors on the device: nccl/hccl need it)."""
     mean_keys = ("loss", "ratio_mean", "clip_fraction", "grad_norm_mean")
-    mean = torch.tensor([stats[k] for k in mean_keys], dtype=torch.float64).float()
-    rt_dist.all_reduce_sum(ctx, mean)
-    lows = torch.tensor([-stats["ratio_min"]], dtype=torch.float32)
-    highs = torch.tensor([stats["ratio_max"], stats["first_abs_log_ratio"], stats["grad_norm_max"]], dtype=torch.float32)
-    both = torch.cat([lows, highs])
-    rt_dist.all_reduce_max(ctx, both)
-    out = dict(zip(mean_keys, (mean / ctx.world_size).tolist(), strict=True))
-    out["ratio_min"] = -both[0].item()
-    out["ratio_max"], out["first_abs_log_ratio"], out["grad_norm_max"] = both[1:].tolist()
+    means = torch.tensor([stats[k] for k in mean_keys], dtype=torch.float32, device=ctx.device)
+    rt_dist.all_reduce_sum(ctx, means)
+    # min(x) = −max(−x), so one MAX reduction covers both ends
+    extremes = torch.tensor([-stats["ratio_min"], stats["ratio_max"], stats["first_abs_log_ratio"],
+                             stats["grad_norm_max"]], dtype=torch.float32, device=ctx.device)
+    rt_dist.all_reduce_max(ctx, extremes)
+    out = dict(zip(mean_keys, (means / ctx.world_size).tolist(), strict=True))
+    low, out["ratio_max"], out["first_abs_log_ratio"], out["grad_norm_max"] = extremes.tolist()
+    out["ratio_min"] = -low
     out["optimizer_steps"] = stats["optimizer_steps"]
     out["skipped_steps"] = stats["skipped_steps"]
     return out
+
+
+def advantage_statistics(ctx: DistContext, advantages: torch.Tensor) -> dict[str, float]:
+    gathered = rt_dist.all_gather_tensor(ctx, advantages.detach().float())
+    abs_mean, low, high = torch.stack([gathered.abs().mean(), gathered.min(), gathered.max()]).tolist()
+    return {"advantage_abs_mean": abs_mean, "advantage_min": low, "advantage_max": high}
 
 
 # --------------------------------------------------------------------------------------------- the loop
@@ -244,7 +250,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
             parts.sampler.load_state_dict(loaded.trainer_state["sampler"][str(ctx.rank)])
             rt_dist.rank0_print(ctx, f"resumed from {checkpoint} after iteration {start}")
         metrics = MetricsLogger(output_dir, enabled=ctx.is_main, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
-                                config=cfg.to_dict())
+                                config=cfg.to_dict(), resume_after=start)
         sigmas = sigma_schedule(cfg.sampling_steps, cfg.shift).to(ctx.device)
         img_ids = image_ids(cfg.height, cfg.width).to(ctx.device)
         records = []
@@ -281,9 +287,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
 
             record = {"iteration": iteration}
             record.update(reward_statistics(ctx, rewards, cfg.num_generations))
-            advantages = adv.advantages.float()
-            record.update({"advantage_abs_mean": advantages.abs().mean().item(),
-                           "advantage_min": advantages.min().item(), "advantage_max": advantages.max().item()})
+            record.update(advantage_statistics(ctx, adv.advantages))
             record.update(reduce_update_stats(ctx, update.as_floats()))
             peak = rt_device.peak_memory_bytes(ctx.device)
             record.update({

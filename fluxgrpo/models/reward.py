@@ -254,7 +254,8 @@ class HpsV2Reward:
 
     name = "hpsv2"
 
-    def __init__(self, hps_dir: str | Path, device: Any = "cpu", batch_size: int = 32, text_cache_size: int = 4096):
+    def __init__(self, hps_dir: str | Path, device: Any = "cpu", batch_size: int = 32, text_cache_size: int = 4096,
+                 compute_dtype: torch.dtype | None = None):
         import open_clip
         import torch
 
@@ -266,6 +267,9 @@ class HpsV2Reward:
         image_size = self.model.visual.image_size
         self.image_size = int(image_size[0] if isinstance(image_size, tuple | list) else image_size)
         self.batch_size = batch_size
+        # None: the runtime's compute dtype (bf16 encoders on accelerators, scores accumulated in fp32);
+        # torch.float32: everything fp32, as `fluxgrpo score` does to match the reference scorer.
+        self.compute_dtype = compute_dtype
         self._text_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._text_cache_size = text_cache_size
 
@@ -302,7 +306,7 @@ class HpsV2Reward:
         scores = []
         with torch.no_grad():
             for start in range(0, pixels.shape[0], self.batch_size):
-                with autocast(self.device.type):
+                with autocast(self.device.type, dtype=self.compute_dtype):
                     features = self.model.encode_image(pixels[start : start + self.batch_size])
                 features = F.normalize(features.float(), dim=-1)
                 scores.append((features * text_features[start : start + self.batch_size]).sum(dim=-1))
@@ -317,7 +321,7 @@ class HpsV2Reward:
 
         missing = list(dict.fromkeys(p for p in prompts if p not in self._text_cache))
         if missing:
-            with torch.no_grad(), autocast(self.device.type):
+            with torch.no_grad(), autocast(self.device.type, dtype=self.compute_dtype):
                 features = self.model.encode_text(self.tokenizer(missing).to(self.device))
             features = F.normalize(features.float(), dim=-1)
             for prompt, row in zip(missing, features, strict=True):
@@ -487,7 +491,7 @@ class PickScoreReward:
         with torch.no_grad():
             scale = self.model.logit_scale.detach().float().exp()
             for start in range(0, pixel_values.shape[0], self.batch_size):
-                with autocast(self.device.type):
+                with autocast(self.device.type, dtype=self.compute_dtype):
                     output = self.model.get_image_features(pixel_values=pixel_values[start : start + self.batch_size])
                 image_embeds = F.normalize(_projected(output).float(), dim=-1)
                 cosine = (image_embeds * text_embeds[start : start + self.batch_size]).sum(dim=-1)
@@ -505,7 +509,7 @@ class PickScoreReward:
         if missing:
             tokens = self.tokenizer(missing, padding="max_length", max_length=PICKSCORE_MAX_LENGTH, truncation=True,
                                     return_tensors="pt").to(self.device)
-            with torch.no_grad(), autocast(self.device.type):
+            with torch.no_grad(), autocast(self.device.type, dtype=self.compute_dtype):
                 output = self.model.get_text_features(input_ids=tokens["input_ids"],
                                                       attention_mask=tokens["attention_mask"])
             embeds = F.normalize(_projected(output).float(), dim=-1)
