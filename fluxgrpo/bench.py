@@ -44,11 +44,12 @@ packed latent channels in, C_out = 64 out, D_t = joint_attention_dim (4096), P =
 N_d double blocks, N_s single blocks. A linear layer of shape a→b applied to one token costs 2ab FLOPs (one
 multiply and one add per weight); attention over n tokens costs 2n²d for QKᵀ and 2n²d for the weighted sum of V,
 4n²d per block, summed over heads (full bidirectional attention, no mask). Element-wise work (norms, RoPE, GELU,
-softmax, modulation) is not counted, as in every MFU convention.
+softmax, modulation) is not counted, as MFU conventions do.
 
 Double-stream block (``FluxTransformerBlock``): image and text tokens each go through their *own* weights —
-q, k, v (3d²), output projection (d²), MLP d→4d→d (8d²): 12d² parameters per stream, 24d² per block — and meet
-in one joint attention over all n tokens. So a token sees 12d² weights: 24·n·d² FLOPs, plus 4n²d for attention.
+q, k, v (3d²), output projection (d²), MLP d→4d→d (8d²): 12d² parameters per stream, 24d² per block — and
+meet in one joint attention over all n tokens. So a token sees 12d² weights: 24·n·d² FLOPs, plus 4n²d for
+attention.
 Single-stream block (``FluxSingleTransformerBlock``): q, k, v (3d²), MLP-in d→4d (4d²), and one output projection
 from the concatenated attention and MLP outputs 5d→d (5d²): 12d² per token again, 24·n·d² + 4n²d per block.
 (So "2 × parameters × tokens" would double-count the double blocks: each token uses only half of their weights.)
@@ -68,13 +69,19 @@ A rollout costs B·N·F. A training step costs 3·F per sample (backward = 2 × 
 both inputs and weights), the usual model-FLOPs convention; the backward of the first layers computes no input
 gradient, so the true count is a hair lower, and activation checkpointing's recomputed forward is hardware work
 that MFU deliberately does not count. The update costs 3·B·T·F. For FLUX.1-dev (d = 3072, 19 + 38 blocks) at
-720² (L = 2025, S = 512, n = 2537), F ≈ 37.3 TFLOP per image per step, 93% of it in the 24·n·d² terms.
+720² (L = 2025, S = 512, n = 2537), F ≈ 37.3 TFLOP per image per step: 88% in the 24·n·d² terms, 12% in
+attention.
 
 MFU = (model FLOPs / seconds) / peak, per device, against ``runtime.peak.peak_throughput`` (dense bf16 or TF32
 datasheet figures, Ascend's cube peak) or ``--peak-tflops``. No peak, no MFU (cpu).
 
-The command that would produce the H200 figures (one device, bf16, FLUX.1-dev width, 720², 16 steps; about
-5 GB of weights per billion parameters leave room for 8 + 16 blocks, ≈ 5.05 B parameters):
+The H200 command (one device, bf16 autocast over fp32 weights, FLUX.1-dev's width, 720², 16 steps, nothing
+downloaded). fp32 weights, gradients and AdamW's moments take 16 bytes per parameter, so 8 + 16 blocks (5.05 B
+parameters) take 75 GiB of the device's ~140 GiB and leave room for autocast's bf16 weight copies (9 GiB), the
+activations of micro-batch 2 without checkpointing (≈ 20 GiB at 720², scaled from the saved-tensor count of a
+full-width block pair on cpu), the VAE and the ViT-H-14 reward; 19 + 38 blocks would need 177 GiB before any
+activation. Each configuration is 128 rollout forwards or 72 trained samples of ≈ 15.7 TFLOP per forward: about
+4 minutes at 40–50 % MFU, under 8 at 25 %. A configuration that does not fit is reported as "out of memory".
 
     fluxgrpo bench --model flux-dev-shaped --blocks 8,16 --resolution 720 --steps 16 \\
         --rollout-batch-sizes 1,2,4,8 --micro-batch-sizes 1,2 --activation-checkpointing both \\
@@ -90,7 +97,6 @@ import math
 import statistics
 import sys
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -221,14 +227,14 @@ class BenchConfig:
                             ("--micro-batch-sizes", self.micro_batch_sizes)):
             if not sizes or min(sizes) < 1:
                 out.append(f"{flag} needs positive sizes, got {','.join(map(str, sizes)) or 'none'}")
+        sizes = (*self.rollout_batch_sizes, *self.micro_batch_sizes)
         if self.trajectories is not None:
-            uneven = [s for s in (*self.rollout_batch_sizes, *self.micro_batch_sizes) if s > 0 and self.trajectories % s]
+            uneven = [size for size in sizes if size > 0 and self.trajectories % size]
             if self.trajectories < 1 or uneven:
                 out.append(f"--trajectories {self.trajectories} must be a positive multiple of every batch size")
-        elif self.rollout_batch_sizes and self.micro_batch_sizes and min(*self.rollout_batch_sizes, *self.micro_batch_sizes) >= 1:
-            if self.num_trajectories > 256:
-                out.append(f"the batch sizes' least common multiple is {self.num_trajectories} trajectories: "
-                           "choose sizes that divide each other, or set --trajectories")
+        elif all(size >= 1 for size in sizes) and self.num_trajectories > 256:
+            out.append(f"the batch sizes' least common multiple is {self.num_trajectories} trajectories: "
+                       "choose sizes that divide each other, or set --trajectories")
         if self.train_timesteps is not None and not 1 <= self.train_timesteps <= self.steps - 1:
             out.append(f"--train-timesteps {self.train_timesteps} must be in 1…{self.steps - 1} (--steps − 1)")
         if self.activation_checkpointing not in CHECKPOINTING_CHOICES:
@@ -361,7 +367,9 @@ class FluxShape:
         """From a transformer config (attribute access or dict); ``blocks`` overrides the block counts."""
         get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
         if get("patch_size", 1) != 1:
-            raise FluxgrpoError(f"FLOP count assumes FLUX's patch_size 1 (latents packed outside), got {get('patch_size')}")
+            raise FluxgrpoError(
+                f"the FLOP count assumes FLUX's patch_size 1 (latents packed outside), got {get('patch_size')}"
+            )
         heads, head_dim = int(get("num_attention_heads")), int(get("attention_head_dim"))
         double, single = blocks if blocks is not None else (int(get("num_layers")), int(get("num_single_layers")))
         in_channels = int(get("in_channels"))
@@ -457,11 +465,13 @@ class PhaseFigure:
 
 @dataclass
 class _Timing:
-    seconds: list[float] = field(default_factory=list)
-    peak_memory_bytes: int | None = None
+    seconds: list[float] = field(default_factory=list)  # one per timed run
+    peak_memory_bytes: int | None = None  # the highest allocator peak of those runs
+    excluded_seconds: list[float] = field(default_factory=list)  # per run: time spent in another phase (optimizer)
 
-    def add(self, seconds: float, peak: int | None) -> None:
+    def add(self, seconds: float, peak: int | None, excluded: float = 0.0) -> None:
         self.seconds.append(seconds)
+        self.excluded_seconds.append(excluded)
         if peak is not None:
             self.peak_memory_bytes = max(self.peak_memory_bytes or 0, peak)
 
@@ -592,40 +602,37 @@ def _difference(a: int | None, b: int | None) -> int | None:
 # --------------------------------------------------------------------------------------------- models
 
 
-class RandomWeightsHpsReward:
-    """HPSv2's scoring code (``models.reward.HpsV2Reward``) on a randomly initialised open_clip model.
+def random_hps_reward(architecture: str, device: Any, seed: int) -> Any:
+    """HPSv2's reward (``models.reward.load_reward("hpsv2", ...)``, the trainer's own code) with random weights.
 
-    Same preprocessing, same towers, same text-feature cache, same cosine score: the reward phase's cost without
-    the HPS checkpoint. ``architecture`` is "ViT-H-14" (HPSv2's, 986 M parameters) or an open_clip config dict.
+    ``architecture`` is "tiny-clip" (the tiny HPS-shaped CLIP of ``fetch-weights --source tiny``) or "vit-h-14"
+    (HPSv2's open_clip ViT-H-14, 986 M parameters). The weights are written to a temporary folder in the HPS layout
+    and loaded the way training loads them: same preprocessing, towers, text-feature cache and cosine score, so
+    the reward phase costs what the real reward costs. For ViT-H-14 that is a 4 GB file written and read once.
     """
+    import tempfile
 
-    name = "random-hps"
+    import torch
 
-    def __init__(self, architecture: str | dict[str, Any], device: Any) -> None:
-        import open_clip
-        import torch
+    from fluxgrpo.models.reward import REAL_REWARD_ARCH, load_reward
+    from fluxgrpo.weights.layout import HPS_CHECKPOINT, OPEN_CLIP_WEIGHTS
 
-        from fluxgrpo.models.reward import HpsV2Reward, register_open_clip_config
+    with tempfile.TemporaryDirectory(prefix="fluxgrpo-bench-reward-") as folder:
+        if architecture == "tiny-clip":
+            from fluxgrpo.weights.tiny import write_tiny_reward
 
-        arch = architecture if isinstance(architecture, str) else register_open_clip_config(architecture)
-        device = torch.device(device)
-        with device:  # build on the device: a 1 B-parameter random init is slow on the host
-            model = open_clip.create_model(arch, pretrained=None)
-        self._scorer = HpsV2Reward.__new__(HpsV2Reward)
-        # The attributes HpsV2Reward.__init__ sets after loading its checkpoint (see its __init__).
-        self._scorer.device = device
-        self._scorer.model = model.to(device).eval().requires_grad_(False)
-        self._scorer.architecture = arch
-        self._scorer.tokenizer = open_clip.get_tokenizer(arch)
-        image_size = self._scorer.model.visual.image_size
-        self._scorer.image_size = int(image_size[0] if isinstance(image_size, tuple | list) else image_size)
-        self._scorer.batch_size = 32
-        self._scorer._text_cache = OrderedDict()
-        self._scorer._text_cache_size = 4096
-        self.parameters = sum(p.numel() for p in self._scorer.model.parameters())
+            write_tiny_reward(Path(folder), seed)
+        else:
+            import open_clip
 
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        return self._scorer(images, prompts)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = open_clip.create_model(REAL_REWARD_ARCH, pretrained=None, precision="fp32", device="cpu")
+            # The initial open_clip weights hold every key; an HPS checkpoint with one key then overrides just it.
+            torch.save(model.state_dict(), Path(folder, OPEN_CLIP_WEIGHTS))
+            torch.save({"state_dict": {"logit_scale": model.logit_scale.detach()}}, Path(folder, HPS_CHECKPOINT))
+            del model
+        return load_reward("hpsv2", folder, device)
 
 
 @dataclass
@@ -641,11 +648,14 @@ class BenchModel:
     shape: FluxShape
 
 
-def resolve_reward(cfg: BenchConfig, device_type: str) -> str:
-    """``auto``: a random ViT-H-14 for the full-width models on accelerators, the tiny CLIP otherwise."""
+def resolve_reward(cfg: BenchConfig, device_type: str, shape: FluxShape) -> str:
+    """``auto``: HPSv2's ViT-H-14 (random weights) beside a FLUX.1-dev-width transformer on an accelerator, the
+    tiny HPS-shaped CLIP otherwise (on cpu one ViT-H-14 image takes seconds)."""
     if cfg.reward != "auto":
         return cfg.reward
-    return "vit-h-14" if cfg.model != TINY_MODEL and device_type != "cpu" else "tiny-clip"
+    full_width = shape.hidden >= FLUX_DEV_TRANSFORMER_CONFIG["num_attention_heads"] * FLUX_DEV_TRANSFORMER_CONFIG[
+        "attention_head_dim"]
+    return "vit-h-14" if full_width and device_type != "cpu" else "tiny-clip"
 
 
 def _device_memory_bytes(ctx: DistContext) -> int | None:
@@ -707,35 +717,33 @@ def build_bench_model(cfg: BenchConfig, ctx: DistContext, compute_dtype: torch.d
             transformer = FluxTransformer2DModel(**config)
             vae = AutoencoderKL(**FLUX_DEV_VAE_CONFIG)
     else:
-        from fluxgrpo.models.flux import load_transformer, load_vae, read_transformer_config
+        from fluxgrpo.models.flux import (
+            load_transformer,
+            load_vae,
+            read_transformer_config,
+        )
 
         check_training_memory(FluxShape.from_config(read_transformer_config(cfg.model), cfg.blocks), ctx, cfg.model)
         transformer = load_transformer(cfg.model, dtype=torch.float32, device="cpu")
         _trim_blocks(transformer, cfg.blocks, cfg.model)
         vae = load_vae(cfg.model, dtype=torch.float32, device="cpu")
-    transformer = transformer.to(device=device, dtype=torch.float32)
-    transformer.requires_grad_(True)
+    # Every builder and loader above yields fp32 weights (the trainer's masters); only the VAE changes dtype.
+    transformer = transformer.to(device).requires_grad_(True)
     adapt_transformer(transformer, ctx.device_type, attention=cfg.attention, compute_dtype=compute_dtype)
-    vae = vae.to(device=device, dtype=compute_dtype).eval().requires_grad_(False)
+    vae = vae.to(device) if vae.dtype == compute_dtype else vae.to(device=device, dtype=compute_dtype)
+    vae.eval().requires_grad_(False)
+    shape = FluxShape.from_transformer(transformer)
 
-    reward_name = resolve_reward(cfg, ctx.device_type)
-    reward_parameters = None
-    if reward_name == "tiny-clip":
-        from fluxgrpo.models.tiny import TINY_REWARD_CONFIG
-
-        reward = RandomWeightsHpsReward(TINY_REWARD_CONFIG, device)
-        reward_parameters = reward.parameters
-    elif reward_name == "vit-h-14":
-        from fluxgrpo.models.reward import REAL_REWARD_ARCH
-
-        reward = RandomWeightsHpsReward(REAL_REWARD_ARCH, device)
-        reward_parameters = reward.parameters
+    reward_name = resolve_reward(cfg, ctx.device_type, shape)
+    if reward_name in ("tiny-clip", "vit-h-14"):
+        reward = random_hps_reward(reward_name, device, cfg.seed)
     else:
         from fluxgrpo.models.reward import load_reward
 
-        reward = load_reward("brightness" if reward_name == "brightness" else "hpsv2", cfg.hps_dir, device)
-    return BenchModel(cfg.model, transformer, vae, reward, reward_name, reward_parameters,
-                      FluxShape.from_transformer(transformer))
+        reward = load_reward(reward_name, cfg.hps_dir, device)
+    reward_model = getattr(reward, "model", None)
+    reward_parameters = sum(p.numel() for p in reward_model.parameters()) if reward_model is not None else None
+    return BenchModel(cfg.model, transformer, vae, reward, reward_name, reward_parameters, shape)
 
 
 # --------------------------------------------------------------------------------------------- measuring
@@ -751,7 +759,7 @@ class _TimedOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
         self.optimizer = optimizer
         self.device = device
-        self.timing = _Timing()
+        self.step_peak_bytes: int | None = None  # the highest allocator peak of any step so far
         self.seconds_since_reset = 0.0
         self.update_peak_bytes: int | None = None
 
@@ -778,9 +786,11 @@ class _TimedOptimizer:
         start = time.perf_counter()
         self.optimizer.step()
         rt_device.synchronize(self.device)
-        seconds = time.perf_counter() - start
-        self.seconds_since_reset += seconds
-        self.timing.add(seconds, rt_device.peak_memory_bytes(self.device))
+        self.seconds_since_reset += time.perf_counter() - start
+        peak = rt_device.peak_memory_bytes(self.device)
+        if peak is not None:
+            self.step_peak_bytes = max(self.step_peak_bytes or 0, peak)
+        rt_device.reset_peak_memory(self.device)  # what follows the step is the update's again
 
 
 class _ConstantSchedule:
@@ -921,21 +931,32 @@ class _Sweep:
             peak = rt_device.peak_memory_bytes(self.ctx.device)
             if run.peak_floor_bytes is not None:
                 peak = max(peak or 0, run.peak_floor_bytes)
-            timing.add(elapsed, peak)
+            timing.add(elapsed, peak, run.excluded_seconds)
         self.log(f"  {label}: {timing.median:.4f} s")
         return timing, None if run is None else run.result
 
-    def _out_of_memory(self, exc: Exception) -> str:
-        """Re-raise anything but the device running out of memory; after that, free what can be freed."""
+    def _attempt(
+        self, label: str, measure: Callable[[], tuple[_Timing, Any]]
+    ) -> tuple[_Timing | None, Any, str | None]:
+        """``measure()``, with the device running out of memory recorded (as the figure's error) instead of
+        ending the bench; any other exception propagates."""
+        import gc
+
         from fluxgrpo.runtime import device as rt_device
         from fluxgrpo.runtime.peak import is_out_of_memory
 
-        if not is_out_of_memory(exc):
-            raise exc
+        try:
+            timing, result = measure()
+            return timing, result, None
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+        # Past the except clause the exception and the frames it pinned are gone, so their tensors can go too.
         self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
         rt_device.empty_cache(self.ctx.device)
-        self.log("  out of memory: recorded, moving on")
-        return "out of memory"
+        self.log(f"  {label}: out of memory (recorded; moving on)")
+        return None, None, "out of memory"
 
     def _publish(self, figures: list[PhaseFigure]) -> None:
         for figure in with_speedups(figures):
@@ -961,13 +982,11 @@ class _Sweep:
                     generator=generator, compute_dtype=self.compute_dtype,
                 ))
 
-            try:
-                timing, kept = self._measure(f"rollout {resolution} batch {size}", call)
-                figures.append(_figure("rollout", resolution, size, None, count, "images", timing, flops,
-                                       self.peak_tflops))
-            except Exception as exc:  # noqa: BLE001 - only running out of memory is recorded (_out_of_memory)
-                figures.append(_figure("rollout", resolution, size, None, count, "images", None, flops,
-                                       self.peak_tflops, error=self._out_of_memory(exc)))
+            label = f"rollout {resolution} batch {size}"
+            timing, result, error = self._attempt(label, lambda label=label, call=call: self._measure(label, call))
+            kept = result if result is not None else kept
+            figures.append(_figure("rollout", resolution, size, None, count, "images", timing, flops,
+                                   self.peak_tflops, error=error))
         self._publish(figures)
         return kept
 
@@ -992,12 +1011,10 @@ class _Sweep:
                         chunks.append(decode_latents(self.model.vae, latents))
                 return _Run(torch.cat(chunks))
 
-            try:
-                timing, images = self._measure(f"decode {resolution} batch {size}", decode)
-                figures.append(_figure("decode", resolution, size, None, count, "images", timing, None, None))
-            except Exception as exc:  # noqa: BLE001
-                figures.append(_figure("decode", resolution, size, None, count, "images", None, None, None,
-                                       error=self._out_of_memory(exc)))
+            label = f"decode {resolution} batch {size}"
+            timing, result, error = self._attempt(label, lambda label=label, call=decode: self._measure(label, call))
+            images = result if result is not None else images
+            figures.append(_figure("decode", resolution, size, None, count, "images", timing, None, None, error=error))
         self._publish(figures)
         if images is None:
             return
@@ -1010,12 +1027,9 @@ class _Sweep:
                     for start in range(0, count, size)
                 ]))
 
-            try:
-                timing, _ = self._measure(f"reward {resolution} batch {size}", score)
-                figures.append(_figure("reward", resolution, size, None, count, "images", timing, None, None))
-            except Exception as exc:  # noqa: BLE001
-                figures.append(_figure("reward", resolution, size, None, count, "images", None, None, None,
-                                       error=self._out_of_memory(exc)))
+            label = f"reward {resolution} batch {size}"
+            timing, _, error = self._attempt(label, lambda label=label, call=score: self._measure(label, call))
+            figures.append(_figure("reward", resolution, size, None, count, "images", timing, None, None, error=error))
         self._publish(figures)
 
     def update(self, rollout: Rollout, inputs: _Inputs, resolution: str) -> None:
@@ -1029,7 +1043,8 @@ class _Sweep:
         fraction = min(1.0, (trained + 0.5) / (self.cfg.steps - 1))
         flops = update_flops(self.model.shape, inputs.image_tokens, self.cfg.text_tokens, count, trained)
         transformer, optimizer = self.model.transformer, self.optimizer
-        optimizer.timing = _Timing()
+        optimizer.step_peak_bytes = None
+        step_timing = _Timing()  # every timed update run takes exactly one optimizer step
         figures = []
         for checkpointing in self.cfg.checkpointing_modes:
             if checkpointing:
@@ -1050,21 +1065,27 @@ class _Sweep:
                     )
                     return _Run(stats, optimizer.seconds_since_reset, optimizer.update_peak_bytes)
 
-                mode = "on" if checkpointing else "off"
-                try:
+                label = f"update {resolution} micro-batch {size} checkpointing {'on' if checkpointing else 'off'}"
+
+                def measure(
+                    label: str = label, size: int = size, call: Callable[[], _Run] = call
+                ) -> tuple[_Timing, Any]:
                     activation_bytes = self._activation_probe(rollout, inputs, size)
-                    timing, stats = self._measure(f"update {resolution} micro-batch {size} checkpointing {mode}",
-                                                  call)
-                    figure = _figure("update", resolution, size, checkpointing, count * trained, "samples", timing,
-                                     flops, self.peak_tflops, activation_bytes=activation_bytes,
-                                     max_abs_log_ratio=stats.as_floats()["first_abs_log_ratio"])
-                    if stats.skipped_steps:
-                        figure = replace(figure, error="non-finite gradient norm: the optimizer step was skipped")
-                except Exception as exc:  # noqa: BLE001
-                    figure = _figure("update", resolution, size, checkpointing, count * trained, "samples", None,
-                                     flops, self.peak_tflops, error=self._out_of_memory(exc))
+                    timing, stats = self._measure(label, call)
+                    return timing, (stats, activation_bytes)
+
+                timing, result, error = self._attempt(label, measure)
+                stats, activation_bytes = result if result is not None else (None, None)
+                if timing is not None:
+                    step_timing.seconds.extend(timing.excluded_seconds)
+                figure = _figure("update", resolution, size, checkpointing, count * trained, "samples", timing, flops,
+                                 self.peak_tflops, error=error, activation_bytes=activation_bytes,
+                                 max_abs_log_ratio=None if stats is None else stats.as_floats()["first_abs_log_ratio"])
+                if stats is not None and stats.skipped_steps:
+                    figure = replace(figure, error="non-finite gradient norm: the optimizer step was skipped")
                 figures.append(figure)
-        figures.append(_figure("optimizer", resolution, None, None, 1, "steps", optimizer.timing, None, None))
+        step_timing.peak_memory_bytes = optimizer.step_peak_bytes
+        figures.append(_figure("optimizer", resolution, None, None, 1, "steps", step_timing, None, None))
         self._publish(figures)
 
     def _activation_probe(self, rollout: Rollout, inputs: _Inputs, size: int) -> int:
@@ -1079,7 +1100,8 @@ class _Sweep:
         transformer = self.model.transformer
         transformer.train()
         device = self.ctx.device
-        current, following = rollout.latents[:size, 0].to(device), rollout.latents[:size, 1].to(device)
+        # Copies, as the update's gather makes them: a view would pin (and count) the whole trajectory buffer.
+        current, following = (rollout.latents[:size, index].to(device).clone() for index in (0, 1))
 
         def forward() -> torch.Tensor:
             velocity = predict_velocity(
@@ -1145,8 +1167,13 @@ def bench_on_rank(cfg: BenchConfig, ctx: DistContext, emit: Callable[[dict[str, 
     log(f"building {cfg.model} on {ctx.device_type} ({name})")
     bench_model = build_bench_model(cfg, ctx, compute_dtype)
     if ctx.distributed:
+        import warnings
+
         from fluxgrpo.grpo.trainer import shard_transformer
 
+        # As in the trainer: FLUX blocks return views, which FSDP2 warns about on every forward; nothing here
+        # modifies a block output in place, so the warning is noise.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         shard_transformer(bench_model.transformer, cpu_offload=False)
     if cfg.compile:
         bench_model.transformer.compile()
@@ -1206,7 +1233,12 @@ def _launch_workers(cfg: BenchConfig, emit: Callable[[dict[str, Any]], None],
     import tempfile
 
     from fluxgrpo.runtime import device as rt_device
-    from fluxgrpo.runtime.launch import LaunchSpec, build_torchrun_argv, run_torchrun, worker_env_defaults
+    from fluxgrpo.runtime.launch import (
+        LaunchSpec,
+        build_torchrun_argv,
+        run_torchrun,
+        worker_env_defaults,
+    )
 
     device_type = rt_device.resolve_device_type(cfg.device)
     if device_type != "cpu" and cfg.dies > rt_device.device_count(device_type):

@@ -91,6 +91,7 @@ class TrainConfig:
         """The numbers a user checks before spending a cluster-day."""
         per_rank = self.trajectories_per_rank
         micro_batches = math.ceil(per_rank / self.train_micro_batch_size)
+        steps = math.ceil(micro_batches / self.gradient_accumulation_steps)
         return {
             "world_size": world_size,
             "prompts_per_iteration": world_size * self.train_batch_size,
@@ -98,12 +99,14 @@ class TrainConfig:
             "trajectories_per_rank": per_rank,
             "train_timesteps_per_trajectory": self.train_timesteps,
             "micro_batches_per_iteration": micro_batches,
-            "optimizer_steps_per_iteration": math.ceil(micro_batches / self.gradient_accumulation_steps),
+            "optimizer_steps_per_iteration": steps,
+            # When GA does not divide the micro-batches the last step takes the leftover ones (never dropped); its
+            # gradient keeps the 1/(GA·T_train) scale, so it is proportionally smaller.
+            "micro_batches_in_last_optimizer_step": micro_batches - (steps - 1) * self.gradient_accumulation_steps,
             "trajectories_per_optimizer_step": world_size * self.train_micro_batch_size * self.gradient_accumulation_steps,
             "rollout_forwards_per_rank": per_rank * self.sampling_steps,
             "train_forward_backward_per_rank": per_rank * self.train_timesteps,
-            "total_optimizer_steps": self.max_train_steps
-            * math.ceil(micro_batches / self.gradient_accumulation_steps),
+            "total_optimizer_steps": self.max_train_steps * steps,
         }
 
     def problems(self) -> list[str]:

@@ -45,6 +45,9 @@ def embeddings_status(embeddings_dir: str | Path) -> dict[str, Any]:
     except ValueError as exc:
         status["problems"].append(f"{index} is not valid JSON ({exc})")
         return status
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        status["problems"].append(f"{index} is not a list of prompt entries (DanceGRPO's videos2caption.json layout)")
+        return status
     missing = 0
     first_missing = None
     for entry in entries:

@@ -282,8 +282,7 @@ def worker_argv(prompts_path: str | Path, flux_dir: str | Path, out_dir: str | P
 
 def main(argv: list[str] | None = None) -> int:
     """Worker entry: ``[torchrun ...] python -m fluxgrpo.preprocess --prompts F --model D --out O ...``."""
-    from fluxgrpo.runtime import dist as rt_dist
-    from fluxgrpo.runtime.launch import worker_errors
+    from fluxgrpo.runtime.launch import run_worker
 
     parser = argparse.ArgumentParser(prog="python -m fluxgrpo.preprocess", description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", required=True)
@@ -294,25 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary-json", default=None, help="rank 0 writes the summary here")
     args = parser.parse_args(argv)
 
-    @worker_errors
-    def run() -> PreprocessSummary:
-        try:
-            summary = preprocess(args.prompts, args.model, args.out, args.max_sequence_length, args.device)
-        except BaseException:
-            rt_dist.teardown(failed=True)
-            raise
-        rt_dist.teardown()
-        return summary
-
-    try:
-        summary = run()
-    except FluxgrpoError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    if args.summary_json and int(os.environ.get("RANK", "0")) == 0:
-        Path(args.summary_json).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
-    return 0
-
+    return run_worker(
+        lambda: preprocess(args.prompts, args.model, args.out, args.max_sequence_length, args.device),
+        args.summary_json,
+    )
 
 if __name__ == "__main__":
     sys.exit(main())

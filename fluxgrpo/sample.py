@@ -46,12 +46,12 @@ from typing import Any
 
 from fluxgrpo import __version__
 from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.paths import DEFAULT_SAMPLES_DIR
 
 INDEX_FILE = "index.json"
 GRID_FILE = "grid.png"
 INDEX_FORMAT = "fluxgrpo-sample-index"
 INDEX_FORMAT_VERSION = 1
-DEFAULT_SAMPLES_DIR = "data/outputs/samples"
 SEED_FORMULA = (
     'int.from_bytes(hashlib.sha256(f"fluxgrpo-sample:{seed}:{prompt_index}:{image_index}".encode()).digest()[:8], '
     '"big") & (2**63 - 1)'
@@ -393,7 +393,13 @@ class _Progress:
         self._bar = None
         if enabled and total:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
 
             self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeRemainingColumn(), console=Console(stderr=True))
@@ -662,34 +668,18 @@ def read_index(path: str | Path) -> SampleIndex:
 
 def main(argv: list[str] | None = None) -> int:
     """Worker entry: ``torchrun ... -m fluxgrpo.sample --request REQUEST.json [--summary-json FILE]``."""
-    from fluxgrpo.runtime import dist as rt_dist
-    from fluxgrpo.runtime.launch import worker_errors
+    from fluxgrpo.runtime.launch import run_worker
 
     parser = argparse.ArgumentParser(prog="python -m fluxgrpo.sample", description=__doc__.splitlines()[0])
     parser.add_argument("--request", required=True, help="the SampleRequest as JSON (written by `fluxgrpo sample`)")
     parser.add_argument("--summary-json", default=None, help="rank 0 writes the summary here")
     args = parser.parse_args(argv)
 
-    @worker_errors
-    def run() -> SampleSummary:
-        try:
-            request = SampleRequest.from_dict(json.loads(Path(args.request).read_text(encoding="utf-8")))
-            summary = sample(request)
-        except BaseException:
-            rt_dist.teardown(failed=True)  # no barrier: peers may be inside a collective
-            raise
-        rt_dist.teardown()
-        return summary
+    def work() -> SampleSummary:
+        request = SampleRequest.from_dict(json.loads(Path(args.request).read_text(encoding="utf-8")))
+        return sample(request)
 
-    try:
-        summary = run()
-    except FluxgrpoError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    if args.summary_json and int(os.environ.get("RANK", "0")) == 0:
-        Path(args.summary_json).write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
-    return 0
-
+    return run_worker(work, args.summary_json)
 
 if __name__ == "__main__":
     sys.exit(main())

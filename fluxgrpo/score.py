@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.paths import DEFAULT_HPS_DIR
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 DEFAULT_SCORE_BATCH = 16
@@ -149,7 +150,7 @@ class ScoreRequest:
     images_dir: str | None = None
     prompts_file: str | None = None
     reward: str = "hpsv2"
-    hps_dir: str = "hps_ckpt"
+    hps_dir: str = DEFAULT_HPS_DIR
     batch_size: int = DEFAULT_SCORE_BATCH
     device: str = "auto"
     compare: str | None = None  # another sample index

@@ -31,7 +31,7 @@ class TrainPlan:
     derived: dict[str, Any]
     worker_env: dict[str, str]
     resolved_path: Path
-    resume: str | None
+    resume_checkpoint: str | None  # the exact checkpoint folder, resolved once here so every rank agrees
 
 
 def preflight(cfg: TrainConfig) -> None:
@@ -77,37 +77,99 @@ def _check_embeddings_match_model(cfg: TrainConfig) -> None:
         )
 
 
-def plan_training(cfg: TrainConfig, spec: LaunchSpec, resume: str | None = None) -> TrainPlan:
-    """Validate and decide everything about the launch without starting it."""
+# Settings a resumed run may change without breaking exactness: where things are, how long to go, what to log.
+RESUME_FREE_FIELDS = frozenset({
+    "model", "hps_dir", "data_json_path", "output_dir", "device", "max_train_steps", "checkpointing_steps",
+    "keep_last", "save_images_every", "images_per_save", "tensorboard", "wandb",
+})
+
+
+def check_output_dir(output_dir: Path, create: bool) -> None:
+    """The output directory can be written (created when ``create``; a dry run only checks its nearest parent)."""
+    import os
+
+    if create:
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            probe = output_dir / ".write-test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            raise FluxgrpoError(f"cannot write to --output-dir {output_dir} ({exc.strerror}): choose another") from None
+        return
+    existing = output_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise FluxgrpoError(f"cannot write to --output-dir {output_dir} ({existing} is not a writable folder): "
+                            "choose another")
+
+
+def check_resume_compatible(cfg: TrainConfig, checkpoint: Path, world_size: int) -> None:
+    """A resume is exact only with the same world size and the same algorithm settings; say which differ."""
+    from fluxgrpo.checkpoint import read_checkpoint_info
+
+    info = read_checkpoint_info(checkpoint)
+    problems = []
+    if int(info["world_size"]) != world_size:
+        problems.append(f"it was written by {info['world_size']} worker(s), this run has {world_size}: "
+                        f"use --dies {info['world_size']} (with the same --nnodes)")
+    if cfg.use_ema and not info.get("has_ema", False):
+        problems.append("it has no EMA state but --use-ema is on: drop --use-ema")
+    saved = json.loads((checkpoint / "state" / "trainer_state.json").read_text()).get("config", {})
+    now = cfg.to_dict()
+    for key in sorted(now):
+        if key in RESUME_FREE_FIELDS or key not in saved or saved[key] == now[key]:
+            continue
+        problems.append(f"--{key.replace('_', '-')} was {saved[key]!r}, now {now[key]!r}")
+    if problems:
+        raise UsageError(f"cannot resume exactly from {checkpoint}:\n  - " + "\n  - ".join(problems)
+                         + "\n(start a new run with another --output-dir to change these)")
+
+
+def plan_training(cfg: TrainConfig, spec: LaunchSpec, resume: str | None = None, *, dry_run: bool = False) -> TrainPlan:
+    """Validate and decide everything about the launch without starting it: config, devices, weights,
+    embeddings, output directory, logging back-ends and the checkpoint to resume from."""
+    import importlib.util
+
+    from fluxgrpo.checkpoint import resolve_resume
     from fluxgrpo.runtime import device as rt_device
     from fluxgrpo.runtime.launch import worker_env_defaults
 
     cfg.validate()
     spec.validate()
+    if cfg.cpu_offload and spec.world_size == 1:
+        raise UsageError("--cpu-offload moves FSDP shards to host memory and needs more than one worker: "
+                         "use --dies 2 or more, or drop --cpu-offload")
     device_type = rt_device.resolve_device_type(cfg.device)
     if spec.world_size > 1 and device_type != "cpu":
         available = rt_device.device_count(device_type)
         if spec.nproc_per_node > available:
             raise UsageError(f"--dies {spec.nproc_per_node} but only {available} {device_type} device(s) are visible")
-    worker_env = worker_env_defaults(device_type)  # shown in the resolved config; the user's own values win
+    for flag, module, extra in (("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb")):
+        if getattr(cfg, flag) and importlib.util.find_spec(module) is None:
+            raise UsageError(f"--{flag} needs the {module} package: pip install 'fluxgrpo[{extra}]'")
+    worker_env = worker_env_defaults(device_type)  # shown in the resolved config
     output_dir = Path(cfg.output_dir)
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        probe = output_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise FluxgrpoError(f"cannot write to --output-dir {output_dir} ({exc.strerror}): choose another") from None
+    check_output_dir(output_dir, create=not dry_run)
+    preflight(cfg)
+    checkpoint = resolve_resume(output_dir, resume) if resume is not None else None
+    if checkpoint is not None:
+        check_resume_compatible(cfg, checkpoint, spec.world_size)
     derived = cfg.derived(spec.world_size)
-    return TrainPlan(cfg, spec, device_type, derived, worker_env, output_dir / RESOLVED_CONFIG, resume)
+    return TrainPlan(cfg, spec, device_type, derived, worker_env, output_dir / RESOLVED_CONFIG,
+                     None if checkpoint is None else str(checkpoint))
 
 
 def launch_training(plan: TrainPlan, log=print) -> list[dict[str, Any]]:
-    """Save the resolved config and run the workers; returns rank 0's metrics records."""
+    """Save the resolved config and run the workers; returns the run's metrics records (metrics.jsonl)."""
+    import os
+
     from fluxgrpo.metrics import read_metrics
 
-    preflight(plan.cfg)
     extra = {"device_type": plan.device_type, **{f"env {k}": v for k, v in plan.worker_env.items()}}
+    if plan.resume_checkpoint:
+        extra["resumed_from"] = plan.resume_checkpoint
     save_resolved(plan.cfg, plan.resolved_path, plan.derived, extra)
     for key, value in plan.derived.items():
         log(f"  {key.replace('_', ' ')}: {value}")
@@ -115,15 +177,14 @@ def launch_training(plan: TrainPlan, log=print) -> list[dict[str, Any]]:
     if plan.spec.world_size == 1:
         from fluxgrpo.grpo.trainer import train
 
-        import os
-
         os.environ.update({k: v for k, v in plan.worker_env.items() if k not in os.environ})
-        return train(plan.cfg, plan.resume)
-    args = ["--config", str(plan.resolved_path)]
-    if plan.resume is not None:
-        args += ["--resume", plan.resume]
-    argv = build_torchrun_argv(WORKER_MODULE, args, plan.spec, python=sys.executable,
-                               log_dir=Path(plan.cfg.output_dir) / "logs")
-    log("launching: " + " ".join(argv))
-    run_torchrun(argv, env=plan.worker_env)
+        train(plan.cfg, plan.resume_checkpoint)
+    else:
+        args = ["--config", str(plan.resolved_path)]
+        if plan.resume_checkpoint is not None:
+            args += ["--resume", plan.resume_checkpoint]
+        argv = build_torchrun_argv(WORKER_MODULE, args, plan.spec, python=sys.executable,
+                                   log_dir=Path(plan.cfg.output_dir) / "logs")
+        log("launching: " + " ".join(argv))
+        run_torchrun(argv, env=plan.worker_env)
     return read_metrics(Path(plan.cfg.output_dir))

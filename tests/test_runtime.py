@@ -69,19 +69,24 @@ def test_broken_torch_npu_is_reported_not_raised(tmp_path, monkeypatch):
         rt._reset_npu_status_for_tests()
 
 
-def test_guard_torch_import_sets_autoload_only_when_torch_npu_present(tmp_path, monkeypatch):
-    from fluxgrpo.runtime.report import AUTOLOAD_ENV, guard_torch_import
-
-    monkeypatch.delenv(AUTOLOAD_ENV, raising=False)
-    guard_torch_import()
+def test_guard_torch_import_acts_only_when_torch_npu_present(tmp_path, monkeypatch):
     import os
 
+    from fluxgrpo.runtime.report import AUTOLOAD_ENV, guard_torch_import
+
+    for name in (AUTOLOAD_ENV, *(v.name for v in NPU_ENV_DEFAULTS)):
+        monkeypatch.delenv(name, raising=False)
+    guard_torch_import()
     assert AUTOLOAD_ENV not in os.environ  # no torch_npu here
+    assert "TASK_QUEUE_ENABLE" not in os.environ
     (tmp_path / "torch_npu").mkdir()
     (tmp_path / "torch_npu" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("COMBINED_ENABLE", "0")
     guard_torch_import()
     assert os.environ[AUTOLOAD_ENV] == "0"
+    assert os.environ["HCCL_CONNECT_TIMEOUT"] == "1200"  # the recipe's defaults, before torch_npu loads
+    assert os.environ["COMBINED_ENABLE"] == "0"  # never over the user's value
     monkeypatch.setenv(AUTOLOAD_ENV, "1")
     guard_torch_import()
     assert os.environ[AUTOLOAD_ENV] == "1"  # the user's choice wins
@@ -203,3 +208,11 @@ def test_worker_errors_records_and_reraises(tmp_path, monkeypatch):
         worker()
     record = json.loads((tmp_path / "rank2.json").read_text())
     assert record["rank"] == 2 and record["error"] == "ValueError: bad shape" and "Traceback" in record["traceback"]
+
+
+def test_worker_env_shows_the_values_in_force_on_npu_only(monkeypatch):
+    monkeypatch.setenv("TASK_QUEUE_ENABLE", "1")
+    monkeypatch.delenv("HCCL_CONNECT_TIMEOUT", raising=False)
+    env = launch.worker_env_defaults("npu")
+    assert env["TASK_QUEUE_ENABLE"] == "1" and env["HCCL_CONNECT_TIMEOUT"] == "1200"
+    assert launch.worker_env_defaults("cpu") == {} and launch.worker_env_defaults("cuda") == {}

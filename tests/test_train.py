@@ -79,7 +79,7 @@ def test_exact_resume_matches_an_uninterrupted_run(tiny_weights, tiny_embeddings
     run(interrupted)
     resumed = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "resumed", use_ema=True, ema_decay=0.9)
     records = run(resumed, resume="latest")
-    assert [r["iteration"] for r in records] == [3, 4]
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4]  # metrics.jsonl reads as one run
     for folder in ("transformer", "transformer_ema"):
         a = exported_weights(tmp_path / "straight" / "checkpoint-4", folder)
         b = exported_weights(tmp_path / "resumed" / "checkpoint-4", folder)
@@ -237,6 +237,8 @@ def test_unwritable_output_dir_is_refused_before_anything_runs(tiny_weights, tin
 
 def test_cli_dry_run_and_usage_errors(tiny_weights, tiny_embeddings, tmp_path):
     result = runner.invoke(app, ["train", "--config", "tiny-cpu", "--dies", "2", "--dry-run",
+                                 "--model", str(tiny_weights.flux_dir), "--hps-dir", str(tiny_weights.hps_dir),
+                                 "--data-json-path", str(tiny_embeddings.index_path),
                                  "--output-dir", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
@@ -246,3 +248,35 @@ def test_cli_dry_run_and_usage_errors(tiny_weights, tiny_embeddings, tmp_path):
     assert runner.invoke(app, ["train", "--config", "nope"]).exit_code == 2
     listing = runner.invoke(app, ["train", "--list-configs"])
     assert listing.exit_code == 0 and "a3-16die" in listing.stdout
+
+
+def test_resume_refuses_changed_algorithm_settings_before_loading_anything(tiny_weights, tiny_embeddings, tmp_path):
+    from fluxgrpo.errors import UsageError
+
+    run(tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", max_train_steps=1, checkpointing_steps=1))
+    config_before = (tmp_path / "out" / "config.yaml").read_text()
+    changed = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", max_train_steps=2, learning_rate=1e-4)
+    with pytest.raises(UsageError, match=r"--learning-rate was 0.003, now 0.0001"):
+        plan_training(changed, LaunchSpec(), "latest")
+    with pytest.raises(UsageError, match=r"written by 1 worker\(s\), this run has 2: use --dies 1"):
+        plan_training(tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", max_train_steps=2),
+                      LaunchSpec(nproc_per_node=2), "latest")
+    assert (tmp_path / "out" / "config.yaml").read_text() == config_before  # nothing overwritten
+    longer = plan_training(tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", max_train_steps=2),
+                           LaunchSpec(), "latest")
+    assert longer.resume_checkpoint.endswith("checkpoint-1")
+
+
+def test_cli_resume_flags_and_dry_run_checks_inputs(tiny_weights, tiny_embeddings, tmp_path):
+    common = ["train", "--config", "tiny-cpu", "--model", str(tiny_weights.flux_dir), "--hps-dir",
+              str(tiny_weights.hps_dir), "--data-json-path", str(tiny_embeddings.index_path), "--dry-run"]
+    fresh = runner.invoke(app, [*common, "--output-dir", str(tmp_path / "new"), "--resume"])
+    assert fresh.exit_code == 0, fresh.output
+    assert json.loads(fresh.stdout)["resume_from"] is None  # --resume with nothing to resume starts fresh
+    assert not (tmp_path / "new").exists()  # a dry run creates nothing
+    missing = runner.invoke(app, [*common, "--output-dir", str(tmp_path / "x"), "--resume-from", "checkpoint-9"])
+    assert missing.exit_code == 1 and "checkpoint-9" in missing.output
+    no_weights = runner.invoke(app, [*common[:3], "--model", str(tmp_path / "none"), "--dry-run"])
+    assert no_weights.exit_code == 1 and "fetch-weights" in no_weights.output
+    offload = runner.invoke(app, [*common, "--cpu-offload"])
+    assert offload.exit_code == 2 and "--dies 2" in offload.output

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -11,43 +11,47 @@ from fluxgrpo.cli.common import err_console, handle_errors, out_console
 from fluxgrpo.paths import DEFAULT_HPS_DIR
 
 
+def _option(name: str, help: str) -> Any:
+    return typer.Option(name, help=help)
+
+
 @handle_errors
 def command(
-    model: Annotated[str, typer.Option("--model", help="tiny, flux-dev-shaped (FLUX.1-dev's architecture, random weights, "
-                                        "nothing downloaded), or a diffusers FLUX folder.")] = "tiny",
-    blocks: Annotated[Optional[str], typer.Option("--blocks", help="D,S double and single blocks (FLUX.1-dev: 19,38); "  # noqa: UP007
-                                                   "fewer to fit one device.")] = None,
-    resolution: Annotated[Optional[str], typer.Option("--resolution", help="Image sizes to measure in turn: 512,720 "  # noqa: UP007
-                                                       "(squares) or 720x1280. Default 64 for tiny, else 720.")] = None,
-    steps: Annotated[int, typer.Option("--steps", help="Sampling steps N per trajectory.")] = 16,
-    rollout_batch_sizes: Annotated[str, typer.Option("--rollout-batch-sizes", help="Trajectories per forward to "
-                                                     "compare (rollout, decode, reward).")] = "1,2,4,8",
-    micro_batch_sizes: Annotated[str, typer.Option("--micro-batch-sizes", help="Training micro-batch sizes to "
-                                                   "compare (update).")] = "1,2",
-    activation_checkpointing: Annotated[str, typer.Option("--activation-checkpointing", help="Update with "
-                                                          "checkpointing: both, on or off.")] = "both",
-    trajectories: Annotated[Optional[int], typer.Option("--trajectories", help="Trajectories B per iteration "  # noqa: UP007
-                                                         "[default: lcm of all batch sizes].")] = None,
-    train_timesteps: Annotated[Optional[int], typer.Option("--train-timesteps", help="Trained timesteps T per "  # noqa: UP007
-                                                            "trajectory [default: int((N-1)·0.6), at least 1].")] = None,
-    text_tokens: Annotated[int, typer.Option("--text-tokens", help="T5 tokens of the random conditioning.")] = 512,
-    dies: Annotated[int, typer.Option("--dies", help="Devices; more than 1 runs torchrun workers with the "
-                                      "transformer sharded as in training.")] = 1,
-    device: Annotated[str, typer.Option("--device", help="auto, or a device type (see `fluxgrpo env-check`).")] = "auto",
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype bf16 or fp32 (weights stay fp32) "  # noqa: UP007
-                                                  "[default: bf16 on accelerators, fp32 on cpu].")] = None,
-    attention: Annotated[str, typer.Option("--attention", help="Attention kernel, as `fluxgrpo train --attention`.")] = "sdpa",
-    peak_tflops: Annotated[Optional[float], typer.Option("--peak-tflops", help="Dense peak TFLOPS of one device for "  # noqa: UP007
-                                                          "MFU [default: from the device table].")] = None,
-    repeats: Annotated[int, typer.Option("--repeats", help="Timed runs per configuration (the median is shown).")] = 3,
-    warmup: Annotated[int, typer.Option("--warmup", help="Untimed runs before them.")] = 1,
-    reward: Annotated[str, typer.Option("--reward", help="auto, tiny-clip, vit-h-14 (random weights), brightness, "
-                                        "or hpsv2 (weights from --hps-dir).")] = "auto",
-    hps_dir: Annotated[str, typer.Option("--hps-dir", help="HPS weights for --reward hpsv2.")] = DEFAULT_HPS_DIR,
-    compile_model: Annotated[bool, typer.Option("--compile", help="torch.compile the transformer (opt-in).")] = False,
-    seed: Annotated[int, typer.Option("--seed", help="Seed for weights, conditioning and noise.")] = 0,
-    json_output: Annotated[bool, typer.Option("--json", help="JSON lines (config, device, versions, model, figures, "
-                                              "summaries) on stdout as they are measured.")] = False,
+    model: Annotated[str, _option("--model", "tiny, flux-dev-shaped (FLUX.1-dev's architecture, random weights, "
+                                  "nothing downloaded), or a diffusers FLUX folder.")] = "tiny",
+    blocks: Annotated[str | None, _option("--blocks", "D,S double and single blocks (FLUX.1-dev: 19,38); fewer to fit "
+                                      "one device.")] = None,
+    resolution: Annotated[str | None, _option("--resolution", "Image sizes to measure in turn: 512,720 (squares) or "
+                                          "720x1280 (default: 64 for tiny, else 720).")] = None,
+    steps: Annotated[int, _option("--steps", "Sampling steps N per trajectory.")] = 16,
+    rollout_batch_sizes: Annotated[str, _option("--rollout-batch-sizes", "Trajectories per forward to compare "
+                                                "(rollout, decode, reward).")] = "1,2,4,8",
+    micro_batch_sizes: Annotated[str, _option("--micro-batch-sizes", "Training micro-batch sizes to compare "
+                                              "(update).")] = "1,2",
+    activation_checkpointing: Annotated[str, _option("--activation-checkpointing", "Update with checkpointing: "
+                                                     "both, on or off.")] = "both",
+    trajectories: Annotated[int | None, _option("--trajectories", "Trajectories B per iteration (default: the least "
+                                            "common multiple of the batch sizes).")] = None,
+    train_timesteps: Annotated[int | None, _option("--train-timesteps", "Trained timesteps T per trajectory (default: "
+                                               "int((N-1)·0.6), at least 1).")] = None,
+    text_tokens: Annotated[int, _option("--text-tokens", "T5 tokens of the random conditioning.")] = 512,
+    dies: Annotated[int, _option("--dies", "Devices; more than 1 runs torchrun workers with the transformer "
+                                 "sharded as in training.")] = 1,
+    device: Annotated[str, _option("--device", "auto, or a device type (see `fluxgrpo env-check`).")] = "auto",
+    dtype: Annotated[str | None, _option("--dtype", "Compute dtype bf16 or fp32, weights staying fp32 (default: bf16 "
+                                     "on accelerators, fp32 on cpu).")] = None,
+    attention: Annotated[str, _option("--attention", "Attention kernel, as `fluxgrpo train --attention`.")] = "sdpa",
+    peak_tflops: Annotated[float | None, _option("--peak-tflops", "Dense peak TFLOPS of one device for MFU (default: "
+                                             "from the device table).")] = None,
+    repeats: Annotated[int, _option("--repeats", "Timed runs per configuration (the median is shown).")] = 3,
+    warmup: Annotated[int, _option("--warmup", "Untimed runs before them.")] = 1,
+    reward: Annotated[str, _option("--reward", "auto, tiny-clip, vit-h-14 (random weights), brightness, or hpsv2 "
+                                   "(weights from --hps-dir).")] = "auto",
+    hps_dir: Annotated[str, _option("--hps-dir", "HPS weights for --reward hpsv2.")] = DEFAULT_HPS_DIR,
+    compile_model: Annotated[bool, _option("--compile", "torch.compile the transformer (opt-in).")] = False,
+    seed: Annotated[int, _option("--seed", "Seed for weights, conditioning and noise.")] = 0,
+    json_output: Annotated[bool, _option("--json", "JSON lines (config, device, versions, model, figures, "
+                                         "summaries) on stdout as they are measured.")] = False,
 ) -> None:
     """Measure one GRPO iteration phase by phase, at several batch sizes side by side.
 
@@ -106,7 +110,9 @@ def _render(records: list[dict[str, Any]]) -> None:
     device = next(r for r in records if r["record"] == "device")
     model = next(r for r in records if r["record"] == "model")
     config = next(r for r in records if r["record"] == "config")
-    peak = f"{device['peak_tflops']:g} TFLOPS ({device['peak_source']})" if device["peak_tflops"] else device["peak_source"]
+    peak = device["peak_source"]
+    if device["peak_tflops"]:
+        peak = f"{device['peak_tflops']:g} TFLOPS ({peak})"
     console.print(
         f"[bold]fluxgrpo bench[/]: {model['name']} ({model['double_blocks']}+{model['single_blocks']} blocks, width "
         f"{model['hidden']}, {model['transformer_parameters'] / 1e6:.1f} M parameters), {config['dtype']} on "
@@ -117,7 +123,7 @@ def _render(records: list[dict[str, Any]]) -> None:
     )
     figures = [r for r in records if r["record"] == "figure"]
     console.print("rate: images/s (rollout, decode, reward), trained samples/s (update), steps/s (optimizer); "
-                      "× = rate over the same phase's rate at its smallest batch size", highlight=False)
+                  "× = rate over the same phase's rate at its smallest batch size", highlight=False)
     for summary in (r for r in records if r["record"] == "summary"):
         resolution = summary["resolution"]
         rows = [f for f in figures if f["resolution"] == resolution]
@@ -145,17 +151,19 @@ def _render(records: list[dict[str, Any]]) -> None:
         console.print(table)
         for it in summary["iterations"]:
             mode = "checkpointing on" if it["activation_checkpointing"] else "checkpointing off"
-            for end in ("smallest", "largest"):
+            same = it["smallest"]["batch_sizes"] == it["largest"]["batch_sizes"]
+            for end in ("smallest",) if same else ("smallest", "largest"):
                 part = it[end]
                 shares = ", ".join(f"{phase} {share:.0%}" for phase, share in part["share"].items())
                 sizes = ", ".join(f"{phase} {size}" for phase, size in part["batch_sizes"].items())
                 console.print(f"iteration ({mode}; {sizes}): {part['seconds']:.3g} s, "
                               f"{part['images_per_second']:.3g} images/s: {shares}", highlight=False)
-            console.print(f"iteration speed-up, largest vs smallest batches ({mode}): {it['speedup']:.2f}×",
-                          highlight=False)
+            if not same:
+                console.print(f"iteration speed-up, largest vs smallest batches ({mode}): {it['speedup']:.2f}×",
+                              highlight=False)
         for size, saved in summary["activation_checkpointing_by_micro_batch"].items():
-            console.print(
-                f"activation checkpointing at micro-batch {size}: saves {_bytes(saved['peak_memory_saved_bytes'])} "
-                f"peak, {_bytes(saved['activation_bytes_saved'])} of activations; update time × "
-                f"{_ratio(saved['time_ratio_on_over_off'])}", highlight=False,
-            )
+            savings = [f"{_bytes(saved['activation_bytes_saved'])} of activations held for backward"]
+            if saved["peak_memory_saved_bytes"] is not None:
+                savings.insert(0, f"{_bytes(saved['peak_memory_saved_bytes'])} of peak memory")
+            console.print(f"activation checkpointing at micro-batch {size}: saves {' and '.join(savings)}; update "
+                          f"time × {_ratio(saved['time_ratio_on_over_off'])}", highlight=False)

@@ -74,19 +74,14 @@ def command(
 
 
 def _run_workers(prompts_path: str, model: str, out: str, max_sequence_length: int, dies: int, device: str) -> dict:
-    """Launch ``python -m fluxgrpo.preprocess`` on ``dies`` workers; rank 0 hands back the summary in a file."""
-    import json
-    import tempfile
-    from pathlib import Path
-
+    """Launch ``python -m fluxgrpo.preprocess`` on ``dies`` workers; rank 0 hands back the summary."""
     from fluxgrpo.preprocess import check_inputs, worker_argv
-    from fluxgrpo.runtime.launch import LaunchSpec, build_torchrun_argv, run_torchrun
+    from fluxgrpo.runtime.device import resolve_device_type
+    from fluxgrpo.runtime.launch import launch_with_summary
 
     check_inputs(prompts_path, model, out, max_sequence_length)  # fail here, not in every worker
-    with tempfile.TemporaryDirectory(prefix="fluxgrpo-preprocess-") as tmp:
-        summary_path = Path(tmp) / "summary.json"
-        args = worker_argv(prompts_path, model, out, max_sequence_length, device, summary_path)
-        argv = build_torchrun_argv("fluxgrpo.preprocess", args, LaunchSpec(nproc_per_node=dies))
-        err_console.print(f"launching {dies} workers: {' '.join(argv)}")
-        run_torchrun(argv)
-        return json.loads(summary_path.read_text())
+    return launch_with_summary(
+        "fluxgrpo.preprocess",
+        lambda scratch: worker_argv(prompts_path, model, out, max_sequence_length, device, scratch / "summary.json"),
+        dies, resolve_device_type(device), log=err_console.print,
+    )

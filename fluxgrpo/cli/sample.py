@@ -118,26 +118,16 @@ def command(
 
 
 def _run_workers(request, dies: int) -> dict:
-    """Launch ``python -m fluxgrpo.sample`` on ``dies`` workers; rank 0 hands back the summary in a file."""
+    """Launch ``python -m fluxgrpo.sample`` on ``dies`` workers; rank 0 hands back the summary."""
     import json
-    import tempfile
-    from pathlib import Path
 
-    from fluxgrpo.errors import UsageError
-    from fluxgrpo.runtime import device as rt_device
-    from fluxgrpo.runtime.launch import LaunchSpec, build_torchrun_argv, run_torchrun, worker_env_defaults
+    from fluxgrpo.runtime.device import resolve_device_type
+    from fluxgrpo.runtime.launch import launch_with_summary
 
-    device_type = rt_device.resolve_device_type(request.device)
-    if device_type != "cpu" and dies > rt_device.device_count(device_type):
-        raise UsageError(
-            f"--dies {dies} but only {rt_device.device_count(device_type)} {device_type} device(s) are visible"
-        )
-    with tempfile.TemporaryDirectory(prefix="fluxgrpo-sample-") as tmp:
-        request_path = Path(tmp) / "request.json"
+    def worker_args(scratch):
+        request_path = scratch / "request.json"
         request_path.write_text(json.dumps(request.to_dict(), indent=2) + "\n", encoding="utf-8")
-        summary_path = Path(tmp) / "summary.json"
-        args = ["--request", str(request_path), "--summary-json", str(summary_path)]
-        argv = build_torchrun_argv("fluxgrpo.sample", args, LaunchSpec(nproc_per_node=dies))
-        err_console.print(f"launching {dies} workers: {' '.join(argv)}")
-        run_torchrun(argv, env=worker_env_defaults(device_type))
-        return json.loads(summary_path.read_text())
+        return ["--request", str(request_path), "--summary-json", str(scratch / "summary.json")]
+
+    return launch_with_summary("fluxgrpo.sample", worker_args, dies, resolve_device_type(request.device),
+                               log=err_console.print)

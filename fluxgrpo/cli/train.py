@@ -75,10 +75,10 @@ def _train(
     cfg = build_config(config, hyperparameters)
     spec = LaunchSpec(nproc_per_node=dies, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
                       master_port=master_port)
-    plan = plan_training(cfg, spec, resume)
+    plan = plan_training(cfg, spec, resume, dry_run=dry_run)
     if dry_run:
         print_json({"config": cfg.to_dict(), "derived": plan.derived, "device_type": plan.device_type,
-                    "worker_env": plan.worker_env})
+                    "worker_env": plan.worker_env, "resume_from": plan.resume_checkpoint})
         return
     err_console.print(f"[bold]fluxgrpo train[/]: {plan.device_type} × {spec.world_size}, output {cfg.output_dir}")
     records = launch_training(plan, log=lambda line: err_console.print(line, highlight=False))
@@ -105,8 +105,11 @@ def command(
     master_addr: Annotated[Optional[str], typer.Option("--master-addr", help="Address of node 0 (multi-node).")] = None,  # noqa: UP007
     master_port: Annotated[Optional[int], typer.Option("--master-port", help="Rendezvous port on node 0.")] = None,  # noqa: UP007
     resume: Annotated[
+        bool, typer.Option("--resume", help="Continue from the latest complete checkpoint in --output-dir (if any).")
+    ] = False,
+    resume_from: Annotated[
         Optional[str],  # noqa: UP007
-        typer.Option("--resume", flag_value="latest", help="Continue from the latest complete checkpoint, or from DIR."),
+        typer.Option("--resume-from", help="Continue from this checkpoint folder (or its name in --output-dir)."),
     ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate, print the resolved config as JSON, start nothing.")] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the run summary as one JSON document.")] = False,
@@ -119,9 +122,11 @@ def command(
       fluxgrpo train --config a3-16die --dies 16
       fluxgrpo train --config a3-16die --dies 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1
       fluxgrpo train --config a3-16die --dies 16 --resume
+      fluxgrpo train --config a3-16die --dies 16 --resume-from data/outputs/grpo/checkpoint-80
     """
     _train(config=config, list_configs=list_configs, dies=dies, nnodes=nnodes, node_rank=node_rank,
-           master_addr=master_addr, master_port=master_port, resume=resume, dry_run=dry_run,
+           master_addr=master_addr, master_port=master_port,
+           resume=resume_from if resume_from is not None else ("latest" if resume else None), dry_run=dry_run,
            json_output=json_output, **hyperparameters)
 
 

@@ -19,9 +19,9 @@ resumed run draws exactly what an uninterrupted one would have.
 
 from __future__ import annotations
 
-import json
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,7 +199,7 @@ def reward_statistics(ctx: DistContext, rewards: torch.Tensor, group_size: int) 
 
 
 def reduce_update_stats(ctx: DistContext, stats: dict[str, float]) -> dict[str, float]:
-    """Mean over ranks of the averages, min of mins, max of maxes (tensors on the device: nccl/hccl need it)."""
+    """Mean over ranks of the averages, min of mins, max of maxes (device tensors: collectives need them)."""
     mean_keys = ("loss", "ratio_mean", "clip_fraction", "grad_norm_mean")
     means = torch.tensor([stats[k] for k in mean_keys], dtype=torch.float32, device=ctx.device)
     rt_dist.all_reduce_sum(ctx, means)
@@ -221,6 +221,19 @@ def advantage_statistics(ctx: DistContext, advantages: torch.Tensor) -> dict[str
     return {"advantage_abs_mean": abs_mean, "advantage_min": low, "advantage_max": high}
 
 
+def progress_line(record: dict[str, Any], total: int) -> str:
+    """One console line per iteration on rank 0 (the full record is in metrics.jsonl)."""
+    seconds = record["seconds_rollout"] + record["seconds_decode_reward"] + record["seconds_update"]
+    skipped = f" · skipped steps {record['skipped_steps']:.0f}" if record["skipped_steps"] else ""
+    bad = f" · non-finite rewards {record['nonfinite_rewards']:.0f}" if record["nonfinite_rewards"] else ""
+    return (
+        f"iteration {record['iteration']}/{total} · reward {record['reward_mean']:.4f} ± {record['reward_std']:.4f} "
+        f"· ratio {record['ratio_mean']:.4f} [{record['ratio_min']:.4f}, {record['ratio_max']:.4f}] "
+        f"· clip {record['clip_fraction']:.2f} · loss {record['loss']:.3g} · grad {record['grad_norm_mean']:.3g} "
+        f"· lr {record['lr']:.2g} · {seconds:.1f} s ({record['images_per_second']:.2f} img/s){skipped}{bad}"
+    )
+
+
 # --------------------------------------------------------------------------------------------- the loop
 
 
@@ -234,6 +247,10 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
     from fluxgrpo.grpo.update import policy_update
     from fluxgrpo.metrics import MetricsLogger
 
+    # FSDP2 warns that FLUX blocks return views, because an in-place op on one would skip its all-gather hook.
+    # Neither the FLUX forward nor our SDE step modifies a block output in place, so the warning is noise that
+    # would repeat every iteration.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     ctx = rt_dist.init_distributed(cfg.device)
     try:
         if ctx.device_type == "cpu" and ctx.distributed:
@@ -300,6 +317,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
                 save_sample_images(images, output_dir, ctx.rank, cfg.images_per_save)
             metrics.log(record)
             records.append(record)
+            rt_dist.rank0_print(ctx, progress_line(record, cfg.max_train_steps))
 
             if iteration % cfg.checkpointing_steps == 0 or iteration == cfg.max_train_steps:
                 samplers = rt_dist.all_gather_object(ctx, parts.sampler.state_dict())

@@ -54,10 +54,10 @@ class LaunchSpec:
 
 
 def worker_env_defaults(device_type: str) -> dict[str, str]:
-    """Variables to set for workers on ``device_type`` that the user has not set (the NPU recipe's defaults)."""
+    """The NPU recipe's variables for workers on ``device_type``: the user's value where set, else ours."""
     if device_type != "npu":
         return {}
-    return {v.name: v.recommended for v in NPU_ENV_DEFAULTS if v.name not in os.environ}
+    return {v.name: os.environ.get(v.name, v.recommended) for v in NPU_ENV_DEFAULTS}
 
 
 def build_torchrun_argv(
@@ -154,3 +154,70 @@ def worker_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise
 
     return wrapper
+
+
+def run_worker(work: Callable[[], Any], summary_json: str | None = None) -> int:
+    """The body of a torchrun worker's ``main``: run ``work``, leave the process group, report.
+
+    The process group is left without a barrier after a failure (peers may be inside a collective and would
+    wait forever); the failure is recorded for the launcher (``worker_errors``). Rank 0 writes the result's
+    ``to_dict()`` to ``summary_json`` for the launching command.
+
+    Returns:
+        The exit code: 0, or the FluxgrpoError's code (its message printed to stderr).
+    """
+    from fluxgrpo.runtime import dist as rt_dist
+
+    @worker_errors
+    def guarded() -> Any:
+        try:
+            result = work()
+        except BaseException:
+            rt_dist.teardown(failed=True)
+            raise
+        rt_dist.teardown()
+        return result
+
+    try:
+        result = guarded()
+    except FluxgrpoError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if summary_json and int(os.environ.get("RANK", "0")) == 0:
+        Path(summary_json).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    return 0
+
+
+def launch_with_summary(
+    module: str,
+    worker_args: Callable[[Path], list[str]],
+    nproc: int,
+    device_type: str,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run ``python -m module`` on ``nproc`` local workers and return rank 0's summary.
+
+    Args:
+        worker_args: given a scratch folder, the worker's arguments; they must make rank 0 write
+            ``<scratch>/summary.json`` (``run_worker``'s ``summary_json``).
+        device_type: checked against the visible devices; the NPU recipe's variables go to the workers.
+    """
+    check_dies_fit(device_type, nproc)
+    with tempfile.TemporaryDirectory(prefix=f"{module.replace('.', '-')}-") as tmp:
+        argv = build_torchrun_argv(module, worker_args(Path(tmp)), LaunchSpec(nproc_per_node=nproc))
+        if log is not None:
+            log(f"launching {nproc} workers: {' '.join(argv)}")
+        run_torchrun(argv, env=worker_env_defaults(device_type))
+        return json.loads((Path(tmp) / "summary.json").read_text())
+
+
+def check_dies_fit(device_type: str, nproc: int) -> None:
+    """``--dies`` must not exceed the visible accelerators (the CPU takes any number of workers)."""
+    if device_type == "cpu":
+        return
+    from fluxgrpo.runtime import device as rt_device
+
+    available = rt_device.device_count(device_type)
+    if nproc > available:
+        raise UsageError(f"--dies {nproc} but only {available} {device_type} device(s) are visible "
+                         "(check the visible-device mask)")

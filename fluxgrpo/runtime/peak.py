@@ -44,7 +44,9 @@ class PeakThroughput:
     source: str  # e.g. "datasheet: H200 bf16 dense", "--peak-tflops", "unknown"
 
 
-def peak_throughput(device_type: str, device_name: str, compute_dtype: str, override: float | None = None) -> PeakThroughput:
+def peak_throughput(
+    device_type: str, device_name: str, compute_dtype: str, override: float | None = None
+) -> PeakThroughput:
     """Dense peak TFLOPS of one device for ``compute_dtype`` ("bf16" or "fp32"); ``override`` wins when given."""
     if compute_dtype not in COMPUTE_DTYPES:
         raise ValueError(f"compute dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
@@ -73,11 +75,10 @@ def peak_throughput(device_type: str, device_name: str, compute_dtype: str, over
 def device_name(device: torch.device) -> str:
     """The marketing name of ``device`` (the CPU model for cpu)."""
     if device.type == "cpu":
-        with contextlib.suppress(OSError):
-            with open("/proc/cpuinfo") as info:
-                for line in info:
-                    if line.lower().startswith("model name"):
-                        return line.split(":", 1)[1].strip()
+        with contextlib.suppress(OSError), open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
         return platform.processor() or platform.machine() or "cpu"
     module = rt_device.device_module(device.type)
     index = device.index if device.index is not None else module.current_device()

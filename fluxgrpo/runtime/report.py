@@ -10,20 +10,26 @@ import os
 from typing import Any
 
 from fluxgrpo.runtime import device as rt_device
-from fluxgrpo.runtime.npu_env import NPU_ENV_DEFAULTS, NPU_ENV_INFORMATIONAL
+from fluxgrpo.runtime.npu_env import NPU_ENV_DEFAULTS, NPU_ENV_INFORMATIONAL, apply_npu_env_defaults
 
 AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 
 
 def guard_torch_import() -> None:
-    """Keep a broken torch_npu from breaking ``import torch`` in this process and its workers.
+    """Keep a broken torch_npu from breaking ``import torch`` in this process and its workers, and set the NPU
+    environment defaults before torch_npu first loads.
 
     torch ≥ 2.5 auto-loads installed device backends on ``import torch``; with torch-npu installed and CANN
     missing that import raises. We import torch_npu ourselves, inside a try (``device.npu_import_status``),
     so automatic loading is switched off unless the user chose a value.
     """
-    if AUTOLOAD_ENV not in os.environ and importlib.util.find_spec("torch_npu") is not None:
+    if importlib.util.find_spec("torch_npu") is None:
+        return
+    if AUTOLOAD_ENV not in os.environ:
         os.environ[AUTOLOAD_ENV] = "0"
+    # torch_npu reads its variables when it initialises, so the recipe's defaults must be in place before the
+    # first import, in this process and in every worker it starts (the user's own values win).
+    apply_npu_env_defaults()
 
 
 def _npu_section() -> dict[str, Any]:
