@@ -1174,7 +1174,7 @@ def bench_on_rank(cfg: BenchConfig, ctx: DistContext, emit: Callable[[dict[str, 
         # As in the trainer: FLUX blocks return views, which FSDP2 warns about on every forward; nothing here
         # modifies a block output in place, so the warning is noise.
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-        shard_transformer(bench_model.transformer, cpu_offload=False)
+        shard_transformer(bench_model.transformer, cpu_offload=False, compute_dtype=compute_dtype)
     if cfg.compile:
         bench_model.transformer.compile()
     shape = bench_model.shape

@@ -132,14 +132,22 @@ def test_flag_parsing_and_validation():
             build_bench_config(**bad)
 
 
-def test_memory_check_refuses_what_cannot_train(tmp_path):
+def test_memory_check_refuses_what_cannot_train(monkeypatch):
+    from fluxgrpo import bench
     from fluxgrpo.runtime.dist import DistContext
 
-    ctx = DistContext(rank=0, local_rank=0, world_size=1, device_type="cpu", device=torch.device("cpu"), backend="gloo")
-    full = FluxShape.from_config({**FLUX_DEV_TRANSFORMER_CONFIG, "num_layers": 19, "num_single_layers": 38})
-    with pytest.raises(UsageError, match="--blocks"):  # 11.9 B × 16 bytes ≈ 177 GiB, more than any host here
-        check_training_memory(full, ctx, "flux-dev-shaped")
-    check_training_memory(FluxShape.from_config(tiny_flux_config(2, 2)), ctx, "tiny")
+    monkeypatch.setattr(bench, "_device_memory_bytes", lambda ctx: 139 * 2**30)  # one H200
+    one, two = (DistContext(rank=0, local_rank=0, world_size=size, device_type="cpu", device=torch.device("cpu"),
+                            backend="gloo") for size in (1, 2))
+
+    def shape(double, single):
+        return FluxShape.from_config({**FLUX_DEV_TRANSFORMER_CONFIG, "num_layers": double, "num_single_layers": single})
+
+    # 19 + 38 blocks: 11.90 B parameters × 16 bytes = 177 GiB > 139 GiB on one device; 88.7 GiB each on two.
+    with pytest.raises(UsageError, match="--blocks"):
+        check_training_memory(shape(19, 38), one, "flux-dev-shaped")
+    check_training_memory(shape(19, 38), two, "flux-dev-shaped")
+    check_training_memory(shape(8, 16), one, "flux-dev-shaped")  # 5.05 B × 16 bytes = 75 GiB
 
 
 # ------------------------------------------------------------------------------------------------ summaries

@@ -269,7 +269,7 @@ def test_load_reward_registry(tiny_weights):
     assert isinstance(load_reward("brightness", tiny_weights.hps_dir), BrightnessReward)
     assert isinstance(load_reward("hpsv2", tiny_weights.hps_dir, "cpu"), HpsV2Reward)
     with pytest.raises(UsageError, match="hpsv2, pickscore, brightness"):
-        load_reward("pickscore", tiny_weights.hps_dir)
+        load_reward("imagereward", tiny_weights.hps_dir)
 
 
 def test_hps_under_bf16_autocast_still_returns_float32_scores(tiny_weights, hps, monkeypatch):

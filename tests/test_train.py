@@ -280,3 +280,17 @@ def test_cli_resume_flags_and_dry_run_checks_inputs(tiny_weights, tiny_embedding
     assert no_weights.exit_code == 1 and "fetch-weights" in no_weights.output
     offload = runner.invoke(app, [*common, "--cpu-offload"])
     assert offload.exit_code == 2 and "--dies 2" in offload.output
+
+
+def test_reward_statistics_by_hand():
+    from fluxgrpo.grpo.trainer import reward_statistics
+    from fluxgrpo.runtime.dist import DistContext
+
+    ctx = DistContext(0, 0, 1, "cpu", torch.device("cpu"), "gloo")
+    # Groups of 2: [1, 3] and [2, NaN]. Finite rewards 1, 3, 2: mean 2, unbiased std √((1+1+0)/2) = 1.
+    # Group stds: √((1+1)/1) = √2 and 0 (one finite reward) → mean √2/2 ≈ 0.7071; half the groups have zero std.
+    stats = reward_statistics(ctx, torch.tensor([1.0, 3.0, 2.0, float("nan")]), 2)
+    assert stats["reward_mean"] == pytest.approx(2.0) and stats["reward_std"] == pytest.approx(1.0)
+    assert (stats["reward_min"], stats["reward_max"]) == (1.0, 3.0)
+    assert stats["group_std_mean"] == pytest.approx(2**0.5 / 2)
+    assert stats["zero_std_group_fraction"] == 0.5 and stats["nonfinite_rewards"] == 1.0

@@ -137,7 +137,9 @@ def generate_rollout(
     # Autocast keeps every weight's low-precision copy until its outermost region ends, so a full copy of the
     # model is alive at the end of each forward anyway: spanning the whole loop costs no extra peak memory and
     # replaces steps × chunks casts of every weight by one. (sde_step works in fp32 on fp32 inputs, which
-    # autocast leaves alone.) Not for FSDP2-sharded modules, whose gathered weights are freed and re-gathered.
+    # autocast leaves alone.) Not for FSDP2-sharded modules: their cached copies would be keyed to unsharded
+    # parameters that FSDP2 frees and re-gathers, an implementation detail not to lean on (FSDP2's own mixed
+    # precision is the way to skip those casts).
     cast_once = contextlib.nullcontext() if has_sharded_modules(transformer) else autocast(device_type, compute_dtype)
     try:
         with cast_once:

@@ -61,11 +61,18 @@ class TrainingParts:
 # --------------------------------------------------------------------------------------------- set-up
 
 
-def shard_transformer(transformer: torch.nn.Module, cpu_offload: bool) -> None:
-    """FSDP2: one unit per double and single block, then the root (embedders, norm_out, proj_out)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+def shard_transformer(transformer: torch.nn.Module, cpu_offload: bool, compute_dtype: torch.dtype = torch.float32) -> None:
+    """FSDP2: one unit per double and single block, then the root (embedders, norm_out, proj_out).
+
+    With a reduced compute dtype the all-gathered parameters are cast to it once per gather (half the traffic,
+    no per-forward casts of every weight under autocast) while gradients are reduced and kept in fp32 against
+    the fp32 master shards. The rollout and the update run the same forward, so the ratio is still 1.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
+    if compute_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
         fully_shard(block, **kwargs)
     fully_shard(transformer, **kwargs)
@@ -86,7 +93,7 @@ def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
     if cfg.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     if ctx.distributed:
-        shard_transformer(transformer, cfg.cpu_offload)
+        shard_transformer(transformer, cfg.cpu_offload, rt_device.compute_dtype(ctx.device_type))
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=cfg.learning_rate, betas=(0.9, 0.999), eps=1e-8, weight_decay=cfg.weight_decay
@@ -179,23 +186,36 @@ def save_sample_images(images: torch.Tensor, output_dir: Path, rank: int, count:
 
 
 def reward_statistics(ctx: DistContext, rewards: torch.Tensor, group_size: int) -> dict[str, float]:
-    """Global reward statistics over every rank's trajectories (one gather)."""
+    """Global reward statistics over every rank's trajectories: one gather, one host sync.
+
+    Non-finite rewards are left out (and counted); a group's spread is the unbiased std of its finite rewards,
+    0 when fewer than two are finite.
+    """
     gathered = rt_dist.all_gather_tensor(ctx, rewards.detach().float())
-    finite = gathered[torch.isfinite(gathered)]
-    groups = gathered.reshape(-1, group_size)
-    group_std = torch.stack([g[torch.isfinite(g)].std() if torch.isfinite(g).sum() > 1 else g.new_tensor(0.0)
-                             for g in groups])
-    if finite.numel() == 0:
-        return {"reward_mean": math.nan, "reward_std": math.nan, "reward_min": math.nan, "reward_max": math.nan,
-                "group_std_mean": math.nan, "zero_std_group_fraction": 1.0,
-                "nonfinite_rewards": float(gathered.numel())}
-    values = torch.stack([
-        finite.mean(), finite.std() if finite.numel() > 1 else finite.new_tensor(0.0), finite.min(), finite.max(),
-        group_std.mean(), (group_std < 1e-8).float().mean(), (~torch.isfinite(gathered)).sum().float(),
-    ]).tolist()
+    finite = torch.isfinite(gathered)
+    values = torch.where(finite, gathered, torch.zeros_like(gathered))
+    count = finite.sum().float()
+    mean = values.sum() / count.clamp(min=1)
+    spread = torch.where(finite, gathered - mean, torch.zeros_like(gathered))
+    std = (spread.pow(2).sum() / (count - 1).clamp(min=1)).sqrt()
+    low = torch.where(finite, gathered, torch.full_like(gathered, float("inf"))).min()
+    high = torch.where(finite, gathered, torch.full_like(gathered, float("-inf"))).max()
+
+    grouped, group_finite = values.reshape(-1, group_size), finite.reshape(-1, group_size)
+    group_count = group_finite.sum(dim=1).float()
+    group_mean = grouped.sum(dim=1) / group_count.clamp(min=1)
+    group_spread = torch.where(group_finite, grouped - group_mean[:, None], torch.zeros_like(grouped))
+    group_std = (group_spread.pow(2).sum(dim=1) / (group_count - 1).clamp(min=1)).sqrt()
+    group_std = torch.where(group_count > 1, group_std, torch.zeros_like(group_std))
+
+    stats = torch.stack([mean, std, low, high, group_std.mean(), (group_std < 1e-8).float().mean(),
+                         (~finite).sum().float(), count]).tolist()
     names = ("reward_mean", "reward_std", "reward_min", "reward_max", "group_std_mean", "zero_std_group_fraction",
              "nonfinite_rewards")
-    return dict(zip(names, values, strict=True))
+    out = dict(zip(names, stats[:-1], strict=True))
+    if stats[-1] == 0:
+        out.update(reward_mean=math.nan, reward_std=math.nan, reward_min=math.nan, reward_max=math.nan)
+    return out
 
 
 def reduce_update_stats(ctx: DistContext, stats: dict[str, float]) -> dict[str, float]:

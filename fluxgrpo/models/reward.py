@@ -448,7 +448,8 @@ class PickScoreReward:
 
     name = "pickscore"
 
-    def __init__(self, folder: str | Path, device: Any = "cpu", batch_size: int = 32, text_cache_size: int = 4096):
+    def __init__(self, folder: str | Path, device: Any = "cpu", batch_size: int = 32, text_cache_size: int = 4096,
+                 compute_dtype: Any = None):
         import torch
         from transformers import CLIPImageProcessor, CLIPModel, CLIPTokenizer
 
@@ -468,6 +469,7 @@ class PickScoreReward:
         self.model = model.eval().requires_grad_(False).to(self.device)
         self.image_spec = ClipImageSpec.from_processor(processor)
         self.batch_size = batch_size
+        self.compute_dtype = compute_dtype  # None: the runtime's compute dtype; torch.float32 for scoring runs
         self._text_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._text_cache_size = text_cache_size
 
