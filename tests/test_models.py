@@ -173,7 +173,7 @@ def test_batched_equals_one_at_a_time_and_text_cache_is_used(tiny_weights):
     images = torch.rand(5, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     prompts = [PROMPTS[i % 3] for i in range(5)]
     batched = reward(images, prompts)
-    assert len(reward._text_cache) == 3  # five images, three distinct prompts
+    assert len(reward._text_features) == 3  # five images, three distinct prompts
     singles = torch.cat([reward(images[i : i + 1], [prompts[i]]) for i in range(5)])
     torch.testing.assert_close(batched, singles, rtol=0, atol=1e-5)
     assert batched.abs().max() <= 1  # cosine similarities

@@ -246,6 +246,34 @@ def pil_to_tensor(image: Image.Image) -> torch.Tensor:
     return to_tensor(image.convert("RGB"))
 
 
+class TextFeatureCache:
+    """Bounded LRU of per-prompt text features: GRPO scores every prompt G times per iteration."""
+
+    def __init__(self, encode: Callable[[list[str]], Any], max_size: int) -> None:
+        self._encode = encode  # distinct prompts → [n, E] float32 features, one row per prompt
+        self._rows: OrderedDict[str, Any] = OrderedDict()
+        self._max_size = max_size
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __call__(self, prompts: list[str]) -> Any:
+        """[B, E] features for ``prompts`` (encoding only those not cached)."""
+        import torch
+
+        missing = list(dict.fromkeys(p for p in prompts if p not in self._rows))
+        if missing:
+            for prompt, row in zip(missing, self._encode(missing), strict=True):
+                self._rows[prompt] = row
+        rows = []
+        for prompt in prompts:
+            self._rows.move_to_end(prompt)
+            rows.append(self._rows[prompt])
+        while len(self._rows) > self._max_size:
+            self._rows.popitem(last=False)
+        return torch.stack(rows)
+
+
 class HpsV2Reward:
     """HPSv2.1 scores, batched on ``device``; see the module docstring for the exact computation.
 
@@ -270,8 +298,7 @@ class HpsV2Reward:
         # None: the runtime's compute dtype (bf16 encoders on accelerators, scores accumulated in fp32);
         # torch.float32: everything fp32, as `fluxgrpo score` does to match the reference scorer.
         self.compute_dtype = compute_dtype
-        self._text_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._text_cache_size = text_cache_size
+        self._text_features = TextFeatureCache(self._encode_text, text_cache_size)
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         import torch
@@ -312,27 +339,16 @@ class HpsV2Reward:
                 scores.append((features * text_features[start : start + self.batch_size]).sum(dim=-1))
         return torch.cat(scores)
 
-    def _text_features(self, prompts: list[str]) -> torch.Tensor:
-        """[B, E] float32 L2-normalised text features, one row per prompt, from the cache where possible."""
+    def _encode_text(self, prompts: list[str]) -> torch.Tensor:
+        """[n, E] float32 L2-normalised text features."""
         import torch
         import torch.nn.functional as F
 
         from fluxgrpo.runtime.device import autocast
 
-        missing = list(dict.fromkeys(p for p in prompts if p not in self._text_cache))
-        if missing:
-            with torch.no_grad(), autocast(self.device.type, dtype=self.compute_dtype):
-                features = self.model.encode_text(self.tokenizer(missing).to(self.device))
-            features = F.normalize(features.float(), dim=-1)
-            for prompt, row in zip(missing, features, strict=True):
-                self._text_cache[prompt] = row
-        rows = []
-        for prompt in prompts:
-            self._text_cache.move_to_end(prompt)
-            rows.append(self._text_cache[prompt])
-        while len(self._text_cache) > self._text_cache_size:
-            self._text_cache.popitem(last=False)
-        return torch.stack(rows)
+        with torch.no_grad(), autocast(self.device.type, dtype=self.compute_dtype):
+            features = self.model.encode_text(self.tokenizer(prompts).to(self.device))
+        return F.normalize(features.float(), dim=-1)
 
 
 # --- PickScore ------------------------------------------------------------------------------------------------
@@ -470,8 +486,7 @@ class PickScoreReward:
         self.image_spec = ClipImageSpec.from_processor(processor)
         self.batch_size = batch_size
         self.compute_dtype = compute_dtype  # None: the runtime's compute dtype; torch.float32 for scoring runs
-        self._text_cache: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._text_cache_size = text_cache_size
+        self._text_embeds = TextFeatureCache(self._encode_text, text_cache_size)
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         """images [B, 3, H, W] in [0, 1], len(prompts) == B → scores [B] float32."""
@@ -500,30 +515,19 @@ class PickScoreReward:
                 scores.append(scale * cosine)
         return torch.cat(scores)
 
-    def _text_embeds(self, prompts: list[str]) -> torch.Tensor:
-        """[B, E] float32 L2-normalised text embeddings, one row per prompt, from the cache where possible."""
+    def _encode_text(self, prompts: list[str]) -> torch.Tensor:
+        """[n, E] float32 L2-normalised text embeddings."""
         import torch
         import torch.nn.functional as F
 
         from fluxgrpo.runtime.device import autocast
 
-        missing = list(dict.fromkeys(p for p in prompts if p not in self._text_cache))
-        if missing:
-            tokens = self.tokenizer(missing, padding="max_length", max_length=PICKSCORE_MAX_LENGTH, truncation=True,
-                                    return_tensors="pt").to(self.device)
-            with torch.no_grad(), autocast(self.device.type, dtype=self.compute_dtype):
-                output = self.model.get_text_features(input_ids=tokens["input_ids"],
-                                                      attention_mask=tokens["attention_mask"])
-            embeds = F.normalize(_projected(output).float(), dim=-1)
-            for prompt, row in zip(missing, embeds, strict=True):
-                self._text_cache[prompt] = row
-        rows = []
-        for prompt in prompts:
-            self._text_cache.move_to_end(prompt)
-            rows.append(self._text_cache[prompt])
-        while len(self._text_cache) > self._text_cache_size:
-            self._text_cache.popitem(last=False)
-        return torch.stack(rows)
+        tokens = self.tokenizer(prompts, padding="max_length", max_length=PICKSCORE_MAX_LENGTH, truncation=True,
+                                return_tensors="pt").to(self.device)
+        with torch.no_grad(), autocast(self.device.type, dtype=self.compute_dtype):
+            output = self.model.get_text_features(input_ids=tokens["input_ids"],
+                                                  attention_mask=tokens["attention_mask"])
+        return F.normalize(_projected(output).float(), dim=-1)
 
 
 _REWARDS: dict[str, Callable[[Path, Any], RewardFn]] = {
