@@ -179,17 +179,9 @@ class _Pairable(Protocol):
 
 def read_prompt_lines(path: str | Path) -> list[str]:
     """One prompt per image: each line stripped, blank lines dropped, repeats kept (unlike ``read_prompts``)."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise FluxgrpoError(f"prompt file {path} not found: pass an existing file with --prompts") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise FluxgrpoError(f"cannot read prompt file {path} ({exc}): pass a UTF-8 text file with --prompts") from None
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if not lines:
-        raise FluxgrpoError(f"prompt file {path} holds no prompts (one per image): pass another file with --prompts")
-    return lines
+    from fluxgrpo.data.prompts import read_prompts
+
+    return read_prompts(path, keep_repeats=True)
 
 
 def natural_key(name: str) -> tuple[list[Any], str]:

@@ -12,10 +12,11 @@ def bundled_prompts_path() -> Path:
     return Path(__file__).with_name("prompts.txt")
 
 
-def read_prompts(path: str | Path) -> list[str]:
+def read_prompts(path: str | Path, *, keep_repeats: bool = False) -> list[str]:
     """The prompts in ``path``: each line stripped, blank lines dropped, duplicates kept once (first occurrence).
 
     Dropping duplicates keeps each prompt's embedding and its GRPO group statistics from being counted twice.
+    ``keep_repeats=True`` keeps every line instead (``score --images --prompts``: one line per image).
 
     Raises:
         FluxgrpoError: the file is missing, unreadable, not UTF-8, or holds no prompt.
@@ -27,7 +28,8 @@ def read_prompts(path: str | Path) -> list[str]:
         raise FluxgrpoError(f"prompt file {path} not found: pass an existing file with --prompts") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise FluxgrpoError(f"cannot read prompt file {path} ({exc}): pass a UTF-8 text file with --prompts") from None
-    prompts = list(dict.fromkeys(line.strip() for line in text.splitlines() if line.strip()))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    prompts = lines if keep_repeats else list(dict.fromkeys(lines))
     if not prompts:
         raise FluxgrpoError(f"prompt file {path} holds no prompts (one per line): pass another file with --prompts")
     return prompts
