@@ -73,7 +73,7 @@ def shard_transformer(transformer: torch.nn.Module, cpu_offload: bool, compute_d
     kwargs: dict[str, Any] = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
     if compute_dtype != torch.float32:
         # Inputs are not cast: FLUX casts the timestep to the latents' dtype, and the RoPE cos/sin reach every
-        # block as inputs; both must stay float32 (DanceGRPO feeds fp32 latents; the NPU guide keeps RoPE fp32).
+        # block as inputs; both must stay float32 (DanceGRPO feeds fp32 latents; the Ascend guide keeps RoPE fp32).
         # Autocast still runs the matmuls in the compute dtype.
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
