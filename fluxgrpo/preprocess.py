@@ -33,7 +33,7 @@ from fluxgrpo.data.embeddings import (
 from fluxgrpo.data.prompts import read_prompts
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.models.flux import require_flux_dir
-from fluxgrpo.paths import EMBEDDINGS_INDEX
+from fluxgrpo.paths import EMBEDDINGS_INDEX, ensure_writable_dir
 from fluxgrpo.weights.manifest import read_manifest
 
 STATE_FILE = ".fluxgrpo-preprocess.json"
@@ -61,8 +61,7 @@ class PreprocessSummary:
         return asdict(self)
 
 
-def check_inputs(prompts_path: str | Path, flux_dir: str | Path, out_dir: str | Path, max_sequence_length: int,
-                 probe_name: str = ".write-probe") -> list[str]:
+def check_inputs(prompts_path: str | Path, flux_dir: str | Path, out_dir: str | Path, max_sequence_length: int) -> list[str]:
     """Everything that can be checked before a model loads: the prompts, the weights, a writable ``out_dir``.
 
     Returns the prompts. Creates ``out_dir`` and its three sub-folders.
@@ -72,16 +71,8 @@ def check_inputs(prompts_path: str | Path, flux_dir: str | Path, out_dir: str | 
     prompts = read_prompts(prompts_path)
     require_flux_dir(flux_dir)
     out = Path(out_dir)
-    try:
-        for folder in EMBEDDING_DIRS:
-            (out / folder).mkdir(parents=True, exist_ok=True)
-        probe = out / probe_name
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise FluxgrpoError(
-            f"cannot write embeddings to {out} ({exc.strerror or exc}): pass a writable folder with --out"
-        ) from None
+    for folder in EMBEDDING_DIRS:
+        ensure_writable_dir(out / folder, "embeddings", "--out")
     return prompts
 
 
@@ -171,7 +162,7 @@ def preprocess(
     out = Path(out_dir)
     flux_dir = Path(flux_dir)
     ctx = rt_dist.init_distributed(device)
-    prompts = check_inputs(prompts_path, flux_dir, out, max_sequence_length, probe_name=f".write-probe-{ctx.rank}")
+    prompts = check_inputs(prompts_path, flux_dir, out, max_sequence_length)
     embed_dim, pooled_dim = _encoder_dims(flux_dir)
     fingerprint = _fingerprint(prompts, max_sequence_length, flux_dir)
     _check_folder_matches(out, prompts, fingerprint)

@@ -46,7 +46,7 @@ from typing import Any
 
 from fluxgrpo import __version__
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.paths import DEFAULT_SAMPLES_DIR
+from fluxgrpo.paths import DEFAULT_SAMPLES_DIR, ensure_writable_dir
 
 INDEX_FILE = "index.json"
 GRID_FILE = "grid.png"
@@ -253,13 +253,7 @@ def check_output_dir(out_dir: str | Path) -> Path:
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise FluxgrpoError(f"--out {out} is a file: pass a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-probe-{os.getpid()}.tmp"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise FluxgrpoError(f"cannot write images to {out} ({exc.strerror or exc}): pass a writable --out") from None
+    ensure_writable_dir(out, "images", "--out")
     foreign = sorted(p.name for p in out.iterdir() if not _OWN_FILE.match(p.name))
     if foreign:
         raise FluxgrpoError(

@@ -15,6 +15,7 @@ from typing import Any
 
 from fluxgrpo.config import TrainConfig, save_resolved
 from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.paths import ensure_writable_dir
 from fluxgrpo.runtime.launch import LaunchSpec, build_torchrun_argv, run_torchrun
 from fluxgrpo.weights.layout import check_flux_dir, check_hps_dir, check_pickscore_dir, pickscore_dir
 
@@ -89,13 +90,7 @@ def check_output_dir(output_dir: Path, create: bool) -> None:
     import os
 
     if create:
-        try:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            probe = output_dir / ".write-test"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as exc:
-            raise FluxgrpoError(f"cannot write to --output-dir {output_dir} ({exc.strerror}): choose another") from None
+        ensure_writable_dir(output_dir, "checkpoints", "--output-dir")
         return
     existing = output_dir
     while not existing.exists() and existing != existing.parent:
