@@ -262,9 +262,72 @@ def progress_line(record: dict[str, Any], total: int) -> str:
 # --------------------------------------------------------------------------------------------- the loop
 
 
+class PhaseClock:
+    """Wall time of each phase of an iteration, measured between device synchronisations."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        rt_device.synchronize(device)
+        self._last = self._start = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        rt_device.synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[f"seconds_{phase}"] = now - self._last
+        self._last = now
+
+    @property
+    def total(self) -> float:
+        return self._last - self._start
+
+
+def iteration_record(ctx: DistContext, cfg: TrainConfig, parts: TrainingParts, iteration: int,
+                     rewards: torch.Tensor, advantages: torch.Tensor, update: Any, clock: PhaseClock) -> dict[str, Any]:
+    """Everything metrics.jsonl holds for one iteration, reduced over ranks."""
+    peak = rt_device.peak_memory_bytes(ctx.device)
+    return {
+        "iteration": iteration,
+        **reward_statistics(ctx, rewards, cfg.num_generations),
+        **advantage_statistics(ctx, advantages),
+        **reduce_update_stats(ctx, update.as_floats()),
+        "lr": parts.lr_scheduler.get_last_lr()[0],
+        **clock.seconds,
+        "images_per_second": ctx.world_size * cfg.trajectories_per_rank / clock.total,
+        "peak_memory_gib": None if peak is None else peak / 2**30,
+    }
+
+
+def save_training_checkpoint(ctx: DistContext, cfg: TrainConfig, parts: TrainingParts, iteration: int) -> Path:
+    """The state after ``iteration``: weights, optimizer, scheduler, EMA, RNGs and every rank's sampler position."""
+    from fluxgrpo.checkpoint import save_checkpoint
+
+    samplers = rt_dist.all_gather_object(ctx, parts.sampler.state_dict())
+    trainer_state = {
+        "iteration": iteration,
+        "sampler": {str(rank): state for rank, state in enumerate(samplers)},
+        "config": cfg.to_dict(),
+    }
+    return save_checkpoint(Path(cfg.output_dir), iteration, ctx, parts.transformer, parts.optimizer,
+                           parts.lr_scheduler, ema=parts.ema, trainer_state=trainer_state,
+                           keep_last=cfg.keep_last or None)
+
+
+def restore(ctx: DistContext, parts: TrainingParts, checkpoint: Path | None) -> int:
+    """Load a checkpoint into ``parts``; returns the iterations it had completed (0 without one)."""
+    from fluxgrpo.checkpoint import load_checkpoint
+
+    if checkpoint is None:
+        return 0
+    loaded = load_checkpoint(checkpoint, ctx, parts.transformer, parts.optimizer, parts.lr_scheduler, ema=parts.ema)
+    parts.sampler.load_state_dict(loaded.trainer_state["sampler"][str(ctx.rank)])
+    rt_dist.rank0_print(ctx, f"resumed from {checkpoint} after iteration {loaded.iteration}")
+    return loaded.iteration
+
+
 def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
     """Run the GRPO loop on this rank; returns rank 0's metrics records (empty on other ranks)."""
-    from fluxgrpo.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+    from fluxgrpo.checkpoint import resolve_resume
     from fluxgrpo.grpo.advantages import group_advantages
     from fluxgrpo.grpo.latents import image_ids
     from fluxgrpo.grpo.rollout import generate_rollout
@@ -283,40 +346,31 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
         rt_device.seed_everything(cfg.seed + ctx.rank)
         output_dir = Path(cfg.output_dir)
         parts = build_parts(cfg, ctx)
-        start = 0
-        checkpoint = resolve_resume(output_dir, resume) if resume is not None else None
-        if checkpoint is not None:
-            loaded = load_checkpoint(checkpoint, ctx, parts.transformer, parts.optimizer, parts.lr_scheduler,
-                                     ema=parts.ema)
-            start = loaded.iteration
-            parts.sampler.load_state_dict(loaded.trainer_state["sampler"][str(ctx.rank)])
-            rt_dist.rank0_print(ctx, f"resumed from {checkpoint} after iteration {start}")
+        start = restore(ctx, parts, resolve_resume(output_dir, resume) if resume is not None else None)
         metrics = MetricsLogger(output_dir, enabled=ctx.is_main, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
                                 config=cfg.to_dict(), resume_after=start)
-        sigmas = sigma_schedule(cfg.sampling_steps, cfg.shift).to(ctx.device)
-        img_ids = image_ids(cfg.height, cfg.width).to(ctx.device)
+        sigmas = sigma_schedule(cfg.sampling_steps, cfg.shift).to(ctx.device)  # [N+1]
+        img_ids = image_ids(cfg.height, cfg.width).to(ctx.device)  # [L, 3]
         records = []
         for iteration in range(start + 1, cfg.max_train_steps + 1):
-            t0 = time.perf_counter()
             rt_device.reset_peak_memory(ctx.device)
+            clock = PhaseClock(ctx.device)
             noise_gen = torch.Generator(device=ctx.device).manual_seed(
                 derive_seed(cfg.seed, ctx.rank, iteration, NOISE_STREAM))
             timestep_gen = torch.Generator().manual_seed(derive_seed(cfg.seed, ctx.rank, iteration, TIMESTEP_STREAM))
 
-            cond = draw_prompts(parts, cfg)
-            noise = initial_noise(cfg, cfg.train_batch_size, noise_gen, ctx.device)
+            cond = draw_prompts(parts, cfg)  # [B = prompts × G] rows, groups contiguous
+            noise = initial_noise(cfg, cfg.train_batch_size, noise_gen, ctx.device)  # [B, L, C]
             rollout = generate_rollout(
                 parts.transformer, cond, noise, sigmas, eta=cfg.eta, guidance=cfg.guidance, img_ids=img_ids,
                 rollout_batch_size=cfg.rollout_batch_size, device_type=ctx.device_type, generator=noise_gen,
             )
-            rt_device.synchronize(ctx.device)
-            t1 = time.perf_counter()
+            clock.lap("rollout")
 
-            images, rewards = decode_and_score(parts, cfg, rollout.final_x0, cond.captions)
-            rt_device.synchronize(ctx.device)
-            t2 = time.perf_counter()
+            images, rewards = decode_and_score(parts, cfg, rollout.final_x0, cond.captions)  # [B,3,H,W], [B]
+            clock.lap("decode_reward")
 
-            adv = group_advantages(rewards, cfg.num_generations, cfg.adv_clip_max)
+            adv = group_advantages(rewards, cfg.num_generations, cfg.adv_clip_max)  # [B]
             update = policy_update(
                 parts.transformer, rollout, cond, adv.advantages,
                 timestep_fraction=cfg.timestep_fraction, clip_range=cfg.clip_range, adv_clip_max=cfg.adv_clip_max,
@@ -324,36 +378,16 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
                 max_grad_norm=cfg.max_grad_norm, optimizer=parts.optimizer, lr_scheduler=parts.lr_scheduler,
                 device_type=ctx.device_type, generator_cpu=timestep_gen, ema=parts.ema,
             )
-            rt_device.synchronize(ctx.device)
-            t3 = time.perf_counter()
+            clock.lap("update")
 
-            record = {"iteration": iteration}
-            record.update(reward_statistics(ctx, rewards, cfg.num_generations))
-            record.update(advantage_statistics(ctx, adv.advantages))
-            record.update(reduce_update_stats(ctx, update.as_floats()))
-            peak = rt_device.peak_memory_bytes(ctx.device)
-            record.update({
-                "lr": parts.lr_scheduler.get_last_lr()[0],
-                "seconds_rollout": t1 - t0, "seconds_decode_reward": t2 - t1, "seconds_update": t3 - t2,
-                "images_per_second": ctx.world_size * cfg.trajectories_per_rank / (t3 - t0),
-                "peak_memory_gib": None if peak is None else peak / 2**30,
-            })
-            if cfg.save_images_every and iteration % cfg.save_images_every == 0:
-                save_sample_images(images, output_dir, ctx.rank, cfg.images_per_save)
+            record = iteration_record(ctx, cfg, parts, iteration, rewards, adv.advantages, update, clock)
             metrics.log(record)
             records.append(record)
             rt_dist.rank0_print(ctx, progress_line(record, cfg.max_train_steps))
-
+            if cfg.save_images_every and iteration % cfg.save_images_every == 0:
+                save_sample_images(images, output_dir, ctx.rank, cfg.images_per_save)
             if iteration % cfg.checkpointing_steps == 0 or iteration == cfg.max_train_steps:
-                samplers = rt_dist.all_gather_object(ctx, parts.sampler.state_dict())
-                trainer_state = {
-                    "iteration": iteration,
-                    "sampler": {str(r): s for r, s in enumerate(samplers)},
-                    "config": cfg.to_dict(),
-                }
-                path = save_checkpoint(output_dir, iteration, ctx, parts.transformer, parts.optimizer,
-                                       parts.lr_scheduler, ema=parts.ema, trainer_state=trainer_state,
-                                       keep_last=cfg.keep_last or None)
+                path = save_training_checkpoint(ctx, cfg, parts, iteration)
                 rt_dist.rank0_print(ctx, f"saved {path}")
         metrics.close()
     except BaseException:
