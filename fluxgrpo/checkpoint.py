@@ -379,7 +379,10 @@ def load_checkpoint(
             "or start a new run from its exported weights"
         )
     if lr_scheduler is not None and not info.get("has_lr_scheduler", True):
-        raise FluxgrpoError(f"{path} has no learning-rate scheduler state: it cannot resume a run that uses one")
+        raise FluxgrpoError(
+            f"{path} has no learning-rate scheduler state, so it cannot resume a run that uses one: resume from "
+            "another checkpoint with --resume-from, or start a new run from its exported transformer"
+        )
 
     # DCP loads in place into tensors laid out the way this run shards them; get_state_dict gives that
     # layout (and materialises an untouched optimizer's state so there is somewhere to load into).
@@ -400,7 +403,13 @@ def load_checkpoint(
     trainer_state = json.loads((path / STATE_DIR / TRAINER_STATE_FILE).read_text())
     # Written by save_checkpoint itself; python's and numpy's RNG states are not tensors, so weights_only
     # cannot read them (trusting this file is the same as trusting the DCP metadata pickle beside it).
-    rng = torch.load(path / STATE_DIR / f"rng_rank{ctx.rank}.pt", weights_only=False)
+    rng_file = path / STATE_DIR / f"rng_rank{ctx.rank}.pt"
+    if not rng_file.is_file():
+        raise FluxgrpoError(
+            f"{rng_file} is missing, so rank {ctx.rank} cannot resume exactly: the checkpoint was damaged after it "
+            "was written; resume from an earlier checkpoint with --resume-from"
+        )
+    rng = torch.load(rng_file, weights_only=False)
     rt_device.set_rng_state(ctx.device, rng["global"])
     return LoadedState(
         trainer_state=trainer_state, rng_states=rng["extra"], iteration=int(info["iteration"]), path=path
