@@ -17,9 +17,9 @@ A second run over a complete folder downloads nothing. To avoid re-reading 40 GB
 the part's manifest already records with the hub's sha256, and that has the same size and is not newer than
 the manifest, counts as verified; ``rehash=True`` reads every file again.
 
-What a network interruption costs depends on the hub (see ``hub_clients``): ModelScope continues a partial
-file with a Range request; huggingface_hub continues only within one run, so a file interrupted by a killed
-or failed run restarts from zero (finished files are never fetched again on either hub).
+A network interruption costs little on either hub (see ``hub_clients``): finished files are never fetched
+again, and a file cut off mid-way, even by a killed or failed run, is continued from its partial file with a
+Range request.
 """
 
 from __future__ import annotations
@@ -396,8 +396,8 @@ def fetch_from_hub(
             for root in sorted(set(roots.values())):
                 freed = client.remove_orphans(root)
                 if freed:
-                    view.log(f"removed {format_bytes(freed)} of interrupted partial downloads in {root} "
-                             "(Hugging Face restarts an interrupted file from zero)")
+                    view.log(f"removed {format_bytes(freed)} of partial downloads in {root} that nothing can "
+                             "continue (left by an earlier Hugging Face download)")
             plans = [
                 _classify(client, part, roots[part.name], *listings[part.name], view, verify=True, rehash=rehash)
                 for part in selected

@@ -1,16 +1,21 @@
 """The two hubs behind ``fetch-weights``: list a repo, fetch one file into a folder, and say what went wrong.
 
-Both clients use their hub's own library for the transport (auth, redirects, mirrors, Xet, retries) and
+Both clients use their hub's own library for the transport (auth headers, redirects, mirrors, retries) and
 write straight into the target folder (``local_dir`` semantics: no cache copy, no symlinks). What differs,
 and is handled here:
 
 - Resolving: Hugging Face names the commit a branch points to (``model_info().sha``) and lists LFS files with
   their sha256 and git files with their git blob id; ModelScope lists sha256 for every file but names no
   commit, so its resolved revision is the branch or tag itself.
-- Partial files: modelscope_hub keeps ``<file>.incomplete`` beside the target and continues it with a Range
-  request in the next run. huggingface_hub resumes only inside one run; its partial files are per process
-  (``.cache/huggingface/download/*.incomplete``), deleted on an exception and orphaned by a kill, so they are
-  removed here before a new run (shared/reference/hub-files.md §3–§4).
+- Partial files: both clients keep ``<file>.incomplete`` beside the target and continue it with a Range
+  request, within a run and in the next one; the file is renamed onto the target only once all its bytes
+  arrived (the caller then checks its digest and, on a mismatch, downloads it once more from byte 0).
+  modelscope_hub does this itself. ``hf_hub_download`` cannot: its partial files are per process, deleted on
+  an exception and orphaned by a kill (shared/reference/hub-files.md §4). So the Hugging Face client streams
+  the file's resolve URL with huggingface_hub's own ``http_get`` (its shared HTTP client, auth headers,
+  redirects to the CDN, in-run retries, a restart when a server ignores the Range) into our own partial file.
+  That plain HTTP path is what huggingface_hub falls back to without ``hf_xet``; the hub serves Xet-backed
+  files over it too. Orphans that ``hf_hub_download`` left under ``.cache/huggingface/download/`` are removed.
 - Errors: every library exception becomes one ``FluxgrpoError`` line that says what to do.
 
 The libraries are imported inside the clients: ``huggingface_hub`` and ``modelscope_hub`` (0.17 s, no torch;
@@ -32,6 +37,7 @@ from fluxgrpo.weights.hub_progress import callback_class_for, tqdm_class_for
 
 HF_DEFAULT_ENDPOINT = "https://huggingface.co"
 HF_DOWNLOAD_DIR = Path(".cache") / "huggingface" / "download"  # huggingface_hub's local_dir bookkeeping
+PARTIAL_SUFFIX = ".incomplete"  # <file>.incomplete beside <file>: the bytes received so far, continued later
 MODELSCOPE_PARTIAL_SUFFIXES = (".incomplete", ".parallel_tmp")
 
 
@@ -118,6 +124,28 @@ def _network_errors() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+def _partial_path(root: Path, path: str) -> Path:
+    return root / f"{path}{PARTIAL_SUFFIX}"
+
+
+def _counting_resumed_bytes(bar_class: type) -> type:
+    """``bar_class`` that also reports the bytes a resumed download starts with (tqdm's ``initial=``).
+
+    The caller's file bar spans the whole file, as with modelscope_hub, which reports a resumed partial first.
+    huggingface_hub builds the bar after it has seen the answer, so ``initial`` is 0 when a server ignored the
+    Range and the file restarts, and its in-run retries reuse the bar instead of building another.
+    """
+
+    class _CountingResumed(bar_class):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)
+            initial = kwargs.get("initial")
+            if isinstance(initial, int) and initial > 0:
+                self.update(initial)
+
+    return _CountingResumed
+
+
 def _where(repo: str, revision: str | None, path: str | None) -> str:
     at = f"{repo}@{revision}" if revision else repo
     return f"{path} from {at}" if path else at
@@ -130,7 +158,7 @@ class HuggingFaceClient:
     """huggingface_hub with an explicit endpoint (argument > ``HF_ENDPOINT`` > huggingface.co).
 
     ``token=None`` lets huggingface_hub find one (``HF_TOKEN``, ``hf auth login``); the token is only ever
-    handed to huggingface_hub, never printed or written by us.
+    handed to huggingface_hub (its request headers), never printed or written by us.
     """
 
     source = "hf"
@@ -175,25 +203,54 @@ class HuggingFaceClient:
             raise self.translate(exc, repo, revision, path) from exc
 
     def download(self, repo: str, revision: str, remote: RemoteFile, root: Path, advance: Callable[[int], None]) -> None:
-        from huggingface_hub import hf_hub_download
+        """Continue (or start) ``<path>.incomplete`` with a Range request, then rename it onto ``root / path``.
 
+        A partial file longer than the remote file cannot be a prefix of it and is started again. A failure
+        leaves the partial file for the next attempt.
+        """
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.file_download import http_get
+        from huggingface_hub.utils import build_hf_headers
+
+        target = root / remote.path
+        partial = _partial_path(root, remote.path)
         try:
-            hf_hub_download(
-                repo, remote.path, revision=revision, local_dir=root, endpoint=self.endpoint, token=self._token,
-                tqdm_class=tqdm_class_for(advance),
-            )
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if partial.is_file() and partial.stat().st_size > remote.size:
+                partial.unlink()
+            with open(partial, "ab") as fh:
+                fh.seek(0, os.SEEK_END)
+                # http_get sends "Range: bytes=<resume_size>-", appends a 206, and truncates the file and starts
+                # over on a 200 (a server that ignored the Range); it checks the final size against expected_size.
+                http_get(
+                    hf_hub_url(repo, remote.path, revision=revision, endpoint=self.endpoint),
+                    fh,
+                    resume_size=fh.tell(),
+                    headers=build_hf_headers(token=self._token),
+                    expected_size=remote.size,
+                    displayed_filename=remote.path,
+                    tqdm_class=_counting_resumed_bytes(tqdm_class_for(advance)),
+                )
+            os.replace(partial, target)
         except Exception as exc:
+            with contextlib.suppress(OSError):
+                if partial.stat().st_size == 0:  # refused before any byte arrived: nothing worth keeping
+                    partial.unlink()
             raise self.translate(exc, repo, revision, remote.path, root) from exc
 
     def partial_bytes(self, root: Path, path: str) -> int:
-        return 0  # huggingface_hub never continues a partial file from an earlier process
+        partial = _partial_path(root, path)
+        return partial.stat().st_size if partial.is_file() else 0
 
     def discard(self, root: Path, path: str, keep_partial: bool) -> None:
         (root / path).unlink(missing_ok=True)
-        # Without its metadata huggingface_hub cannot take a stale copy for current (it re-checks by etag).
+        if not keep_partial:
+            _partial_path(root, path).unlink(missing_ok=True)
+        # Bookkeeping of hf_hub_download from earlier versions of this client: stale once the file is gone.
         (root / HF_DOWNLOAD_DIR / f"{path}.metadata").unlink(missing_ok=True)
 
     def remove_orphans(self, root: Path) -> int:
+        """hf_hub_download's per-process partial files (earlier versions of this client): nothing continues them."""
         freed = 0
         folder = root / HF_DOWNLOAD_DIR
         if folder.is_dir():
@@ -330,7 +387,7 @@ class ModelScopeClient:
             raise self.translate(exc, repo, revision, remote.path, root) from exc
 
     def partial_bytes(self, root: Path, path: str) -> int:
-        partial = root / f"{path}.incomplete"
+        partial = _partial_path(root, path)  # modelscope_hub's own name for it
         return partial.stat().st_size if partial.is_file() else 0
 
     def discard(self, root: Path, path: str, keep_partial: bool) -> None:
