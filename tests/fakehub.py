@@ -446,3 +446,24 @@ def free_port_url() -> str:
 
 def sha256_of(path: os.PathLike[str] | str) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def isolate_hub_environment(tmp_path, monkeypatch) -> None:
+    """Point both hub libraries at ``tmp_path`` and drop every token/endpoint variable, so no real token,
+    cache or server can take part in a test."""
+    from huggingface_hub import constants as hf_constants
+
+    hf_home = tmp_path / "hf_home"
+    monkeypatch.setenv("HF_HOME", str(hf_home))
+    monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms_cache"))
+    monkeypatch.setenv("MODELSCOPE_HOME", str(tmp_path / "ms_home"))
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "MODELSCOPE_API_TOKEN", "MODELSCOPE_ENDPOINT",
+                 "HF_HUB_OFFLINE", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(name, raising=False)
+    # huggingface_hub read HF_HOME & co. when it was first imported (perhaps by another test): point those at
+    # tmp too.
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(hf_home / "token"))
+    monkeypatch.setattr(hf_constants, "HF_STORED_TOKENS_PATH", str(hf_home / "stored_tokens"))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_IMPLICIT_TOKEN", False)

@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakehub import CLIP_FILES, FLUX_DEV_FILES, HPS_FILES, FakeHub, FakeRepo, write_random_repo
+from fakehub import (
+    CLIP_FILES,
+    FLUX_DEV_FILES,
+    HPS_FILES,
+    FakeHub,
+    FakeRepo,
+    isolate_hub_environment,
+    write_random_repo,
+)
 from typer.testing import CliRunner
 
 from fluxgrpo.cli.app import app
@@ -43,20 +51,7 @@ PROCESSOR_FILES = ("merges.txt", "preprocessor_config.json", "tokenizer.json", "
 
 @pytest.fixture(autouse=True)
 def _isolated_hub_env(tmp_path, monkeypatch):
-    from huggingface_hub import constants as hf_constants
-
-    hf_home = tmp_path / "hf_home"
-    monkeypatch.setenv("HF_HOME", str(hf_home))
-    monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms_cache"))
-    monkeypatch.setenv("MODELSCOPE_HOME", str(tmp_path / "ms_home"))
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "MODELSCOPE_API_TOKEN", "MODELSCOPE_ENDPOINT",
-                 "HF_HUB_OFFLINE", "HF_OIDC_RESOURCE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(hf_home / "hub"))
-    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(hf_home / "token"))
-    monkeypatch.setattr(hf_constants, "HF_STORED_TOKENS_PATH", str(hf_home / "stored_tokens"))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_IMPLICIT_TOKEN", False)
+    isolate_hub_environment(tmp_path, monkeypatch)
 
 
 def default_repos(tmp_path: Path, source: str, *, gated_flux: bool = False) -> list[FakeRepo]:

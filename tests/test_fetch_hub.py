@@ -19,6 +19,7 @@ from fakehub import (
     FakeHub,
     FakeRepo,
     free_port_url,
+    isolate_hub_environment,
     sha256_of,
     write_random_repo,
 )
@@ -49,20 +50,7 @@ Repos = namedtuple("Repos", "flux hps clip")
 def _isolated_hub_env(tmp_path, monkeypatch):
     from huggingface_hub import constants as hf_constants
 
-    hf_home = tmp_path / "hf_home"
-    monkeypatch.setenv("HF_HOME", str(hf_home))
-    monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms_cache"))
-    monkeypatch.setenv("MODELSCOPE_HOME", str(tmp_path / "ms_home"))
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "MODELSCOPE_API_TOKEN", "MODELSCOPE_ENDPOINT",
-                 "HF_HUB_OFFLINE", "HF_OIDC_RESOURCE"):
-        monkeypatch.delenv(name, raising=False)
-    # huggingface_hub read HF_HOME & co. when it was first imported (perhaps by another test): point those at
-    # tmp too, so no real token or cached file can ever take part.
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(hf_home / "hub"))
-    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(hf_home / "token"))
-    monkeypatch.setattr(hf_constants, "HF_STORED_TOKENS_PATH", str(hf_home / "stored_tokens"))
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_IMPLICIT_TOKEN", False)
+    isolate_hub_environment(tmp_path, monkeypatch)
     # huggingface_hub writes whole chunks (10 MB), so a dropped connection loses the chunk in flight. Against
     # multi-GB shards that is a small loss; against these kB-sized files it would be everything. With 100-byte
     # chunks what arrived before a drop reaches the disk, as most of it does in real use.
