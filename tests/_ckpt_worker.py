@@ -29,12 +29,10 @@ STEPS_AFTER_SAVE = 2
 def build_tiny_transformer(init_seed: int):
     from diffusers import FluxTransformer2DModel
 
+    from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG
+
     torch.manual_seed(init_seed)
-    return FluxTransformer2DModel(
-        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-        axes_dims_rope=(4, 6, 6),
-    )  # fmt: skip
+    return FluxTransformer2DModel(**{**TINY_TRANSFORMER_CONFIG, "num_layers": 1, "num_single_layers": 1})
 
 
 def full_weights(model) -> dict[str, torch.Tensor]:

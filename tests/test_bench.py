@@ -36,9 +36,9 @@ runner = CliRunner()
 
 
 def tiny_flux_config(double: int, single: int) -> dict:
-    return {"patch_size": 1, "in_channels": 64, "num_layers": double, "num_single_layers": single,
-            "attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32,
-            "pooled_projection_dim": 32, "guidance_embeds": True, "axes_dims_rope": (4, 6, 6)}
+    from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG
+
+    return {**TINY_TRANSFORMER_CONFIG, "num_layers": double, "num_single_layers": single}
 
 
 # ------------------------------------------------------------------------------------------------ FLOPs

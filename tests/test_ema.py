@@ -155,13 +155,10 @@ def _worker() -> None:
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 
     from fluxgrpo.grpo import Conditioning, generate_rollout, image_ids, policy_update, sigma_schedule
+    from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG
 
     torch.manual_seed(0)  # identical initial weights on both ranks
-    transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-        axes_dims_rope=(4, 6, 6),
-    )  # fmt: skip
+    transformer = FluxTransformer2DModel(**{**TINY_TRANSFORMER_CONFIG, "num_layers": 1, "num_single_layers": 1})
     for block in transformer.modules():
         if isinstance(block, FluxTransformerBlock | FluxSingleTransformerBlock):
             fully_shard(block)

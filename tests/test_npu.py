@@ -25,6 +25,7 @@ from diffusers.models.embeddings import get_1d_rotary_pos_embed
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG
 from fluxgrpo.runtime import device as rt
 from fluxgrpo.runtime import npu
 from fluxgrpo.runtime.device import NpuImportStatus
@@ -32,18 +33,7 @@ from fluxgrpo.runtime.npu_env import NPU_ENV_DEFAULTS, apply_npu_env_defaults
 
 FAKE_TORCH_NPU = Path(__file__).resolve().parent / "fake_torch_npu"
 DIFFUSERS_VERSION = importlib.metadata.version("diffusers")
-TINY_CONFIG = dict(
-    patch_size=1,
-    in_channels=16,
-    num_layers=2,
-    num_single_layers=2,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=32,
-    pooled_projection_dim=32,
-    guidance_embeds=True,
-    axes_dims_rope=(4, 6, 6),
-)
+TINY_CONFIG = {**TINY_TRANSFORMER_CONFIG, "in_channels": 16}  # narrower input: these tests feed raw tokens
 TINY_NORM_COUNT = 2 * 4 + 2 * 2  # 4 q/k norms per double block, 2 per single block
 
 

@@ -33,18 +33,10 @@ def base_transformer() -> nn.Module:
     from diffusers import FluxTransformer2DModel
 
     torch.manual_seed(0)
-    return FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=64,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=TEXT_DIM,
-        pooled_projection_dim=POOLED_DIM,
-        guidance_embeds=True,
-        axes_dims_rope=(4, 6, 6),
-    )
+    from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG
+
+    return FluxTransformer2DModel(**{**TINY_TRANSFORMER_CONFIG, "num_layers": 1, "num_single_layers": 1,
+                                     "joint_attention_dim": TEXT_DIM, "pooled_projection_dim": POOLED_DIM})
 
 
 def make_batch(num_trajectories: int, seed: int = 0) -> tuple[Conditioning, torch.Tensor]:

@@ -138,6 +138,22 @@ def build_tiny_t5_tokenizer() -> Any:
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=T5_MAX_LENGTH)
 
 
+# The tiny FLUX transformer: FLUX.1-dev's structure at toy width. Tests that build a transformer without
+# weight files start from this and override what they need (e.g. fewer blocks).
+TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
+    "patch_size": 1,
+    "in_channels": 64,  # 16 latent channels x 2x2 packing
+    "num_layers": 2,
+    "num_single_layers": 2,
+    "attention_head_dim": 16,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,  # = the tiny T5's d_model
+    "pooled_projection_dim": 32,  # = the tiny CLIP's hidden size
+    "guidance_embeds": True,  # FLUX.1-dev is guidance-distilled
+    "axes_dims_rope": (4, 6, 6),  # each even, summing to attention_head_dim
+}
+
+
 def build_tiny_flux_pipeline(seed: int = 0) -> FluxPipeline:
     """A random FluxPipeline with FLUX.1-dev's component classes, seeded; the global RNG is left untouched."""
     import torch
@@ -180,18 +196,7 @@ def build_tiny_flux_pipeline(seed: int = 0) -> FluxPipeline:
                 decoder_start_token_id=0,
             )
         )
-        transformer = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=64,  # 16 latent channels x 2x2 packing
-            num_layers=2,
-            num_single_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            pooled_projection_dim=32,
-            guidance_embeds=True,  # FLUX.1-dev is guidance-distilled
-            axes_dims_rope=(4, 6, 6),  # each even, summing to attention_head_dim
-        )
+        transformer = FluxTransformer2DModel(**TINY_TRANSFORMER_CONFIG)
         vae = AutoencoderKL(
             in_channels=3,
             out_channels=3,
