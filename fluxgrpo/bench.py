@@ -223,8 +223,10 @@ class BenchConfig:
                 out.append(f"--resolution {height}x{width}: both sides must be positive multiples of 16")
         if self.steps < 2:
             out.append(f"--steps {self.steps}: at least 2 (the last transition is never trained)")
-        for flag, sizes in (("--rollout-batch-sizes", self.rollout_batch_sizes),
-                            ("--micro-batch-sizes", self.micro_batch_sizes)):
+        for flag, sizes in (
+            ("--rollout-batch-sizes", self.rollout_batch_sizes),
+            ("--micro-batch-sizes", self.micro_batch_sizes),
+        ):
             if not sizes or min(sizes) < 1:
                 out.append(f"{flag} needs positive sizes, got {','.join(map(str, sizes)) or 'none'}")
         sizes = (*self.rollout_batch_sizes, *self.micro_batch_sizes)
@@ -233,13 +235,16 @@ class BenchConfig:
             if self.trajectories < 1 or uneven:
                 out.append(f"--trajectories {self.trajectories} must be a positive multiple of every batch size")
         elif all(size >= 1 for size in sizes) and self.num_trajectories > 256:
-            out.append(f"the batch sizes' least common multiple is {self.num_trajectories} trajectories: "
-                       "choose sizes that divide each other, or set --trajectories")
+            out.append(
+                f"the batch sizes' least common multiple is {self.num_trajectories} trajectories: "
+                "choose sizes that divide each other, or set --trajectories"
+            )
         if self.train_timesteps is not None and not 1 <= self.train_timesteps <= self.steps - 1:
             out.append(f"--train-timesteps {self.train_timesteps} must be in 1…{self.steps - 1} (--steps − 1)")
         if self.activation_checkpointing not in CHECKPOINTING_CHOICES:
-            out.append(f"--activation-checkpointing {self.activation_checkpointing!r}: use "
-                       f"{', '.join(CHECKPOINTING_CHOICES)}")
+            out.append(
+                f"--activation-checkpointing {self.activation_checkpointing!r}: use {', '.join(CHECKPOINTING_CHOICES)}"
+            )
         if self.text_tokens < 1:
             out.append(f"--text-tokens {self.text_tokens} must be at least 1")
         if self.dies < 1:
@@ -418,8 +423,9 @@ def transformer_forward_flops(shape: FluxShape, image_tokens: int, text_tokens: 
     """Model FLOPs of one forward of one sample (see the module docstring for the derivation)."""
     d, n = shape.hidden, image_tokens + text_tokens
     blocks = (shape.double_blocks + shape.single_blocks) * (24 * n * d * d + 4 * n * n * d)
-    token_linears = 2 * d * (shape.in_channels * image_tokens + shape.text_dim * text_tokens
-                             + shape.out_channels * image_tokens)
+    token_linears = (
+        2 * d * (shape.in_channels * image_tokens + shape.text_dim * text_tokens + shape.out_channels * image_tokens)
+    )
     modulation = 2 * d * d * (12 * shape.double_blocks + 3 * shape.single_blocks + 2)
     embedders = 2 * ((2 if shape.guidance else 1) * (256 * d + d * d) + shape.pooled_dim * d + d * d)
     return blocks + token_linears + modulation + embedders
@@ -480,12 +486,40 @@ class _Timing:
         return statistics.median(self.seconds)
 
 
-def _figure(phase: str, resolution: str, batch_size: int | None, checkpointing: bool | None, work: int, unit: str,
-            timing: _Timing | None, flops: int | None, peak_tflops: float | None, *, error: str | None = None,
-            activation_bytes: int | None = None, max_abs_log_ratio: float | None = None) -> PhaseFigure:
+def _figure(
+    phase: str,
+    resolution: str,
+    batch_size: int | None,
+    checkpointing: bool | None,
+    work: int,
+    unit: str,
+    timing: _Timing | None,
+    flops: int | None,
+    peak_tflops: float | None,
+    *,
+    error: str | None = None,
+    activation_bytes: int | None = None,
+    max_abs_log_ratio: float | None = None,
+) -> PhaseFigure:
     if timing is None or not timing.seconds:
-        return PhaseFigure(phase, resolution, batch_size, checkpointing, work, unit, None, None, None, None, None,
-                           None, None, activation_bytes, max_abs_log_ratio, error or "not measured")
+        return PhaseFigure(
+            phase,
+            resolution,
+            batch_size,
+            checkpointing,
+            work,
+            unit,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            activation_bytes,
+            max_abs_log_ratio,
+            error or "not measured",
+        )
     seconds = timing.median
     tflops = flops / seconds / 1e12 if flops is not None and seconds > 0 else None
     return PhaseFigure(
@@ -562,19 +596,24 @@ def summarize(figures: Sequence[PhaseFigure], resolution: str) -> dict[str, Any]
                 chosen = {phase: next(f for f in by_phase[phase] if f.batch_size == size) for phase in sampling}
                 chosen["update"] = pick(updates, key=lambda f: f.batch_size)
                 ends[end] = iteration(chosen)
-            iterations.append({
-                "activation_checkpointing": checkpointing,
-                **ends,
-                "speedup": ends["smallest"]["seconds"] / ends["largest"]["seconds"],
-            })
+            iterations.append(
+                {
+                    "activation_checkpointing": checkpointing,
+                    **ends,
+                    "speedup": ends["smallest"]["seconds"] / ends["largest"]["seconds"],
+                }
+            )
     speedups = {}
     for phase in ("rollout", "decode", "reward", "update"):
         for checkpointing in sorted({f.activation_checkpointing for f in by_phase[phase]}, key=str):
             candidates = [f for f in by_phase[phase] if f.activation_checkpointing == checkpointing]
             low, top = min(candidates, key=lambda f: f.batch_size), max(candidates, key=lambda f: f.batch_size)
             suffix = "" if checkpointing is None else (" ckpt" if checkpointing else " no-ckpt")
-            speedups[phase + suffix] = {"batch_size": top.batch_size, "vs_batch_size": low.batch_size,
-                                        "speedup": top.speedup}
+            speedups[phase + suffix] = {
+                "batch_size": top.batch_size,
+                "vs_batch_size": low.batch_size,
+                "speedup": top.speedup,
+            }
     checkpointing_cost = {}
     for size in sorted({f.batch_size for f in by_phase["update"]}):
         on = next((f for f in by_phase["update"] if f.batch_size == size and f.activation_checkpointing), None)
@@ -653,8 +692,10 @@ def resolve_reward(cfg: BenchConfig, device_type: str, shape: FluxShape) -> str:
     tiny HPS-shaped CLIP otherwise (on cpu one ViT-H-14 image takes seconds)."""
     if cfg.reward != "auto":
         return cfg.reward
-    full_width = shape.hidden >= FLUX_DEV_TRANSFORMER_CONFIG["num_attention_heads"] * FLUX_DEV_TRANSFORMER_CONFIG[
-        "attention_head_dim"]
+    full_width = (
+        shape.hidden
+        >= FLUX_DEV_TRANSFORMER_CONFIG["num_attention_heads"] * FLUX_DEV_TRANSFORMER_CONFIG["attention_head_dim"]
+    )
     return "vit-h-14" if full_width and device_type != "cpu" else "tiny-clip"
 
 
@@ -854,8 +895,9 @@ class _Inputs:
     image_tokens: int  # L
 
 
-def _make_inputs(cfg: BenchConfig, bench_model: BenchModel, height: int, width: int, device: torch.device,
-                 rank: int) -> _Inputs:
+def _make_inputs(
+    cfg: BenchConfig, bench_model: BenchModel, height: int, width: int, device: torch.device, rank: int
+) -> _Inputs:
     import torch
 
     from fluxgrpo.grpo.latents import image_ids, latent_shape
@@ -866,8 +908,9 @@ def _make_inputs(cfg: BenchConfig, bench_model: BenchModel, height: int, width: 
     count = cfg.num_trajectories
     generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + rank)
     cond = Conditioning(
-        prompt_embeds=torch.randn(count, cfg.text_tokens, bench_model.shape.text_dim, generator=generator,
-                                  device=device),
+        prompt_embeds=torch.randn(
+            count, cfg.text_tokens, bench_model.shape.text_dim, generator=generator, device=device
+        ),
         pooled=torch.randn(count, bench_model.shape.pooled_dim, generator=generator, device=device),
         text_ids=torch.zeros(cfg.text_tokens, 3, device=device),
         captions=(BENCH_CAPTION,) * count,
@@ -897,8 +940,16 @@ class _Sweep:
     """One rank's measurements at one resolution after another; each phase's figures are emitted as soon as the
     phase has been measured at every batch size (so that their speed-ups are known)."""
 
-    def __init__(self, cfg: BenchConfig, ctx: DistContext, bench_model: BenchModel, compute_dtype: torch.dtype,
-                 peak_tflops: float | None, emit: Callable[[dict[str, Any]], None], log: Callable[[str], None]):
+    def __init__(
+        self,
+        cfg: BenchConfig,
+        ctx: DistContext,
+        bench_model: BenchModel,
+        compute_dtype: torch.dtype,
+        peak_tflops: float | None,
+        emit: Callable[[dict[str, Any]], None],
+        log: Callable[[str], None],
+    ):
         import torch
 
         self.cfg, self.ctx, self.model = cfg, ctx, bench_model
@@ -974,19 +1025,33 @@ class _Sweep:
         flops = rollout_flops(self.model.shape, inputs.image_tokens, self.cfg.text_tokens, count, self.cfg.steps)
         kept, figures = None, []
         for size in self.cfg.rollout_batch_sizes:
+
             def call(size: int = size) -> _Run:
                 generator = torch.Generator(device=self.ctx.device).manual_seed(self.cfg.seed + 17)
-                return _Run(generate_rollout(
-                    self.model.transformer, inputs.cond, inputs.noise, inputs.sigmas, eta=ETA, guidance=GUIDANCE,
-                    img_ids=inputs.img_ids, rollout_batch_size=size, device_type=self.ctx.device_type,
-                    generator=generator, compute_dtype=self.compute_dtype,
-                ))
+                return _Run(
+                    generate_rollout(
+                        self.model.transformer,
+                        inputs.cond,
+                        inputs.noise,
+                        inputs.sigmas,
+                        eta=ETA,
+                        guidance=GUIDANCE,
+                        img_ids=inputs.img_ids,
+                        rollout_batch_size=size,
+                        device_type=self.ctx.device_type,
+                        generator=generator,
+                        compute_dtype=self.compute_dtype,
+                    )
+                )
 
             label = f"rollout {resolution} batch {size}"
             timing, result, error = self._attempt(label, lambda label=label, call=call: self._measure(label, call))
             kept = result if result is not None else kept
-            figures.append(_figure("rollout", resolution, size, None, count, "images", timing, flops,
-                                   self.peak_tflops, error=error))
+            figures.append(
+                _figure(
+                    "rollout", resolution, size, None, count, "images", timing, flops, self.peak_tflops, error=error
+                )
+            )
         self._publish(figures)
         return kept
 
@@ -1002,6 +1067,7 @@ class _Sweep:
         captions = list(inputs.cond.captions or ())
         images, figures = None, []
         for size in self.cfg.rollout_batch_sizes:
+
             @torch.no_grad()
             def decode(size: int = size) -> _Run:
                 chunks = []
@@ -1020,12 +1086,17 @@ class _Sweep:
             return
         figures = []
         for size in self.cfg.rollout_batch_sizes:
+
             @torch.no_grad()
             def score(size: int = size) -> _Run:
-                return _Run(torch.cat([
-                    self.model.reward(images[start : start + size], captions[start : start + size]).float()
-                    for start in range(0, count, size)
-                ]))
+                return _Run(
+                    torch.cat(
+                        [
+                            self.model.reward(images[start : start + size], captions[start : start + size]).float()
+                            for start in range(0, count, size)
+                        ]
+                    )
+                )
 
             label = f"reward {resolution} batch {size}"
             timing, _, error = self._attempt(label, lambda label=label, call=score: self._measure(label, call))
@@ -1052,14 +1123,24 @@ class _Sweep:
             else:
                 transformer.disable_gradient_checkpointing()
             for size in self.cfg.micro_batch_sizes:
+
                 def call(size: int = size) -> _Run:
                     optimizer.reset()
                     stats = policy_update(
-                        transformer, rollout, inputs.cond, inputs.advantages, timestep_fraction=fraction,
-                        clip_range=CLIP_RANGE, adv_clip_max=ADV_CLIP_MAX, micro_batch_size=size,
+                        transformer,
+                        rollout,
+                        inputs.cond,
+                        inputs.advantages,
+                        timestep_fraction=fraction,
+                        clip_range=CLIP_RANGE,
+                        adv_clip_max=ADV_CLIP_MAX,
+                        micro_batch_size=size,
                         # one optimizer step per update at every micro-batch size: rows differ only in batching
-                        grad_accum_steps=math.ceil(count / size), max_grad_norm=MAX_GRAD_NORM,
-                        optimizer=optimizer, lr_scheduler=_ConstantSchedule(), device_type=self.ctx.device_type,
+                        grad_accum_steps=math.ceil(count / size),
+                        max_grad_norm=MAX_GRAD_NORM,
+                        optimizer=optimizer,
+                        lr_scheduler=_ConstantSchedule(),
+                        device_type=self.ctx.device_type,
                         generator_cpu=torch.Generator().manual_seed(self.cfg.seed + 29),
                         compute_dtype=self.compute_dtype,
                     )
@@ -1078,9 +1159,20 @@ class _Sweep:
                 stats, activation_bytes = result if result is not None else (None, None)
                 if timing is not None:
                     step_timing.seconds.extend(timing.excluded_seconds)
-                figure = _figure("update", resolution, size, checkpointing, count * trained, "samples", timing, flops,
-                                 self.peak_tflops, error=error, activation_bytes=activation_bytes,
-                                 max_abs_log_ratio=None if stats is None else stats.as_floats()["first_abs_log_ratio"])
+                figure = _figure(
+                    "update",
+                    resolution,
+                    size,
+                    checkpointing,
+                    count * trained,
+                    "samples",
+                    timing,
+                    flops,
+                    self.peak_tflops,
+                    error=error,
+                    activation_bytes=activation_bytes,
+                    max_abs_log_ratio=None if stats is None else stats.as_floats()["first_abs_log_ratio"],
+                )
                 if stats is not None and stats.skipped_steps:
                     figure = replace(figure, error="non-finite gradient norm: the optimizer step was skipped")
                 figures.append(figure)
@@ -1105,8 +1197,14 @@ class _Sweep:
 
         def forward() -> torch.Tensor:
             velocity = predict_velocity(
-                transformer, current, inputs.cond.rows(0, size), model_timesteps(inputs.sigmas)[0].expand(size),
-                torch.full((size,), GUIDANCE, device=device), inputs.img_ids, self.ctx.device_type, self.compute_dtype,
+                transformer,
+                current,
+                inputs.cond.rows(0, size),
+                model_timesteps(inputs.sigmas)[0].expand(size),
+                torch.full((size,), GUIDANCE, device=device),
+                inputs.img_ids,
+                self.ctx.device_type,
+                self.compute_dtype,
             )
             step = sde_step(current, velocity, inputs.sigmas[0], inputs.sigmas[1], ETA, prev_sample=following)
             return step.log_prob.mean()
@@ -1132,8 +1230,9 @@ def _compute_dtype(cfg: BenchConfig, device_type: str) -> tuple[torch.dtype, str
     return dtype, "bf16" if dtype == torch.bfloat16 else "fp32"
 
 
-def bench_on_rank(cfg: BenchConfig, ctx: DistContext, emit: Callable[[dict[str, Any]], None],
-                  log: Callable[[str], None]) -> list[dict[str, Any]]:
+def bench_on_rank(
+    cfg: BenchConfig, ctx: DistContext, emit: Callable[[dict[str, Any]], None], log: Callable[[str], None]
+) -> list[dict[str, Any]]:
     """Every measurement on this rank (one process; with FSDP2 sharding when the world is larger than one).
 
     ``emit`` receives each record as soon as it exists: ``config``, ``device``, ``versions``, ``model``, then a
@@ -1158,11 +1257,28 @@ def bench_on_rank(cfg: BenchConfig, ctx: DistContext, emit: Callable[[dict[str, 
     name = device_name(ctx.device)
     peak = peak_throughput(ctx.device_type, name, dtype_name, cfg.peak_tflops)
     keep({"record": "config", **cfg.to_dict(), "dtype": dtype_name})
-    keep({"record": "device", "type": ctx.device_type, "name": name, "world_size": ctx.world_size,
-          "memory_bytes": _device_memory_bytes(ctx), "peak_tflops": peak.tflops, "peak_source": peak.source,
-          "compute_dtype": dtype_name, "threads": torch.get_num_threads() if ctx.device_type == "cpu" else None})
-    keep({"record": "versions", "fluxgrpo": __version__, "python": platform.python_version(),
-          **package_versions(), "accelerator": accelerator_stack(ctx.device_type)})
+    keep(
+        {
+            "record": "device",
+            "type": ctx.device_type,
+            "name": name,
+            "world_size": ctx.world_size,
+            "memory_bytes": _device_memory_bytes(ctx),
+            "peak_tflops": peak.tflops,
+            "peak_source": peak.source,
+            "compute_dtype": dtype_name,
+            "threads": torch.get_num_threads() if ctx.device_type == "cpu" else None,
+        }
+    )
+    keep(
+        {
+            "record": "versions",
+            "fluxgrpo": __version__,
+            "python": platform.python_version(),
+            **package_versions(),
+            "accelerator": accelerator_stack(ctx.device_type),
+        }
+    )
 
     log(f"building {cfg.model} on {ctx.device_type} ({name})")
     bench_model = build_bench_model(cfg, ctx, compute_dtype)
@@ -1178,19 +1294,29 @@ def bench_on_rank(cfg: BenchConfig, ctx: DistContext, emit: Callable[[dict[str, 
     if cfg.compile:
         bench_model.transformer.compile()
     shape = bench_model.shape
-    keep({
-        "record": "model", "name": cfg.model, "double_blocks": shape.double_blocks,
-        "single_blocks": shape.single_blocks, "hidden": shape.hidden, "head_dim": shape.head_dim,
-        "transformer_parameters": sum(p.numel() for p in bench_model.transformer.parameters()),
-        "vae_parameters": sum(p.numel() for p in bench_model.vae.parameters()),
-        "reward": bench_model.reward_name, "reward_parameters": bench_model.reward_parameters,
-        "text_tokens": cfg.text_tokens, "trajectories": cfg.num_trajectories, "steps": cfg.steps,
-        "train_timesteps": cfg.num_train_timesteps, "compile": cfg.compile,
-        "forward_flops_per_sample": {
-            f"{h}x{w}": transformer_forward_flops(shape, latent_shape(h, w).num_tokens, cfg.text_tokens)
-            for h, w in cfg.resolved_resolutions()
-        },
-    })
+    keep(
+        {
+            "record": "model",
+            "name": cfg.model,
+            "double_blocks": shape.double_blocks,
+            "single_blocks": shape.single_blocks,
+            "hidden": shape.hidden,
+            "head_dim": shape.head_dim,
+            "transformer_parameters": sum(p.numel() for p in bench_model.transformer.parameters()),
+            "vae_parameters": sum(p.numel() for p in bench_model.vae.parameters()),
+            "reward": bench_model.reward_name,
+            "reward_parameters": bench_model.reward_parameters,
+            "text_tokens": cfg.text_tokens,
+            "trajectories": cfg.num_trajectories,
+            "steps": cfg.steps,
+            "train_timesteps": cfg.num_train_timesteps,
+            "compile": cfg.compile,
+            "forward_flops_per_sample": {
+                f"{h}x{w}": transformer_forward_flops(shape, latent_shape(h, w).num_tokens, cfg.text_tokens)
+                for h, w in cfg.resolved_resolutions()
+            },
+        }
+    )
     sweep = _Sweep(cfg, ctx, bench_model, compute_dtype, peak.tflops, keep, log)
     for height, width in cfg.resolved_resolutions():
         resolution = f"{height}x{width}"
@@ -1205,8 +1331,11 @@ def bench_on_rank(cfg: BenchConfig, ctx: DistContext, emit: Callable[[dict[str, 
     return records
 
 
-def run_bench(cfg: BenchConfig, emit: Callable[[dict[str, Any]], None] = lambda record: None,
-              log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> list[dict[str, Any]]:
+def run_bench(
+    cfg: BenchConfig,
+    emit: Callable[[dict[str, Any]], None] = lambda record: None,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+) -> list[dict[str, Any]]:
     """Run the benchmark: in this process for ``--dies 1``, else on ``--dies`` torchrun workers (rank 0 reports).
 
     Returns the records (see ``bench_on_rank``); ``emit`` gets them as they come (after the workers end when
@@ -1227,8 +1356,9 @@ def run_bench(cfg: BenchConfig, emit: Callable[[dict[str, Any]], None] = lambda 
 WORKER_MODULE = "fluxgrpo.bench"
 
 
-def _launch_workers(cfg: BenchConfig, emit: Callable[[dict[str, Any]], None],
-                    log: Callable[[str], None]) -> list[dict[str, Any]]:
+def _launch_workers(
+    cfg: BenchConfig, emit: Callable[[dict[str, Any]], None], log: Callable[[str], None]
+) -> list[dict[str, Any]]:
     import json
     import tempfile
 
@@ -1242,13 +1372,18 @@ def _launch_workers(cfg: BenchConfig, emit: Callable[[dict[str, Any]], None],
 
     device_type = rt_device.resolve_device_type(cfg.device)
     if device_type != "cpu" and cfg.dies > rt_device.device_count(device_type):
-        raise UsageError(f"--dies {cfg.dies} but only {rt_device.device_count(device_type)} {device_type} "
-                         "device(s) are visible")
+        raise UsageError(
+            f"--dies {cfg.dies} but only {rt_device.device_count(device_type)} {device_type} device(s) are visible"
+        )
     with tempfile.TemporaryDirectory(prefix="fluxgrpo-bench-") as folder:
         config_path, records_path = Path(folder, "config.json"), Path(folder, "records.jsonl")
         config_path.write_text(json.dumps({**asdict(cfg), "resolutions": [f"{h}x{w}" for h, w in cfg.resolutions]}))
-        argv = build_torchrun_argv(WORKER_MODULE, ["--config", str(config_path), "--records", str(records_path)],
-                                   LaunchSpec(nproc_per_node=cfg.dies), python=sys.executable)
+        argv = build_torchrun_argv(
+            WORKER_MODULE,
+            ["--config", str(config_path), "--records", str(records_path)],
+            LaunchSpec(nproc_per_node=cfg.dies),
+            python=sys.executable,
+        )
         log("launching: " + " ".join(argv))
         run_torchrun(argv, env=worker_env_defaults(device_type))
         records = [json.loads(line) for line in records_path.read_text().splitlines() if line.strip()]
@@ -1270,6 +1405,7 @@ def _worker(config_path: Path, records_path: Path) -> None:
         if ctx.device_type == "cpu" and ctx.distributed:
             torch.set_num_threads(1)  # the workers share the host's cores
         with records_path.open("a") as out:
+
             def emit(record: dict[str, Any]) -> None:
                 if ctx.is_main:
                     out.write(json.dumps(record, default=str) + "\n")

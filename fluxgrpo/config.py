@@ -16,9 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import UsageError
+from fluxgrpo.paths import (
+    DEFAULT_EMBEDDINGS_DIR,
+    DEFAULT_FLUX_DIR,
+    DEFAULT_HPS_DIR,
+    DEFAULT_OUTPUT_DIR,
+    EMBEDDINGS_INDEX,
+)
 from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 from fluxgrpo.runtime.device import DEVICE_TYPES
-from fluxgrpo.paths import DEFAULT_EMBEDDINGS_DIR, DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR, DEFAULT_OUTPUT_DIR, EMBEDDINGS_INDEX
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
@@ -72,7 +78,9 @@ class TrainConfig:
     images_per_save: int = _opt(4, "How many images each rank saves when it does.")
     gradient_checkpointing: bool = _opt(True, "Activation checkpointing in every transformer block.")
     cpu_offload: bool = _opt(False, "Offload sharded parameters and optimizer state to host memory (FSDP).")
-    attention: str = _opt("sdpa", f"Attention kernel: {' or '.join(ATTENTION_BACKENDS)} (the fused Ascend kernel: bf16 only).")
+    attention: str = _opt(
+        "sdpa", f"Attention kernel: {' or '.join(ATTENTION_BACKENDS)} (the fused Ascend kernel: bf16 only)."
+    )
     device: str = _opt("auto", f"auto (first found of {', '.join(DEVICE_TYPES)}), or one of them.")
     tensorboard: bool = _opt(False, "Also log metrics to TensorBoard (output_dir/tensorboard).")
     wandb: bool = _opt(False, "Also log metrics to Weights & Biases.")
@@ -103,7 +111,9 @@ class TrainConfig:
             # When GA does not divide the micro-batches the last step takes the leftover ones (never dropped); its
             # gradient keeps the 1/(GA·T_train) scale, so it is proportionally smaller.
             "micro_batches_in_last_optimizer_step": micro_batches - (steps - 1) * self.gradient_accumulation_steps,
-            "trajectories_per_optimizer_step": world_size * self.train_micro_batch_size * self.gradient_accumulation_steps,
+            "trajectories_per_optimizer_step": world_size
+            * self.train_micro_batch_size
+            * self.gradient_accumulation_steps,
             "rollout_forwards_per_rank": per_rank * self.sampling_steps,
             "train_forward_backward_per_rank": per_rank * self.train_timesteps,
             "total_optimizer_steps": self.max_train_steps * steps,
@@ -115,16 +125,27 @@ class TrainConfig:
         for name in ("height", "width"):
             value = getattr(self, name)
             if value <= 0 or value % 16:
-                out.append(f"--{name} {value} must be a positive multiple of 16 (FLUX packs 2×2 latents of 8× VAE pixels)")
-        positive_ints = ("sampling_steps", "num_generations", "train_batch_size", "rollout_batch_size",
-                         "gradient_accumulation_steps", "train_micro_batch_size", "max_train_steps",
-                         "checkpointing_steps")
+                out.append(
+                    f"--{name} {value} must be a positive multiple of 16 (FLUX packs 2×2 latents of 8× VAE pixels)"
+                )
+        positive_ints = (
+            "sampling_steps",
+            "num_generations",
+            "train_batch_size",
+            "rollout_batch_size",
+            "gradient_accumulation_steps",
+            "train_micro_batch_size",
+            "max_train_steps",
+            "checkpointing_steps",
+        )
         for name in positive_ints:
             if getattr(self, name) < 1:
                 out.append(f"--{_flag(name)} must be at least 1 (got {getattr(self, name)})")
         if self.num_generations < 2:
-            out.append(f"--num-generations {self.num_generations}: GRPO needs at least 2 trajectories per prompt "
-                       "to compute a group advantage")
+            out.append(
+                f"--num-generations {self.num_generations}: GRPO needs at least 2 trajectories per prompt "
+                "to compute a group advantage"
+            )
         if self.sampling_steps >= 2 and not 0 < self.timestep_fraction <= 1:
             out.append(f"--timestep-fraction {self.timestep_fraction} must be in (0, 1]")
         elif self.sampling_steps >= 1 and self.train_timesteps < 1:

@@ -51,8 +51,11 @@ def embeddings_status(embeddings_dir: str | Path) -> dict[str, Any]:
     missing = 0
     first_missing = None
     for entry in entries:
-        for folder, key in (("prompt_embed", "prompt_embed_path"), ("pooled_prompt_embeds", "pooled_prompt_embeds_path"),
-                            ("text_ids", "text_ids")):
+        for folder, key in (
+            ("prompt_embed", "prompt_embed_path"),
+            ("pooled_prompt_embeds", "pooled_prompt_embeds_path"),
+            ("text_ids", "text_ids"),
+        ):
             path = root / folder / str(entry.get(key, ""))
             if not path.is_file():
                 missing += 1
@@ -115,22 +118,38 @@ def collect_report(
     checks = [
         _device_check(dev),
         *[
-            Check(f"weights: {p.name}", "ok" if p.complete else "fail",
-                  f"{p.path} ({p.source or 'placed by hand'})" if p.complete else "; ".join(p.problems), p.fix)
+            Check(
+                f"weights: {p.name}",
+                "ok" if p.complete else "fail",
+                f"{p.path} ({p.source or 'placed by hand'})" if p.complete else "; ".join(p.problems),
+                p.fix,
+            )
             for p in (flux, hps, clip)
         ],
         # Only `--reward pickscore` needs these weights, so their absence is a warning.
-        Check("weights: pickscore", "ok" if pick.complete else "warn",
-              f"{pick.path} ({pick.source or 'placed by hand'})" if pick.complete else "; ".join(pick.problems),
-              pick.fix),
-        Check("embeddings", "ok" if emb["complete"] else "fail",
-              f"{emb['prompts']} prompts in {emb['path']}" if emb["complete"] else "; ".join(emb["problems"]),
-              None if emb["complete"] else f"run `fluxgrpo preprocess --model {flux_dir} --out {embeddings_dir}`"),
+        Check(
+            "weights: pickscore",
+            "ok" if pick.complete else "warn",
+            f"{pick.path} ({pick.source or 'placed by hand'})" if pick.complete else "; ".join(pick.problems),
+            pick.fix,
+        ),
+        Check(
+            "embeddings",
+            "ok" if emb["complete"] else "fail",
+            f"{emb['prompts']} prompts in {emb['path']}" if emb["complete"] else "; ".join(emb["problems"]),
+            None if emb["complete"] else f"run `fluxgrpo preprocess --model {flux_dir} --out {embeddings_dir}`",
+        ),
     ]
     shm = report["shm"]
     if shm["total_bytes"] is not None and shm["total_bytes"] < MIN_SHM_BYTES:
-        checks.append(Check("shared memory", "warn", f"/dev/shm is {_gib(shm['total_bytes'])}",
-                            "multi-worker runs may fail: start the container with --shm-size=16g or more"))
+        checks.append(
+            Check(
+                "shared memory",
+                "warn",
+                f"/dev/shm is {_gib(shm['total_bytes'])}",
+                "multi-worker runs may fail: start the container with --shm-size=16g or more",
+            )
+        )
     else:
         checks.append(Check("shared memory", "ok", f"/dev/shm {_gib(shm['total_bytes'])}"))
     checks.append(Check("disk", "ok", f"{_gib(report['disk']['free_bytes'])} free at {report['disk']['path']}"))

@@ -15,8 +15,16 @@ METRICS_FILE = "metrics.jsonl"
 class MetricsLogger:
     """Appends one JSON object per iteration; a no-op on ranks other than 0."""
 
-    def __init__(self, output_dir: Path, *, enabled: bool, tensorboard: bool = False, wandb: bool = False,
-                 config: dict[str, Any] | None = None, resume_after: int = 0) -> None:
+    def __init__(
+        self,
+        output_dir: Path,
+        *,
+        enabled: bool,
+        tensorboard: bool = False,
+        wandb: bool = False,
+        config: dict[str, Any] | None = None,
+        resume_after: int = 0,
+    ) -> None:
         """Keep only records of iterations ≤ ``resume_after`` (0 for a fresh run): a run that died past its last
         checkpoint logged iterations that the resumed run repeats, and metrics.jsonl must read as one run."""
         self.enabled = enabled
@@ -30,12 +38,14 @@ class MetricsLogger:
         if path.is_file():
             kept = [r for r in read_metrics(output_dir) if r.get("iteration", 0) <= resume_after]
             path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        self._file = open(path, "a", buffering=1)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - held open for the run, closed in close()
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise UsageError("--tensorboard needs the tensorboard package: pip install 'fluxgrpo[tensorboard]'") from None
+                raise UsageError(
+                    "--tensorboard needs the tensorboard package: pip install 'fluxgrpo[tensorboard]'"
+                ) from None
             self._tb = SummaryWriter(str(output_dir / "tensorboard"))
         if wandb:
             try:

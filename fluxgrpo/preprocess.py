@@ -61,7 +61,9 @@ class PreprocessSummary:
         return asdict(self)
 
 
-def check_inputs(prompts_path: str | Path, flux_dir: str | Path, out_dir: str | Path, max_sequence_length: int) -> list[str]:
+def check_inputs(
+    prompts_path: str | Path, flux_dir: str | Path, out_dir: str | Path, max_sequence_length: int
+) -> list[str]:
     """Everything that can be checked before a model loads: the prompts, the weights, a writable ``out_dir``.
 
     Returns the prompts. Creates ``out_dir`` and its three sub-folders.
@@ -109,8 +111,12 @@ def _encoder_identity(flux_dir: Path) -> list[Any]:
 def _fingerprint(prompts: list[str], max_sequence_length: int, flux_dir: Path) -> dict[str, Any]:
     digest = hashlib.sha256("\n".join(prompts).encode()).hexdigest()
     encoders = hashlib.sha256(json.dumps(_encoder_identity(flux_dir)).encode()).hexdigest()
-    return {"prompts": len(prompts), "prompts_sha256": digest, "max_sequence_length": max_sequence_length,
-            "text_encoders_sha256": encoders}
+    return {
+        "prompts": len(prompts),
+        "prompts_sha256": digest,
+        "max_sequence_length": max_sequence_length,
+        "text_encoders_sha256": encoders,
+    }
 
 
 def _check_folder_matches(out: Path, prompts: list[str], fingerprint: dict[str, Any]) -> None:
@@ -212,8 +218,9 @@ def preprocess(
     )
 
 
-def _encode_and_write(ctx: Any, flux_dir: Path, out: Path, prompts: list[str], mine: list[int], todo: list[int],
-                      max_sequence_length: int) -> tuple[int, str | None]:
+def _encode_and_write(
+    ctx: Any, flux_dir: Path, out: Path, prompts: list[str], mine: list[int], todo: list[int], max_sequence_length: int
+) -> tuple[int, str | None]:
     """Encode this rank's ``todo`` prompts and write them; returns (this rank's truncated count, stored dtype).
 
     Truncation is counted over all of this rank's prompts, encoded now or earlier, so the count does not depend
@@ -261,11 +268,27 @@ def _stored_dtype(out: Path) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-def worker_argv(prompts_path: str | Path, flux_dir: str | Path, out_dir: str | Path, max_sequence_length: int,
-                device: str | None, summary_json: str | Path | None = None) -> list[str]:
+def worker_argv(
+    prompts_path: str | Path,
+    flux_dir: str | Path,
+    out_dir: str | Path,
+    max_sequence_length: int,
+    device: str | None,
+    summary_json: str | Path | None = None,
+) -> list[str]:
     """The arguments of ``python -m fluxgrpo.preprocess`` for these settings (what the CLI hands torchrun)."""
-    argv = ["--prompts", str(prompts_path), "--model", str(flux_dir), "--out", str(out_dir),
-            "--max-sequence-length", str(max_sequence_length), "--device", device or "auto"]
+    argv = [
+        "--prompts",
+        str(prompts_path),
+        "--model",
+        str(flux_dir),
+        "--out",
+        str(out_dir),
+        "--max-sequence-length",
+        str(max_sequence_length),
+        "--device",
+        device or "auto",
+    ]
     if summary_json is not None:
         argv += ["--summary-json", str(summary_json)]
     return argv
@@ -288,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda: preprocess(args.prompts, args.model, args.out, args.max_sequence_length, args.device),
         args.summary_json,
     )
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -89,8 +89,12 @@ class SampleSettings:
         from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 
         latent_shape(self.height, self.width)  # multiples of 16, named --height/--width
-        for flag, value in (("--steps", self.steps), ("--images-per-prompt", self.images_per_prompt),
-                            ("--batch-size", self.batch_size), ("--max-sequence-length", self.max_sequence_length)):
+        for flag, value in (
+            ("--steps", self.steps),
+            ("--images-per-prompt", self.images_per_prompt),
+            ("--batch-size", self.batch_size),
+            ("--max-sequence-length", self.max_sequence_length),
+        ):
             if value < 1:
                 raise UsageError(f"{flag} must be at least 1 (got {value})")
         if self.seed < 0:
@@ -226,8 +230,15 @@ def resolve_checkpoint(path: str | Path, ema: bool) -> Path:
 
 
 # Transformer sizes that must agree for a checkpoint to run in the base model's pipeline.
-_SHAPE_KEYS = ("in_channels", "joint_attention_dim", "pooled_projection_dim", "num_layers", "num_single_layers",
-               "num_attention_heads", "attention_head_dim")
+_SHAPE_KEYS = (
+    "in_channels",
+    "joint_attention_dim",
+    "pooled_projection_dim",
+    "num_layers",
+    "num_single_layers",
+    "num_attention_heads",
+    "attention_head_dim",
+)
 
 
 def check_checkpoint_fits_model(transformer_dir: Path, model: str | Path) -> None:
@@ -294,9 +305,15 @@ def build_request(
     if checkpoint is not None:
         resolved = resolve_checkpoint(checkpoint, ema)
     out = Path(out_dir) if out_dir is not None else default_out_dir(resolved, ema)
-    request = SampleRequest(model=str(model), prompts=list(prompts), out_dir=str(out),
-                            checkpoint=None if resolved is None else str(resolved), ema=ema, settings=settings,
-                            device=device)
+    request = SampleRequest(
+        model=str(model),
+        prompts=list(prompts),
+        out_dir=str(out),
+        checkpoint=None if resolved is None else str(resolved),
+        ema=ema,
+        settings=settings,
+        device=device,
+    )
     if request.transformer_dir is not None:
         check_checkpoint_fits_model(request.transformer_dir, model)
     check_output_dir(out)
@@ -363,8 +380,10 @@ def initial_latents(seeds: list[int], height: int, width: int) -> Any:
     from fluxgrpo.grpo.latents import latent_shape, pack_latents
 
     shape = latent_shape(height, width)
-    rows = [torch.randn((1, *shape.unpacked), generator=torch.Generator().manual_seed(s), dtype=torch.float32)
-            for s in seeds]
+    rows = [
+        torch.randn((1, *shape.unpacked), generator=torch.Generator().manual_seed(s), dtype=torch.float32)
+        for s in seeds
+    ]
     return pack_latents(torch.cat(rows))
 
 
@@ -395,8 +414,13 @@ class _Progress:
                 TimeRemainingColumn,
             )
 
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeRemainingColumn(), console=Console(stderr=True))
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+            )
             self._task = self._bar.add_task(description, total=total)
             self._bar.start()
 
@@ -409,8 +433,9 @@ class _Progress:
             self._bar.stop()
 
 
-def generate_images(pipe: Any, request: SampleRequest, prompt_indices: list[int], ctx: Any,
-                    show_progress: bool = False) -> list[SampledImage]:
+def generate_images(
+    pipe: Any, request: SampleRequest, prompt_indices: list[int], ctx: Any, show_progress: bool = False
+) -> list[SampledImage]:
     """Generate and write every image of ``prompt_indices``, ``batch_size`` images per pipeline call."""
     import torch
 
@@ -421,8 +446,11 @@ def generate_images(pipe: Any, request: SampleRequest, prompt_indices: list[int]
     work = [(i, j) for i in prompt_indices for j in range(settings.images_per_prompt)]
     encoded: dict[int, tuple[Any, Any]] = {}
     records: list[SampledImage] = []
-    progress = _Progress(show_progress, len(work),
-                         f"sampling on {ctx.world_size} rank(s), rank 0's share" if ctx.distributed else "sampling")
+    progress = _Progress(
+        show_progress,
+        len(work),
+        f"sampling on {ctx.world_size} rank(s), rank 0's share" if ctx.distributed else "sampling",
+    )
     try:
         for start in range(0, len(work), settings.batch_size):
             batch = work[start : start + settings.batch_size]
@@ -432,7 +460,9 @@ def generate_images(pipe: Any, request: SampleRequest, prompt_indices: list[int]
                 for i in dict.fromkeys(i for i, _ in batch):
                     if i not in encoded:
                         embeds, pooled, _ = pipe.encode_prompt(
-                            prompt=[request.prompts[i]], prompt_2=None, device=ctx.device,
+                            prompt=[request.prompts[i]],
+                            prompt_2=None,
+                            device=ctx.device,
                             max_sequence_length=settings.max_sequence_length,
                         )
                         encoded[i] = (embeds, pooled)
@@ -451,8 +481,9 @@ def generate_images(pipe: Any, request: SampleRequest, prompt_indices: list[int]
             for (i, j), seed, image in zip(batch, seeds, images, strict=True):
                 name = image_filename(i, j)
                 _save_png(image, out / name, request.prompts[i], seed)
-                records.append(SampledImage(file=name, prompt=request.prompts[i], prompt_index=i, image_index=j,
-                                            seed=seed))
+                records.append(
+                    SampledImage(file=name, prompt=request.prompts[i], prompt_index=i, image_index=j, seed=seed)
+                )
             progress.advance(len(batch))
     finally:
         progress.close()
@@ -483,8 +514,10 @@ def write_grid(out: Path, images: list[SampledImage], num_prompts: int, settings
             tile = source.convert("RGB")
         if tile.size != (tile_w, tile_h):
             tile = tile.resize((tile_w, tile_h), Image.Resampling.LANCZOS)
-        sheet.paste(tile, (GRID_GAP + record.image_index * (tile_w + GRID_GAP),
-                           GRID_GAP + record.prompt_index * (tile_h + GRID_GAP)))
+        sheet.paste(
+            tile,
+            (GRID_GAP + record.image_index * (tile_w + GRID_GAP), GRID_GAP + record.prompt_index * (tile_h + GRID_GAP)),
+        )
     path = out / GRID_FILE
     tmp = path.with_name(f".{path.name}.tmp")
     sheet.save(tmp, format="PNG")
@@ -558,8 +591,9 @@ def sample(request: SampleRequest, show_progress: bool = True) -> SampleSummary:
         del pipe
 
     gathered = rt_dist.all_gather_object(ctx, [asdict(r) for r in records])
-    images = sorted((SampledImage(**r) for part in gathered for r in part),
-                    key=lambda r: (r.prompt_index, r.image_index))
+    images = sorted(
+        (SampledImage(**r) for part in gathered for r in part), key=lambda r: (r.prompt_index, r.image_index)
+    )
     dtype = str(compute_dtype(ctx.device_type)).removeprefix("torch.")
     run = {"world_size": ctx.world_size, "device_type": ctx.device_type, "dtype": dtype}
     if ctx.is_main:
@@ -568,16 +602,25 @@ def sample(request: SampleRequest, show_progress: bool = True) -> SampleSummary:
         if len(images) != expected or missing:
             raise FluxgrpoError(
                 f"{expected - len(images) + len(missing)} of {expected} images were not written to {out}"
-                + (f" (e.g. {missing[0]})" if missing else "") + ": run `fluxgrpo sample` again"
+                + (f" (e.g. {missing[0]})" if missing else "")
+                + ": run `fluxgrpo sample` again"
             )
         write_grid(out, images, len(request.prompts), request.settings)
         write_index(out, request, images, run)
     rt_dist.barrier(ctx)  # no rank returns before the index exists
     return SampleSummary(
-        out_dir=str(out), index_path=str(out / INDEX_FILE), grid_path=str(out / GRID_FILE), model=request.model,
-        checkpoint=request.checkpoint, ema=request.ema, prompts=len(request.prompts), images=len(images),
-        images_per_prompt=request.settings.images_per_prompt, world_size=ctx.world_size,
-        device_type=ctx.device_type, dtype=dtype,
+        out_dir=str(out),
+        index_path=str(out / INDEX_FILE),
+        grid_path=str(out / GRID_FILE),
+        model=request.model,
+        checkpoint=request.checkpoint,
+        ema=request.ema,
+        prompts=len(request.prompts),
+        images=len(images),
+        images_per_prompt=request.settings.images_per_prompt,
+        world_size=ctx.world_size,
+        device_type=ctx.device_type,
+        dtype=dtype,
     )
 
 
@@ -619,7 +662,7 @@ def read_index(path: str | Path) -> SampleIndex:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise FluxgrpoError(f"cannot read {path} ({exc}): {fix}") from None
     if not isinstance(document, dict) or document.get("format") != INDEX_FORMAT:
-        raise FluxgrpoError(f"{path} is not a fluxgrpo sample index (no \"format\": \"{INDEX_FORMAT}\"): {fix}")
+        raise FluxgrpoError(f'{path} is not a fluxgrpo sample index (no "format": "{INDEX_FORMAT}"): {fix}')
     version = document.get("format_version")
     if version != INDEX_FORMAT_VERSION:
         raise FluxgrpoError(
@@ -633,9 +676,13 @@ def read_index(path: str | Path) -> SampleIndex:
     images = []
     for position, entry in enumerate(document.get("images") or []):
         try:
-            record = SampledImage(file=str(entry["file"]), prompt=entry["prompt"],
-                                  prompt_index=int(entry["prompt_index"]), image_index=int(entry["image_index"]),
-                                  seed=int(entry["seed"]))
+            record = SampledImage(
+                file=str(entry["file"]),
+                prompt=entry["prompt"],
+                prompt_index=int(entry["prompt_index"]),
+                image_index=int(entry["image_index"]),
+                seed=int(entry["seed"]),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             what = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
             raise FluxgrpoError(f"{path}: image entry {position} is malformed ({what}): {fix}") from None
@@ -652,9 +699,16 @@ def read_index(path: str | Path) -> SampleIndex:
         images.append(record)
     if not images:
         raise FluxgrpoError(f"{path} lists no images: {fix}")
-    return SampleIndex(path=path, root=root, model=str(document.get("model")), checkpoint=document.get("checkpoint"),
-                       ema=bool(document.get("ema")), settings=dict(document.get("settings") or {}),
-                       prompts=list(prompts), images=images)
+    return SampleIndex(
+        path=path,
+        root=root,
+        model=str(document.get("model")),
+        checkpoint=document.get("checkpoint"),
+        ema=bool(document.get("ema")),
+        settings=dict(document.get("settings") or {}),
+        prompts=list(prompts),
+        images=images,
+    )
 
 
 # --------------------------------------------------------------------------------------------- worker entry
@@ -674,6 +728,7 @@ def main(argv: list[str] | None = None) -> int:
         return sample(request)
 
     return run_worker(work, args.summary_json)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -126,10 +126,15 @@ class ScoreReport:
             compare.pop("other_images")
             others = {(o.prompt_index, o.image_index): o for o in self.comparison.other_images}
             compare["images"] = [
-                {"prompt_index": image.prompt_index, "image_index": image.image_index, "file": image.file,
-                 "other_file": others[(image.prompt_index, image.image_index)].file, "score": image.score,
-                 "other_score": others[(image.prompt_index, image.image_index)].score,
-                 "difference": image.score - others[(image.prompt_index, image.image_index)].score}
+                {
+                    "prompt_index": image.prompt_index,
+                    "image_index": image.image_index,
+                    "file": image.file,
+                    "other_file": others[(image.prompt_index, image.image_index)].file,
+                    "score": image.score,
+                    "other_score": others[(image.prompt_index, image.image_index)].score,
+                    "difference": image.score - others[(image.prompt_index, image.image_index)].score,
+                }
                 for image in self.images
             ]
         return {
@@ -159,7 +164,9 @@ class ScoreRequest:
         if self.index is not None and (self.images_dir is not None or self.prompts_file is not None):
             raise UsageError("pass either --index or --images with --prompts, not both")
         if self.index is None and (self.images_dir is None or self.prompts_file is None):
-            raise UsageError("pass --index DIR/index.json (from `fluxgrpo sample`), or --images DIR with --prompts FILE")
+            raise UsageError(
+                "pass --index DIR/index.json (from `fluxgrpo sample`), or --images DIR with --prompts FILE"
+            )
         if self.compare is not None and self.index is None:
             raise UsageError("--compare needs --index: images are paired by the prompt and image indexes of both runs")
         if self.batch_size < 1:
@@ -197,8 +204,7 @@ def list_images(directory: str | Path) -> list[Path]:
     folder = Path(directory)
     if not folder.is_dir():
         raise FluxgrpoError(f"--images {folder} is not a folder: pass the folder holding the images")
-    found = [p for p in folder.iterdir()
-             if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and p.name != GRID_FILE]
+    found = [p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and p.name != GRID_FILE]
     if not found:
         raise FluxgrpoError(f"--images {folder} holds no images ({', '.join(IMAGE_SUFFIXES)})")
     return sorted(found, key=lambda p: natural_key(p.name))
@@ -220,8 +226,11 @@ def images_from_folder(images_dir: str | Path, prompts_file: str | Path) -> list
         prompt_index = group.setdefault(prompt, len(group))
         image_index = seen.get(prompt, 0)
         seen[prompt] = image_index + 1
-        items.append(ImageToScore(path=path, file=path.name, prompt=prompt, prompt_index=prompt_index,
-                                  image_index=image_index, seed=None))
+        items.append(
+            ImageToScore(
+                path=path, file=path.name, prompt=prompt, prompt_index=prompt_index, image_index=image_index, seed=None
+            )
+        )
     return items
 
 
@@ -230,9 +239,17 @@ def images_from_index(index_path: str | Path) -> list[ImageToScore]:
     from fluxgrpo.sample import read_index
 
     index = read_index(index_path)
-    return [ImageToScore(path=index.image_path(image), file=image.file, prompt=image.prompt,
-                         prompt_index=image.prompt_index, image_index=image.image_index, seed=image.seed)
-            for image in index.images]
+    return [
+        ImageToScore(
+            path=index.image_path(image),
+            file=image.file,
+            prompt=image.prompt,
+            prompt_index=image.prompt_index,
+            image_index=image.image_index,
+            seed=image.seed,
+        )
+        for image in index.images
+    ]
 
 
 def check_images_readable(items: Iterable[ImageToScore]) -> None:
@@ -259,8 +276,9 @@ def load_image(path: Path) -> Any:
         raise FluxgrpoError(f"cannot read image {path} ({exc}): replace or remove it") from None
 
 
-def match_runs(this: Sequence[_Pairable], other: Sequence[_Pairable], this_name: str,
-               other_name: str) -> list[tuple[Any, Any]]:
+def match_runs(
+    this: Sequence[_Pairable], other: Sequence[_Pairable], this_name: str, other_name: str
+) -> list[tuple[Any, Any]]:
     """Pair two runs' images by (prompt_index, image_index), in ``this`` order.
 
     Raises:
@@ -319,8 +337,9 @@ def overall(images: Sequence[ScoredImage]) -> Overall:
     return Overall(len(images), mean, std)
 
 
-def compare_runs(this: Sequence[ScoredImage], other: Sequence[ScoredImage], other_name: str,
-                 this_name: str = "this run") -> Comparison:
+def compare_runs(
+    this: Sequence[ScoredImage], other: Sequence[ScoredImage], other_name: str, this_name: str = "this run"
+) -> Comparison:
     """Side by side per prompt, the mean difference (this − other) and the fraction of prompts improved."""
     pairs = match_runs(this, other, this_name, other_name)
     mine = [a for a, _ in pairs]
@@ -329,14 +348,26 @@ def compare_runs(this: Sequence[ScoredImage], other: Sequence[ScoredImage], othe
     other_by_prompt = {p.prompt_index: p for p in per_prompt(theirs)}
     for stats in per_prompt(mine):
         other_mean = other_by_prompt[stats.prompt_index].mean
-        prompts.append(ComparedPrompt(stats.prompt_index, stats.prompt, stats.count, stats.mean, other_mean,
-                                      stats.mean - other_mean))
+        prompts.append(
+            ComparedPrompt(
+                stats.prompt_index, stats.prompt, stats.count, stats.mean, other_mean, stats.mean - other_mean
+            )
+        )
     improved = sum(p.difference > 0 for p in prompts)
     mean = overall(mine).mean
     other_mean = overall(theirs).mean
-    return Comparison(other=other_name, count=len(pairs), mean=mean, other_mean=other_mean,
-                      mean_difference=mean - other_mean, improved_prompts=improved, prompt_count=len(prompts),
-                      improved_fraction=improved / len(prompts), prompts=prompts, other_images=theirs)
+    return Comparison(
+        other=other_name,
+        count=len(pairs),
+        mean=mean,
+        other_mean=other_mean,
+        mean_difference=mean - other_mean,
+        improved_prompts=improved,
+        prompt_count=len(prompts),
+        improved_fraction=improved / len(prompts),
+        prompts=prompts,
+        other_images=theirs,
+    )
 
 
 # --------------------------------------------------------------------------------------------- scoring
@@ -354,8 +385,9 @@ def _load_scorer(name: str, hps_dir: str | Path, device: Any, batch_size: int) -
     return HpsV2Reward(hps_dir, device, batch_size=batch_size, compute_dtype=torch.float32)
 
 
-def score_items(items: Sequence[ImageToScore], scorer: Any, batch_size: int, device: Any = "cpu",
-                progress: Any = None) -> list[ScoredImage]:
+def score_items(
+    items: Sequence[ImageToScore], scorer: Any, batch_size: int, device: Any = "cpu", progress: Any = None
+) -> list[ScoredImage]:
     """Score ``items`` in batches of ``batch_size`` images (decoded per batch, so memory stays bounded)."""
     import torch
 
@@ -372,11 +404,23 @@ def score_items(items: Sequence[ImageToScore], scorer: Any, batch_size: int, dev
             elif len({image.size for image in images}) == 1:
                 values = scorer(torch.stack([pil_to_tensor(image) for image in images]).to(device), prompts)
             else:  # tensor rewards take [B, 3, H, W]: images of different sizes go one at a time
-                values = torch.cat([scorer(pil_to_tensor(image).unsqueeze(0).to(device), [prompt])
-                                    for image, prompt in zip(images, prompts, strict=True)])
+                values = torch.cat(
+                    [
+                        scorer(pil_to_tensor(image).unsqueeze(0).to(device), [prompt])
+                        for image, prompt in zip(images, prompts, strict=True)
+                    ]
+                )
         for item, value in zip(batch, values.float().cpu().tolist(), strict=True):
-            scored.append(ScoredImage(file=item.file, prompt=item.prompt, prompt_index=item.prompt_index,
-                                      image_index=item.image_index, seed=item.seed, score=float(value)))
+            scored.append(
+                ScoredImage(
+                    file=item.file,
+                    prompt=item.prompt,
+                    prompt_index=item.prompt_index,
+                    image_index=item.image_index,
+                    seed=item.seed,
+                    score=float(value),
+                )
+            )
         if progress is not None:
             progress(len(batch))
     return scored
@@ -417,8 +461,14 @@ def score(request: ScoreRequest, progress: Any = None) -> ScoreReport:
     if request.compare is not None:
         others = score_items(other_items, scorer, request.batch_size, device, progress)
         comparison = compare_runs(images, others, str(request.compare), str(request.index))
-    return ScoreReport(reward=request.reward, source=source, images=images, prompts=per_prompt(images),
-                       overall=overall(images), comparison=comparison)
+    return ScoreReport(
+        reward=request.reward,
+        source=source,
+        images=images,
+        prompts=per_prompt(images),
+        overall=overall(images),
+        comparison=comparison,
+    )
 
 
 # --------------------------------------------------------------------------------------------- CSV
@@ -448,8 +498,14 @@ def csv_text(report: ScoreReport) -> str:
         others = {(o.prompt_index, o.image_index): o for o in report.comparison.other_images}
     writer.writerow(CSV_COLUMNS + (CSV_COMPARE_COLUMNS if others else ()))
     for image in report.images:
-        row = [image.file, image.prompt_index, image.image_index, "" if image.seed is None else image.seed,
-               image.prompt, repr(image.score)]
+        row = [
+            image.file,
+            image.prompt_index,
+            image.image_index,
+            "" if image.seed is None else image.seed,
+            image.prompt,
+            repr(image.score),
+        ]
         if others:
             other = others[(image.prompt_index, image.image_index)]
             row += [other.file, repr(other.score), repr(image.score - other.score)]

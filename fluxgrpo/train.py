@@ -67,8 +67,9 @@ def _check_embeddings_match_model(cfg: TrainConfig) -> None:
     root = Path(cfg.data_json_path).parent
     first = json.loads(Path(cfg.data_json_path).read_text())[0]
     embed = torch.load(root / "prompt_embed" / first["prompt_embed_path"], map_location="cpu", weights_only=True)
-    pooled = torch.load(root / "pooled_prompt_embeds" / first["pooled_prompt_embeds_path"], map_location="cpu",
-                        weights_only=True)
+    pooled = torch.load(
+        root / "pooled_prompt_embeds" / first["pooled_prompt_embeds_path"], map_location="cpu", weights_only=True
+    )
     expected = (transformer_cfg["joint_attention_dim"], transformer_cfg["pooled_projection_dim"])
     found = (embed.shape[-1], pooled.shape[-1])
     if expected != found:
@@ -79,10 +80,22 @@ def _check_embeddings_match_model(cfg: TrainConfig) -> None:
 
 
 # Settings a resumed run may change without breaking exactness: where things are, how long to go, what to log.
-RESUME_FREE_FIELDS = frozenset({
-    "model", "hps_dir", "data_json_path", "output_dir", "device", "max_train_steps", "checkpointing_steps",
-    "keep_last", "save_images_every", "images_per_save", "tensorboard", "wandb",
-})
+RESUME_FREE_FIELDS = frozenset(
+    {
+        "model",
+        "hps_dir",
+        "data_json_path",
+        "output_dir",
+        "device",
+        "max_train_steps",
+        "checkpointing_steps",
+        "keep_last",
+        "save_images_every",
+        "images_per_save",
+        "tensorboard",
+        "wandb",
+    }
+)
 
 
 def check_output_dir(output_dir: Path, create: bool) -> None:
@@ -96,8 +109,9 @@ def check_output_dir(output_dir: Path, create: bool) -> None:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir() or not os.access(existing, os.W_OK):
-        raise FluxgrpoError(f"cannot write to --output-dir {output_dir} ({existing} is not a writable folder): "
-                            "choose another")
+        raise FluxgrpoError(
+            f"cannot write to --output-dir {output_dir} ({existing} is not a writable folder): choose another"
+        )
 
 
 def check_resume_compatible(cfg: TrainConfig, checkpoint: Path, world_size: int) -> None:
@@ -107,8 +121,10 @@ def check_resume_compatible(cfg: TrainConfig, checkpoint: Path, world_size: int)
     info = read_checkpoint_info(checkpoint)
     problems = []
     if int(info["world_size"]) != world_size:
-        problems.append(f"it was written by {info['world_size']} worker(s), this run has {world_size}: "
-                        f"use --dies {info['world_size']} (with the same --nnodes)")
+        problems.append(
+            f"it was written by {info['world_size']} worker(s), this run has {world_size}: "
+            f"use --dies {info['world_size']} (with the same --nnodes)"
+        )
     if cfg.use_ema and not info.get("has_ema", False):
         problems.append("it has no EMA state but --use-ema is on: drop --use-ema")
     saved = json.loads((checkpoint / "state" / "trainer_state.json").read_text()).get("config", {})
@@ -118,8 +134,11 @@ def check_resume_compatible(cfg: TrainConfig, checkpoint: Path, world_size: int)
             continue
         problems.append(f"--{key.replace('_', '-')} was {saved[key]!r}, now {now[key]!r}")
     if problems:
-        raise UsageError(f"cannot resume exactly from {checkpoint}:\n  - " + "\n  - ".join(problems)
-                         + "\n(start a new run with another --output-dir to change these)")
+        raise UsageError(
+            f"cannot resume exactly from {checkpoint}:\n  - "
+            + "\n  - ".join(problems)
+            + "\n(start a new run with another --output-dir to change these)"
+        )
 
 
 def plan_training(cfg: TrainConfig, spec: LaunchSpec, resume: str | None = None, *, dry_run: bool = False) -> TrainPlan:
@@ -134,8 +153,10 @@ def plan_training(cfg: TrainConfig, spec: LaunchSpec, resume: str | None = None,
     cfg.validate()
     spec.validate()
     if cfg.cpu_offload and spec.world_size == 1:
-        raise UsageError("--cpu-offload moves FSDP shards to host memory and needs more than one worker: "
-                         "use --dies 2 or more, or drop --cpu-offload")
+        raise UsageError(
+            "--cpu-offload moves FSDP shards to host memory and needs more than one worker: "
+            "use --dies 2 or more, or drop --cpu-offload"
+        )
     device_type = rt_device.resolve_device_type(cfg.device)
     if spec.world_size > 1 and device_type != "cpu":
         available = rt_device.device_count(device_type)
@@ -152,8 +173,15 @@ def plan_training(cfg: TrainConfig, spec: LaunchSpec, resume: str | None = None,
     if checkpoint is not None:
         check_resume_compatible(cfg, checkpoint, spec.world_size)
     derived = cfg.derived(spec.world_size)
-    return TrainPlan(cfg, spec, device_type, derived, worker_env, output_dir / RESOLVED_CONFIG,
-                     None if checkpoint is None else str(checkpoint))
+    return TrainPlan(
+        cfg,
+        spec,
+        device_type,
+        derived,
+        worker_env,
+        output_dir / RESOLVED_CONFIG,
+        None if checkpoint is None else str(checkpoint),
+    )
 
 
 def launch_training(plan: TrainPlan, log=print) -> list[dict[str, Any]]:
@@ -178,8 +206,9 @@ def launch_training(plan: TrainPlan, log=print) -> list[dict[str, Any]]:
         args = ["--config", str(plan.resolved_path)]
         if plan.resume_checkpoint is not None:
             args += ["--resume", plan.resume_checkpoint]
-        argv = build_torchrun_argv(WORKER_MODULE, args, plan.spec, python=sys.executable,
-                                   log_dir=Path(plan.cfg.output_dir) / "logs")
+        argv = build_torchrun_argv(
+            WORKER_MODULE, args, plan.spec, python=sys.executable, log_dir=Path(plan.cfg.output_dir) / "logs"
+        )
         log("launching: " + " ".join(argv))
         run_torchrun(argv, env=plan.worker_env)
     return read_metrics(Path(plan.cfg.output_dir))

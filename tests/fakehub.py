@@ -185,7 +185,7 @@ def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     """(first, last) byte of a ``bytes=a-`` / ``bytes=a-b`` range; None when absent."""
     if not header or not header.startswith("bytes="):
         return None
-    first_s, _, last_s = header[len("bytes="):].partition("-")
+    first_s, _, last_s = header[len("bytes=") :].partition("-")
     first = int(first_s)
     last = int(last_s) if last_s else size - 1
     return first, min(last, size - 1)
@@ -249,7 +249,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             status = 206
             headers = {**headers, "Content-Range": f"bytes {first}-{last}/{len(data)}"}
-        body = data[first:last + 1]
+        body = data[first : last + 1]
         if self.command == "GET" and body and self.fake._fault("corrupt", repo.repo_id, rel):
             body = bytes([body[0] ^ 0xFF]) + body[1:]
         drop = drop and len(body) > 1
@@ -312,11 +312,18 @@ class _Handler(BaseHTTPRequestHandler):
             if repo.gated:
                 token = self._token()
                 if token is None:
-                    return self._hf_error(401, "GatedRepo", f"Access to model {repo.repo_id} is restricted. You must "
-                                          "have access to it and be authenticated to access it. Please log in.")
+                    return self._hf_error(
+                        401,
+                        "GatedRepo",
+                        f"Access to model {repo.repo_id} is restricted. You must "
+                        "have access to it and be authenticated to access it. Please log in.",
+                    )
                 if token not in repo.granted_tokens:
-                    return self._hf_error(403, "GatedRepo", f"Access to model {repo.repo_id} is restricted and you "
-                                          "are not in the authorized list.")
+                    return self._hf_error(
+                        403,
+                        "GatedRepo",
+                        f"Access to model {repo.repo_id} is restricted and you are not in the authorized list.",
+                    )
             rel = "/".join(parts[4:])
             if not (repo.root / rel).is_file():
                 return self._hf_error(404, "EntryNotFound", f"{rel} does not exist")
@@ -337,10 +344,17 @@ class _Handler(BaseHTTPRequestHandler):
         self._hf_error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
 
     def _hf_info(self, repo: FakeRepo) -> None:
-        self._json(200, {
-            "id": repo.repo_id, "modelId": repo.repo_id, "sha": repo.sha, "private": False,
-            "gated": "auto" if repo.gated else False, "siblings": [{"rfilename": f} for f in repo.files()],
-        })
+        self._json(
+            200,
+            {
+                "id": repo.repo_id,
+                "modelId": repo.repo_id,
+                "sha": repo.sha,
+                "private": False,
+                "gated": "auto" if repo.gated else False,
+                "siblings": [{"rfilename": f} for f in repo.files()],
+            },
+        )
 
     def _hf_tree(self, repo: FakeRepo, under: str) -> None:
         entries, folders = [], set()
@@ -371,12 +385,20 @@ class _Handler(BaseHTTPRequestHandler):
         repo = self.fake._by_id.get(f"{parts[3]}/{parts[4]}")
         if repo is None:
             return self._ms_error(404, f"model {parts[3]}/{parts[4]} does not exist")
-        if repo.gated and not (self.headers.get("Authorization") or "m_session_id=" in (self.headers.get("Cookie") or "")):
+        if repo.gated and not (
+            self.headers.get("Authorization") or "m_session_id=" in (self.headers.get("Cookie") or "")
+        ):
             return self._ms_error(401, "login required")
         revision = query.get("Revision", "master")
         if parts[5] == "revisions":
-            return self._json(200, {"Code": 200, "Success": True,
-                                    "Data": {"RevisionMap": {"Branches": [{"Revision": "master"}], "Tags": []}}})
+            return self._json(
+                200,
+                {
+                    "Code": 200,
+                    "Success": True,
+                    "Data": {"RevisionMap": {"Branches": [{"Revision": "master"}], "Tags": []}},
+                },
+            )
         if revision not in ("master", repo.sha):
             return self._ms_error(404, f"revision {revision} does not exist")
         if parts[5:] == ["repo", "files"]:
@@ -394,9 +416,17 @@ class _Handler(BaseHTTPRequestHandler):
             if under and not rel.startswith(under.strip("/") + "/"):
                 continue
             data = (repo.root / rel).read_bytes()
-            files.append({"Name": rel.rpartition("/")[2], "Path": rel, "Type": "blob", "Size": len(data),
-                          "Sha256": hashlib.sha256(data).hexdigest(), "Revision": repo.sha,
-                          "IsLFS": repo.is_lfs(rel)})
+            files.append(
+                {
+                    "Name": rel.rpartition("/")[2],
+                    "Path": rel,
+                    "Type": "blob",
+                    "Size": len(data),
+                    "Sha256": hashlib.sha256(data).hexdigest(),
+                    "Revision": repo.sha,
+                    "IsLFS": repo.is_lfs(rel),
+                }
+            )
         self._json(200, {"Code": 200, "Success": True, "Data": {"Files": files}})
 
 
@@ -405,25 +435,51 @@ class _Handler(BaseHTTPRequestHandler):
 # FLUX.1-dev's file list (shared/reference/hub-files.md §1), with tiny sizes. The root single-file
 # checkpoints are here so a test can prove they are never requested.
 FLUX_DEV_FILES: dict[str, int] = {
-    ".gitattributes": 300, "README.md": 400, "LICENSE.md": 500, "dev_grid.jpg": 900,
-    "flux1-dev.safetensors": 4000, "ae.safetensors": 1500,
-    "model_index.json": 536, "scheduler/scheduler_config.json": 300,
-    "text_encoder/config.json": 613, "text_encoder/model.safetensors": 3000,
-    "text_encoder_2/config.json": 782, "text_encoder_2/model-00001-of-00002.safetensors": 5000,
-    "text_encoder_2/model-00002-of-00002.safetensors": 4500, "text_encoder_2/model.safetensors.index.json": 700,
-    "tokenizer/merges.txt": 1200, "tokenizer/special_tokens_map.json": 588, "tokenizer/tokenizer_config.json": 705,
-    "tokenizer/vocab.json": 1500, "tokenizer_2/special_tokens_map.json": 600, "tokenizer_2/spiece.model": 2000,
-    "tokenizer_2/tokenizer.json": 2400, "tokenizer_2/tokenizer_config.json": 900,
-    "transformer/config.json": 500, "transformer/diffusion_pytorch_model-00001-of-00003.safetensors": 200_000,
+    ".gitattributes": 300,
+    "README.md": 400,
+    "LICENSE.md": 500,
+    "dev_grid.jpg": 900,
+    "flux1-dev.safetensors": 4000,
+    "ae.safetensors": 1500,
+    "model_index.json": 536,
+    "scheduler/scheduler_config.json": 300,
+    "text_encoder/config.json": 613,
+    "text_encoder/model.safetensors": 3000,
+    "text_encoder_2/config.json": 782,
+    "text_encoder_2/model-00001-of-00002.safetensors": 5000,
+    "text_encoder_2/model-00002-of-00002.safetensors": 4500,
+    "text_encoder_2/model.safetensors.index.json": 700,
+    "tokenizer/merges.txt": 1200,
+    "tokenizer/special_tokens_map.json": 588,
+    "tokenizer/tokenizer_config.json": 705,
+    "tokenizer/vocab.json": 1500,
+    "tokenizer_2/special_tokens_map.json": 600,
+    "tokenizer_2/spiece.model": 2000,
+    "tokenizer_2/tokenizer.json": 2400,
+    "tokenizer_2/tokenizer_config.json": 900,
+    "transformer/config.json": 500,
+    "transformer/diffusion_pytorch_model-00001-of-00003.safetensors": 200_000,
     "transformer/diffusion_pytorch_model-00002-of-00003.safetensors": 9000,
     "transformer/diffusion_pytorch_model-00003-of-00003.safetensors": 3800,
     "transformer/diffusion_pytorch_model.safetensors.index.json": 1200,
-    "vae/config.json": 774, "vae/diffusion_pytorch_model.safetensors": 1600,
+    "vae/config.json": 774,
+    "vae/diffusion_pytorch_model.safetensors": 1600,
 }
-HPS_FILES = {"HPS_v2.pt": 3000, "HPS_v2_compressed.pt": 1900, "HPS_v2.1_compressed.pt": 2100,
-             "README.md": 200, ".gitattributes": 100}
-CLIP_FILES = {"open_clip_pytorch_model.bin": 3900, "open_clip_model.safetensors": 3800, "model.safetensors": 3700,
-              "open_clip_config.json": 400, "config.json": 450, "README.md": 300}
+HPS_FILES = {
+    "HPS_v2.pt": 3000,
+    "HPS_v2_compressed.pt": 1900,
+    "HPS_v2.1_compressed.pt": 2100,
+    "README.md": 200,
+    ".gitattributes": 100,
+}
+CLIP_FILES = {
+    "open_clip_pytorch_model.bin": 3900,
+    "open_clip_model.safetensors": 3800,
+    "model.safetensors": 3700,
+    "open_clip_config.json": 400,
+    "config.json": 450,
+    "README.md": 300,
+}
 
 
 def write_random_repo(root: Path, sizes: dict[str, int], seed: int) -> Path:
@@ -457,8 +513,15 @@ def isolate_hub_environment(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("HF_HOME", str(hf_home))
     monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms_cache"))
     monkeypatch.setenv("MODELSCOPE_HOME", str(tmp_path / "ms_home"))
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "MODELSCOPE_API_TOKEN", "MODELSCOPE_ENDPOINT",
-                 "HF_HUB_OFFLINE", "HF_OIDC_RESOURCE"):
+    for name in (
+        "HF_TOKEN",
+        "HUGGING_FACE_HUB_TOKEN",
+        "HF_ENDPOINT",
+        "MODELSCOPE_API_TOKEN",
+        "MODELSCOPE_ENDPOINT",
+        "HF_HUB_OFFLINE",
+        "HF_OIDC_RESOURCE",
+    ):
         monkeypatch.delenv(name, raising=False)
     # huggingface_hub read HF_HOME & co. when it was first imported (perhaps by another test): point those at
     # tmp too.

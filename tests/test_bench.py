@@ -69,10 +69,16 @@ def test_forward_flops_equal_torch_flop_counter(double, single):
     batch, image_tokens, text_tokens = 2, 16, 8
     # The math attention backend is plain matmuls, which the counter sees (the fused cpu kernel it does not).
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        model(hidden_states=torch.randn(batch, image_tokens, 64),
-              encoder_hidden_states=torch.randn(batch, text_tokens, 32), pooled_projections=torch.randn(batch, 32),
-              timestep=torch.full((batch,), 0.5), img_ids=torch.zeros(image_tokens, 3),
-              txt_ids=torch.zeros(text_tokens, 3), guidance=torch.full((batch,), 3.5), return_dict=False)
+        model(
+            hidden_states=torch.randn(batch, image_tokens, 64),
+            encoder_hidden_states=torch.randn(batch, text_tokens, 32),
+            pooled_projections=torch.randn(batch, 32),
+            timestep=torch.full((batch,), 0.5),
+            img_ids=torch.zeros(image_tokens, 3),
+            txt_ids=torch.zeros(text_tokens, 3),
+            guidance=torch.full((batch,), 3.5),
+            return_dict=False,
+        )
     shape = FluxShape.from_transformer(model)
     assert counter.get_total_flops() == batch * transformer_forward_flops(shape, image_tokens, text_tokens)
     assert shape.parameter_count() == sum(p.numel() for p in model.parameters())
@@ -117,17 +123,26 @@ def test_peak_table():
 def test_flag_parsing_and_validation():
     assert parse_resolutions("512,720") == ((512, 512), (720, 720))
     assert parse_resolutions("720x1280") == ((720, 1280),)
-    cfg = build_bench_config(model="flux-dev-shaped", blocks="8,16", resolution="720", rollout_batch_sizes="4,1,2",
-                             micro_batch_sizes="2,1")
+    cfg = build_bench_config(
+        model="flux-dev-shaped", blocks="8,16", resolution="720", rollout_batch_sizes="4,1,2", micro_batch_sizes="2,1"
+    )
     assert cfg.blocks == (8, 16) and cfg.rollout_batch_sizes == (1, 2, 4)
     assert cfg.num_trajectories == 4  # lcm(1, 2, 4, 1, 2)
     assert cfg.num_train_timesteps == 9  # int((16 − 1)·0.6)
     assert BenchConfig(steps=2).num_train_timesteps == 1
     assert BenchConfig(rollout_batch_sizes=(3,), micro_batch_sizes=(2,)).num_trajectories == 6
     assert BenchConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))).resolved_resolutions() == ((720, 720),)
-    for bad in ({"resolution": "700"}, {"blocks": "8"}, {"rollout_batch_sizes": "1,x"}, {"steps": 1},
-                {"trajectories": 3}, {"dtype": "fp16"}, {"activation_checkpointing": "sometimes"},
-                {"compile": True, "dies": 2}, {"train_timesteps": 16}):
+    for bad in (
+        {"resolution": "700"},
+        {"blocks": "8"},
+        {"rollout_batch_sizes": "1,x"},
+        {"steps": 1},
+        {"trajectories": 3},
+        {"dtype": "fp16"},
+        {"activation_checkpointing": "sometimes"},
+        {"compile": True, "dies": 2},
+        {"train_timesteps": 16},
+    ):
         with pytest.raises(UsageError):
             build_bench_config(**bad)
 
@@ -137,8 +152,12 @@ def test_memory_check_refuses_what_cannot_train(monkeypatch):
     from fluxgrpo.runtime.dist import DistContext
 
     monkeypatch.setattr(bench, "_device_memory_bytes", lambda ctx: 139 * 2**30)  # one H200
-    one, two = (DistContext(rank=0, local_rank=0, world_size=size, device_type="cpu", device=torch.device("cpu"),
-                            backend="gloo") for size in (1, 2))
+    one, two = (
+        DistContext(
+            rank=0, local_rank=0, world_size=size, device_type="cpu", device=torch.device("cpu"), backend="gloo"
+        )
+        for size in (1, 2)
+    )
 
     def shape(double, single):
         return FluxShape.from_config({**FLUX_DEV_TRANSFORMER_CONFIG, "num_layers": double, "num_single_layers": single})
@@ -154,21 +173,43 @@ def test_memory_check_refuses_what_cannot_train(monkeypatch):
 
 
 def _row(phase, batch, seconds, work=8, checkpointing=None, **extra):
-    return PhaseFigure(phase, "64x64", batch, checkpointing, work, "images", seconds, seconds, work / seconds, None,
-                       None, None, extra.get("peak"), extra.get("activations"), None)
+    return PhaseFigure(
+        phase,
+        "64x64",
+        batch,
+        checkpointing,
+        work,
+        "images",
+        seconds,
+        seconds,
+        work / seconds,
+        None,
+        None,
+        None,
+        extra.get("peak"),
+        extra.get("activations"),
+        None,
+    )
 
 
 def test_speedups_and_iteration_summary_by_hand():
-    figures = with_speedups([
-        _row("rollout", 1, 4.0), _row("rollout", 4, 1.6),
-        _row("decode", 1, 0.4), _row("decode", 4, 0.2),
-        _row("reward", 1, 0.2), _row("reward", 4, 0.1),
-        _row("update", 1, 3.0, checkpointing=False, peak=900, activations=500),
-        _row("update", 2, 2.0, checkpointing=False, peak=1300, activations=1000),
-        _row("update", 1, 4.0, checkpointing=True, peak=600, activations=100),
-        _row("update", 2, 3.0, checkpointing=True, peak=700, activations=150),
-        PhaseFigure("optimizer", "64x64", None, None, 1, "steps", 0.4, 0.4, 2.5, None, None, None, None, None, None),
-    ])
+    figures = with_speedups(
+        [
+            _row("rollout", 1, 4.0),
+            _row("rollout", 4, 1.6),
+            _row("decode", 1, 0.4),
+            _row("decode", 4, 0.2),
+            _row("reward", 1, 0.2),
+            _row("reward", 4, 0.1),
+            _row("update", 1, 3.0, checkpointing=False, peak=900, activations=500),
+            _row("update", 2, 2.0, checkpointing=False, peak=1300, activations=1000),
+            _row("update", 1, 4.0, checkpointing=True, peak=600, activations=100),
+            _row("update", 2, 3.0, checkpointing=True, peak=700, activations=150),
+            PhaseFigure(
+                "optimizer", "64x64", None, None, 1, "steps", 0.4, 0.4, 2.5, None, None, None, None, None, None
+            ),
+        ]
+    )
     rollout = {f.batch_size: f.speedup for f in figures if f.phase == "rollout"}
     assert rollout == {1: 1.0, 4: pytest.approx(2.5)}  # (8/1.6) / (8/4)
     updates = {(f.batch_size, f.activation_checkpointing): f.speedup for f in figures if f.phase == "update"}
@@ -182,8 +223,11 @@ def test_speedups_and_iteration_summary_by_hand():
     assert off["smallest"]["share"]["rollout"] == pytest.approx(0.5)
     assert off["largest"]["images_per_second"] == pytest.approx(8 / 4.3)
     saved = summary["activation_checkpointing_by_micro_batch"]
-    assert saved["2"] == {"peak_memory_saved_bytes": 600, "activation_bytes_saved": 850,
-                          "time_ratio_on_over_off": pytest.approx(1.5)}
+    assert saved["2"] == {
+        "peak_memory_saved_bytes": 600,
+        "activation_bytes_saved": 850,
+        "time_ratio_on_over_off": pytest.approx(1.5),
+    }
     assert summary["speedups"]["rollout"] == {"batch_size": 4, "vs_batch_size": 1, "speedup": pytest.approx(2.5)}
 
 
@@ -227,9 +271,19 @@ def test_rollout_casts_each_weight_once_not_once_per_forward():
 
     def rollout(outer: contextlib.AbstractContextManager):
         with CountCasts() as counter, outer:
-            result = generate_rollout(model, cond, noise, sigma_schedule(3, 3.0), eta=0.3, guidance=3.5,
-                                      img_ids=image_ids(64, 64), rollout_batch_size=2, device_type="cpu",
-                                      generator=torch.Generator().manual_seed(1), compute_dtype=torch.bfloat16)
+            result = generate_rollout(
+                model,
+                cond,
+                noise,
+                sigma_schedule(3, 3.0),
+                eta=0.3,
+                guidance=3.5,
+                img_ids=image_ids(64, 64),
+                rollout_batch_size=2,
+                device_type="cpu",
+                generator=torch.Generator().manual_seed(1),
+                compute_dtype=torch.bfloat16,
+            )
         return counter.sources, result
 
     casts, result = rollout(contextlib.nullcontext())
@@ -245,8 +299,25 @@ def test_rollout_casts_each_weight_once_not_once_per_forward():
 
 
 def test_bench_smoke_json_lines():
-    result = runner.invoke(app, ["bench", "--model", "tiny", "--steps", "2", "--rollout-batch-sizes", "1,2,4",
-                                 "--micro-batch-sizes", "1,2", "--repeats", "1", "--warmup", "1", "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            "--model",
+            "tiny",
+            "--steps",
+            "2",
+            "--rollout-batch-sizes",
+            "1,2,4",
+            "--micro-batch-sizes",
+            "1,2",
+            "--repeats",
+            "1",
+            "--warmup",
+            "1",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     records = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
     kinds = [record["record"] for record in records]
@@ -289,12 +360,39 @@ def test_bench_smoke_json_lines():
 
 
 def test_bench_smoke_table_with_a_given_peak():
-    result = runner.invoke(app, ["bench", "--model", "tiny", "--steps", "2", "--rollout-batch-sizes", "1,2",
-                                 "--micro-batch-sizes", "2", "--activation-checkpointing", "off", "--repeats", "1",
-                                 "--warmup", "0", "--peak-tflops", "0.5"])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            "--model",
+            "tiny",
+            "--steps",
+            "2",
+            "--rollout-batch-sizes",
+            "1,2",
+            "--micro-batch-sizes",
+            "2",
+            "--activation-checkpointing",
+            "off",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--peak-tflops",
+            "0.5",
+        ],
+    )
     assert result.exit_code == 0, result.output
-    for text in ("rollout", "decode", "reward", "update no-ckpt", "optimizer", "MFU", "iteration speed-up",
-                 "0.5 TFLOPS (--peak-tflops)"):
+    for text in (
+        "rollout",
+        "decode",
+        "reward",
+        "update no-ckpt",
+        "optimizer",
+        "MFU",
+        "iteration speed-up",
+        "0.5 TFLOPS (--peak-tflops)",
+    ):
         assert text in result.stdout, text
 
 
@@ -305,9 +403,18 @@ def test_bench_rejects_bad_flags():
 
 def test_run_bench_in_process_with_bf16_autocast():
     """The accelerator code path (bf16 autocast, a VAE in bf16, the ratio check) exercised on cpu."""
-    records = run_bench(build_bench_config(steps=2, rollout_batch_sizes="2", micro_batch_sizes="2",
-                                           activation_checkpointing="on", repeats=1, warmup=0, dtype="bf16"),
-                        log=lambda line: None)
+    records = run_bench(
+        build_bench_config(
+            steps=2,
+            rollout_batch_sizes="2",
+            micro_batch_sizes="2",
+            activation_checkpointing="on",
+            repeats=1,
+            warmup=0,
+            dtype="bf16",
+        ),
+        log=lambda line: None,
+    )
     figures = [record for record in records if record["record"] == "figure"]
     assert records[0]["dtype"] == "bf16" and all(figure["error"] is None for figure in figures)
     update = next(figure for figure in figures if figure["phase"] == "update")
@@ -330,9 +437,17 @@ def test_out_of_memory_is_recorded_and_the_bench_goes_on(monkeypatch):
         return model
 
     monkeypatch.setattr(bench, "build_bench_model", build_with_a_small_device)
-    records = run_bench(build_bench_config(steps=2, rollout_batch_sizes="1,4", micro_batch_sizes="1,4",
-                                           activation_checkpointing="off", repeats=1, warmup=0),
-                        log=lambda line: None)
+    records = run_bench(
+        build_bench_config(
+            steps=2,
+            rollout_batch_sizes="1,4",
+            micro_batch_sizes="1,4",
+            activation_checkpointing="off",
+            repeats=1,
+            warmup=0,
+        ),
+        log=lambda line: None,
+    )
     figures = {(r["phase"], r["batch_size"]): r for r in records if r["record"] == "figure"}
     for key in (("rollout", 4), ("update", 4)):
         assert figures[key]["error"] == "out of memory" and figures[key]["seconds"] is None
@@ -342,10 +457,20 @@ def test_out_of_memory_is_recorded_and_the_bench_goes_on(monkeypatch):
 
 
 def test_a_model_folder_with_fewer_blocks(tiny_weights):
-    records = run_bench(build_bench_config(model=str(tiny_weights.flux_dir), blocks="1,1", resolution="32",
-                                           steps=2, rollout_batch_sizes="2", micro_batch_sizes="2",
-                                           activation_checkpointing="off", repeats=1, warmup=0),
-                        log=lambda line: None)
+    records = run_bench(
+        build_bench_config(
+            model=str(tiny_weights.flux_dir),
+            blocks="1,1",
+            resolution="32",
+            steps=2,
+            rollout_batch_sizes="2",
+            micro_batch_sizes="2",
+            activation_checkpointing="off",
+            repeats=1,
+            warmup=0,
+        ),
+        log=lambda line: None,
+    )
     model = next(r for r in records if r["record"] == "model")
     assert (model["double_blocks"], model["single_blocks"]) == (1, 1)
     assert model["transformer_parameters"] == FluxShape.from_config(tiny_flux_config(1, 1)).parameter_count()
@@ -356,9 +481,29 @@ def test_a_model_folder_with_fewer_blocks(tiny_weights):
 
 @pytest.mark.slow
 def test_two_workers_with_a_sharded_transformer():
-    result = runner.invoke(app, ["bench", "--model", "tiny", "--steps", "2", "--rollout-batch-sizes", "1,2",
-                                 "--micro-batch-sizes", "2", "--activation-checkpointing", "off", "--repeats", "1",
-                                 "--warmup", "0", "--dies", "2", "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            "--model",
+            "tiny",
+            "--steps",
+            "2",
+            "--rollout-batch-sizes",
+            "1,2",
+            "--micro-batch-sizes",
+            "2",
+            "--activation-checkpointing",
+            "off",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--dies",
+            "2",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     records = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
     device = next(r for r in records if r["record"] == "device")
@@ -395,9 +540,17 @@ def test_each_phase_reports_its_own_memory_peak(monkeypatch):
 
     handle = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: raise_peak(1000))
     try:
-        records = run_bench(build_bench_config(steps=2, rollout_batch_sizes="2", micro_batch_sizes="2",
-                                               activation_checkpointing="off", repeats=1, warmup=0),
-                            log=lambda line: None)
+        records = run_bench(
+            build_bench_config(
+                steps=2,
+                rollout_batch_sizes="2",
+                micro_batch_sizes="2",
+                activation_checkpointing="off",
+                repeats=1,
+                warmup=0,
+            ),
+            log=lambda line: None,
+        )
     finally:
         handle.remove()
     peaks = {r["phase"]: r["peak_memory_bytes"] for r in records if r["record"] == "figure"}

@@ -102,7 +102,7 @@ def test_sharded_bf16_export_loads_with_from_pretrained(tmp_path):
     from safetensors import safe_open
 
     with safe_open(str(folder / shard_files[0]), framework="pt") as f:
-        assert {f.get_slice(key).get_dtype() for key in f.keys()} == {"BF16"}
+        assert {f.get_slice(key).get_dtype() for key in f.keys()} == {"BF16"}  # noqa: SIM118 - safe_open is not iterable
 
     loaded = FluxTransformer2DModel.from_pretrained(folder, torch_dtype=torch.bfloat16)
     reference = model.state_dict()

@@ -50,12 +50,35 @@ def test_python_dash_m_entry_point():
 
 
 def test_env_check_json_on_a_machine_without_weights(tmp_path):
-    result = runner.invoke(app, ["env-check", "--json", "--flux-dir", str(tmp_path / "flux"),
-                                 "--hps-dir", str(tmp_path / "hps"), "--embeddings", str(tmp_path / "emb")])
+    result = runner.invoke(
+        app,
+        [
+            "env-check",
+            "--json",
+            "--flux-dir",
+            str(tmp_path / "flux"),
+            "--hps-dir",
+            str(tmp_path / "hps"),
+            "--embeddings",
+            str(tmp_path / "emb"),
+        ],
+    )
     assert result.exit_code == 1  # training could not start
     report = json.loads(result.stdout)
-    for key in ("fluxgrpo_version", "platform", "python", "packages", "device", "accelerator_env", "weights",
-                "embeddings", "disk", "shm", "checks", "ready"):
+    for key in (
+        "fluxgrpo_version",
+        "platform",
+        "python",
+        "packages",
+        "device",
+        "accelerator_env",
+        "weights",
+        "embeddings",
+        "disk",
+        "shm",
+        "checks",
+        "ready",
+    ):
         assert key in report
     assert report["ready"] is False
     assert report["device"]["type"] == "cpu" and report["device"]["backend"] == "gloo"

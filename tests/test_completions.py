@@ -33,8 +33,10 @@ def test_bash_completion_offers_subcommands_and_flags():
 
     def complete(words: str) -> list[str]:
         cword = len(words.split()) - 1
-        probe = (f'source "{script}"; COMP_WORDS=({words}); COMP_CWORD={cword}; _fluxgrpo; '
-                 'printf "%s\\n" "${COMPREPLY[@]}"')
+        probe = (
+            f'source "{script}"; COMP_WORDS=({words}); COMP_CWORD={cword}; _fluxgrpo; '
+            'printf "%s\\n" "${COMPREPLY[@]}"'
+        )
         return subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout.split()
 
     assert "train" in complete("fluxgrpo tr")

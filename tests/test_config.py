@@ -9,7 +9,14 @@ from fluxgrpo.errors import UsageError
 
 def test_defaults_are_the_a3_16die_recipe():
     cfg = TrainConfig()
-    assert (cfg.height, cfg.width, cfg.sampling_steps, cfg.eta, cfg.shift, cfg.guidance) == (720, 720, 16, 0.3, 3.0, 3.5)
+    assert (cfg.height, cfg.width, cfg.sampling_steps, cfg.eta, cfg.shift, cfg.guidance) == (
+        720,
+        720,
+        16,
+        0.3,
+        3.0,
+        3.5,
+    )
     assert (cfg.num_generations, cfg.train_batch_size, cfg.timestep_fraction, cfg.clip_range) == (12, 1, 0.6, 1e-4)
     assert (cfg.adv_clip_max, cfg.learning_rate, cfg.weight_decay, cfg.max_grad_norm) == (5.0, 1e-5, 1e-4, 1.0)
     assert (cfg.gradient_accumulation_steps, cfg.rollout_batch_size, cfg.train_micro_batch_size) == (4, 4, 1)
@@ -29,7 +36,11 @@ def test_derived_numbers_match_the_recipe_tables():
     assert d["total_optimizer_steps"] == 900
     # 8-die: 2 prompts × 12 = 24 per rank, GA 12 → 2 steps of 8·12 = 96 trajectories.
     d8 = build_config("a3-8die").derived(8)
-    assert (d8["trajectories_per_rank"], d8["optimizer_steps_per_iteration"], d8["trajectories_per_optimizer_step"]) == (24, 2, 96)
+    assert (
+        d8["trajectories_per_rank"],
+        d8["optimizer_steps_per_iteration"],
+        d8["trajectories_per_optimizer_step"],
+    ) == (24, 2, 96)
 
 
 def test_leftover_micro_batches_still_make_an_optimizer_step():

@@ -40,8 +40,14 @@ HPS_ID = {"hf": "xswu/HPSv2", "modelscope": "AI-ModelScope/HPSv2"}
 CLIP_ID = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 PICKSCORE_ID = {"hf": "yuvalkirstain/PickScore_v1", "modelscope": "AI-ModelScope/PickScore_v1"}
 PROCESSOR_ID = {"hf": CLIP_ID, "modelscope": "AI-ModelScope/CLIP-ViT-H-14-laion2B-s32B-b79K"}
-FLUX_ROOT_FILES = {".gitattributes", "README.md", "LICENSE.md", "dev_grid.jpg", "flux1-dev.safetensors",
-                   "ae.safetensors"}
+FLUX_ROOT_FILES = {
+    ".gitattributes",
+    "README.md",
+    "LICENSE.md",
+    "dev_grid.jpg",
+    "flux1-dev.safetensors",
+    "ae.safetensors",
+}
 FLUX_WANTED = sorted(p for p in FLUX_DEV_FILES if p not in FLUX_ROOT_FILES)
 # 242,198 bytes of FLUX diffusers files (tests/test_fetch_hub.py spells out the sum) + 2,100 (HPS_v2.1_compressed.pt)
 # + 3,900 (open_clip_pytorch_model.bin) = 248,198 bytes in 23 + 1 + 1 = 25 files.
@@ -82,8 +88,18 @@ def pickscore_repos(tmp_path: Path, source: str, tiny_hps_dir: Path, *, with_saf
 
 
 def fetch_args(hub: FakeHub, tmp_path: Path, *extra: str) -> list[str]:
-    return ["fetch-weights", "--source", hub.flavour, "--endpoint", hub.url, "--flux-dir", str(tmp_path / "flux"),
-            "--hps-dir", str(tmp_path / "hps_ckpt"), *extra]
+    return [
+        "fetch-weights",
+        "--source",
+        hub.flavour,
+        "--endpoint",
+        hub.url,
+        "--flux-dir",
+        str(tmp_path / "flux"),
+        "--hps-dir",
+        str(tmp_path / "hps_ckpt"),
+        *extra,
+    ]
 
 
 def requested(hub: FakeHub) -> list[tuple[str, str]]:
@@ -105,8 +121,19 @@ def test_full_fetch_then_env_check_reports_the_weights_complete(tmp_path, source
     assert (document["files"], document["files_downloaded"], document["bytes_present"]) == (25, 0, DEFAULT_PARTS_BYTES)
     assert [part["part"] for part in document["parts"]] == ["flux", "hps", "clip"]
 
-    report = runner.invoke(app, ["env-check", "--json", "--flux-dir", str(tmp_path / "flux"), "--hps-dir",
-                                 str(tmp_path / "hps_ckpt"), "--embeddings", str(tmp_path / "emb")])
+    report = runner.invoke(
+        app,
+        [
+            "env-check",
+            "--json",
+            "--flux-dir",
+            str(tmp_path / "flux"),
+            "--hps-dir",
+            str(tmp_path / "hps_ckpt"),
+            "--embeddings",
+            str(tmp_path / "emb"),
+        ],
+    )
     checks = {c["name"]: c for c in json.loads(report.stdout)["checks"]}
     for part in ("flux", "hps", "clip"):
         assert checks[f"weights: {part}"]["status"] == "ok", checks[f"weights: {part}"]
@@ -135,8 +162,9 @@ def test_a_gated_repo_without_a_token_exits_1_with_the_licence_message(tmp_path)
     with FakeHub("hf", default_repos(tmp_path, "hf", gated_flux=True)) as hub:
         result = runner.invoke(app, fetch_args(hub, tmp_path, "--only", "flux"))
     assert result.exit_code == 1
-    assert "gated (HTTP 401): accept the licence at https://huggingface.co/black-forest-labs/FLUX.1-dev" in \
-        result.stderr
+    assert (
+        "gated (HTTP 401): accept the licence at https://huggingface.co/black-forest-labs/FLUX.1-dev" in result.stderr
+    )
     assert "--token" in result.stderr
     assert not (tmp_path / "flux").exists()
 
@@ -171,11 +199,23 @@ def test_bad_flags_with_a_hub_source_exit_2_before_any_request(tmp_path, args, m
     assert message in result.stderr
 
 
-@pytest.mark.parametrize("flag", [["--dry-run"], ["--revision", "main"], ["--endpoint", "http://127.0.0.1:9"],
-                                  ["--only", "nope"]])
+@pytest.mark.parametrize(
+    "flag", [["--dry-run"], ["--revision", "main"], ["--endpoint", "http://127.0.0.1:9"], ["--only", "nope"]]
+)
 def test_hub_flags_and_unknown_parts_with_tiny_exit_2(tmp_path, flag):
-    result = runner.invoke(app, ["fetch-weights", "--source", "tiny", "--flux-dir", str(tmp_path / "f"),
-                                 "--hps-dir", str(tmp_path / "h"), *flag])
+    result = runner.invoke(
+        app,
+        [
+            "fetch-weights",
+            "--source",
+            "tiny",
+            "--flux-dir",
+            str(tmp_path / "f"),
+            "--hps-dir",
+            str(tmp_path / "h"),
+            *flag,
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert flag[0] in result.stderr
     assert not (tmp_path / "f").exists() and not (tmp_path / "h").exists()
@@ -235,8 +275,19 @@ def test_pickscore_from_a_hub_loads_as_the_reward_it_was_served_as(tmp_path, tin
 
 
 def test_tiny_writes_every_part_including_pickscore(tmp_path):
-    result = runner.invoke(app, ["fetch-weights", "--source", "tiny", "--flux-dir", str(tmp_path / "f"),
-                                 "--hps-dir", str(tmp_path / "h"), "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "fetch-weights",
+            "--source",
+            "tiny",
+            "--flux-dir",
+            str(tmp_path / "f"),
+            "--hps-dir",
+            str(tmp_path / "h"),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)["parts"]
     assert [row["part"] for row in rows] == ["flux", "hps", "clip", "pickscore"]
@@ -245,8 +296,22 @@ def test_tiny_writes_every_part_including_pickscore(tmp_path):
 
 
 def test_tiny_only_pickscore_writes_nothing_else(tmp_path):
-    result = runner.invoke(app, ["fetch-weights", "--source", "tiny", "--only", "pickscore", "--flux-dir",
-                                 str(tmp_path / "f"), "--hps-dir", str(tmp_path / "h"), "--seed", "2"])
+    result = runner.invoke(
+        app,
+        [
+            "fetch-weights",
+            "--source",
+            "tiny",
+            "--only",
+            "pickscore",
+            "--flux-dir",
+            str(tmp_path / "f"),
+            "--hps-dir",
+            str(tmp_path / "h"),
+            "--seed",
+            "2",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "pickscore" in result.stdout and "complete" in result.stdout
     assert not (tmp_path / "f").exists()

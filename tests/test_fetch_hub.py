@@ -33,8 +33,15 @@ FLUX_ID = "black-forest-labs/FLUX.1-dev"
 HPS_ID = {"hf": "xswu/HPSv2", "modelscope": "AI-ModelScope/HPSv2"}
 CLIP_ID = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 CLIP_FALLBACK_ID = "AI-ModelScope/CLIP-ViT-H-14-laion2B-s32B-b79K"
-FLUX_ROOT_FILES = {".gitattributes", "README.md", "LICENSE.md", "dev_grid.jpg", "flux1-dev.safetensors",
-                   "ae.safetensors", "configuration.json"}
+FLUX_ROOT_FILES = {
+    ".gitattributes",
+    "README.md",
+    "LICENSE.md",
+    "dev_grid.jpg",
+    "flux1-dev.safetensors",
+    "ae.safetensors",
+    "configuration.json",
+}
 FLUX_WANTED = sorted(p for p in FLUX_DEV_FILES if p not in FLUX_ROOT_FILES)
 BIG_SHARD = "transformer/diffusion_pytorch_model-00001-of-00003.safetensors"  # 200,000 bytes
 # The wanted FLUX files are every listed file but the 6 root extras:
@@ -57,14 +64,25 @@ def _isolated_hub_env(tmp_path, monkeypatch):
     monkeypatch.setattr(hf_constants, "DOWNLOAD_CHUNK_SIZE", 100)
 
 
-def make_repos(tmp_path: Path, source: str, *, gated_flux: bool = False, tokens: frozenset[str] = frozenset(),
-               clip_id: str = CLIP_ID, hps_files: dict[str, int] = HPS_FILES) -> Repos:
+def make_repos(
+    tmp_path: Path,
+    source: str,
+    *,
+    gated_flux: bool = False,
+    tokens: frozenset[str] = frozenset(),
+    clip_id: str = CLIP_ID,
+    hps_files: dict[str, int] = HPS_FILES,
+) -> Repos:
     flux_files = dict(FLUX_DEV_FILES)
     if source == "modelscope":
         flux_files["configuration.json"] = 120  # ModelScope's own addition at the repo root
     return Repos(
-        FakeRepo(FLUX_ID, write_random_repo(tmp_path / "served" / "flux", flux_files, seed=1), gated=gated_flux,
-                 granted_tokens=tokens),
+        FakeRepo(
+            FLUX_ID,
+            write_random_repo(tmp_path / "served" / "flux", flux_files, seed=1),
+            gated=gated_flux,
+            granted_tokens=tokens,
+        ),
         FakeRepo(HPS_ID[source], write_random_repo(tmp_path / "served" / "hps", hps_files, seed=2)),
         FakeRepo(clip_id, write_random_repo(tmp_path / "served" / "clip", CLIP_FILES, seed=3)),
     )
@@ -72,8 +90,9 @@ def make_repos(tmp_path: Path, source: str, *, gated_flux: bool = False, tokens:
 
 def fetch(hub: FakeHub, tmp_path: Path, **kwargs):
     kwargs.setdefault("progress", False)
-    return fetch_from_hub(hub.flavour, flux_dir=tmp_path / "flux", hps_dir=tmp_path / "hps_ckpt", endpoint=hub.url,
-                          **kwargs)
+    return fetch_from_hub(
+        hub.flavour, flux_dir=tmp_path / "flux", hps_dir=tmp_path / "hps_ckpt", endpoint=hub.url, **kwargs
+    )
 
 
 def requested(hub: FakeHub) -> list[str]:
@@ -101,7 +120,8 @@ def test_full_fetch_lands_in_the_standard_layout_and_checks_complete(tmp_path, s
         assert not (flux_dir / rel).is_symlink()
     assert (hps_dir / "HPS_v2.1_compressed.pt").read_bytes() == (repos.hps.root / "HPS_v2.1_compressed.pt").read_bytes()
     assert (hps_dir / "open_clip_pytorch_model.bin").read_bytes() == (
-        repos.clip.root / "open_clip_pytorch_model.bin").read_bytes()
+        repos.clip.root / "open_clip_pytorch_model.bin"
+    ).read_bytes()
 
     manifest = read_manifest(flux_dir)
     assert manifest.source == source and manifest.repo == FLUX_ID
@@ -111,7 +131,8 @@ def test_full_fetch_lands_in_the_standard_layout_and_checks_complete(tmp_path, s
     hps_manifest = read_manifest(hps_dir, "manifest.hps.json")
     assert (hps_manifest.repo, [f.path for f in hps_manifest.files]) == (HPS_ID[source], ["HPS_v2.1_compressed.pt"])
     assert read_manifest(hps_dir, "manifest.clip.json").files[0].sha256 == sha256_of(
-        repos.clip.root / "open_clip_pytorch_model.bin")
+        repos.clip.root / "open_clip_pytorch_model.bin"
+    )
 
     # 23 FLUX files + the HPS checkpoint (2,100 B) + the open_clip weights (3,900 B).
     assert (summary.files, summary.files_downloaded) == (25, 25)
@@ -201,10 +222,12 @@ def test_an_interrupted_run_leaves_no_manifest_and_the_next_run_fetches_only_wha
         assert BIG_SHARD in finished and victim not in finished
         partial = flux_dir / f"{victim}.incomplete"
         assert partial.stat().st_size == 800  # half of 1,600 bytes arrived before the drop
-        resumable = plan_fetch(source, parts=["flux"], flux_dir=flux_dir, hps_dir=tmp_path / "hps_ckpt",
-                               endpoint=hub.url)
-        assert [(f.path, f.state, f.resume_from, f.bytes_to_fetch)
-                for f in resumable.parts[0].to_fetch if f.path == victim] == [(victim, "resume", 800, 800)]
+        resumable = plan_fetch(
+            source, parts=["flux"], flux_dir=flux_dir, hps_dir=tmp_path / "hps_ckpt", endpoint=hub.url
+        )
+        assert [
+            (f.path, f.state, f.resume_from, f.bytes_to_fetch) for f in resumable.parts[0].to_fetch if f.path == victim
+        ] == [(victim, "resume", 800, 800)]
 
         hub.clear_faults()
         hub.reset_requests()
@@ -269,7 +292,8 @@ def test_a_hugging_face_partial_longer_than_the_file_is_started_again(tmp_path):
         fetch(hub, tmp_path, parts=["hps"])
         assert [rng for _, _, rng in hub.content_requests()] == [None]
     assert sha256_of(tmp_path / "hps_ckpt" / "HPS_v2.1_compressed.pt") == sha256_of(
-        repos.hps.root / "HPS_v2.1_compressed.pt")
+        repos.hps.root / "HPS_v2.1_compressed.pt"
+    )
     assert not partial.exists()
 
 
@@ -294,8 +318,9 @@ def test_a_resumed_hugging_face_download_reports_the_whole_file_as_progress(tmp_
     with FakeHub("hf", list(repos)) as hub:
         client = HuggingFaceClient(token=None, endpoint=hub.url)
         assert client.partial_bytes(root, "HPS_v2.1_compressed.pt") == 700
-        client.download(HPS_ID["hf"], repos.hps.sha, RemoteFile("HPS_v2.1_compressed.pt", len(served)), root,
-                        reported.append)
+        client.download(
+            HPS_ID["hf"], repos.hps.sha, RemoteFile("HPS_v2.1_compressed.pt", len(served)), root, reported.append
+        )
     assert reported[0] == 700
     assert sum(reported) == 2_100  # 700 already on disk + 1,400 received
     assert (root / "HPS_v2.1_compressed.pt").read_bytes() == served
@@ -322,7 +347,8 @@ def test_a_corrupted_download_is_fetched_once_more(tmp_path, source):
         fetch(hub, tmp_path, parts=["hps"])
         assert requested(hub) == ["HPS_v2.1_compressed.pt"] * 2
     assert sha256_of(tmp_path / "hps_ckpt" / "HPS_v2.1_compressed.pt") == sha256_of(
-        repos.hps.root / "HPS_v2.1_compressed.pt")
+        repos.hps.root / "HPS_v2.1_compressed.pt"
+    )
     assert check_hps_dir(tmp_path / "hps_ckpt")[0].complete
 
 
@@ -356,8 +382,10 @@ def test_gated_flux_without_a_token_names_the_licence_page(tmp_path):
         with pytest.raises(FluxgrpoError) as err:
             fetch(hub, tmp_path, parts=["flux"])
         assert requested(hub) == []
-    assert "accept the licence at https://huggingface.co/black-forest-labs/FLUX.1-dev and run `hf auth login` or " \
-           "pass --token" in str(err.value)
+    assert (
+        "accept the licence at https://huggingface.co/black-forest-labs/FLUX.1-dev and run `hf auth login` or "
+        "pass --token" in str(err.value)
+    )
     assert "401" in str(err.value)
     assert not (tmp_path / "flux").exists()  # refused before anything was written
 
@@ -378,16 +406,18 @@ def test_gated_flux_with_a_token_lacking_the_grant_says_403_and_never_shows_the_
 @pytest.mark.parametrize("source", SOURCES)
 def test_an_unknown_repo_is_a_clear_404(tmp_path, source):
     repos = make_repos(tmp_path, source)
-    with FakeHub(source, [repos.flux, repos.clip]) as hub, pytest.raises(
-        FluxgrpoError, match=f"repository {HPS_ID[source]} .*not found on {hub.url}"
+    with (
+        FakeHub(source, [repos.flux, repos.clip]) as hub,
+        pytest.raises(FluxgrpoError, match=f"repository {HPS_ID[source]} .*not found on {hub.url}"),
     ):
         fetch(hub, tmp_path, parts=["hps"])
 
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_an_unknown_revision_names_the_flag(tmp_path, source):
-    with FakeHub(source, list(make_repos(tmp_path, source))) as hub, pytest.raises(
-        FluxgrpoError, match=r"revision 'v9-nope' .*--revision"
+    with (
+        FakeHub(source, list(make_repos(tmp_path, source))) as hub,
+        pytest.raises(FluxgrpoError, match=r"revision 'v9-nope' .*--revision"),
     ):
         fetch(hub, tmp_path, parts=["flux"], revision="v9-nope")
 
@@ -403,8 +433,9 @@ def test_a_pinned_commit_is_fetched_and_recorded(tmp_path):
 @pytest.mark.parametrize("source", SOURCES)
 def test_a_repo_without_the_wanted_file_says_which(tmp_path, source):
     hps_files = {k: v for k, v in HPS_FILES.items() if k != "HPS_v2.1_compressed.pt"}
-    with FakeHub(source, list(make_repos(tmp_path, source, hps_files=hps_files))) as hub, pytest.raises(
-        FluxgrpoError, match=r"has no file matching HPS_v2\.1_compressed\.pt"
+    with (
+        FakeHub(source, list(make_repos(tmp_path, source, hps_files=hps_files))) as hub,
+        pytest.raises(FluxgrpoError, match=r"has no file matching HPS_v2\.1_compressed\.pt"),
     ):
         fetch(hub, tmp_path, parts=["hps"])
 
@@ -427,8 +458,10 @@ def test_another_fetch_into_the_same_folder_is_refused(tmp_path):
 
     lock = tmp_path / "hps_ckpt" / FETCH_LOCK
     lock.parent.mkdir(parents=True)
-    with FakeHub("hf", list(make_repos(tmp_path, "hf"))) as hub, FileLock(str(lock)), pytest.raises(
-        FluxgrpoError, match="another fetch-weights is already writing"
+    with (
+        FakeHub("hf", list(make_repos(tmp_path, "hf"))) as hub,
+        FileLock(str(lock)),
+        pytest.raises(FluxgrpoError, match="another fetch-weights is already writing"),
     ):
         fetch(hub, tmp_path, parts=["hps"])
 
@@ -454,7 +487,8 @@ def test_dry_run_lists_files_and_total_and_downloads_nothing(tmp_path, source):
     plan = summary.plan
     flux_plan = plan.parts[0]
     assert [(f.path, f.size, f.state) for f in flux_plan.files] == [
-        (p, FLUX_DEV_FILES[p], "download") for p in FLUX_WANTED]
+        (p, FLUX_DEV_FILES[p], "download") for p in FLUX_WANTED
+    ]
     assert plan.bytes_to_fetch == plan.bytes_total == FLUX_WANTED_BYTES + 6_000
     assert plan.files_to_fetch == 25
     assert summary.dry_run and summary.files_downloaded == 0 and summary.bytes_downloaded == 0
@@ -465,8 +499,13 @@ def test_plan_after_a_partial_loss_lists_only_the_missing_file(tmp_path):
     with FakeHub("hf", list(make_repos(tmp_path, "hf"))) as hub:
         fetch(hub, tmp_path)
         (tmp_path / "flux" / BIG_SHARD).unlink()
-        plan = plan_fetch("hf", parts=["flux", "hps", "clip"], flux_dir=tmp_path / "flux",
-                          hps_dir=tmp_path / "hps_ckpt", endpoint=hub.url)
+        plan = plan_fetch(
+            "hf",
+            parts=["flux", "hps", "clip"],
+            flux_dir=tmp_path / "flux",
+            hps_dir=tmp_path / "hps_ckpt",
+            endpoint=hub.url,
+        )
     to_fetch = [(f.path, f.size) for part in plan.parts for f in part.to_fetch]
     assert to_fetch == [(BIG_SHARD, 200_000)]
     assert plan.bytes_to_fetch == 200_000

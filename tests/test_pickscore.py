@@ -37,8 +37,11 @@ def processor_parts(tiny_weights):
 
     folder = pickscore_dir(tiny_weights.hps_dir)
     processor = folder / "processor"
-    return (CLIPImageProcessor.from_pretrained(processor), CLIPTokenizer.from_pretrained(processor),
-            CLIPModel.from_pretrained(folder / "model").eval())
+    return (
+        CLIPImageProcessor.from_pretrained(processor),
+        CLIPTokenizer.from_pretrained(processor),
+        CLIPModel.from_pretrained(folder / "model").eval(),
+    )
 
 
 def blocky_image(height: int, width: int, seed: int) -> Image.Image:
@@ -235,5 +238,10 @@ def test_the_tiny_pickscore_is_complete_and_in_the_real_layout(tiny_weights):
     model_files = {f.path for f in read_manifest(folder / "model").files}
     processor_files = {f.path for f in read_manifest(folder / "processor").files}
     assert model_files == {"config.json", "model.safetensors"}
-    assert processor_files == {"preprocessor_config.json", "tokenizer_config.json", "tokenizer.json", "vocab.json",
-                               "merges.txt"}
+    assert processor_files == {
+        "preprocessor_config.json",
+        "tokenizer_config.json",
+        "tokenizer.json",
+        "vocab.json",
+        "merges.txt",
+    }

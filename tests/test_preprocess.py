@@ -66,8 +66,12 @@ def test_layout_files_json_shapes_and_dtypes(tiny_embeddings):
     text = tiny_embeddings.index_path.read_text()
     assert text.startswith('[\n    {\n        "prompt_embed_path": "0.pt",')  # indent=4, DanceGRPO's key order
     entries = json.loads(text)
-    assert entries[3] == {"prompt_embed_path": "3.pt", "text_ids": "3.pt", "pooled_prompt_embeds_path": "3.pt",
-                          "caption": tiny_embeddings.prompts[3]}
+    assert entries[3] == {
+        "prompt_embed_path": "3.pt",
+        "text_ids": "3.pt",
+        "pooled_prompt_embeds_path": "3.pt",
+        "caption": tiny_embeddings.prompts[3],
+    }
     assert [e["caption"] for e in entries] == tiny_embeddings.prompts
     for index in range(len(entries)):
         files = embedding_files(out, index)
@@ -204,8 +208,20 @@ def test_cli_preprocess_in_process(tiny_embeddings, tmp_path):
     out = tmp_path / "emb"
     result = runner.invoke(
         app,
-        ["preprocess", "--prompts", str(tiny_embeddings.prompts_path), "--model", str(tiny_embeddings.flux_dir),
-         "--out", str(out), "--max-sequence-length", str(SEQ), "--device", "cpu", "--json"],
+        [
+            "preprocess",
+            "--prompts",
+            str(tiny_embeddings.prompts_path),
+            "--model",
+            str(tiny_embeddings.flux_dir),
+            "--out",
+            str(out),
+            "--max-sequence-length",
+            str(SEQ),
+            "--device",
+            "cpu",
+            "--json",
+        ],
     )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
@@ -215,15 +231,28 @@ def test_cli_preprocess_in_process(tiny_embeddings, tmp_path):
 
 def test_cli_preprocess_exit_codes(tiny_weights, tmp_path):
     missing_prompts = runner.invoke(
-        app, ["preprocess", "--prompts", str(tmp_path / "none.txt"), "--model", str(tiny_weights.flux_dir),
-              "--out", str(tmp_path / "emb")],
+        app,
+        [
+            "preprocess",
+            "--prompts",
+            str(tmp_path / "none.txt"),
+            "--model",
+            str(tiny_weights.flux_dir),
+            "--out",
+            str(tmp_path / "emb"),
+        ],
     )
     assert missing_prompts.exit_code == 1 and "--prompts" in missing_prompts.stderr
     no_weights = runner.invoke(app, ["preprocess", "--model", str(tmp_path / "nothing"), "--out", str(tmp_path / "e")])
     assert no_weights.exit_code == 1 and "fetch-weights" in no_weights.stderr
     assert runner.invoke(app, ["preprocess", "--dies", "0"]).exit_code == 2
-    assert runner.invoke(app, ["preprocess", "--device", "abacus", "--model", str(tiny_weights.flux_dir),
-                               "--out", str(tmp_path / "e")]).exit_code == 2
+    assert (
+        runner.invoke(
+            app,
+            ["preprocess", "--device", "abacus", "--model", str(tiny_weights.flux_dir), "--out", str(tmp_path / "e")],
+        ).exit_code
+        == 2
+    )
 
 
 @pytest.mark.slow
@@ -233,8 +262,22 @@ def test_two_processes_write_every_prompt_once_and_match_one_process(tiny_embedd
     out = tmp_path / "emb"
     result = runner.invoke(
         app,
-        ["preprocess", "--prompts", str(tiny_embeddings.prompts_path), "--model", str(tiny_embeddings.flux_dir),
-         "--out", str(out), "--max-sequence-length", str(SEQ), "--dies", "2", "--device", "cpu", "--json"],
+        [
+            "preprocess",
+            "--prompts",
+            str(tiny_embeddings.prompts_path),
+            "--model",
+            str(tiny_embeddings.flux_dir),
+            "--out",
+            str(out),
+            "--max-sequence-length",
+            str(SEQ),
+            "--dies",
+            "2",
+            "--device",
+            "cpu",
+            "--json",
+        ],
     )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)

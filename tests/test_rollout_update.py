@@ -35,8 +35,15 @@ def base_transformer() -> nn.Module:
     torch.manual_seed(0)
     from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG
 
-    return FluxTransformer2DModel(**{**TINY_TRANSFORMER_CONFIG, "num_layers": 1, "num_single_layers": 1,
-                                     "joint_attention_dim": TEXT_DIM, "pooled_projection_dim": POOLED_DIM})
+    return FluxTransformer2DModel(
+        **{
+            **TINY_TRANSFORMER_CONFIG,
+            "num_layers": 1,
+            "num_single_layers": 1,
+            "joint_attention_dim": TEXT_DIM,
+            "pooled_projection_dim": POOLED_DIM,
+        }
+    )
 
 
 def make_batch(num_trajectories: int, seed: int = 0) -> tuple[Conditioning, torch.Tensor]:

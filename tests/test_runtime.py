@@ -154,10 +154,20 @@ def test_rng_state_round_trip():
 
 
 def test_torchrun_argv_single_node():
-    argv = launch.build_torchrun_argv("fluxgrpo.worker", ["--x", "1"], launch.LaunchSpec(nproc_per_node=16),
-                                      python="py")
-    assert argv == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=16",
-                    "-m", "fluxgrpo.worker", "--x", "1"]
+    argv = launch.build_torchrun_argv(
+        "fluxgrpo.worker", ["--x", "1"], launch.LaunchSpec(nproc_per_node=16), python="py"
+    )
+    assert argv == [
+        "py",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=16",
+        "-m",
+        "fluxgrpo.worker",
+        "--x",
+        "1",
+    ]
 
 
 def test_torchrun_argv_multi_node_and_logs(tmp_path):

@@ -43,15 +43,24 @@ TINY_Q_K_NORMS = 2 * 4 + 2 * 2  # the tiny transformer: 4 q/k RMSNorms per doubl
 
 def run_sample(flux_dir, out, *, prompts=PROMPTS, checkpoint=None, ema=False, **overrides):
     settings = SampleSettings(**{**TINY, **overrides})
-    request = build_request(model=str(flux_dir), prompts=list(prompts), out_dir=out, checkpoint=checkpoint, ema=ema,
-                            settings=settings, device="cpu")
+    request = build_request(
+        model=str(flux_dir),
+        prompts=list(prompts),
+        out_dir=out,
+        checkpoint=checkpoint,
+        ema=ema,
+        settings=settings,
+        device="cpu",
+    )
     return sample(request, show_progress=False)
 
 
 def pixels(out: Path) -> dict[str, np.ndarray]:
     """Every image of a run by file name, as uint8 arrays."""
-    return {entry["file"]: np.asarray(Image.open(out / entry["file"]))
-            for entry in json.loads((out / INDEX_FILE).read_text())["images"]}
+    return {
+        entry["file"]: np.asarray(Image.open(out / entry["file"]))
+        for entry in json.loads((out / INDEX_FILE).read_text())["images"]
+    }
 
 
 def same_images(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
@@ -193,11 +202,21 @@ def trained_run(tiny_weights, tiny_embeddings, tmp_path_factory):
     from fluxgrpo.train import preflight
 
     output_dir = tmp_path_factory.mktemp("trained") / "grpo"
-    cfg = build_config("tiny-cpu", {
-        "model": str(tiny_weights.flux_dir), "hps_dir": str(tiny_weights.hps_dir),
-        "data_json_path": str(tiny_embeddings.index_path), "output_dir": str(output_dir), "max_train_steps": 2,
-        "checkpointing_steps": 2, "reward": "brightness", "save_images_every": 0, "use_ema": True, "ema_decay": 0.5,
-    })
+    cfg = build_config(
+        "tiny-cpu",
+        {
+            "model": str(tiny_weights.flux_dir),
+            "hps_dir": str(tiny_weights.hps_dir),
+            "data_json_path": str(tiny_embeddings.index_path),
+            "output_dir": str(output_dir),
+            "max_train_steps": 2,
+            "checkpointing_steps": 2,
+            "reward": "brightness",
+            "save_images_every": 0,
+            "use_ema": True,
+            "ema_decay": 0.5,
+        },
+    )
     preflight(cfg)
     train(cfg)
     return output_dir
@@ -291,9 +310,29 @@ def test_cli_json_summary_and_exit_codes(tiny_weights, tmp_path):
     flux = str(tiny_weights.flux_dir)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red cat\n\na red cat\na blue dog on a hill\n")  # blank line and repeat dropped
-    ok = runner.invoke(app, ["sample", "--model", flux, "--prompts", str(prompts), "--height", "32", "--width", "48",
-                             "--steps", "2", "--max-sequence-length", "16", "--out", str(tmp_path / "o"),
-                             "--device", "cpu", "--json"])
+    ok = runner.invoke(
+        app,
+        [
+            "sample",
+            "--model",
+            flux,
+            "--prompts",
+            str(prompts),
+            "--height",
+            "32",
+            "--width",
+            "48",
+            "--steps",
+            "2",
+            "--max-sequence-length",
+            "16",
+            "--out",
+            str(tmp_path / "o"),
+            "--device",
+            "cpu",
+            "--json",
+        ],
+    )
     assert ok.exit_code == 0, ok.output
     summary = json.loads(ok.stdout)
     assert (summary["prompts"], summary["images"], summary["world_size"]) == (2, 2, 1)
@@ -319,8 +358,26 @@ def test_two_processes_write_every_image_once_and_match_one_process(tiny_weights
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 2 cores, 2 workers
     three = [*PROMPTS, "a green tree"]
     out = tmp_path / "two"
-    args = ["sample", "--model", str(tiny_weights.flux_dir), "--height", "32", "--width", "48", "--steps", "2",
-            "--max-sequence-length", "16", "--images-per-prompt", "2", "--device", "cpu", "--json", "--out", str(out)]
+    args = [
+        "sample",
+        "--model",
+        str(tiny_weights.flux_dir),
+        "--height",
+        "32",
+        "--width",
+        "48",
+        "--steps",
+        "2",
+        "--max-sequence-length",
+        "16",
+        "--images-per-prompt",
+        "2",
+        "--device",
+        "cpu",
+        "--json",
+        "--out",
+        str(out),
+    ]
     for text in three:
         args += ["--prompt", text]
     result = runner.invoke(app, [*args, "--dies", "2"])

@@ -45,9 +45,18 @@ def hand_made_index(folder: Path, prompts: list[str], levels: list[list[int]], s
             name = f"{i:04d}_{j:02d}.png"
             gray_png(folder / name, level)
             images.append({"file": name, "prompt": prompt, "prompt_index": i, "image_index": j, "seed": seeds[i][j]})
-    document = {"format": "fluxgrpo-sample-index", "format_version": 1, "fluxgrpo_version": "test", "model": "m",
-                "checkpoint": None, "ema": False, "settings": {}, "prompts": prompts, "grid": "grid.png",
-                "images": images}
+    document = {
+        "format": "fluxgrpo-sample-index",
+        "format_version": 1,
+        "fluxgrpo_version": "test",
+        "model": "m",
+        "checkpoint": None,
+        "ema": False,
+        "settings": {},
+        "prompts": prompts,
+        "grid": "grid.png",
+        "images": images,
+    }
     (folder / "index.json").write_text(json.dumps(document))
     return folder / "index.json"
 
@@ -68,8 +77,14 @@ def test_hps_score_equals_open_clip_computed_directly(tiny_weights, tmp_path):
     prompt = "a red cat on a blue chair"
     (tmp_path / "prompts.txt").write_text(prompt + "\n")
 
-    report = score(ScoreRequest(images_dir=str(folder), prompts_file=str(tmp_path / "prompts.txt"),
-                                hps_dir=str(tiny_weights.hps_dir), device="cpu"))
+    report = score(
+        ScoreRequest(
+            images_dir=str(folder),
+            prompts_file=str(tmp_path / "prompts.txt"),
+            hps_dir=str(tiny_weights.hps_dir),
+            device="cpu",
+        )
+    )
 
     # The model built by hand from the tiny checkpoint: its open_clip config registered under a name of our own.
     config = json.loads((tiny_weights.hps_dir / "open_clip_config.json").read_text())
@@ -149,8 +164,25 @@ def test_cli_compare_on_hand_made_indexes(tmp_path):
     this = hand_made_index(tmp_path / "this", prompts, [[51, 102], [153, 153]], seeds)
     other = hand_made_index(tmp_path / "other", prompts, [[51, 51], [204, 204]], seeds)
     csv_path = tmp_path / "scores.csv"
-    result = runner.invoke(app, ["score", "--index", str(this), "--compare", str(other), "--reward", "brightness",
-                                 "--device", "cpu", "--json", "--out", str(csv_path), "--batch-size", "3"])
+    result = runner.invoke(
+        app,
+        [
+            "score",
+            "--index",
+            str(this),
+            "--compare",
+            str(other),
+            "--reward",
+            "brightness",
+            "--device",
+            "cpu",
+            "--json",
+            "--out",
+            str(csv_path),
+            "--batch-size",
+            "3",
+        ],
+    )
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)
     assert list(document) == ["reward", "source", "overall", "prompts", "images", "compare"]
@@ -158,9 +190,14 @@ def test_cli_compare_on_hand_made_indexes(tmp_path):
     assert document["overall"]["mean"] == pytest.approx(0.45, abs=1e-6)
     assert document["overall"]["std"] == pytest.approx(math.sqrt(0.0275), abs=1e-6)
     assert [(p["mean"], p["std"], p["count"]) for p in document["prompts"]] == [
-        (pytest.approx(0.3, abs=1e-6), pytest.approx(0.1, abs=1e-6), 2), (pytest.approx(0.6, abs=1e-6), 0.0, 2)]
+        (pytest.approx(0.3, abs=1e-6), pytest.approx(0.1, abs=1e-6), 2),
+        (pytest.approx(0.6, abs=1e-6), 0.0, 2),
+    ]
     compare = document["compare"]
-    assert [p["difference"] for p in compare["prompts"]] == [pytest.approx(0.1, abs=1e-6), pytest.approx(-0.2, abs=1e-6)]
+    assert [p["difference"] for p in compare["prompts"]] == [
+        pytest.approx(0.1, abs=1e-6),
+        pytest.approx(-0.2, abs=1e-6),
+    ]
     assert compare["mean"] == pytest.approx(0.45, abs=1e-6) and compare["other_mean"] == pytest.approx(0.5, abs=1e-6)
     assert compare["mean_difference"] == pytest.approx(-0.05, abs=1e-6)
     assert (compare["improved_prompts"], compare["prompt_count"], compare["improved_fraction"]) == (1, 2, 0.5)
@@ -170,8 +207,9 @@ def test_cli_compare_on_hand_made_indexes(tmp_path):
     assert [r["seed"] for r in rows] == ["11", "12", "21", "22"]
     assert [float(r["difference"]) for r in rows] == [pytest.approx(d, abs=1e-6) for d in (0.0, 0.2, -0.2, -0.2)]
 
-    table = runner.invoke(app, ["score", "--index", str(this), "--compare", str(other), "--reward", "brightness",
-                                "--device", "cpu"])
+    table = runner.invoke(
+        app, ["score", "--index", str(this), "--compare", str(other), "--reward", "brightness", "--device", "cpu"]
+    )
     assert table.exit_code == 0, table.output
     assert "mean difference (this − other): -0.05000" in table.stdout
     assert "improved prompts: 1 of 2 (50%)" in table.stdout
@@ -194,7 +232,10 @@ def test_images_pair_with_prompt_lines_in_name_order(tmp_path):
     prompts.write_text("a cat\n\na dog\na cat\n")  # blank line dropped, the repeated "a cat" kept
     report = score(ScoreRequest(images_dir=str(folder), prompts_file=str(prompts), reward="brightness", device="cpu"))
     assert [(i.file, i.prompt, i.prompt_index, i.image_index) for i in report.images] == [
-        ("img1.png", "a cat", 0, 0), ("img10.png", "a cat", 0, 1), ("img2.png", "a dog", 1, 0)]
+        ("img1.png", "a cat", 0, 0),
+        ("img10.png", "a cat", 0, 1),
+        ("img2.png", "a dog", 1, 0),
+    ]
     by_file = {i.file: i.score for i in report.images}
     assert by_file == {"img1.png": pytest.approx(0.2), "img2.png": pytest.approx(0.4), "img10.png": pytest.approx(0.8)}
     # "a cat" = img1 (0.2) and img10 (0.8): mean 0.5, std 0.3
@@ -202,8 +243,9 @@ def test_images_pair_with_prompt_lines_in_name_order(tmp_path):
     assert sorted(["img10", "img2", "img1"], key=natural_key) == ["img1", "img2", "img10"]
 
     prompts.write_text("a cat\na dog\n")
-    result = runner.invoke(app, ["score", "--images", str(folder), "--prompts", str(prompts), "--reward",
-                                 "brightness", "--device", "cpu"])
+    result = runner.invoke(
+        app, ["score", "--images", str(folder), "--prompts", str(prompts), "--reward", "brightness", "--device", "cpu"]
+    )
     assert result.exit_code == 1
     assert "3 images in" in result.stderr and "but 2 prompt lines in" in result.stderr
 
@@ -247,8 +289,13 @@ def test_usage_errors_exit_2(tmp_path):
     index = hand_made_index(tmp_path / "run", ["p0"], [[51]], [[1]])
     assert runner.invoke(app, ["score"]).exit_code == 2
     assert runner.invoke(app, ["score", "--images", str(tmp_path)]).exit_code == 2  # no --prompts
-    assert runner.invoke(app, ["score", "--index", str(index), "--images", str(tmp_path), "--prompts", "p"]).exit_code == 2
-    assert runner.invoke(app, ["score", "--images", str(tmp_path), "--prompts", "p", "--compare", str(index)]).exit_code == 2
+    assert (
+        runner.invoke(app, ["score", "--index", str(index), "--images", str(tmp_path), "--prompts", "p"]).exit_code == 2
+    )
+    assert (
+        runner.invoke(app, ["score", "--images", str(tmp_path), "--prompts", "p", "--compare", str(index)]).exit_code
+        == 2
+    )
     assert runner.invoke(app, ["score", "--index", str(index), "--reward", "nope", "--device", "cpu"]).exit_code == 2
     assert runner.invoke(app, ["score", "--index", str(index), "--batch-size", "0"]).exit_code == 2
     with pytest.raises(UsageError, match="--compare needs --index"):
@@ -259,15 +306,32 @@ def test_sample_then_score_hpsv2_by_index_equals_by_folder(tiny_weights, tmp_pat
     from fluxgrpo.sample import SampleSettings, build_request, sample
 
     settings = SampleSettings(height=32, width=48, steps=2, max_sequence_length=16, images_per_prompt=2)
-    request = build_request(model=str(tiny_weights.flux_dir), prompts=["a red cat", "a blue dog"],
-                            out_dir=tmp_path / "run", checkpoint=None, ema=False, settings=settings, device="cpu")
+    request = build_request(
+        model=str(tiny_weights.flux_dir),
+        prompts=["a red cat", "a blue dog"],
+        out_dir=tmp_path / "run",
+        checkpoint=None,
+        ema=False,
+        settings=settings,
+        device="cpu",
+    )
     sample(request, show_progress=False)
-    by_index = score(ScoreRequest(index=str(tmp_path / "run" / "index.json"), hps_dir=str(tiny_weights.hps_dir),
-                                  device="cpu", batch_size=3))
+    by_index = score(
+        ScoreRequest(
+            index=str(tmp_path / "run" / "index.json"), hps_dir=str(tiny_weights.hps_dir), device="cpu", batch_size=3
+        )
+    )
     lines = tmp_path / "lines.txt"
     lines.write_text("a red cat\na red cat\na blue dog\na blue dog\n")  # 0000_00, 0000_01, 0001_00, 0001_01
-    by_folder = score(ScoreRequest(images_dir=str(tmp_path / "run"), prompts_file=str(lines),
-                                   hps_dir=str(tiny_weights.hps_dir), device="cpu", batch_size=1))
+    by_folder = score(
+        ScoreRequest(
+            images_dir=str(tmp_path / "run"),
+            prompts_file=str(lines),
+            hps_dir=str(tiny_weights.hps_dir),
+            device="cpu",
+            batch_size=1,
+        )
+    )
     assert [i.file for i in by_index.images] == [i.file for i in by_folder.images]
     assert [i.score for i in by_index.images] == pytest.approx([i.score for i in by_folder.images], abs=1e-6)
     assert len({round(i.score, 6) for i in by_index.images}) > 1  # scores depend on the image and prompt

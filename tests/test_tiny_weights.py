@@ -196,8 +196,17 @@ def test_tiny_tokenizers_cover_english_without_unknown_tokens():
 
 def test_cli_fetch_weights_tiny_writes_complete_parts(tmp_path):
     result = runner.invoke(
-        app, ["fetch-weights", "--source", "tiny", "--flux-dir", str(tmp_path / "f"), "--hps-dir",
-              str(tmp_path / "h"), "--json"],
+        app,
+        [
+            "fetch-weights",
+            "--source",
+            "tiny",
+            "--flux-dir",
+            str(tmp_path / "f"),
+            "--hps-dir",
+            str(tmp_path / "h"),
+            "--json",
+        ],
     )
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)

@@ -61,10 +61,29 @@ def test_ratio_is_one_before_the_first_update_and_metrics_are_complete(tiny_weig
     assert [r["iteration"] for r in records] == [1, 2]
     first = records[0]
     assert first["first_abs_log_ratio"] < 1e-5
-    for key in ("reward_mean", "reward_std", "reward_min", "reward_max", "group_std_mean", "zero_std_group_fraction",
-                "advantage_abs_mean", "ratio_mean", "ratio_min", "ratio_max", "clip_fraction", "loss",
-                "grad_norm_mean", "lr", "seconds_rollout", "seconds_decode_reward", "seconds_update",
-                "images_per_second", "peak_memory_gib", "nonfinite_rewards", "skipped_steps"):
+    for key in (
+        "reward_mean",
+        "reward_std",
+        "reward_min",
+        "reward_max",
+        "group_std_mean",
+        "zero_std_group_fraction",
+        "advantage_abs_mean",
+        "ratio_mean",
+        "ratio_min",
+        "ratio_max",
+        "clip_fraction",
+        "loss",
+        "grad_norm_mean",
+        "lr",
+        "seconds_rollout",
+        "seconds_decode_reward",
+        "seconds_update",
+        "images_per_second",
+        "peak_memory_gib",
+        "nonfinite_rewards",
+        "skipped_steps",
+    ):
         assert key in first, key
     assert read_metrics(tmp_path / "out") == records
     config_text = (tmp_path / "out" / "config.yaml").read_text()
@@ -74,8 +93,9 @@ def test_ratio_is_one_before_the_first_update_and_metrics_are_complete(tiny_weig
 def test_exact_resume_matches_an_uninterrupted_run(tiny_weights, tiny_embeddings, tmp_path):
     straight = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "straight", use_ema=True, ema_decay=0.9)
     run(straight)
-    interrupted = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "resumed", use_ema=True, ema_decay=0.9,
-                              max_train_steps=2)
+    interrupted = tiny_config(
+        tiny_weights, tiny_embeddings, tmp_path / "resumed", use_ema=True, ema_decay=0.9, max_train_steps=2
+    )
     run(interrupted)
     resumed = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "resumed", use_ema=True, ema_decay=0.9)
     records = run(resumed, resume="latest")
@@ -103,15 +123,25 @@ def test_checkpoint_loads_with_diffusers_and_holds_the_last_iteration(tiny_weigh
 
 def test_reward_rises_on_a_fixed_seed(tiny_weights, tiny_embeddings, tmp_path):
     # The shipped tiny-cpu settings (brightness reward, lr 3e-3, clip 1e-2) on one process.
-    cfg = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", max_train_steps=16, checkpointing_steps=16,
-                      num_generations=8, rollout_batch_size=8, train_micro_batch_size=4, sampling_steps=8)
+    cfg = tiny_config(
+        tiny_weights,
+        tiny_embeddings,
+        tmp_path / "out",
+        max_train_steps=16,
+        checkpointing_steps=16,
+        num_generations=8,
+        rollout_batch_size=8,
+        train_micro_batch_size=4,
+        sampling_steps=8,
+    )
     records = run(cfg)
     trend = reward_trend(records, window=4)
     assert trend["last"] > trend["first"], trend
 
 
-def test_nonfinite_rewards_get_zero_advantage_and_training_goes_on(tiny_weights, tiny_embeddings, tmp_path,
-                                                                   monkeypatch):
+def test_nonfinite_rewards_get_zero_advantage_and_training_goes_on(
+    tiny_weights, tiny_embeddings, tmp_path, monkeypatch
+):
     import fluxgrpo.models.reward as reward_module
 
     real_load = reward_module.load_reward
@@ -137,13 +167,41 @@ def test_nonfinite_rewards_get_zero_advantage_and_training_goes_on(tiny_weights,
 
 @pytest.mark.slow
 def test_two_workers_every_parameter_changes(tiny_weights, tiny_embeddings, tmp_path):
-    result = runner.invoke(app, [
-        "train", "--config", "tiny-cpu", "--dies", "2", "--json",
-        "--model", str(tiny_weights.flux_dir), "--hps-dir", str(tiny_weights.hps_dir),
-        "--data-json-path", str(tiny_embeddings.index_path), "--output-dir", str(tmp_path / "out"),
-        "--max-train-steps", "2", "--checkpointing-steps", "2", "--num-generations", "4", "--rollout-batch-size", "4",
-        "--train-micro-batch-size", "2", "--sampling-steps", "6", "--save-images-every", "1", "--images-per-save", "2",
-    ])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--config",
+            "tiny-cpu",
+            "--dies",
+            "2",
+            "--json",
+            "--model",
+            str(tiny_weights.flux_dir),
+            "--hps-dir",
+            str(tiny_weights.hps_dir),
+            "--data-json-path",
+            str(tiny_embeddings.index_path),
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--max-train-steps",
+            "2",
+            "--checkpointing-steps",
+            "2",
+            "--num-generations",
+            "4",
+            "--rollout-batch-size",
+            "4",
+            "--train-micro-batch-size",
+            "2",
+            "--sampling-steps",
+            "6",
+            "--save-images-every",
+            "1",
+            "--images-per-save",
+            "2",
+        ],
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["iterations"] == 2 and summary["reward_trend"] is not None
@@ -170,8 +228,13 @@ def test_a_failing_rank_stops_the_run_and_is_named(tiny_weights, tiny_embeddings
     entries = json.loads((emb / "videos2caption.json").read_text())
     victim = PromptSampler(len(entries), rank=1, world_size=2, batch_size=1, seed=42).next_batch()[0]
     (emb / "prompt_embed" / entries[victim]["prompt_embed_path"]).write_bytes(b"not a tensor")
-    cfg = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", data_json_path=str(emb / "videos2caption.json"),
-                      max_train_steps=1)
+    cfg = tiny_config(
+        tiny_weights,
+        tiny_embeddings,
+        tmp_path / "out",
+        data_json_path=str(emb / "videos2caption.json"),
+        max_train_steps=1,
+    )
     with pytest.raises(FluxgrpoError, match=r"rank 1 failed"):
         run(cfg, dies=2)
     assert not any(p.name.startswith("checkpoint-") for p in (tmp_path / "out").iterdir())
@@ -211,8 +274,9 @@ def test_missing_weights_say_which_command_fixes_them(tiny_weights, tiny_embeddi
 
 
 def test_missing_embeddings_say_which_command_fixes_them(tiny_weights, tiny_embeddings, tmp_path):
-    cfg = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out",
-                      data_json_path=str(tmp_path / "emb" / "videos2caption.json"))
+    cfg = tiny_config(
+        tiny_weights, tiny_embeddings, tmp_path / "out", data_json_path=str(tmp_path / "emb" / "videos2caption.json")
+    )
     with pytest.raises(FluxgrpoError, match="fluxgrpo preprocess"):
         run(cfg)
 
@@ -236,10 +300,25 @@ def test_unwritable_output_dir_is_refused_before_anything_runs(tiny_weights, tin
 
 
 def test_cli_dry_run_and_usage_errors(tiny_weights, tiny_embeddings, tmp_path):
-    result = runner.invoke(app, ["train", "--config", "tiny-cpu", "--dies", "2", "--dry-run",
-                                 "--model", str(tiny_weights.flux_dir), "--hps-dir", str(tiny_weights.hps_dir),
-                                 "--data-json-path", str(tiny_embeddings.index_path),
-                                 "--output-dir", str(tmp_path / "out")])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--config",
+            "tiny-cpu",
+            "--dies",
+            "2",
+            "--dry-run",
+            "--model",
+            str(tiny_weights.flux_dir),
+            "--hps-dir",
+            str(tiny_weights.hps_dir),
+            "--data-json-path",
+            str(tiny_embeddings.index_path),
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
     assert plan["derived"]["images_per_iteration"] == 16 and plan["device_type"] == "cpu"
@@ -259,17 +338,31 @@ def test_resume_refuses_changed_algorithm_settings_before_loading_anything(tiny_
     with pytest.raises(UsageError, match=r"--learning-rate was 0.003, now 0.0001"):
         plan_training(changed, LaunchSpec(), "latest")
     with pytest.raises(UsageError, match=r"written by 1 worker\(s\), this run has 2: use --dies 1"):
-        plan_training(tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", max_train_steps=2),
-                      LaunchSpec(nproc_per_node=2), "latest")
+        plan_training(
+            tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", max_train_steps=2),
+            LaunchSpec(nproc_per_node=2),
+            "latest",
+        )
     assert (tmp_path / "out" / "config.yaml").read_text() == config_before  # nothing overwritten
-    longer = plan_training(tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", max_train_steps=2),
-                           LaunchSpec(), "latest")
+    longer = plan_training(
+        tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", max_train_steps=2), LaunchSpec(), "latest"
+    )
     assert longer.resume_checkpoint.endswith("checkpoint-1")
 
 
 def test_cli_resume_flags_and_dry_run_checks_inputs(tiny_weights, tiny_embeddings, tmp_path):
-    common = ["train", "--config", "tiny-cpu", "--model", str(tiny_weights.flux_dir), "--hps-dir",
-              str(tiny_weights.hps_dir), "--data-json-path", str(tiny_embeddings.index_path), "--dry-run"]
+    common = [
+        "train",
+        "--config",
+        "tiny-cpu",
+        "--model",
+        str(tiny_weights.flux_dir),
+        "--hps-dir",
+        str(tiny_weights.hps_dir),
+        "--data-json-path",
+        str(tiny_embeddings.index_path),
+        "--dry-run",
+    ]
     fresh = runner.invoke(app, [*common, "--output-dir", str(tmp_path / "new"), "--resume"])
     assert fresh.exit_code == 0, fresh.output
     assert json.loads(fresh.stdout)["resume_from"] is None  # --resume with nothing to resume starts fresh

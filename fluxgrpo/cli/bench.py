@@ -17,41 +17,78 @@ def _option(name: str, help: str) -> Any:
 
 @handle_errors
 def command(
-    model: Annotated[str, _option("--model", "tiny, flux-dev-shaped (FLUX.1-dev's architecture, random weights, "
-                                  "nothing downloaded), or a diffusers FLUX folder.")] = "tiny",
-    blocks: Annotated[str | None, _option("--blocks", "D,S double and single blocks (FLUX.1-dev: 19,38); fewer to fit "
-                                      "one device.")] = None,
-    resolution: Annotated[str | None, _option("--resolution", "Image sizes to measure in turn: 512,720 (squares) or "
-                                          "720x1280 (default: 64 for tiny, else 720).")] = None,
+    model: Annotated[
+        str,
+        _option(
+            "--model",
+            "tiny, flux-dev-shaped (FLUX.1-dev's architecture, random weights, "
+            "nothing downloaded), or a diffusers FLUX folder.",
+        ),
+    ] = "tiny",
+    blocks: Annotated[
+        str | None, _option("--blocks", "D,S double and single blocks (FLUX.1-dev: 19,38); fewer to fit one device.")
+    ] = None,
+    resolution: Annotated[
+        str | None,
+        _option(
+            "--resolution",
+            "Image sizes to measure in turn: 512,720 (squares) or 720x1280 (default: 64 for tiny, else 720).",
+        ),
+    ] = None,
     steps: Annotated[int, _option("--steps", "Sampling steps N per trajectory.")] = 16,
-    rollout_batch_sizes: Annotated[str, _option("--rollout-batch-sizes", "Trajectories per forward to compare "
-                                                "(rollout, decode, reward).")] = "1,2,4,8",
-    micro_batch_sizes: Annotated[str, _option("--micro-batch-sizes", "Training micro-batch sizes to compare "
-                                              "(update).")] = "1,2",
-    activation_checkpointing: Annotated[str, _option("--activation-checkpointing", "Update with checkpointing: "
-                                                     "both, on or off.")] = "both",
-    trajectories: Annotated[int | None, _option("--trajectories", "Trajectories B per iteration (default: the least "
-                                            "common multiple of the batch sizes).")] = None,
-    train_timesteps: Annotated[int | None, _option("--train-timesteps", "Trained timesteps T per trajectory (default: "
-                                               "int((N-1)·0.6), at least 1).")] = None,
+    rollout_batch_sizes: Annotated[
+        str, _option("--rollout-batch-sizes", "Trajectories per forward to compare (rollout, decode, reward).")
+    ] = "1,2,4,8",
+    micro_batch_sizes: Annotated[
+        str, _option("--micro-batch-sizes", "Training micro-batch sizes to compare (update).")
+    ] = "1,2",
+    activation_checkpointing: Annotated[
+        str, _option("--activation-checkpointing", "Update with checkpointing: both, on or off.")
+    ] = "both",
+    trajectories: Annotated[
+        int | None,
+        _option(
+            "--trajectories", "Trajectories B per iteration (default: the least common multiple of the batch sizes)."
+        ),
+    ] = None,
+    train_timesteps: Annotated[
+        int | None,
+        _option("--train-timesteps", "Trained timesteps T per trajectory (default: int((N-1)·0.6), at least 1)."),
+    ] = None,
     text_tokens: Annotated[int, _option("--text-tokens", "T5 tokens of the random conditioning.")] = 512,
-    dies: Annotated[int, _option("--dies", "Devices; more than 1 runs torchrun workers with the transformer "
-                                 "sharded as in training.")] = 1,
+    dies: Annotated[
+        int,
+        _option("--dies", "Devices; more than 1 runs torchrun workers with the transformer sharded as in training."),
+    ] = 1,
     device: Annotated[str, _option("--device", "auto, or a device type (see `fluxgrpo env-check`).")] = "auto",
-    dtype: Annotated[str | None, _option("--dtype", "Compute dtype bf16 or fp32, weights staying fp32 (default: bf16 "
-                                     "on accelerators, fp32 on cpu).")] = None,
+    dtype: Annotated[
+        str | None,
+        _option(
+            "--dtype", "Compute dtype bf16 or fp32, weights staying fp32 (default: bf16 on accelerators, fp32 on cpu)."
+        ),
+    ] = None,
     attention: Annotated[str, _option("--attention", "Attention kernel, as `fluxgrpo train --attention`.")] = "sdpa",
-    peak_tflops: Annotated[float | None, _option("--peak-tflops", "Dense peak TFLOPS of one device for MFU (default: "
-                                             "from the device table).")] = None,
+    peak_tflops: Annotated[
+        float | None,
+        _option("--peak-tflops", "Dense peak TFLOPS of one device for MFU (default: from the device table)."),
+    ] = None,
     repeats: Annotated[int, _option("--repeats", "Timed runs per configuration (the median is shown).")] = 3,
     warmup: Annotated[int, _option("--warmup", "Untimed runs before them.")] = 1,
-    reward: Annotated[str, _option("--reward", "auto, tiny-clip, vit-h-14 (random weights), brightness, or hpsv2 "
-                                   "(weights from --hps-dir).")] = "auto",
+    reward: Annotated[
+        str,
+        _option(
+            "--reward", "auto, tiny-clip, vit-h-14 (random weights), brightness, or hpsv2 (weights from --hps-dir)."
+        ),
+    ] = "auto",
     hps_dir: Annotated[str, _option("--hps-dir", "HPS weights for --reward hpsv2.")] = DEFAULT_HPS_DIR,
     compile_model: Annotated[bool, _option("--compile", "torch.compile the transformer (opt-in).")] = False,
     seed: Annotated[int, _option("--seed", "Seed for weights, conditioning and noise.")] = 0,
-    json_output: Annotated[bool, _option("--json", "JSON lines (config, device, versions, model, figures, "
-                                         "summaries) on stdout as they are measured.")] = False,
+    json_output: Annotated[
+        bool,
+        _option(
+            "--json", "JSON lines (config, device, versions, model, figures, summaries) on stdout as they are measured."
+        ),
+    ] = False,
 ) -> None:
     """Measure one GRPO iteration phase by phase, at several batch sizes side by side.
 
@@ -65,11 +102,27 @@ def command(
     from fluxgrpo.bench import build_bench_config, run_bench
 
     cfg = build_bench_config(
-        model=model, blocks=blocks, resolution=resolution, rollout_batch_sizes=rollout_batch_sizes,
-        micro_batch_sizes=micro_batch_sizes, steps=steps, activation_checkpointing=activation_checkpointing,
-        trajectories=trajectories, train_timesteps=train_timesteps, text_tokens=text_tokens, dies=dies,
-        device=device, dtype=dtype, attention=attention, peak_tflops=peak_tflops, repeats=repeats, warmup=warmup,
-        reward=reward, hps_dir=hps_dir, compile=compile_model, seed=seed,
+        model=model,
+        blocks=blocks,
+        resolution=resolution,
+        rollout_batch_sizes=rollout_batch_sizes,
+        micro_batch_sizes=micro_batch_sizes,
+        steps=steps,
+        activation_checkpointing=activation_checkpointing,
+        trajectories=trajectories,
+        train_timesteps=train_timesteps,
+        text_tokens=text_tokens,
+        dies=dies,
+        device=device,
+        dtype=dtype,
+        attention=attention,
+        peak_tflops=peak_tflops,
+        repeats=repeats,
+        warmup=warmup,
+        reward=reward,
+        hps_dir=hps_dir,
+        compile=compile_model,
+        seed=seed,
     )
 
     def emit(record: dict[str, Any]) -> None:
@@ -122,8 +175,11 @@ def _render(records: list[dict[str, Any]]) -> None:
         highlight=False,
     )
     figures = [r for r in records if r["record"] == "figure"]
-    console.print("rate: images/s (rollout, decode, reward), trained samples/s (update), steps/s (optimizer); "
-                  "× = rate over the same phase's rate at its smallest batch size", highlight=False)
+    console.print(
+        "rate: images/s (rollout, decode, reward), trained samples/s (update), steps/s (optimizer); "
+        "× = rate over the same phase's rate at its smallest batch size",
+        highlight=False,
+    )
     for summary in (r for r in records if r["record"] == "summary"):
         resolution = summary["resolution"]
         rows = [f for f in figures if f["resolution"] == resolution]
@@ -142,8 +198,12 @@ def _render(records: list[dict[str, Any]]) -> None:
         ]
         cells = [[cell(f) for _, cell in columns] for f in rows]
         keep = [i for i in range(len(columns)) if i < 3 or any(row[i] != "-" for row in cells)]
-        table = Table(title=f"{resolution}, {rows[0]['work'] if rows else 0} images per iteration",
-                      title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+        table = Table(
+            title=f"{resolution}, {rows[0]['work'] if rows else 0} images per iteration",
+            title_justify="left",
+            box=box.SIMPLE_HEAD,
+            pad_edge=False,
+        )
         for i in keep:
             table.add_column(columns[i][0], justify="left" if i == 0 else "right", no_wrap=True)
         for row in cells:
@@ -156,14 +216,21 @@ def _render(records: list[dict[str, Any]]) -> None:
                 part = it[end]
                 shares = ", ".join(f"{phase} {share:.0%}" for phase, share in part["share"].items())
                 sizes = ", ".join(f"{phase} {size}" for phase, size in part["batch_sizes"].items())
-                console.print(f"iteration ({mode}; {sizes}): {part['seconds']:.3g} s, "
-                              f"{part['images_per_second']:.3g} images/s: {shares}", highlight=False)
+                console.print(
+                    f"iteration ({mode}; {sizes}): {part['seconds']:.3g} s, "
+                    f"{part['images_per_second']:.3g} images/s: {shares}",
+                    highlight=False,
+                )
             if not same:
-                console.print(f"iteration speed-up, largest vs smallest batches ({mode}): {it['speedup']:.2f}×",
-                              highlight=False)
+                console.print(
+                    f"iteration speed-up, largest vs smallest batches ({mode}): {it['speedup']:.2f}×", highlight=False
+                )
         for size, saved in summary["activation_checkpointing_by_micro_batch"].items():
             savings = [f"{_bytes(saved['activation_bytes_saved'])} of activations held for backward"]
             if saved["peak_memory_saved_bytes"] is not None:
                 savings.insert(0, f"{_bytes(saved['peak_memory_saved_bytes'])} of peak memory")
-            console.print(f"activation checkpointing at micro-batch {size}: saves {' and '.join(savings)}; update "
-                          f"time × {_ratio(saved['time_ratio_on_over_off'])}", highlight=False)
+            console.print(
+                f"activation checkpointing at micro-batch {size}: saves {' and '.join(savings)}; update "
+                f"time × {_ratio(saved['time_ratio_on_over_off'])}",
+                highlight=False,
+            )

@@ -55,11 +55,11 @@ def _one_line(text: str) -> str:
 
 
 def bash_script(cli: list[Subcommand]) -> str:
-    cases = "\n".join(
-        f'        {c.name}) opts="{" ".join(n for f in c.flags for n in f.names)}" ;;' for c in cli
-    )
+    cases = "\n".join(f'        {c.name}) opts="{" ".join(n for f in c.flags for n in f.names)}" ;;' for c in cli)
     names = " ".join(c.name for c in cli)
-    return HEADER + f"""_fluxgrpo() {{
+    return (
+        HEADER
+        + f"""_fluxgrpo() {{
     local cur="${{COMP_WORDS[COMP_CWORD]}}" opts=""
     if [[ $COMP_CWORD -eq 1 ]]; then
         COMPREPLY=( $(compgen -W "{names} --help --version" -- "$cur") )
@@ -76,6 +76,7 @@ def bash_script(cli: list[Subcommand]) -> str:
 }}
 complete -o default -F _fluxgrpo fluxgrpo
 """
+    )
 
 
 def zsh_script(cli: list[Subcommand]) -> str:
@@ -85,10 +86,15 @@ def zsh_script(cli: list[Subcommand]) -> str:
         specs = []
         for f in c.flags:
             for n in f.names:
-                specs.append(f"'{n}[{f.help.replace('[', '(').replace(']', ')').replace(':', ' ')}]" +
-                             (":value:_files'" if f.takes_value else "'"))
+                specs.append(
+                    f"'{n}[{f.help.replace('[', '(').replace(']', ')').replace(':', ' ')}]"
+                    + (":value:_files'" if f.takes_value else "'")
+                )
         cases.append(f"        {c.name}) _arguments \\\n            " + " \\\n            ".join(specs) + " ;;")
-    return "#compdef fluxgrpo\n" + HEADER + f"""_fluxgrpo() {{
+    return (
+        "#compdef fluxgrpo\n"
+        + HEADER
+        + f"""_fluxgrpo() {{
     local -a commands
     commands=(
 {commands}
@@ -105,6 +111,7 @@ def zsh_script(cli: list[Subcommand]) -> str:
 }}
 _fluxgrpo "$@"
 """
+    )
 
 
 def fish_script(cli: list[Subcommand]) -> str:

@@ -20,7 +20,9 @@ def _gib(n: int | None) -> str:
 def command(
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
     flux_dir: Annotated[str, typer.Option("--flux-dir", help="FLUX diffusers folder.")] = DEFAULT_FLUX_DIR,
-    hps_dir: Annotated[str, typer.Option("--hps-dir", help="Folder of the HPS and open_clip weights.")] = DEFAULT_HPS_DIR,
+    hps_dir: Annotated[
+        str, typer.Option("--hps-dir", help="Folder of the HPS and open_clip weights.")
+    ] = DEFAULT_HPS_DIR,
     embeddings_dir: Annotated[
         str, typer.Option("--embeddings", help="Embeddings folder written by `fluxgrpo preprocess`.")
     ] = DEFAULT_EMBEDDINGS_DIR,
@@ -69,8 +71,11 @@ def _render(report: dict) -> None:
     env.add_column("value")
     env.add_column("recommended (set for workers when unset)")
     for row in report["accelerator_env"]:
-        env.add_row(row["name"], row["value"] if row["value"] is not None else "[dim]unset[/]",
-                    row["recommended"] or "[dim]cluster-specific[/]")
+        env.add_row(
+            row["name"],
+            row["value"] if row["value"] is not None else "[dim]unset[/]",
+            row["recommended"] or "[dim]cluster-specific[/]",
+        )
     out_console.print(env)
 
     checks = Table(title="Checks", title_justify="left")

@@ -51,35 +51,58 @@ def command(
     ] = DEFAULT_HPS_DIR,
     revision: Annotated[
         str | None,
-        typer.Option("--revision", help="Branch, tag or commit to fetch; needs a single part (--only).",
-                     rich_help_panel=HUB_HELP),
+        typer.Option(
+            "--revision", help="Branch, tag or commit to fetch; needs a single part (--only).", rich_help_panel=HUB_HELP
+        ),
     ] = None,
     token: Annotated[
         str | None,
-        typer.Option("--token", help="Access token. Default: HF_TOKEN / `hf auth login`, MODELSCOPE_API_TOKEN / "
-                     "`modelscope login`. Never printed or saved.", rich_help_panel=HUB_HELP, show_default=False),
+        typer.Option(
+            "--token",
+            help="Access token. Default: HF_TOKEN / `hf auth login`, MODELSCOPE_API_TOKEN / "
+            "`modelscope login`. Never printed or saved.",
+            rich_help_panel=HUB_HELP,
+            show_default=False,
+        ),
     ] = None,
     endpoint: Annotated[
         str | None,
-        typer.Option("--endpoint", help="Hub URL, e.g. a mirror. Default: HF_ENDPOINT / MODELSCOPE_ENDPOINT, else the "
-                     "hub itself.", rich_help_panel=HUB_HELP),
+        typer.Option(
+            "--endpoint",
+            help="Hub URL, e.g. a mirror. Default: HF_ENDPOINT / MODELSCOPE_ENDPOINT, else the hub itself.",
+            rich_help_panel=HUB_HELP,
+        ),
     ] = None,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="List the files, their sizes and what is missing; download nothing.",
-                           rich_help_panel=HUB_HELP)
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="List the files, their sizes and what is missing; download nothing.",
+            rich_help_panel=HUB_HELP,
+        ),
     ] = False,
     max_workers: Annotated[
         int | None,
-        typer.Option("--max-workers", help="Files downloaded in parallel (default 8).", rich_help_panel=HUB_HELP,
-                     show_default=False),
+        typer.Option(
+            "--max-workers",
+            help="Files downloaded in parallel (default 8).",
+            rich_help_panel=HUB_HELP,
+            show_default=False,
+        ),
     ] = None,
     rehash: Annotated[
-        bool, typer.Option("--rehash", help="Re-read every file on disk to verify it, even those a manifest vouches "
-                           "for.", rich_help_panel=HUB_HELP)
+        bool,
+        typer.Option(
+            "--rehash",
+            help="Re-read every file on disk to verify it, even those a manifest vouches for.",
+            rich_help_panel=HUB_HELP,
+        ),
     ] = False,
     seed: Annotated[
-        int | None, typer.Option("--seed", help="Seed of the tiny random weights, --source tiny only (default 0).",
-                                 show_default=False)
+        int | None,
+        typer.Option(
+            "--seed", help="Seed of the tiny random weights, --source tiny only (default 0).", show_default=False
+        ),
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
 ) -> None:
@@ -101,8 +124,14 @@ def command(
         raise UsageError(f"unknown --source {source!r}: use one of {', '.join(SOURCES)}")
     parts = _parse_only(only)
     if source == "tiny":
-        hub_only = {"--revision": revision, "--token": token, "--endpoint": endpoint, "--dry-run": dry_run,
-                    "--max-workers": max_workers, "--rehash": rehash}
+        hub_only = {
+            "--revision": revision,
+            "--token": token,
+            "--endpoint": endpoint,
+            "--dry-run": dry_run,
+            "--max-workers": max_workers,
+            "--rehash": rehash,
+        }
         given = [flag for flag, value in hub_only.items() if value not in (None, False)]
         if given:
             raise UsageError(f"{given[0]} applies to --source hf or modelscope, not to --source tiny")
@@ -110,8 +139,19 @@ def command(
         return
     if seed is not None:
         raise UsageError("--seed applies to --source tiny only: hub weights are the published ones")
-    _hub(source, parts, flux_dir, hps_dir, revision=revision, token=token, endpoint=endpoint, dry_run=dry_run,
-         max_workers=8 if max_workers is None else max_workers, rehash=rehash, json_output=json_output)
+    _hub(
+        source,
+        parts,
+        flux_dir,
+        hps_dir,
+        revision=revision,
+        token=token,
+        endpoint=endpoint,
+        dry_run=dry_run,
+        max_workers=8 if max_workers is None else max_workers,
+        rehash=rehash,
+        json_output=json_output,
+    )
 
 
 def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_output: bool) -> None:
@@ -129,13 +169,25 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
         "clip": lambda: check_hps_dir(hps_dir)[1],
         "pickscore": lambda: check_pickscore_dir(pickscore_dir(hps_dir)),
     }
-    sizes = {"flux": summary.flux_bytes, "hps": summary.hps_bytes, "clip": summary.clip_bytes,
-             "pickscore": summary.pickscore_bytes}
+    sizes = {
+        "flux": summary.flux_bytes,
+        "hps": summary.hps_bytes,
+        "clip": summary.clip_bytes,
+        "pickscore": summary.pickscore_bytes,
+    }
     rows = []
     for part in summary.parts:
         status = checks[part]()
-        rows.append({"part": status.name, "path": status.path, "source": status.source, "complete": status.complete,
-                     "bytes": sizes[part], "problems": status.problems})
+        rows.append(
+            {
+                "part": status.name,
+                "path": status.path,
+                "source": status.source,
+                "complete": status.complete,
+                "bytes": sizes[part],
+                "problems": status.problems,
+            }
+        )
     if json_output:
         print_json({"source": "tiny", "seed": seed, "parts": rows})
         return
@@ -150,14 +202,33 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
     out_console.print(table)
 
 
-def _hub(source: str, parts: list[str] | None, flux_dir: str, hps_dir: str, *, revision: str | None,
-         token: str | None, endpoint: str | None, dry_run: bool, max_workers: int, rehash: bool,
-         json_output: bool) -> None:
+def _hub(
+    source: str,
+    parts: list[str] | None,
+    flux_dir: str,
+    hps_dir: str,
+    *,
+    revision: str | None,
+    token: str | None,
+    endpoint: str | None,
+    dry_run: bool,
+    max_workers: int,
+    rehash: bool,
+    json_output: bool,
+) -> None:
     from fluxgrpo.weights.hub import DEFAULT_PARTS, fetch_from_hub
 
     summary = fetch_from_hub(
-        source, parts=parts or list(DEFAULT_PARTS), flux_dir=flux_dir, hps_dir=hps_dir, revision=revision,
-        token=token, endpoint=endpoint, dry_run=dry_run, max_workers=max_workers, progress=not json_output,
+        source,
+        parts=parts or list(DEFAULT_PARTS),
+        flux_dir=flux_dir,
+        hps_dir=hps_dir,
+        revision=revision,
+        token=token,
+        endpoint=endpoint,
+        dry_run=dry_run,
+        max_workers=max_workers,
+        progress=not json_output,
         rehash=rehash,
     )
     if json_output:
@@ -191,7 +262,8 @@ def _print_plan(summary: Any) -> None:
         f"dry run ({plan.source}, {plan.endpoint}): {plan.files_to_fetch} of {files} files to download, "
         f"{format_bytes(plan.bytes_to_fetch)} of {format_bytes(plan.bytes_total)} ({plan.bytes_to_fetch} bytes); "
         "nothing was written",
-        highlight=False, soft_wrap=True,
+        highlight=False,
+        soft_wrap=True,
     )
 
 
@@ -204,13 +276,19 @@ def _print_summary(summary: Any) -> None:
     for column in ("part", "repo", "folder", "files", "downloaded", "already present"):
         table.add_column(column, overflow="fold")
     for part in summary.parts:
-        table.add_row(part.part, f"{part.repo}@{_short(part.revision)}", part.dir, str(part.files),
-                      f"{part.files_downloaded} ({format_bytes(part.bytes_downloaded)})",
-                      format_bytes(part.bytes_present))
+        table.add_row(
+            part.part,
+            f"{part.repo}@{_short(part.revision)}",
+            part.dir,
+            str(part.files),
+            f"{part.files_downloaded} ({format_bytes(part.bytes_downloaded)})",
+            format_bytes(part.bytes_present),
+        )
     out_console.print(table)
     out_console.print(
         f"complete: {summary.files} files in place; downloaded {summary.files_downloaded} "
         f"({format_bytes(summary.bytes_downloaded)}), {format_bytes(summary.bytes_present)} already present; "
         f"{summary.seconds:.1f} s",
-        highlight=False, soft_wrap=True,
+        highlight=False,
+        soft_wrap=True,
     )

@@ -67,8 +67,10 @@ def command(
     table.add_row("encoded now", str(summary["encoded"]))
     table.add_row("already present", str(summary["skipped"]))
     table.add_row("truncated", f"{summary['truncated']} (longer than {summary['seq_len']} T5 tokens)")
-    table.add_row("shapes", f"[{summary['seq_len']}, {summary['embed_dim']}] + pooled [{summary['pooled_dim']}], "
-                            f"{summary['dtype']}")
+    table.add_row(
+        "shapes",
+        f"[{summary['seq_len']}, {summary['embed_dim']}] + pooled [{summary['pooled_dim']}], {summary['dtype']}",
+    )
     table.add_row("ranks", str(summary["world_size"]))
     out_console.print(table)
 
@@ -83,5 +85,7 @@ def _run_workers(prompts_path: str, model: str, out: str, max_sequence_length: i
     return launch_with_summary(
         "fluxgrpo.preprocess",
         lambda scratch: worker_argv(prompts_path, model, out, max_sequence_length, device, scratch / "summary.json"),
-        dies, resolve_device_type(device), log=err_console.print,
+        dies,
+        resolve_device_type(device),
+        log=err_console.print,
     )

@@ -24,7 +24,9 @@ def command(
             show_default=False,
         ),
     ] = None,
-    ema: Annotated[bool, typer.Option("--ema", help="Use the checkpoint's EMA weights (runs trained with --use-ema).")] = False,
+    ema: Annotated[
+        bool, typer.Option("--ema", help="Use the checkpoint's EMA weights (runs trained with --use-ema).")
+    ] = False,
     prompts_file: Annotated[
         str | None, typer.Option("--prompts", help="Prompt file, one per line (blank lines and repeats dropped).")
     ] = None,
@@ -36,9 +38,7 @@ def command(
     width: Annotated[int, typer.Option("--width", help="Image width in pixels (multiple of 16).")] = 720,
     steps: Annotated[int, typer.Option("--steps", help="Denoising steps.")] = 28,
     guidance: Annotated[float, typer.Option("--guidance", help="FLUX-dev distilled guidance.")] = 3.5,
-    seed: Annotated[
-        int, typer.Option("--seed", help="Run seed S; image j of prompt i is seeded from (S, i, j).")
-    ] = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Run seed S; image j of prompt i is seeded from (S, i, j).")] = 0,
     batch_size: Annotated[
         int, typer.Option("--batch-size", help="Images per forward pass (does not change the images).")
     ] = 1,
@@ -86,11 +86,20 @@ def command(
         prompts = read_prompts(prompts_file)
     else:
         prompts = list(dict.fromkeys(text.strip() for text in prompt or [] if text.strip()))
-    settings = SampleSettings(height=height, width=width, steps=steps, guidance=guidance, seed=seed,
-                              images_per_prompt=images_per_prompt, batch_size=batch_size,
-                              max_sequence_length=max_sequence_length, attention=attention)
-    request = build_request(model=model, prompts=prompts, out_dir=out, checkpoint=checkpoint, ema=ema,
-                            settings=settings, device=device)
+    settings = SampleSettings(
+        height=height,
+        width=width,
+        steps=steps,
+        guidance=guidance,
+        seed=seed,
+        images_per_prompt=images_per_prompt,
+        batch_size=batch_size,
+        max_sequence_length=max_sequence_length,
+        attention=attention,
+    )
+    request = build_request(
+        model=model, prompts=prompts, out_dir=out, checkpoint=checkpoint, ema=ema, settings=settings, device=device
+    )
     if dies == 1:
         from fluxgrpo.sample import sample
 
@@ -129,5 +138,6 @@ def _run_workers(request, dies: int) -> dict:
         request_path.write_text(json.dumps(request.to_dict(), indent=2) + "\n", encoding="utf-8")
         return ["--request", str(request_path), "--summary-json", str(scratch / "summary.json")]
 
-    return launch_with_summary("fluxgrpo.sample", worker_args, dies, resolve_device_type(request.device),
-                               log=err_console.print)
+    return launch_with_summary(
+        "fluxgrpo.sample", worker_args, dies, resolve_device_type(request.device), log=err_console.print
+    )

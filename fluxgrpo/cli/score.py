@@ -54,8 +54,16 @@ def command(
     """
     from fluxgrpo.score import ScoreRequest, check_csv_destination, score, write_csv
 
-    request = ScoreRequest(index=index, images_dir=images, prompts_file=prompts, reward=reward, hps_dir=hps_dir,
-                           batch_size=batch_size, device=device, compare=compare).validate()
+    request = ScoreRequest(
+        index=index,
+        images_dir=images,
+        prompts_file=prompts,
+        reward=reward,
+        hps_dir=hps_dir,
+        batch_size=batch_size,
+        device=device,
+        compare=compare,
+    ).validate()
     if out is not None:
         check_csv_destination(out)  # before hours of scoring, not after
     report = score(request, progress=_progress_printer())
@@ -98,7 +106,9 @@ def _print_tables(report) -> None:
     prompts.add_column("images", justify="right")
     prompts.add_column("mean ± std", justify="right")
     for stats in report.prompts:
-        prompts.add_row(str(stats.prompt_index), escape(stats.prompt), str(stats.count), f"{stats.mean:.5f} ± {stats.std:.5f}")
+        prompts.add_row(
+            str(stats.prompt_index), escape(stats.prompt), str(stats.count), f"{stats.mean:.5f} ± {stats.std:.5f}"
+        )
     out_console.print(prompts)
     overall = report.overall
     out_console.print(f"overall: {overall.mean:.5f} ± {overall.std:.5f} over {overall.count} images")
@@ -114,8 +124,13 @@ def _print_tables(report) -> None:
     table.add_column("this − other", justify="right")
     for row in comparison.prompts:
         style = "green" if row.difference > 0 else "red" if row.difference < 0 else ""
-        table.add_row(str(row.prompt_index), escape(row.prompt), f"{row.mean:.5f}", f"{row.other_mean:.5f}",
-                      f"[{style}]{row.difference:+.5f}[/]" if style else f"{row.difference:+.5f}")
+        table.add_row(
+            str(row.prompt_index),
+            escape(row.prompt),
+            f"{row.mean:.5f}",
+            f"{row.other_mean:.5f}",
+            f"[{style}]{row.difference:+.5f}[/]" if style else f"{row.difference:+.5f}",
+        )
     out_console.print(table)
     out_console.print(
         f"mean difference (this − other): {comparison.mean_difference:+.5f} over {comparison.count} paired images "

@@ -7,7 +7,7 @@ help can never drift apart (and no flag exists that the trainer ignores).
 from __future__ import annotations
 
 import inspect
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 
@@ -27,13 +27,24 @@ def _hyperparameter_parameters() -> list[inspect.Parameter]:
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         default = f.default if f.default is not MISSING else None
         if kind == "bool":
-            option = typer.Option(None, f"--{flag}/--no-{flag}", help=f"{f.metadata['help']} [default: {default}]",
-                                  show_default=False, rich_help_panel="Hyperparameters (also YAML keys)")
+            option = typer.Option(
+                None,
+                f"--{flag}/--no-{flag}",
+                help=f"{f.metadata['help']} [default: {default}]",
+                show_default=False,
+                rich_help_panel="Hyperparameters (also YAML keys)",
+            )
         else:
-            option = typer.Option(None, f"--{flag}", help=f"{f.metadata['help']} [default: {default}]",
-                                  show_default=False, rich_help_panel="Hyperparameters (also YAML keys)")
-        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
-                                        annotation=Optional[_PY_TYPES[kind]]))  # noqa: UP007 (typer needs Optional)
+            option = typer.Option(
+                None,
+                f"--{flag}",
+                help=f"{f.metadata['help']} [default: {default}]",
+                show_default=False,
+                rich_help_panel="Hyperparameters (also YAML keys)",
+            )
+        params.append(
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=_PY_TYPES[kind] | None)
+        )
     return params
 
 
@@ -73,18 +84,30 @@ def _train(
     from fluxgrpo.train import launch_training, plan_training
 
     cfg = build_config(config, hyperparameters)
-    spec = LaunchSpec(nproc_per_node=dies, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-                      master_port=master_port)
+    spec = LaunchSpec(
+        nproc_per_node=dies, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port
+    )
     plan = plan_training(cfg, spec, resume, dry_run=dry_run)
     if dry_run:
-        print_json({"config": cfg.to_dict(), "derived": plan.derived, "device_type": plan.device_type,
-                    "worker_env": plan.worker_env, "resume_from": plan.resume_checkpoint})
+        print_json(
+            {
+                "config": cfg.to_dict(),
+                "derived": plan.derived,
+                "device_type": plan.device_type,
+                "worker_env": plan.worker_env,
+                "resume_from": plan.resume_checkpoint,
+            }
+        )
         return
     err_console.print(f"[bold]fluxgrpo train[/]: {plan.device_type} × {spec.world_size}, output {cfg.output_dir}")
     records = launch_training(plan, log=lambda line: err_console.print(line, highlight=False))
     trend = reward_trend(records)
-    result = {"output_dir": cfg.output_dir, "iterations": len(records), "reward_trend": trend,
-              "final": records[-1] if records else None}
+    result = {
+        "output_dir": cfg.output_dir,
+        "iterations": len(records),
+        "reward_trend": trend,
+        "final": records[-1] if records else None,
+    }
     if json_output:
         print_json(result)
     elif trend is not None:
@@ -97,21 +120,25 @@ def _train(
 
 
 def command(
-    config: Annotated[Optional[str], typer.Option("--config", help="Shipped config name (see --list-configs) or a YAML file.")] = None,  # noqa: UP007
+    config: Annotated[
+        str | None, typer.Option("--config", help="Shipped config name (see --list-configs) or a YAML file.")
+    ] = None,
     list_configs: Annotated[bool, typer.Option("--list-configs", help="Show the shipped configs and exit.")] = False,
     dies: Annotated[int, typer.Option("--dies", help="Worker processes on this node (one per accelerator die).")] = 1,
     nnodes: Annotated[int, typer.Option("--nnodes", help="Nodes in the job (run the same command on each).")] = 1,
     node_rank: Annotated[int, typer.Option("--node-rank", help="This node's index, 0 … nnodes−1.")] = 0,
-    master_addr: Annotated[Optional[str], typer.Option("--master-addr", help="Address of node 0 (multi-node).")] = None,  # noqa: UP007
-    master_port: Annotated[Optional[int], typer.Option("--master-port", help="Rendezvous port on node 0.")] = None,  # noqa: UP007
+    master_addr: Annotated[str | None, typer.Option("--master-addr", help="Address of node 0 (multi-node).")] = None,
+    master_port: Annotated[int | None, typer.Option("--master-port", help="Rendezvous port on node 0.")] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue from the latest complete checkpoint in --output-dir (if any).")
     ] = False,
     resume_from: Annotated[
-        Optional[str],  # noqa: UP007
+        str | None,
         typer.Option("--resume-from", help="Continue from this checkpoint folder (or its name in --output-dir)."),
     ] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate, print the resolved config as JSON, start nothing.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Validate, print the resolved config as JSON, start nothing.")
+    ] = False,
     json_output: Annotated[bool, typer.Option("--json", help="Print the run summary as one JSON document.")] = False,
     **hyperparameters: Any,
 ) -> None:
@@ -124,14 +151,27 @@ def command(
       fluxgrpo train --config a3-16die --dies 16 --resume
       fluxgrpo train --config a3-16die --dies 16 --resume-from data/outputs/grpo/checkpoint-80
     """
-    _train(config=config, list_configs=list_configs, dies=dies, nnodes=nnodes, node_rank=node_rank,
-           master_addr=master_addr, master_port=master_port,
-           resume=resume_from if resume_from is not None else ("latest" if resume else None), dry_run=dry_run,
-           json_output=json_output, **hyperparameters)
+    _train(
+        config=config,
+        list_configs=list_configs,
+        dies=dies,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        resume=resume_from if resume_from is not None else ("latest" if resume else None),
+        dry_run=dry_run,
+        json_output=json_output,
+        **hyperparameters,
+    )
 
 
 def _with_generated_signature(fn):
-    fixed = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    fixed = [
+        p
+        for p in inspect.signature(fn, eval_str=True).parameters.values()
+        if p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
     fn.__signature__ = inspect.Signature([*fixed, *_hyperparameter_parameters()])
     return fn
 

@@ -115,7 +115,7 @@ def stored_embedding_ok(out_dir: str | Path, index: int, seq_len: int, embed_dim
         embeds = _load(files[PROMPT_EMBED_DIR], mmap=True)
         pooled = _load(files[POOLED_DIR], mmap=True)
         text_ids = _load(files[TEXT_IDS_DIR], mmap=True)
-    except Exception:  # noqa: BLE001 (missing, truncated or not a tensor file all mean "encode again")
+    except Exception:
         return False
     return (
         tuple(embeds.shape) == (seq_len, embed_dim)
@@ -171,7 +171,7 @@ class EmbeddingDataset:
             raise FluxgrpoError(f"embedding file {path} is missing: {self._fix} (it re-encodes only what is missing)")
         try:
             tensor = _load(path, mmap=mmap)
-        except Exception as exc:  # noqa: BLE001 (torch.load fails in many ways on a damaged file; all are "corrupt")
+        except Exception as exc:
             raise FluxgrpoError(
                 f"embedding file {path} is corrupt ({type(exc).__name__}): delete it and {self._fix}"
             ) from None

@@ -15,9 +15,7 @@ class GroupAdvantages:
     num_nonfinite: int  # rewards that were NaN/±inf (excluded from their group's mean and std)
 
 
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, adv_clip_max: float, eps: float = 1e-8
-) -> GroupAdvantages:
+def group_advantages(rewards: torch.Tensor, group_size: int, adv_clip_max: float, eps: float = 1e-8) -> GroupAdvantages:
     """A_j = clamp((r_j − mean_g) / (std_g + eps), ±adv_clip_max) per contiguous group g of ``group_size``.
 
     std is the unbiased (n−1) estimator, as in DanceGRPO. A non-finite reward gets advantage 0 and is left out

@@ -35,9 +35,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def _trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     reshard_sharded_modules(model)
-    return {
-        _canonical_name(name): parameter for name, parameter in model.named_parameters() if parameter.requires_grad
-    }
+    return {_canonical_name(name): parameter for name, parameter in model.named_parameters() if parameter.requires_grad}
 
 
 class ShardedEMA:

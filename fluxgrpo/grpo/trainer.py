@@ -61,7 +61,9 @@ class TrainingParts:
 # --------------------------------------------------------------------------------------------- set-up
 
 
-def shard_transformer(transformer: torch.nn.Module, cpu_offload: bool, compute_dtype: torch.dtype = torch.float32) -> None:
+def shard_transformer(
+    transformer: torch.nn.Module, cpu_offload: bool, compute_dtype: torch.dtype = torch.float32
+) -> None:
     """FSDP2: one unit per double and single block, then the root (embedders, norm_out, proj_out).
 
     With a reduced compute dtype the all-gathered parameters are cast to it once per gather (half the traffic,
@@ -121,8 +123,9 @@ def adapt_for_device(transformer: torch.nn.Module, cfg: TrainConfig, ctx: DistCo
     """Accelerator-specific kernels (fused RMSNorm, float32 RoPE, fused attention), decided by the runtime."""
     from fluxgrpo.runtime.adapt import adapt_transformer
 
-    adapt_transformer(transformer, ctx.device_type, attention=cfg.attention,
-                      compute_dtype=rt_device.compute_dtype(ctx.device_type))
+    adapt_transformer(
+        transformer, ctx.device_type, attention=cfg.attention, compute_dtype=rt_device.compute_dtype(ctx.device_type)
+    )
 
 
 # --------------------------------------------------------------------------------------------- stages
@@ -152,13 +155,17 @@ def initial_noise(cfg: TrainConfig, num_prompts: int, generator: torch.Generator
     draws = num_prompts if cfg.init_same_noise else num_prompts * cfg.num_generations
     noise = torch.randn(
         (draws, shape.channels, shape.latent_height, shape.latent_width),
-        generator=generator, device=device, dtype=torch.float32,
+        generator=generator,
+        device=device,
+        dtype=torch.float32,
     )
     packed = pack_latents(noise)
     return packed.repeat_interleave(cfg.num_generations, dim=0) if cfg.init_same_noise else packed
 
 
-def decode_and_score(parts: TrainingParts, cfg: TrainConfig, final_x0: torch.Tensor, captions) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_and_score(
+    parts: TrainingParts, cfg: TrainConfig, final_x0: torch.Tensor, captions
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Images [B,3,H,W] in [0,1] and rewards [B] fp32, decoded and scored in chunks of rollout_batch_size."""
     from fluxgrpo.grpo.latents import unpack_latents
     from fluxgrpo.models.flux import decode_latents
@@ -213,10 +220,18 @@ def reward_statistics(ctx: DistContext, rewards: torch.Tensor, group_size: int) 
     group_std = (group_spread.pow(2).sum(dim=1) / (group_count - 1).clamp(min=1)).sqrt()
     group_std = torch.where(group_count > 1, group_std, torch.zeros_like(group_std))
 
-    stats = torch.stack([mean, std, low, high, group_std.mean(), (group_std < 1e-8).float().mean(),
-                         (~finite).sum().float(), count]).tolist()
-    names = ("reward_mean", "reward_std", "reward_min", "reward_max", "group_std_mean", "zero_std_group_fraction",
-             "nonfinite_rewards")
+    stats = torch.stack(
+        [mean, std, low, high, group_std.mean(), (group_std < 1e-8).float().mean(), (~finite).sum().float(), count]
+    ).tolist()
+    names = (
+        "reward_mean",
+        "reward_std",
+        "reward_min",
+        "reward_max",
+        "group_std_mean",
+        "zero_std_group_fraction",
+        "nonfinite_rewards",
+    )
     out = dict(zip(names, stats[:-1], strict=True))
     if stats[-1] == 0:
         out.update(reward_mean=math.nan, reward_std=math.nan, reward_min=math.nan, reward_max=math.nan)
@@ -229,8 +244,11 @@ def reduce_update_stats(ctx: DistContext, stats: dict[str, float]) -> dict[str, 
     means = torch.tensor([stats[k] for k in mean_keys], dtype=torch.float32, device=ctx.device)
     rt_dist.all_reduce_sum(ctx, means)
     # min(x) = −max(−x), so one MAX reduction covers both ends
-    extremes = torch.tensor([-stats["ratio_min"], stats["ratio_max"], stats["first_abs_log_ratio"],
-                             stats["grad_norm_max"]], dtype=torch.float32, device=ctx.device)
+    extremes = torch.tensor(
+        [-stats["ratio_min"], stats["ratio_max"], stats["first_abs_log_ratio"], stats["grad_norm_max"]],
+        dtype=torch.float32,
+        device=ctx.device,
+    )
     rt_dist.all_reduce_max(ctx, extremes)
     out = dict(zip(mean_keys, (means / ctx.world_size).tolist(), strict=True))
     low, out["ratio_max"], out["first_abs_log_ratio"], out["grad_norm_max"] = extremes.tolist()
@@ -282,8 +300,16 @@ class PhaseClock:
         return self._last - self._start
 
 
-def iteration_record(ctx: DistContext, cfg: TrainConfig, parts: TrainingParts, iteration: int,
-                     rewards: torch.Tensor, advantages: torch.Tensor, update: Any, clock: PhaseClock) -> dict[str, Any]:
+def iteration_record(
+    ctx: DistContext,
+    cfg: TrainConfig,
+    parts: TrainingParts,
+    iteration: int,
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    update: Any,
+    clock: PhaseClock,
+) -> dict[str, Any]:
     """Everything metrics.jsonl holds for one iteration, reduced over ranks."""
     peak = rt_device.peak_memory_bytes(ctx.device)
     return {
@@ -308,9 +334,17 @@ def save_training_checkpoint(ctx: DistContext, cfg: TrainConfig, parts: Training
         "sampler": {str(rank): state for rank, state in enumerate(samplers)},
         "config": cfg.to_dict(),
     }
-    return save_checkpoint(Path(cfg.output_dir), iteration, ctx, parts.transformer, parts.optimizer,
-                           parts.lr_scheduler, ema=parts.ema, trainer_state=trainer_state,
-                           keep_last=cfg.keep_last or None)
+    return save_checkpoint(
+        Path(cfg.output_dir),
+        iteration,
+        ctx,
+        parts.transformer,
+        parts.optimizer,
+        parts.lr_scheduler,
+        ema=parts.ema,
+        trainer_state=trainer_state,
+        keep_last=cfg.keep_last or None,
+    )
 
 
 def restore(ctx: DistContext, parts: TrainingParts, checkpoint: Path | None) -> int:
@@ -347,8 +381,14 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
         output_dir = Path(cfg.output_dir)
         parts = build_parts(cfg, ctx)
         start = restore(ctx, parts, resolve_resume(output_dir, resume) if resume is not None else None)
-        metrics = MetricsLogger(output_dir, enabled=ctx.is_main, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
-                                config=cfg.to_dict(), resume_after=start)
+        metrics = MetricsLogger(
+            output_dir,
+            enabled=ctx.is_main,
+            tensorboard=cfg.tensorboard,
+            wandb=cfg.wandb,
+            config=cfg.to_dict(),
+            resume_after=start,
+        )
         sigmas = sigma_schedule(cfg.sampling_steps, cfg.shift).to(ctx.device)  # [N+1]
         img_ids = image_ids(cfg.height, cfg.width).to(ctx.device)  # [L, 3]
         records = []
@@ -356,14 +396,23 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
             rt_device.reset_peak_memory(ctx.device)
             clock = PhaseClock(ctx.device)
             noise_gen = torch.Generator(device=ctx.device).manual_seed(
-                derive_seed(cfg.seed, ctx.rank, iteration, NOISE_STREAM))
+                derive_seed(cfg.seed, ctx.rank, iteration, NOISE_STREAM)
+            )
             timestep_gen = torch.Generator().manual_seed(derive_seed(cfg.seed, ctx.rank, iteration, TIMESTEP_STREAM))
 
             cond = draw_prompts(parts, cfg)  # [B = prompts × G] rows, groups contiguous
             noise = initial_noise(cfg, cfg.train_batch_size, noise_gen, ctx.device)  # [B, L, C]
             rollout = generate_rollout(
-                parts.transformer, cond, noise, sigmas, eta=cfg.eta, guidance=cfg.guidance, img_ids=img_ids,
-                rollout_batch_size=cfg.rollout_batch_size, device_type=ctx.device_type, generator=noise_gen,
+                parts.transformer,
+                cond,
+                noise,
+                sigmas,
+                eta=cfg.eta,
+                guidance=cfg.guidance,
+                img_ids=img_ids,
+                rollout_batch_size=cfg.rollout_batch_size,
+                device_type=ctx.device_type,
+                generator=noise_gen,
             )
             clock.lap("rollout")
 
@@ -372,11 +421,21 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
 
             adv = group_advantages(rewards, cfg.num_generations, cfg.adv_clip_max)  # [B]
             update = policy_update(
-                parts.transformer, rollout, cond, adv.advantages,
-                timestep_fraction=cfg.timestep_fraction, clip_range=cfg.clip_range, adv_clip_max=cfg.adv_clip_max,
-                micro_batch_size=cfg.train_micro_batch_size, grad_accum_steps=cfg.gradient_accumulation_steps,
-                max_grad_norm=cfg.max_grad_norm, optimizer=parts.optimizer, lr_scheduler=parts.lr_scheduler,
-                device_type=ctx.device_type, generator_cpu=timestep_gen, ema=parts.ema,
+                parts.transformer,
+                rollout,
+                cond,
+                adv.advantages,
+                timestep_fraction=cfg.timestep_fraction,
+                clip_range=cfg.clip_range,
+                adv_clip_max=cfg.adv_clip_max,
+                micro_batch_size=cfg.train_micro_batch_size,
+                grad_accum_steps=cfg.gradient_accumulation_steps,
+                max_grad_norm=cfg.max_grad_norm,
+                optimizer=parts.optimizer,
+                lr_scheduler=parts.lr_scheduler,
+                device_type=ctx.device_type,
+                generator_cpu=timestep_gen,
+                ema=parts.ema,
             )
             clock.lap("update")
 

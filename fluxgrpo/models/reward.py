@@ -145,7 +145,7 @@ def read_state_dict(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict) or not state:
         raise FluxgrpoError(f"{path} holds no state dict: re-run `fluxgrpo fetch-weights`")
     if all(key.startswith("module.") for key in state):  # saved from a DDP-wrapped model
-        state = {key[len("module."):]: value for key, value in state.items()}
+        state = {key[len("module.") :]: value for key, value in state.items()}
     return state
 
 
@@ -282,8 +282,14 @@ class HpsV2Reward:
 
     name = "hpsv2"
 
-    def __init__(self, hps_dir: str | Path, device: Any = "cpu", batch_size: int = 32, text_cache_size: int = 4096,
-                 compute_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        hps_dir: str | Path,
+        device: Any = "cpu",
+        batch_size: int = 32,
+        text_cache_size: int = 4096,
+        compute_dtype: torch.dtype | None = None,
+    ):
         import open_clip
         import torch
 
@@ -377,19 +383,25 @@ class ClipImageSpec:
     def from_processor(cls, processor: Any) -> ClipImageSpec:
         """Read a CLIPImageProcessor's settings; FluxgrpoError for settings this tensor path does not reproduce."""
         if getattr(processor, "do_rescale", True) is False or getattr(processor, "do_convert_rgb", True) is False:
-            raise FluxgrpoError("the PickScore image processor must rescale to [0, 1] and convert to RGB: re-run "
-                                "`fluxgrpo fetch-weights --only pickscore`")
+            raise FluxgrpoError(
+                "the PickScore image processor must rescale to [0, 1] and convert to RGB: re-run "
+                "`fluxgrpo fetch-weights --only pickscore`"
+            )
         shortest = _size_field(processor.size, "shortest_edge") if processor.do_resize else None
         if processor.do_resize and shortest is None:
-            raise FluxgrpoError(f"the PickScore image processor resizes to {processor.size}, not by the shortest edge: "
-                                "re-run `fluxgrpo fetch-weights --only pickscore`")
+            raise FluxgrpoError(
+                f"the PickScore image processor resizes to {processor.size}, not by the shortest edge: "
+                "re-run `fluxgrpo fetch-weights --only pickscore`"
+            )
         crop = None
         if processor.do_center_crop:
             crop = (_size_field(processor.crop_size, "height"), _size_field(processor.crop_size, "width"))
         mode = _RESAMPLE_MODES.get(int(processor.resample))
         if mode is None:
-            raise FluxgrpoError(f"the PickScore image processor resamples with PIL mode {processor.resample}; only "
-                                "bicubic (3) and bilinear (2) are supported")
+            raise FluxgrpoError(
+                f"the PickScore image processor resamples with PIL mode {processor.resample}; only "
+                "bicubic (3) and bilinear (2) are supported"
+            )
         normalize = bool(processor.do_normalize)
         return cls(
             shortest_edge=shortest,
@@ -464,23 +476,32 @@ class PickScoreReward:
 
     name = "pickscore"
 
-    def __init__(self, folder: str | Path, device: Any = "cpu", batch_size: int = 32, text_cache_size: int = 4096,
-                 compute_dtype: Any = None):
+    def __init__(
+        self,
+        folder: str | Path,
+        device: Any = "cpu",
+        batch_size: int = 32,
+        text_cache_size: int = 4096,
+        compute_dtype: Any = None,
+    ):
         import torch
         from transformers import CLIPImageProcessor, CLIPModel, CLIPTokenizer
 
         folder = Path(folder)
         status = check_pickscore_dir(folder)
         if not status.complete:
-            raise FluxgrpoError(f"PickScore weights in {folder} are not usable ({'; '.join(status.problems)}): "
-                                f"{status.fix}")
+            raise FluxgrpoError(
+                f"PickScore weights in {folder} are not usable ({'; '.join(status.problems)}): {status.fix}"
+            )
         try:
             model = CLIPModel.from_pretrained(folder / PICKSCORE_MODEL_DIR, dtype=torch.float32)
             self.tokenizer = CLIPTokenizer.from_pretrained(folder / PICKSCORE_PROCESSOR_DIR)
             processor = CLIPImageProcessor.from_pretrained(folder / PICKSCORE_PROCESSOR_DIR)
         except (OSError, ValueError) as exc:
-            raise FluxgrpoError(f"cannot load PickScore from {folder} ({type(exc).__name__}: {exc}): re-run "
-                                f"`fluxgrpo fetch-weights --only pickscore --hps-dir {folder.parent}`") from exc
+            raise FluxgrpoError(
+                f"cannot load PickScore from {folder} ({type(exc).__name__}: {exc}): re-run "
+                f"`fluxgrpo fetch-weights --only pickscore --hps-dir {folder.parent}`"
+            ) from exc
         self.device = torch.device(device)
         self.model = model.eval().requires_grad_(False).to(self.device)
         self.image_spec = ClipImageSpec.from_processor(processor)
@@ -522,16 +543,18 @@ class PickScoreReward:
 
         from fluxgrpo.runtime.device import autocast
 
-        tokens = self.tokenizer(prompts, padding="max_length", max_length=PICKSCORE_MAX_LENGTH, truncation=True,
-                                return_tensors="pt").to(self.device)
+        tokens = self.tokenizer(
+            prompts, padding="max_length", max_length=PICKSCORE_MAX_LENGTH, truncation=True, return_tensors="pt"
+        ).to(self.device)
         with torch.no_grad(), autocast(self.device.type, dtype=self.compute_dtype):
-            output = self.model.get_text_features(input_ids=tokens["input_ids"],
-                                                  attention_mask=tokens["attention_mask"])
+            output = self.model.get_text_features(
+                input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]
+            )
         return F.normalize(_projected(output).float(), dim=-1)
 
 
 _REWARDS: dict[str, Callable[[Path, Any], RewardFn]] = {
-    "hpsv2": lambda hps_dir, device: HpsV2Reward(hps_dir, device),
+    "hpsv2": HpsV2Reward,
     "pickscore": lambda hps_dir, device: PickScoreReward(pickscore_dir(hps_dir), device),
     "brightness": lambda hps_dir, device: BrightnessReward(),
 }

@@ -25,5 +25,7 @@ def adapt_transformer(transformer: Any, device_type: str, *, attention: str = "s
 
         return adapt_flux_for_npu(transformer, attention=attention, compute_dtype=compute_dtype)
     if attention != "sdpa":
-        raise UsageError(f"--attention {attention} needs an Ascend NPU (torch_npu's fused attention); use --attention sdpa")
+        raise UsageError(
+            f"--attention {attention} needs an Ascend NPU (torch_npu's fused attention); use --attention sdpa"
+        )
     return None

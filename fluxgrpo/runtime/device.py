@@ -51,7 +51,7 @@ def npu_import_status() -> NpuImportStatus:
         _npu_status = NpuImportStatus(installed=False, importable=False, error=None, version=None)
         return _npu_status
     try:
-        import torch_npu  # noqa: F401
+        import torch_npu
     except Exception as exc:  # ImportError / OSError / RuntimeError without CANN
         message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         _npu_status = NpuImportStatus(installed=True, importable=False, error=message, version=None)

@@ -112,7 +112,9 @@ def run_torchrun(
         try:
             code = run(argv, env=full_env)
         except KeyboardInterrupt:
-            raise FluxgrpoError("interrupted: workers stopped (no checkpoint is marked complete unless it was)") from None
+            raise FluxgrpoError(
+                "interrupted: workers stopped (no checkpoint is marked complete unless it was)"
+            ) from None
         if code != 0:
             first = first_worker_error(Path(error_dir))
             if first is not None:
@@ -148,8 +150,7 @@ def worker_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             if error_dir and not isinstance(exc, SystemExit | KeyboardInterrupt):
                 rank = os.environ.get("RANK", "0")
                 message = str(exc) if isinstance(exc, FluxgrpoError) else f"{type(exc).__name__}: {exc}"
-                record = {"rank": int(rank), "error": message, "time": time.time(),
-                          "traceback": traceback.format_exc()}
+                record = {"rank": int(rank), "error": message, "time": time.time(), "traceback": traceback.format_exc()}
                 Path(error_dir, f"rank{rank}.json").write_text(json.dumps(record))
             raise
 
@@ -219,5 +220,6 @@ def check_dies_fit(device_type: str, nproc: int) -> None:
 
     available = rt_device.device_count(device_type)
     if nproc > available:
-        raise UsageError(f"--dies {nproc} but only {available} {device_type} device(s) are visible "
-                         "(check the visible-device mask)")
+        raise UsageError(
+            f"--dies {nproc} but only {available} {device_type} device(s) are visible (check the visible-device mask)"
+        )

@@ -54,4 +54,3 @@ def apply_npu_env_defaults(environ: MutableMapping[str, str] | None = None) -> d
             environ[var.name] = var.recommended
             applied[var.name] = var.recommended
     return applied
-

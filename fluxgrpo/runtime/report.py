@@ -94,8 +94,18 @@ def device_report(requested: str | None = None) -> dict[str, Any]:
 
 
 PACKAGES = (
-    "torch", "torchvision", "torch-npu", "diffusers", "transformers", "open_clip_torch",
-    "huggingface_hub", "modelscope", "modelscope-hub", "safetensors", "typer", "rich",
+    "torch",
+    "torchvision",
+    "torch-npu",
+    "diffusers",
+    "transformers",
+    "open_clip_torch",
+    "huggingface_hub",
+    "modelscope",
+    "modelscope-hub",
+    "safetensors",
+    "typer",
+    "rich",
 )
 
 
@@ -116,8 +126,12 @@ def stack_warnings(dev: dict[str, Any]) -> list[tuple[str, str]]:
     """(detail, fix) for an accelerator stack that is installed but unusable."""
     stack = dev["accelerator_stack"]
     if stack["torch_npu_installed"] and not stack["torch_npu_importable"]:
-        return [(stack["explanation"] or "torch-npu does not load",
-                 "source CANN's set_env.sh, or `pip uninstall torch-npu` on machines without one")]
+        return [
+            (
+                stack["explanation"] or "torch-npu does not load",
+                "source CANN's set_env.sh, or `pip uninstall torch-npu` on machines without one",
+            )
+        ]
     return []
 
 

@@ -134,7 +134,9 @@ HUB_PARTS: dict[str, HubPart] = {
             {"hf": (_CLIP_REPO,), "modelscope": (_CLIP_MIRROR_REPO, _CLIP_REPO)},
             # The tokenizer in either form is required; whichever other files of it the repo has come along.
             allow=(
-                "preprocessor_config.json", "tokenizer_config.json", (PICKSCORE_TOKENIZER_JSON, PICKSCORE_BPE_FILES[0])
+                "preprocessor_config.json",
+                "tokenizer_config.json",
+                (PICKSCORE_TOKENIZER_JSON, PICKSCORE_BPE_FILES[0]),
             ),
             optional=(PICKSCORE_TOKENIZER_JSON, *PICKSCORE_BPE_FILES, "special_tokens_map.json"),
             root="hps",
@@ -225,12 +227,22 @@ class PartPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "part": self.part, "source": self.source, "repo": self.repo, "revision": self.revision,
-            "dir": str(self.root), "manifest": str(self.root / self.manifest_name),
-            "bytes_total": self.bytes_total, "bytes_to_fetch": self.bytes_to_fetch,
+            "part": self.part,
+            "source": self.source,
+            "repo": self.repo,
+            "revision": self.revision,
+            "dir": str(self.root),
+            "manifest": str(self.root / self.manifest_name),
+            "bytes_total": self.bytes_total,
+            "bytes_to_fetch": self.bytes_to_fetch,
             "files": [
-                {"path": f.path, "size": f.size, "sha256": f.remote.sha256, "state": f.state,
-                 "resume_from": f.resume_from}
+                {
+                    "path": f.path,
+                    "size": f.size,
+                    "sha256": f.remote.sha256,
+                    "state": f.state,
+                    "resume_from": f.resume_from,
+                }
                 for f in self.files
             ],
         }
@@ -258,8 +270,11 @@ class FetchPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "source": self.source, "endpoint": self.endpoint, "bytes_total": self.bytes_total,
-            "bytes_to_fetch": self.bytes_to_fetch, "files_to_fetch": self.files_to_fetch,
+            "source": self.source,
+            "endpoint": self.endpoint,
+            "bytes_total": self.bytes_total,
+            "bytes_to_fetch": self.bytes_to_fetch,
+            "files_to_fetch": self.files_to_fetch,
             "parts": [p.to_dict() for p in self.parts],
         }
 
@@ -309,10 +324,16 @@ class FetchSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "source": self.source, "endpoint": self.endpoint, "dry_run": self.dry_run,
-            "seconds": round(self.seconds, 3), "files": self.files, "files_downloaded": self.files_downloaded,
-            "bytes_downloaded": self.bytes_downloaded, "bytes_present": self.bytes_present,
-            "revisions": self.revisions, "parts": [vars(p) for p in self.parts],
+            "source": self.source,
+            "endpoint": self.endpoint,
+            "dry_run": self.dry_run,
+            "seconds": round(self.seconds, 3),
+            "files": self.files,
+            "files_downloaded": self.files_downloaded,
+            "bytes_downloaded": self.bytes_downloaded,
+            "bytes_present": self.bytes_present,
+            "revisions": self.revisions,
+            "parts": [vars(p) for p in self.parts],
             **({"plan": self.plan.to_dict()} if self.dry_run else {}),
         }
 
@@ -373,8 +394,9 @@ def fetch_from_hub(
     if max_workers < 1:
         raise UsageError(f"--max-workers must be at least 1, got {max_workers}")
     if dry_run:
-        plan = plan_fetch(source, parts=parts, flux_dir=flux_dir, hps_dir=hps_dir, revision=revision, token=token,
-                          endpoint=endpoint)
+        plan = plan_fetch(
+            source, parts=parts, flux_dir=flux_dir, hps_dir=hps_dir, revision=revision, token=token, endpoint=endpoint
+        )
         results = [_result(p, manifest=None, downloaded=0, fetched_bytes=0) for p in plan.parts]
         return FetchSummary(source, plan.endpoint, True, time.monotonic() - started, results, plan)
 
@@ -396,8 +418,10 @@ def fetch_from_hub(
             for root in sorted(set(roots.values())):
                 freed = client.remove_orphans(root)
                 if freed:
-                    view.log(f"removed {format_bytes(freed)} of partial downloads in {root} that nothing can "
-                             "continue (left by an earlier Hugging Face download)")
+                    view.log(
+                        f"removed {format_bytes(freed)} of partial downloads in {root} that nothing can "
+                        "continue (left by an earlier Hugging Face download)"
+                    )
             plans = [
                 _classify(client, part, roots[part.name], *listings[part.name], view, verify=True, rehash=rehash)
                 for part in selected
@@ -406,8 +430,9 @@ def fetch_from_hub(
                 _log_plan(view, plan)
             _check_disk_space(plans)
             results = [_fetch_part(client, plan, max_workers, view) for plan in plans]
-    return FetchSummary(source, client.endpoint, False, time.monotonic() - started, results,
-                        FetchPlan(source, client.endpoint, plans))
+    return FetchSummary(
+        source, client.endpoint, False, time.monotonic() - started, results, FetchPlan(source, client.endpoint, plans)
+    )
 
 
 # -- planning ------------------------------------------------------------------------------------------------
@@ -429,7 +454,13 @@ def _part_root(part: HubPart, flux_dir: str | Path, hps_dir: str | Path) -> Path
 
 
 def _plan_part(
-    client: HubClient, part: HubPart, root: Path, revision: str | None, view: ProgressView, *, verify: bool,
+    client: HubClient,
+    part: HubPart,
+    root: Path,
+    revision: str | None,
+    view: ProgressView,
+    *,
+    verify: bool,
     rehash: bool,
 ) -> PartPlan:
     repo, resolved, files = _resolve_part(client, part, revision, view)
@@ -445,7 +476,8 @@ def _resolve_part(
         others = [source for source, repos in part.repos.items() if repos]
         raise UsageError(
             f"{part.name} has no known repository on {client.source}: fetch it with "
-            f"`fluxgrpo fetch-weights --source {others[0]} --only {part.name}`" if others
+            f"`fluxgrpo fetch-weights --source {others[0]} --only {part.name}`"
+            if others
             else f"{part.name} has no known repository on any hub"
         )
     first_error: FluxgrpoError | None = None
@@ -488,8 +520,16 @@ def _allowed_files(
 
 
 def _classify(
-    client: HubClient, part: HubPart, root: Path, repo: str, revision: str, files: list[RemoteFile],
-    view: ProgressView, *, verify: bool, rehash: bool,
+    client: HubClient,
+    part: HubPart,
+    root: Path,
+    repo: str,
+    revision: str,
+    files: list[RemoteFile],
+    view: ProgressView,
+    *,
+    verify: bool,
+    rehash: bool,
 ) -> PartPlan:
     """Compare each listed file with the disk. Reads file contents only when ``verify``."""
     vouched = {} if rehash else _vouched_by_manifest(root, part.manifest_name)
@@ -581,8 +621,9 @@ def _log_plan(view: ProgressView, plan: PartPlan) -> None:
     view.log(
         f"{plan.part}: {plan.repo}@{revision} ({plan.source}) — {_files(len(plan.files))}, "
         f"{format_bytes(plan.bytes_total)}; {len(plan.files) - len(fetch)} present, {len(fetch)} to download "
-        f"({format_bytes(plan.bytes_to_fetch)}" + (f", continuing {format_bytes(resumed)} already received" if resumed
-                                                   else "") + ")"
+        f"({format_bytes(plan.bytes_to_fetch)}"
+        + (f", continuing {format_bytes(resumed)} already received" if resumed else "")
+        + ")"
     )
 
 
@@ -695,8 +736,10 @@ def _fetch_file(client: HubClient, plan: PartPlan, item: PlannedFile, view: Prog
     client.discard(root, remote.path, keep_partial=False)
     assert digest is not None
     kind, expected, got = (
-        ("sha256", remote.sha256, digest.sha256) if remote.sha256 is not None
-        else ("git blob id", remote.git_sha1, digest.git_sha1) if remote.git_sha1 is not None
+        ("sha256", remote.sha256, digest.sha256)
+        if remote.sha256 is not None
+        else ("git blob id", remote.git_sha1, digest.git_sha1)
+        if remote.git_sha1 is not None
         else ("size", str(remote.size), str(digest.size))
     )
     raise FluxgrpoError(

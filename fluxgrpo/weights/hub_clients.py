@@ -65,7 +65,9 @@ class HubClient(Protocol):
     def preflight(self, repo: str, revision: str, path: str) -> None:
         """Fail early, before anything is written, if the hub will refuse to serve ``path``."""
 
-    def download(self, repo: str, revision: str, remote: RemoteFile, root: Path, advance: Callable[[int], None]) -> None:
+    def download(
+        self, repo: str, revision: str, remote: RemoteFile, root: Path, advance: Callable[[int], None]
+    ) -> None:
         """Write ``root / remote.path``, reporting written bytes through ``advance``."""
 
     def partial_bytes(self, root: Path, path: str) -> int:
@@ -167,7 +169,9 @@ class HuggingFaceClient:
         try:
             from huggingface_hub import HfApi
         except ImportError as exc:
-            raise FluxgrpoError(f"--source hf needs huggingface_hub ({exc}): `pip install 'huggingface_hub>=1.0'`") from exc
+            raise FluxgrpoError(
+                f"--source hf needs huggingface_hub ({exc}): `pip install 'huggingface_hub>=1.0'`"
+            ) from exc
 
         # HF_ENDPOINT is read here, not at huggingface_hub's import, so a mirror set later still counts.
         self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or HF_DEFAULT_ENDPOINT).rstrip("/")
@@ -183,7 +187,8 @@ class HuggingFaceClient:
             entries = self._api.list_repo_tree(repo, recursive=True, revision=resolved)
             files = [
                 RemoteFile(
-                    e.path, e.size,
+                    e.path,
+                    e.size,
                     sha256=e.lfs.sha256 if e.lfs is not None else None,
                     git_sha1=None if e.lfs is not None else e.blob_id,
                 )
@@ -202,7 +207,9 @@ class HuggingFaceClient:
         except Exception as exc:
             raise self.translate(exc, repo, revision, path) from exc
 
-    def download(self, repo: str, revision: str, remote: RemoteFile, root: Path, advance: Callable[[int], None]) -> None:
+    def download(
+        self, repo: str, revision: str, remote: RemoteFile, root: Path, advance: Callable[[int], None]
+    ) -> None:
         """Continue (or start) ``<path>.incomplete`` with a Range request, then rename it onto ``root / path``.
 
         A partial file longer than the remote file cannot be a prefix of it and is started again. A failure
@@ -366,22 +373,27 @@ class ModelScopeClient:
         except Exception as exc:
             raise self.translate(exc, repo, resolved) from exc
         files = [
-            RemoteFile(f.path, int(f.size or 0), sha256=(f.sha256 or None))
-            for f in listing
-            if f.path and not f.is_dir
+            RemoteFile(f.path, int(f.size or 0), sha256=(f.sha256 or None)) for f in listing if f.path and not f.is_dir
         ]
         return resolved, files
 
     def preflight(self, repo: str, revision: str, path: str) -> None:
         pass  # the listing already needed the same access as a download
 
-    def download(self, repo: str, revision: str, remote: RemoteFile, root: Path, advance: Callable[[int], None]) -> None:
+    def download(
+        self, repo: str, revision: str, remote: RemoteFile, root: Path, advance: Callable[[int], None]
+    ) -> None:
         try:
             # Our own sha256 check follows (once, with one re-download); passing expected_sha256 here would
             # make modelscope_hub hash again and retry with its own back-off.
             self._downloader.download_file(
-                repo_id=repo, repo_type="model", file_path=remote.path, revision=revision, local_dir=root,
-                file_size=remote.size, progress_callbacks=[callback_class_for(advance)],
+                repo_id=repo,
+                repo_type="model",
+                file_path=remote.path,
+                revision=revision,
+                local_dir=root,
+                file_size=remote.size,
+                progress_callbacks=[callback_class_for(advance)],
             )
         except Exception as exc:
             raise self.translate(exc, repo, revision, remote.path, root) from exc
@@ -446,7 +458,9 @@ class ModelScopeClient:
             )
         if isinstance(exc, ms.NotExistError):
             if path is not None:
-                return FluxgrpoError(f"{where} is listed but ModelScope has no such file (404): rerun, or pin --revision")
+                return FluxgrpoError(
+                    f"{where} is listed but ModelScope has no such file (404): rerun, or pin --revision"
+                )
             return RepoNotFound(
                 f"repository {repo} at revision {revision!r} not found on {self.endpoint} (or it is private: "
                 "`modelscope login` or --token); check the repo id and --revision"

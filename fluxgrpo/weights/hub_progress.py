@@ -29,7 +29,7 @@ def _fit(text: str) -> str:
         indent = text[: len(text) - len(text.lstrip())]
         folder, _, name = text.strip().rpartition("/")
         head = f"{indent}{folder}/…" if folder else f"{indent}…"
-        text = head + name[-(_DESCRIPTION_WIDTH - len(head)):]
+        text = head + name[-(_DESCRIPTION_WIDTH - len(head)) :]
     return text[:_DESCRIPTION_WIDTH].ljust(_DESCRIPTION_WIDTH)
 
 

@@ -84,7 +84,9 @@ def check_reward_file(hps_dir: str | Path, filename: str, part: str, manifest_na
     root = Path(hps_dir)
     only = {"hps": "hps", "clip": "clip"}[part]
     status = PartStatus(
-        part, str(root / filename), complete=False,
+        part,
+        str(root / filename),
+        complete=False,
         fix=f"run `fluxgrpo fetch-weights --only {only} --hps-dir {root}`",
     )
     path = root / filename
@@ -134,7 +136,9 @@ def check_pickscore_dir(folder: str | Path) -> PartStatus:
     root = Path(folder)
     model, processor = root / PICKSCORE_MODEL_DIR, root / PICKSCORE_PROCESSOR_DIR
     status = PartStatus(
-        "pickscore", str(root), complete=False,
+        "pickscore",
+        str(root),
+        complete=False,
         fix=f"run `fluxgrpo fetch-weights --only pickscore --hps-dir {root.parent}` (or --source tiny for a CPU trial)",
     )
     if not root.is_dir():

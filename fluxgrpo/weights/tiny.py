@@ -52,8 +52,9 @@ class TinyWeightsSummary:
     parts: tuple[str, ...] = TINY_PARTS  # the parts written, in TINY_PARTS order
 
 
-def _refuse_unless_tiny_or_empty(folder: Path, manifest_names: tuple[str, ...], own_files: tuple[str, ...] | None,
-                                 flag: str) -> None:
+def _refuse_unless_tiny_or_empty(
+    folder: Path, manifest_names: tuple[str, ...], own_files: tuple[str, ...] | None, flag: str
+) -> None:
     """Never overwrite real weights with tiny ones: only an empty folder or an earlier tiny one is replaced."""
     if not folder.exists():
         return
@@ -181,5 +182,13 @@ def write_tiny_weights(
     flux_bytes = write_tiny_flux(Path(flux_dir), seed) if "flux" in written else 0
     hps_bytes, clip_bytes = write_tiny_reward(Path(hps_dir), seed) if "hps" in written else (0, 0)
     pickscore_bytes = write_tiny_pickscore(pickscore_dir(hps_dir), seed) if "pickscore" in written else 0
-    return TinyWeightsSummary(Path(flux_dir), Path(hps_dir), seed, flux_bytes, hps_bytes, clip_bytes, pickscore_bytes,
-                              tuple(part for part in TINY_PARTS if part in written))
+    return TinyWeightsSummary(
+        Path(flux_dir),
+        Path(hps_dir),
+        seed,
+        flux_bytes,
+        hps_bytes,
+        clip_bytes,
+        pickscore_bytes,
+        tuple(part for part in TINY_PARTS if part in written),
+    )
