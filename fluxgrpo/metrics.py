@@ -10,10 +10,16 @@ from typing import Any
 from fluxgrpo.errors import UsageError
 
 METRICS_FILE = "metrics.jsonl"
+RUN_INFO_FILE = "run_info.json"
+WANDB_ID_FILE = "wandb_run_id"
 
 
 class MetricsLogger:
-    """Appends one JSON object per iteration; a no-op on ranks other than 0."""
+    """Appends one JSON object per record; TensorBoard / wandb scalars, eval grids and reward histograms too.
+
+    A no-op on ranks other than 0, except that ``log(..., histograms=...)`` gathers the tensors across ranks
+    (a collective: every rank calls it) when a back-end that draws histograms is on.
+    """
 
     def __init__(
         self,
@@ -24,10 +30,20 @@ class MetricsLogger:
         wandb: bool = False,
         config: dict[str, Any] | None = None,
         resume_after: int = 0,
+        ctx: Any = None,
+        wandb_project: str = "fluxgrpo",
+        wandb_name: str = "",
+        wandb_mode: str = "",
+        run_info: dict[str, Any] | None = None,
     ) -> None:
         """Keep only records of iterations ≤ ``resume_after`` (0 for a fresh run): a run that died past its last
-        checkpoint logged iterations that the resumed run repeats, and metrics.jsonl must read as one run."""
+        checkpoint logged iterations that the resumed run repeats, and metrics.jsonl must read as one run.
+
+        ``ctx`` (a DistContext) is needed only to gather histograms across ranks; ``run_info`` (versions and
+        hardware, see ``run_info``) is written to ``run_info.json`` for ``fluxgrpo report``."""
         self.enabled = enabled
+        self._ctx = ctx
+        self._gathers = tensorboard or wandb  # the same on every rank, so the collective matches
         self._file = None
         self._tb = None
         self._wandb = None
@@ -39,6 +55,8 @@ class MetricsLogger:
             kept = [r for r in read_metrics(output_dir) if r.get("iteration", 0) <= resume_after]
             path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self._file = open(path, "a", buffering=1)  # noqa: SIM115 - held open for the run, closed in close()
+        if run_info is not None:
+            (output_dir / RUN_INFO_FILE).write_text(json.dumps(run_info, indent=2) + "\n")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -46,26 +64,54 @@ class MetricsLogger:
                 raise UsageError(
                     "--tensorboard needs the tensorboard package: pip install 'fluxgrpo[tensorboard]'"
                 ) from None
-            self._tb = SummaryWriter(str(output_dir / "tensorboard"))
+            # purge_step drops the events a crashed run wrote past the checkpoint we resume from
+            self._tb = SummaryWriter(
+                str(output_dir / "tensorboard"), purge_step=resume_after + 1 if resume_after else None
+            )
         if wandb:
-            try:
-                import wandb as wandb_module
-            except ImportError:
-                raise UsageError("--wandb needs the wandb package: pip install 'fluxgrpo[wandb]'") from None
-            self._wandb = wandb_module.init(project="fluxgrpo", config=config, dir=str(output_dir))
+            self._wandb = _start_wandb(output_dir, config, wandb_project, wandb_name, wandb_mode)
 
-    def log(self, record: dict[str, Any]) -> None:
+    def log(self, record: dict[str, Any], histograms: dict[str, Any] | None = None) -> None:
+        """One metrics.jsonl line; ``histograms`` (name → tensor of this rank's values) go to TensorBoard/wandb
+        gathered over every rank."""
+        if histograms and self._gathers and self._ctx is not None:
+            from fluxgrpo.runtime import dist as rt_dist
+
+            histograms = {k: rt_dist.all_gather_tensor(self._ctx, v.detach().float()) for k, v in histograms.items()}
         if not self.enabled:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._file.write(json.dumps(clean) + "\n")
         step = record.get("iteration")
-        numeric = {k: v for k, v in record.items() if isinstance(v, int | float) and k != "iteration"}
+        numeric = {
+            k: v
+            for k, v in record.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and k != "iteration" and math.isfinite(v)
+        }
+        values = {k: v[v.isfinite()].cpu().numpy() for k, v in (histograms or {}).items()}
+        values = {k: v for k, v in values.items() if v.size}
         if self._tb is not None:
             for key, value in numeric.items():
                 self._tb.add_scalar(key, value, step)
+            for key, array in values.items():
+                self._tb.add_histogram(key, array, step)
         if self._wandb is not None:
-            self._wandb.log(numeric, step=step)
+            import wandb as wandb_module
+
+            payload: dict[str, Any] = dict(numeric)
+            payload.update({k: wandb_module.Histogram(array) for k, array in values.items()})
+            self._wandb.log(payload, step=step)
+
+    def log_image(self, tag: str, image: Any, step: int, caption: str = "") -> None:
+        """An RGB image (HWC uint8 array) at ``step``: TensorBoard add_image, wandb.Image (rank 0 only)."""
+        if not self.enabled:
+            return
+        if self._tb is not None:
+            self._tb.add_image(tag, image, step, dataformats="HWC")
+        if self._wandb is not None:
+            import wandb as wandb_module
+
+            self._wandb.log({tag: wandb_module.Image(image, caption=caption or None)}, step=step)
 
     def close(self) -> None:
         if self._file is not None:
@@ -74,6 +120,53 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _start_wandb(output_dir: Path, config: dict[str, Any] | None, project: str, name: str, mode: str) -> Any:
+    """A wandb run whose id is kept in ``output_dir/wandb_run_id``, so a resumed training continues that run."""
+    try:
+        import wandb as wandb_module
+    except ImportError:
+        raise UsageError("--wandb needs the wandb package: pip install 'fluxgrpo[wandb]'") from None
+    id_file = output_dir / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if id_file.is_file() else ""
+    if not run_id:
+        run_id = wandb_module.util.generate_id()
+        id_file.write_text(run_id + "\n")
+    return wandb_module.init(
+        project=project or "fluxgrpo",
+        name=name or None,
+        mode=mode or None,
+        id=run_id,
+        resume="allow",
+        config=config,
+        dir=str(output_dir),
+    )
+
+
+def run_info(ctx: Any) -> dict[str, Any]:
+    """Versions and hardware of this run, for ``run_info.json`` (written once by rank 0)."""
+    import os
+    import platform
+
+    from fluxgrpo import __version__
+    from fluxgrpo.runtime import device as rt_device
+    from fluxgrpo.runtime.report import package_versions
+
+    devices = rt_device.describe_devices(ctx.device_type)
+    names = sorted({d.name for d in devices})
+    return {
+        "versions": {"fluxgrpo": __version__, "python": platform.python_version(), **package_versions()},
+        "hardware": {
+            "device_type": ctx.device_type,
+            "world_size": ctx.world_size,
+            "devices": ", ".join(names),
+            "device_memory_gib": round(devices[0].total_bytes / 2**30, 1) if devices else None,
+            "host": platform.node(),
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+        },
+    }
 
 
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:

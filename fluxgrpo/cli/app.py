@@ -27,6 +27,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("bench", "bench"),
     ("sample", "sample"),
     ("score", "score"),
+    ("report", "report"),
 )
 
 for _name, _module in COMMANDS:

@@ -1,0 +1,207 @@
+"""The report's curves, drawn with matplotlib (object API only: no pyplot state, no display needed).
+
+Each panel names the metrics.jsonl keys it plots; a panel whose keys no run holds is left out, so a run without
+KL or without evaluations gets no empty axes. With several runs every panel overlays them, one colour per run.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fluxgrpo.errors import UsageError
+from fluxgrpo.report.run import RunData
+
+RUN_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
+@dataclass(frozen=True)
+class Line:
+    key: str
+    label: str
+    band: tuple[str, str] | None = None  # keys of the lower and upper edge of a shaded band
+    eval_line: bool = False  # drawn from the eval records, with markers
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    ylabel: str
+    lines: list[Line] = field(default_factory=list)
+    log_y: bool = False
+
+
+def require_matplotlib() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("`fluxgrpo report` draws its curves with matplotlib: pip install 'fluxgrpo[report]'") from None
+    return matplotlib
+
+
+def panels_for(runs: list[RunData]) -> list[Panel]:
+    """The panels, in reading order: rewards first, then the update's health, then speed and memory."""
+    train_reward = Panel(
+        "Train reward (mean, min–max band)",
+        "reward",
+        [Line("reward_mean", "mean", band=("reward_min", "reward_max"))],
+    )
+    panels = [train_reward]
+    rewards: dict[str, None] = {}
+    for run in runs:
+        rewards.update(dict.fromkeys(run.eval_rewards()))
+    for reward in rewards:
+        panels.append(
+            Panel(
+                f"Eval {reward} (held-out prompts, mean ± std)",
+                reward,
+                [
+                    Line(f"eval_{reward}_mean", "weights", band=(f"eval_{reward}_std", ""), eval_line=True),
+                    Line(f"eval_ema_{reward}_mean", "EMA", band=(f"eval_ema_{reward}_std", ""), eval_line=True),
+                ],
+            )
+        )
+    panels += [
+        Panel("Within-group reward std", "std", [Line("group_std_mean", "group std mean")]),
+        Panel("Groups with zero reward spread", "fraction", [Line("zero_std_group_fraction", "zero-std fraction")]),
+        Panel(
+            "Probability ratio (mean, min–max band)",
+            "ratio",
+            [Line("ratio_mean", "mean", band=("ratio_min", "ratio_max"))],
+        ),
+        Panel("Clip fraction", "fraction", [Line("clip_fraction", "clipped")]),
+    ]
+    kl_keys = sorted({k for run in runs for r in run.records for k in r if re.match(r"^kl(_|$)", k)})
+    if kl_keys:
+        panels.append(Panel("KL to the reference", "KL", [Line(k, k) for k in kl_keys]))
+    panels += [
+        Panel(
+            "Gradient norm (before clipping)", "norm", [Line("grad_norm_mean", "mean"), Line("grad_norm_max", "max")]
+        ),
+        Panel("Loss", "loss", [Line("loss", "loss")]),
+        Panel("Learning rate", "lr", [Line("lr", "lr")]),
+    ]
+    phase_keys = sorted({k for run in runs for r in run.records for k in r if k.startswith("seconds_")})
+    panels += [
+        Panel("Seconds per phase", "seconds", [Line(k, k.removeprefix("seconds_")) for k in phase_keys]),
+        Panel("Throughput", "images / s", [Line("images_per_second", "images/s")]),
+        Panel("Peak device memory", "GiB", [Line("peak_memory_gib", "peak")]),
+    ]
+    return [p for p in panels if any(_has(run, line) for run in runs for line in p.lines)]
+
+
+def _has(run: RunData, line: Line) -> bool:
+    return bool(run.series(line.key, run.eval_records if line.eval_line else None)[0])
+
+
+def _draw_panel(ax: Any, panel: Panel, runs: list[RunData]) -> None:
+    several = len(runs) > 1
+    for run_number, run in enumerate(runs):
+        for line_number, line in enumerate(panel.lines):
+            records = run.eval_records if line.eval_line else run.records
+            xs, ys = run.series(line.key, records)
+            if not xs:
+                continue
+            if several:
+                colour = RUN_COLOURS[run_number % len(RUN_COLOURS)]
+                style = LINE_STYLES[line_number % len(LINE_STYLES)]
+                label = run.name if len(panel.lines) == 1 else f"{run.name}: {line.label}"
+            else:
+                colour = RUN_COLOURS[line_number % len(RUN_COLOURS)]
+                style = "-"
+                label = line.label
+            marker = "o" if line.eval_line or len(xs) == 1 else None
+            ax.plot(xs, ys, style, color=colour, label=label, marker=marker, markersize=4, linewidth=1.4)
+            if line.band is not None:
+                _draw_band(ax, run, records, line, xs, ys, colour)
+    ax.set_title(panel.title, fontsize=10)
+    ax.set_xlabel("iteration", fontsize=8)
+    ax.set_ylabel(panel.ylabel, fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(True, alpha=0.3)
+    if several or len([line for line in panel.lines if any(_has(r, line) for r in runs)]) > 1:
+        ax.legend(fontsize=7, loc="best")
+
+
+def _draw_band(ax: Any, run: RunData, records: list[dict[str, Any]], line: Line, xs, ys, colour: str) -> None:
+    """A shaded band: between two keys, or mean ± one key (a std) when the upper key is empty."""
+    low_key, high_key = line.band
+    by_iteration = dict(zip(xs, ys, strict=True))
+    low_x, low = run.series(low_key, records)
+    if high_key:
+        high_x, high = run.series(high_key, records)
+        lows, highs = dict(zip(low_x, low, strict=True)), dict(zip(high_x, high, strict=True))
+        band_x = [x for x in xs if x in lows and x in highs]
+        lower, upper = [lows[x] for x in band_x], [highs[x] for x in band_x]
+    else:
+        spread = dict(zip(low_x, low, strict=True))
+        band_x = [x for x in xs if x in spread]
+        lower = [by_iteration[x] - spread[x] for x in band_x]
+        upper = [by_iteration[x] + spread[x] for x in band_x]
+    if band_x:
+        ax.fill_between(band_x, lower, upper, color=colour, alpha=0.15, linewidth=0)
+
+
+def _figure(rows: int, cols: int, width: float, height: float) -> Any:
+    require_matplotlib()
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def panel_svgs(runs: list[RunData]) -> list[tuple[Panel, str]]:
+    """Each panel as an inline ``<svg>`` element (text kept as text, so it stays small and searchable)."""
+    require_matplotlib()
+    from matplotlib import rc_context
+
+    out = []
+    with rc_context({"svg.fonttype": "none", "svg.hashsalt": "fluxgrpo"}):
+        for panel in panels_for(runs):
+            figure = _figure(1, 1, 4.6, 2.9)
+            _draw_panel(figure.add_subplot(), panel, runs)
+            buffer = io.StringIO()
+            figure.savefig(buffer, format="svg", metadata={"Date": None})
+            out.append((panel, _strip_xml_prolog(buffer.getvalue())))
+    return out
+
+
+def _strip_xml_prolog(svg: str) -> str:
+    """The ``<svg>`` element alone: an XML declaration or DOCTYPE is not allowed inside HTML."""
+    start = svg.find("<svg")
+    return svg[start:] if start >= 0 else svg
+
+
+SUMMARY_TITLES = (
+    "Train reward (mean, min–max band)",
+    "Eval ",
+    "Within-group reward std",
+    "Probability ratio (mean, min–max band)",
+)
+
+
+def summary_png(runs: list[RunData], title: str, grid: Callable[[Any], bool] | None = None) -> bytes:
+    """One figure for a paper or a chat: the reward curves, the eval curves, group spread and ratio, plus the
+    eval grid strip when ``grid`` draws one into the axes it is given (returns False when there is none)."""
+    require_matplotlib()
+    chosen = []
+    for prefix in SUMMARY_TITLES:
+        chosen += [p for p in panels_for(runs) if p.title.startswith(prefix) and p not in chosen][:2]
+    chosen = chosen[:4]
+    rows = 2 if len(chosen) > 2 else 1
+    extra_row = grid is not None
+    figure = _figure(rows + extra_row, 2, 10, 3.2 * (rows + extra_row))
+    spec = figure.add_gridspec(rows + extra_row, 2)
+    for position, panel in enumerate(chosen):
+        _draw_panel(figure.add_subplot(spec[position // 2, position % 2]), panel, runs)
+    if extra_row:
+        ax = figure.add_subplot(spec[rows, :])
+        if not grid(ax):
+            figure.delaxes(ax)
+    figure.suptitle(title, fontsize=12)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110, metadata={"Software": "fluxgrpo report"})
+    return buffer.getvalue()

@@ -1,0 +1,258 @@
+"""``report.html``: one self-contained file (inline SVG curves, inline JPEG thumbnails, inline CSS; no network).
+
+Sections: the summary paragraph, the curves, the eval grids over iterations (one row per held-out prompt, one
+column per evaluation, image 0 of every prompt, so a column differs from its neighbours only by the weights), and
+the run's resolved config, derived numbers, versions and hardware. With ``--compare`` the curves overlay every
+run and each run gets its own grids and facts.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fluxgrpo import __version__
+from fluxgrpo.metrics import reward_trend
+from fluxgrpo.report.run import Evaluation, RunData
+
+MAX_GRID_COLUMNS = 10  # evaluations shown side by side; the first and last always, the rest evenly spaced
+THUMBNAIL_SIDE = 160  # pixels on the long side of a grid thumbnail
+STRIP_PROMPTS = 4  # prompts in the summary PNG's grid strip
+
+CSS = """
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;color:#1d1d1f;background:#fafafa}
+header{background:#20232a;color:#fff;padding:18px 28px}
+header h1{margin:0;font-size:22px}header p{margin:4px 0 0;color:#bbb;font-size:13px}
+main{padding:8px 28px 40px;max-width:1500px}
+h2{font-size:18px;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:32px}
+h3{font-size:15px;margin:22px 0 8px}
+.summary{font-size:15px;line-height:1.5;background:#fff;border-left:4px solid #1f77b4;padding:10px 16px}
+.curves{display:flex;flex-wrap:wrap;gap:12px}
+.curve{background:#fff;border:1px solid #e3e3e3;border-radius:6px;padding:4px}
+.curve svg{width:420px;height:auto;display:block}
+.gridwrap{overflow-x:auto;background:#fff;border:1px solid #e3e3e3;border-radius:6px;padding:8px}
+table.grid{border-collapse:collapse}
+table.grid th{font-size:12px;font-weight:600;padding:4px 6px;white-space:nowrap}
+table.grid td{padding:2px}
+table.grid td.prompt{font-size:12px;max-width:260px;padding-right:10px;color:#333}
+table.grid img{display:block;width:120px;height:auto;border-radius:3px}
+table.facts{border-collapse:collapse;font-size:13px;background:#fff}
+table.facts td{border:1px solid #e3e3e3;padding:3px 8px;vertical-align:top}
+table.facts td:first-child{color:#555;white-space:nowrap}
+.columns{display:flex;flex-wrap:wrap;gap:24px}
+.note{color:#666;font-size:13px}
+"""
+
+
+@dataclass(frozen=True)
+class GridColumn:
+    evaluation: Evaluation
+    images: dict[int, Any]  # prompt_index → image 0's EvalImage
+
+
+def grid_columns(evaluations: list[Evaluation], ema: bool) -> list[GridColumn]:
+    """At most MAX_GRID_COLUMNS evaluations (first, last, evenly spaced between), with image 0 of each prompt."""
+    chosen = [e for e in evaluations if e.ema == ema]
+    if len(chosen) > MAX_GRID_COLUMNS:
+        picks = sorted({round(i * (len(chosen) - 1) / (MAX_GRID_COLUMNS - 1)) for i in range(MAX_GRID_COLUMNS)})
+        chosen = [chosen[i] for i in picks]
+    return [
+        GridColumn(e, {img.prompt_index: img for img in e.images if img.image_index == 0 and img.path.is_file()})
+        for e in chosen
+    ]
+
+
+def thumbnail(path: Path, side: int = THUMBNAIL_SIDE) -> Any:
+    from PIL import Image
+
+    with Image.open(path) as source:
+        image = source.convert("RGB")
+    image.thumbnail((side, side), Image.Resampling.LANCZOS)
+    return image
+
+
+def _data_uri(image: Any) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=88)
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def grid_strip(columns: list[GridColumn], prompts: int = STRIP_PROMPTS) -> Any | None:
+    """A PIL image: the first ``prompts`` prompts (rows) across the evaluations (columns); None without images."""
+    from PIL import Image
+
+    rows = sorted({i for column in columns for i in column.images})[:prompts]
+    if not rows or not columns:
+        return None
+    tiles = {
+        (r, c): thumbnail(col.images[r].path, 128) for c, col in enumerate(columns) for r in rows if r in col.images
+    }
+    width = max(t.width for t in tiles.values())
+    height = max(t.height for t in tiles.values())
+    gap = 3
+    sheet = Image.new("RGB", (len(columns) * (width + gap) - gap, len(rows) * (height + gap) - gap), (255, 255, 255))
+    for (row, col), tile in tiles.items():
+        sheet.paste(tile, (col * (width + gap), rows.index(row) * (height + gap)))
+    return sheet
+
+
+# --------------------------------------------------------------------------------------------- summary
+
+
+def _fmt(value: float | None) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return f"{value:.4g}"
+
+
+def summary_text(run: RunData) -> str:
+    """One paragraph: length, reward first → last, the eval curve and its best iteration, and warnings."""
+    parts = []
+    iterations = [r["iteration"] for r in run.records]
+    planned = run.config.get("max_train_steps")
+    reward = run.config.get("reward", "the reward")
+    if iterations:
+        of = f" of {planned} planned" if isinstance(planned, int) else ""
+        parts.append(f"{run.name} ran {len(iterations)} iterations{of} (last: {iterations[-1]}) against {reward}.")
+    else:
+        parts.append(f"{run.name} has no training iteration logged yet.")
+    trend = reward_trend(run.records)
+    if trend is not None:
+        parts.append(
+            f"The train reward moved from {_fmt(trend['first'])} to {_fmt(trend['last'])} "
+            f"({trend['change']:+.4g}; means of the first and last {trend['window']} iterations)."
+        )
+    for name in run.eval_rewards():
+        xs, ys = run.series(f"eval_{name}_mean", run.eval_records)
+        if not xs:
+            continue
+        best = max(range(len(ys)), key=lambda i: ys[i])
+        parts.append(
+            f"Held-out eval {name}: {_fmt(ys[0])} at iteration {xs[0]} → {_fmt(ys[-1])} at iteration {xs[-1]}; "
+            f"best {_fmt(ys[best])} at iteration {xs[best]}."
+        )
+    zero = run.series("zero_std_group_fraction")[1]
+    if zero and sum(zero[-5:]) / len(zero[-5:]) > 0.5:
+        parts.append("Most recent groups have no reward spread, so they carry no learning signal.")
+    bad = sum(v for v in run.series("nonfinite_rewards")[1])
+    if bad:
+        parts.append(f"{bad:.0f} non-finite rewards were left out of the statistics.")
+    skipped = sum(run.series("skipped_steps")[1])
+    if skipped:
+        parts.append(f"{skipped:.0f} optimizer steps were skipped (non-finite gradients).")
+    return " ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------- HTML
+
+
+def _grid_html(columns: list[GridColumn], reward_names: list[str]) -> str:
+    if not columns:
+        return ""
+    prompt_text = {i: img.prompt for column in columns for i, img in column.images.items()}
+    head = ["<tr><th>prompt</th>"]
+    for column in columns:
+        scores = " · ".join(
+            f"{name} {column.evaluation.scores[name]['mean']:.4g}"
+            for name in reward_names
+            if name in column.evaluation.scores
+        )
+        head.append(
+            f"<th>iteration {column.evaluation.iteration}<br><span class=note>{html.escape(scores)}</span></th>"
+        )
+    head.append("</tr>")
+    rows = []
+    for prompt_index in sorted(prompt_text):
+        cells = [f"<td class=prompt>{html.escape(prompt_text[prompt_index])}</td>"]
+        for column in columns:
+            image = column.images.get(prompt_index)
+            if image is None:
+                cells.append("<td></td>")
+                continue
+            alt = f"iteration {column.evaluation.iteration}, prompt {prompt_index}, seed {image.seed}"
+            cells.append(f'<td><img src="{_data_uri(thumbnail(image.path))}" alt="{html.escape(alt)}"></td>')
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    return '<div class=gridwrap><table class="grid">' + "".join(head) + "".join(rows) + "</table></div>"
+
+
+def _facts_table(items: dict[str, Any]) -> str:
+    rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(_fact(v))}</td></tr>" for k, v in items.items())
+    return f"<table class=facts>{rows}</table>"
+
+
+def _fact(value: Any) -> str:
+    if isinstance(value, dict | list):
+        import json
+
+        return json.dumps(value)
+    return str(value)
+
+
+def _run_section(run: RunData, several: bool) -> str:
+    out = []
+    if several:
+        out.append(f"<h2>{html.escape(run.name)}</h2><p class=summary>{html.escape(summary_text(run))}</p>")
+    rewards = run.eval_rewards()
+    for ema in (False, True):
+        columns = grid_columns(run.evaluations, ema)
+        if not columns:
+            continue
+        what = "EMA weights" if ema else "trained weights"
+        out.append(
+            f"<{'h3' if several else 'h2'}>Eval images over iterations ({what})</{'h3' if several else 'h2'}>"
+            "<p class=note>Each row is one held-out prompt with the same seed in every column; columns differ only "
+            "by the weights. Image 0 of each prompt; the full sets are in "
+            f"{html.escape(str(run.folder / 'eval'))}.</p>" + _grid_html(columns, rewards)
+        )
+    if not run.evaluations:
+        out.append(
+            "<p class=note>No held-out evaluations in this run (train with --eval-every K to get eval curves and "
+            "image grids).</p>"
+        )
+    heading = "h3" if several else "h2"
+    facts = [f"<{heading}>Run facts</{heading}><div class=columns>"]
+    if run.config:
+        facts.append(f"<div><h3>Resolved config</h3>{_facts_table(run.config)}</div>")
+    side = []
+    if run.derived:
+        side.append(f"<h3>Derived numbers and launch</h3>{_facts_table(run.derived)}")
+    hardware = run.info.get("hardware")
+    if hardware:
+        side.append(f"<h3>Hardware</h3>{_facts_table(hardware)}")
+    versions = run.info.get("versions")
+    if versions:
+        side.append(f"<h3>Versions</h3>{_facts_table(versions)}")
+    if not run.info:
+        side.append("<p class=note>No run_info.json (versions and hardware are recorded by newer fluxgrpo).</p>")
+    facts.append("<div>" + "".join(side) + "</div></div>")
+    out.append("".join(facts))
+    return "".join(out)
+
+
+def render_html(runs: list[RunData], curves: list[tuple[Any, str]]) -> str:
+    """The whole document; ``curves`` are (panel, inline svg) pairs from ``figures.panel_svgs``."""
+    several = len(runs) > 1
+    title = " vs ".join(run.name for run in runs)
+    subtitle = " · ".join(html.escape(str(run.folder.resolve())) for run in runs)
+    parts = [
+        "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>",
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<meta name=generator content='fluxgrpo {__version__}'>",
+        f"<title>fluxgrpo report: {html.escape(title)}</title><style>{CSS}</style></head><body>",
+        f"<header><h1>fluxgrpo report: {html.escape(title)}</h1><p>{subtitle}</p></header><main>",
+    ]
+    if not several:
+        parts.append(f"<h2>Summary</h2><p class=summary>{html.escape(summary_text(runs[0]))}</p>")
+    parts.append("<h2>Curves</h2><div class=curves>")
+    for panel, svg in curves:
+        parts.append(f'<div class=curve title="{html.escape(panel.title)}">{svg}</div>')
+    parts.append("</div>")
+    for run in runs:
+        parts.append(_run_section(run, several))
+    parts.append(f"<p class=note>Written by fluxgrpo {__version__} `fluxgrpo report`.</p></main></body></html>\n")
+    return "".join(parts)

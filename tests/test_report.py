@@ -1,0 +1,218 @@
+"""`fluxgrpo report`: a self-contained report.html (curves, eval grids, facts) from a run folder, and --png."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fluxgrpo.cli.app import app
+
+pytest.importorskip("matplotlib")
+
+runner = CliRunner()
+
+
+class Collector(HTMLParser):
+    """Counts tags and checks that every opened non-void element is closed in order (a well-formed page)."""
+
+    VOID = frozenset({"meta", "img", "br", "link", "input", "hr"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: dict[str, int] = {}
+        self.stack: list[str] = []
+        self.images: list[str] = []
+        self.external: list[str] = []
+        self.title = ""
+        self._in_title = False
+
+    def handle_starttag(self, tag, attrs):
+        self.tags[tag] = self.tags.get(tag, 0) + 1
+        attributes = dict(attrs)
+        for name in ("src", "href"):
+            value = attributes.get(name) or ""
+            if value and not value.startswith(("data:", "#")):
+                self.external.append(value)
+        if tag == "img":
+            self.images.append(attributes.get("alt") or "")
+        if tag == "title":
+            self._in_title = True
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_startendtag(self, tag, attrs):
+        self.tags[tag] = self.tags.get(tag, 0) + 1
+
+    def handle_endtag(self, tag):
+        if tag in self.VOID:
+            return
+        assert self.stack and self.stack[-1] == tag, f"</{tag}> closes <{self.stack[-1] if self.stack else None}>"
+        self.stack.pop()
+        if tag == "title":
+            self._in_title = False
+
+    def handle_data(self, data):
+        if self._in_title:
+            self.title += data
+
+
+def parse(path: Path) -> Collector:
+    collector = Collector()
+    collector.feed(path.read_text(encoding="utf-8"))
+    collector.close()
+    assert collector.stack == [], f"unclosed elements {collector.stack}"
+    return collector
+
+
+def fake_run(folder: Path, iterations: int = 6, eval_every: int = 2, reward_shift: float = 0.0) -> Path:
+    """A run folder as training writes it: metrics.jsonl with train and eval records, config.yaml, run_info.json,
+    and eval/iteration-<k>/ folders holding images and a sample-format index.json with scores."""
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    lines = []
+    prompts = ["a red fox in the snow", "an oil painting of a lighthouse", "a <b>bold</b> & tricky prompt"]
+    for k in range(0, iterations + 1):
+        if k:
+            lines.append(
+                {
+                    "iteration": k,
+                    "reward_mean": 0.5 + 0.01 * k + reward_shift,
+                    "reward_std": 0.01,
+                    "reward_min": 0.48 + 0.01 * k,
+                    "reward_max": 0.53 + 0.01 * k,
+                    "group_std_mean": 0.01,
+                    "zero_std_group_fraction": 0.0,
+                    "ratio_mean": 1.0,
+                    "ratio_min": 0.99,
+                    "ratio_max": 1.01,
+                    "clip_fraction": 0.1,
+                    "loss": 0.001,
+                    "grad_norm_mean": 0.2,
+                    "grad_norm_max": 0.3,
+                    "lr": 1e-5,
+                    "seconds_rollout": 1.0,
+                    "seconds_decode_reward": 0.1,
+                    "seconds_update": 2.0,
+                    "images_per_second": 3.0,
+                    "peak_memory_gib": None,
+                    "nonfinite_rewards": 0.0,
+                    "skipped_steps": 0.0,
+                }
+            )
+        if k % eval_every == 0:
+            lines.append({"iteration": k, "eval_brightness_mean": 0.4 + 0.02 * k, "eval_brightness_std": 0.05})
+            out = folder / "eval" / f"iteration-{k}"
+            out.mkdir(parents=True)
+            images = []
+            for i, prompt in enumerate(prompts):
+                name = f"{i:04d}_00.png"
+                Image.new("RGB", (32, 32), (40 * k % 255, 80 * i, 120)).save(out / name)
+                images.append({"file": name, "prompt": prompt, "prompt_index": i, "image_index": 0, "seed": 7 + i})
+            index = {
+                "format": "fluxgrpo-sample-index",
+                "format_version": 1,
+                "prompts": prompts,
+                "images": images,
+                "iteration": k,
+                "scores": {"brightness": {"mean": 0.4 + 0.02 * k, "std": 0.05}},
+            }
+            (out / "index.json").write_text(json.dumps(index))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (folder / "config.yaml").write_text("# Derived:\n#   world_size: 1\nreward: brightness\nmax_train_steps: 6\n")
+    (folder / "run_info.json").write_text(
+        json.dumps({"versions": {"fluxgrpo": "0.1.0", "torch": "2.x"}, "hardware": {"device_type": "cpu"}})
+    )
+    return folder
+
+
+def test_report_html_is_self_contained_and_shows_curves_grids_and_facts(tmp_path):
+    run = fake_run(tmp_path / "my-run")
+    result = runner.invoke(app, ["report", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    html_path = Path(document["html"])
+    assert html_path == run / "report.html"
+    page = parse(html_path)
+    assert "my-run" in page.title
+    assert page.external == []  # nothing to fetch: no network needed to view it
+    assert page.tags["svg"] == len(document["panels"]) >= 8
+    assert "Train reward (mean, min–max band)" in document["panels"]
+    assert any(p.startswith("Eval brightness") for p in document["panels"])
+    # 4 evaluations (0, 2, 4, 6) × 3 prompts, same prompt on a row
+    assert len(page.images) == 12
+    assert "iteration 0, prompt 0, seed 7" in page.images
+    assert "iteration 6, prompt 2, seed 9" in page.images
+    text = html_path.read_text()
+    assert "a &lt;b&gt;bold&lt;/b&gt; &amp; tricky prompt" in text  # prompts are escaped, not markup
+    assert "max_train_steps" in text and "device_type" in text and "torch" in text
+    assert "best 0.52 at iteration 6" in document["summary"]
+    assert document["evaluations"] == [4] and document["iterations"] == [6]
+
+
+def test_compare_overlays_runs_and_png_is_written(tmp_path):
+    from PIL import Image
+
+    a = fake_run(tmp_path / "dance")
+    b = fake_run(tmp_path / "mixgrpo", reward_shift=0.05)
+    out = tmp_path / "both.html"
+    result = runner.invoke(app, ["report", str(a), "--compare", str(b), "--png", "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    page = parse(out)
+    assert "dance" in page.title and "mixgrpo" in page.title
+    text = out.read_text()
+    assert ">dance</text>" in text and ">mixgrpo</text>" in text  # the curves' legends name each run
+    assert len(page.images) == 24  # each run's grid
+    with Image.open(document["png"]) as figure:
+        assert figure.format == "PNG" and figure.width > 800
+
+
+def test_run_without_evaluations_or_facts_still_reports(tmp_path):
+    run = tmp_path / "bare"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"iteration": 1, "reward_mean": 0.5}) + "\n")
+    result = runner.invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    text = (run / "report.html").read_text()
+    assert "--eval-every" in text and "run_info.json" in text
+
+
+def test_not_a_run_folder_says_what_to_pass(tmp_path):
+    result = runner.invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "metrics.jsonl" in result.stderr and "--output-dir" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium package")
+def test_report_renders_in_headless_chromium(tmp_path):
+    from PIL import Image
+
+    run = fake_run(tmp_path / "shown")
+    assert runner.invoke(app, ["report", str(run)]).exit_code == 0
+    shot = tmp_path / "shot.png"
+    subprocess.run(
+        [
+            "chromium",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            f"--screenshot={shot}",
+            "--window-size=1300,1000",
+            (run / "report.html").as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    with Image.open(shot) as image:
+        colours = image.convert("RGB").resize((64, 50)).getcolors(64 * 50)
+    assert len(colours) > 20  # drew a page with content, not a blank or error screen
