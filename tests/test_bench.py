@@ -11,23 +11,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from fluxgrpo.bench import (
-    FLUX_DEV_BLOCKS,
-    FLUX_DEV_TRANSFORMER_CONFIG,
-    BenchConfig,
-    FluxShape,
-    PhaseFigure,
-    build_bench_config,
-    check_training_memory,
-    parse_resolutions,
-    rollout_flops,
-    run_bench,
-    saved_activation_bytes,
-    summarize,
-    transformer_forward_flops,
-    update_flops,
-    with_speedups,
-)
+from fluxgrpo.bench.config import BenchConfig, build_bench_config, parse_resolutions
+from fluxgrpo.bench.figures import PhaseFigure, summarize, with_speedups
+from fluxgrpo.bench.flops import FluxShape, rollout_flops, transformer_forward_flops, update_flops
+from fluxgrpo.bench.harness import run_bench, saved_activation_bytes
+from fluxgrpo.bench.models import FLUX_DEV_BLOCKS, FLUX_DEV_TRANSFORMER_CONFIG, check_training_memory
 from fluxgrpo.cli.app import app
 from fluxgrpo.errors import UsageError
 from fluxgrpo.runtime.peak import peak_throughput
@@ -148,10 +136,10 @@ def test_flag_parsing_and_validation():
 
 
 def test_memory_check_refuses_what_cannot_train(monkeypatch):
-    from fluxgrpo import bench
+    from fluxgrpo.bench import models
     from fluxgrpo.runtime.dist import DistContext
 
-    monkeypatch.setattr(bench, "_device_memory_bytes", lambda ctx: 139 * 2**30)  # one H200
+    monkeypatch.setattr(models, "device_memory_bytes", lambda ctx: 139 * 2**30)  # one H200
     one, two = (
         DistContext(
             rank=0, local_rank=0, world_size=size, device_type="cpu", device=torch.device("cpu"), backend="gloo"
@@ -422,9 +410,9 @@ def test_run_bench_in_process_with_bf16_autocast():
 
 
 def test_out_of_memory_is_recorded_and_the_bench_goes_on(monkeypatch):
-    from fluxgrpo import bench
+    from fluxgrpo.bench import harness
 
-    build = bench.build_bench_model
+    build = harness.build_bench_model
 
     def build_with_a_small_device(cfg, ctx, compute_dtype):
         model = build(cfg, ctx, compute_dtype)
@@ -436,7 +424,7 @@ def test_out_of_memory_is_recorded_and_the_bench_goes_on(monkeypatch):
         model.transformer.register_forward_pre_hook(refuse_big_batches, with_kwargs=True)
         return model
 
-    monkeypatch.setattr(bench, "build_bench_model", build_with_a_small_device)
+    monkeypatch.setattr(harness, "build_bench_model", build_with_a_small_device)
     records = run_bench(
         build_bench_config(
             steps=2,
@@ -518,7 +506,7 @@ def test_two_workers_with_a_sharded_transformer():
 def test_each_phase_reports_its_own_memory_peak(monkeypatch):
     """cpu keeps no allocator statistics, so a stand-in allocator whose peak the model and optimizer raise: the
     update's peak must not include the optimizer step's, and the optimizer row must get it."""
-    from fluxgrpo import bench
+    from fluxgrpo.bench import harness
     from fluxgrpo.runtime import device as rt_device
 
     peak = {"bytes": 0}
@@ -528,14 +516,14 @@ def test_each_phase_reports_its_own_memory_peak(monkeypatch):
     def raise_peak(value):
         peak["bytes"] = max(peak["bytes"], value)
 
-    build = bench.build_bench_model
+    build = harness.build_bench_model
 
     def build_with_footprints(cfg, ctx, compute_dtype):
         model = build(cfg, ctx, compute_dtype)
         model.transformer.register_forward_pre_hook(lambda module, args: raise_peak(500 if module.training else 300))
         return model
 
-    monkeypatch.setattr(bench, "build_bench_model", build_with_footprints)
+    monkeypatch.setattr(harness, "build_bench_model", build_with_footprints)
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     handle = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: raise_peak(1000))

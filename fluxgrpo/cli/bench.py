@@ -99,7 +99,8 @@ def command(
     import json
     import sys
 
-    from fluxgrpo.bench import build_bench_config, run_bench
+    from fluxgrpo.bench.config import build_bench_config
+    from fluxgrpo.bench.harness import run_bench
 
     cfg = build_bench_config(
         model=model,

@@ -163,24 +163,48 @@ def initial_noise(cfg: TrainConfig, num_prompts: int, generator: torch.Generator
     return packed.repeat_interleave(cfg.num_generations, dim=0) if cfg.init_same_noise else packed
 
 
+def decode_images(
+    vae: torch.nn.Module,
+    final_x0: torch.Tensor,
+    height: int,
+    width: int,
+    chunk: int,
+    device_type: str,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Images [B,3,H,W] in [0,1], fp32: the final x̂0 [B,L,C] decoded by the VAE, ``chunk`` at a time, under the
+    device's autocast (``compute_dtype``: the runtime's choice when None)."""
+    from fluxgrpo.grpo.latents import unpack_latents
+    from fluxgrpo.models.flux import decode_latents
+
+    images = []
+    with torch.no_grad():
+        for start in range(0, final_x0.shape[0], chunk):
+            latents = unpack_latents(final_x0[start : start + chunk], height, width)
+            with rt_device.autocast(device_type, compute_dtype):
+                batch = decode_latents(vae, latents.to(next(vae.parameters()).dtype))
+            images.append(batch.float())
+    return torch.cat(images)
+
+
+def score_images(reward_fn: Any, images: torch.Tensor, captions, chunk: int) -> torch.Tensor:
+    """Rewards [B] fp32 of images [B,3,H,W] and their captions, scored ``chunk`` at a time."""
+    with torch.no_grad():
+        return torch.cat(
+            [
+                reward_fn(images[start : start + chunk], list(captions[start : start + chunk])).float()
+                for start in range(0, images.shape[0], chunk)
+            ]
+        )
+
+
 def decode_and_score(
     parts: TrainingParts, cfg: TrainConfig, final_x0: torch.Tensor, captions
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Images [B,3,H,W] in [0,1] and rewards [B] fp32, decoded and scored in chunks of rollout_batch_size."""
-    from fluxgrpo.grpo.latents import unpack_latents
-    from fluxgrpo.models.flux import decode_latents
-
-    images, rewards = [], []
     chunk = cfg.rollout_batch_size
-    with torch.no_grad():
-        for start in range(0, final_x0.shape[0], chunk):
-            latents = unpack_latents(final_x0[start : start + chunk], cfg.height, cfg.width)
-            with rt_device.autocast(parts.ctx.device_type):
-                batch = decode_latents(parts.vae, latents.to(next(parts.vae.parameters()).dtype))
-            batch = batch.float()
-            rewards.append(parts.reward_fn(batch, list(captions[start : start + chunk])).float())
-            images.append(batch)
-    return torch.cat(images), torch.cat(rewards)
+    images = decode_images(parts.vae, final_x0, cfg.height, cfg.width, chunk, parts.ctx.device_type)
+    return images, score_images(parts.reward_fn, images, captions, chunk)
 
 
 def save_sample_images(images: torch.Tensor, output_dir: Path, rank: int, count: int) -> None:

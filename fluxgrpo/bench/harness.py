@@ -1,0 +1,605 @@
+"""The phase bench on one rank: every phase of a GRPO iteration timed at every batch size.
+
+One GRPO iteration is five phases, each timed between device synchronisations after ``--warmup`` untimed runs,
+``--repeats`` times (the median is reported):
+
+- **rollout**: B trajectories × N SDE steps, ``generate_rollout`` in chunks of each ``--rollout-batch-sizes`` value;
+- **decode**: the VAE turning the B final x̂0 into images, in the same chunk sizes;
+- **reward**: scoring the B images (HPS's scoring path: resize and pad to 224, CLIP normalisation, image tower,
+  cached text features, cosine), in the same chunk sizes;
+- **update**: ``policy_update`` over the B trajectories' T trained timesteps at each ``--micro-batch-sizes`` value,
+  with activation checkpointing on and/or off (forward + backward + gradient clipping, optimizer steps excluded);
+- **optimizer**: one AdamW step over the transformer (its time is taken out of the update's).
+
+B (``--trajectories``) defaults to the least common multiple of all batch sizes, so every size does exactly the same
+work and the speed-up of batch b is a ratio of two numbers measured in the same run: rate(b) / rate(smallest b).
+The update runs with learning rate 0: AdamW still does all of its arithmetic, but the weights never move, so every
+configuration trains the same model and the PPO ratio of the stored rollout must stay 1. Each update row reports
+max |log ρ| of its first micro-batch, which checks that batch-dependent kernels keep rollout and update consistent.
+
+Memory. ``peak_memory_bytes`` is the device allocator's peak during a phase's timed runs (weights, gradients and
+AdamW state included; None on cpu, which keeps no allocator statistics). ``activation_bytes`` (update rows) is
+device-independent: the bytes of every distinct storage autograd keeps for backward after one micro-batch forward
+(parameters excluded; autocast's low-precision weight copies included, since they are held too), counted with
+saved-tensor hooks. Activation checkpointing changes both; the summary reports what it saves and what it costs.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from fluxgrpo.bench.config import TRAINING_DEFAULTS, BenchConfig
+from fluxgrpo.bench.figures import PhaseFigure, Timing, phase_figure, summarize, with_speedups
+from fluxgrpo.bench.flops import rollout_flops, transformer_forward_flops, update_flops
+from fluxgrpo.bench.models import BenchModel, build_bench_model, device_memory_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+    from fluxgrpo.grpo.types import Conditioning, Rollout
+    from fluxgrpo.runtime.dist import DistContext
+
+BENCH_CAPTION = "a photograph of a red fox in the snow"
+
+
+class _TimedOptimizer:
+    """Delegates to an optimizer, timing each ``step()`` between device synchronisations.
+
+    ``policy_update`` only calls ``step`` and ``zero_grad``. The update's own peak memory up to the step is read
+    before the allocator's peak is reset for the step, so the two phases' peaks stay apart.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self.optimizer = optimizer
+        self.device = device
+        self.step_peak_bytes: int | None = None  # the highest allocator peak of any step so far
+        self.seconds_since_reset = 0.0
+        self.update_peak_bytes: int | None = None
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def reset(self) -> None:
+        """Forget the steps of the previous update run (their time, the update's peak before them)."""
+        self.seconds_since_reset = 0.0
+        self.update_peak_bytes = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        from fluxgrpo.runtime import device as rt_device
+
+        rt_device.synchronize(self.device)
+        peak = rt_device.peak_memory_bytes(self.device)
+        if peak is not None:
+            self.update_peak_bytes = max(self.update_peak_bytes or 0, peak)
+        rt_device.reset_peak_memory(self.device)
+        start = time.perf_counter()
+        self.optimizer.step()
+        rt_device.synchronize(self.device)
+        self.seconds_since_reset += time.perf_counter() - start
+        peak = rt_device.peak_memory_bytes(self.device)
+        if peak is not None:
+            self.step_peak_bytes = max(self.step_peak_bytes or 0, peak)
+        rt_device.reset_peak_memory(self.device)  # what follows the step is the update's again
+
+
+class _ConstantSchedule:
+    def step(self) -> None:
+        """The learning rate stays 0."""
+
+
+def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate AdamW's moments now (one zero-gradient step at learning rate 0), so every phase runs with the
+    memory training has: weights, moments, and (during the update) gradients."""
+    import torch
+
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _storage_pointer(tensor: torch.Tensor) -> int:
+    """The address of a tensor's storage (a DTensor's local shard's); 0 when it has none (meta, fake tensors)."""
+    to_local = getattr(tensor, "to_local", None)
+    if callable(to_local):
+        tensor = to_local()
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def saved_activation_bytes(run: Callable[[], Any], parameters: Sequence[torch.Tensor]) -> tuple[int, Any]:
+    """Bytes of the distinct storages autograd saves for backward while ``run()`` builds its graph, parameters'
+    own storages excluded; returns them and ``run()``'s result (keep it alive until backward)."""
+    import torch
+
+    parameter_storages = {_storage_pointer(p) for p in parameters}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        pointer = _storage_pointer(tensor)
+        if pointer and pointer not in parameter_storages:
+            saved[pointer] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = run()
+    return sum(saved.values()), result
+
+
+@dataclass
+class _Inputs:
+    """Everything one resolution's phases consume, shared by every batch size."""
+
+    cond: Conditioning  # B rows, one caption repeated (one group, as G generations of one prompt)
+    noise: torch.Tensor  # [B, L, C] fp32 z_0
+    sigmas: torch.Tensor  # [N+1]
+    img_ids: torch.Tensor  # [L, 3]
+    advantages: torch.Tensor  # [B]
+    height: int
+    width: int
+    image_tokens: int  # L
+
+
+def _make_inputs(
+    cfg: BenchConfig, bench_model: BenchModel, height: int, width: int, device: torch.device, rank: int
+) -> _Inputs:
+    import torch
+
+    from fluxgrpo.grpo.latents import image_ids, latent_shape
+    from fluxgrpo.grpo.schedule import sigma_schedule
+    from fluxgrpo.grpo.types import Conditioning
+
+    shape = latent_shape(height, width)
+    count = cfg.num_trajectories
+    generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + rank)
+    cond = Conditioning(
+        prompt_embeds=torch.randn(
+            count, cfg.text_tokens, bench_model.shape.text_dim, generator=generator, device=device
+        ),
+        pooled=torch.randn(count, bench_model.shape.pooled_dim, generator=generator, device=device),
+        text_ids=torch.zeros(cfg.text_tokens, 3, device=device),
+        captions=(BENCH_CAPTION,) * count,
+    )
+    return _Inputs(
+        cond=cond,
+        noise=torch.randn(count, *shape.packed, generator=generator, device=device),
+        sigmas=sigma_schedule(cfg.steps, TRAINING_DEFAULTS.shift).to(device),
+        img_ids=image_ids(height, width, device=device),
+        advantages=torch.linspace(-1.0, 1.0, count, device=device),
+        height=height,
+        width=width,
+        image_tokens=shape.num_tokens,
+    )
+
+
+@dataclass
+class _Run:
+    """What one call of a measured function reports besides its result."""
+
+    result: Any
+    excluded_seconds: float = 0.0  # time inside the call that belongs to another phase (optimizer steps)
+    peak_floor_bytes: int | None = None  # a peak reached inside the call before the allocator was reset
+
+
+class _Sweep:
+    """One rank's measurements at one resolution after another; each phase's figures are emitted as soon as the
+    phase has been measured at every batch size (so that their speed-ups are known)."""
+
+    def __init__(
+        self,
+        cfg: BenchConfig,
+        ctx: DistContext,
+        bench_model: BenchModel,
+        compute_dtype: torch.dtype,
+        peak_tflops: float | None,
+        emit: Callable[[dict[str, Any]], None],
+        log: Callable[[str], None],
+    ):
+        import torch
+
+        self.cfg, self.ctx, self.model = cfg, ctx, bench_model
+        self.compute_dtype, self.peak_tflops = compute_dtype, peak_tflops
+        self.emit, self.log = emit, log
+        self.figures: list[PhaseFigure] = []
+        trainable = [p for p in bench_model.transformer.parameters() if p.requires_grad]
+        # Learning rate 0: the full AdamW arithmetic, weights unchanged (see the module docstring).
+        self.optimizer = _TimedOptimizer(
+            torch.optim.AdamW(trainable, lr=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4), ctx.device
+        )
+        _materialize_optimizer_state(self.optimizer.optimizer)
+
+    # ------------------------------------------------------------------ helpers
+    def _measure(self, label: str, call: Callable[[], _Run]) -> tuple[Timing, Any]:
+        """``--warmup`` untimed calls, then ``--repeats`` timed ones; returns the timing and the last result."""
+        from fluxgrpo.runtime import device as rt_device
+
+        timing, run = Timing(), None
+        for _ in range(self.cfg.warmup):
+            run = call()
+        for _ in range(self.cfg.repeats):
+            run = None  # the previous result's memory must not count in this call's peak
+            rt_device.synchronize(self.ctx.device)
+            rt_device.reset_peak_memory(self.ctx.device)
+            start = time.perf_counter()
+            run = call()
+            rt_device.synchronize(self.ctx.device)
+            elapsed = time.perf_counter() - start - run.excluded_seconds
+            peak = rt_device.peak_memory_bytes(self.ctx.device)
+            if run.peak_floor_bytes is not None:
+                peak = max(peak or 0, run.peak_floor_bytes)
+            timing.add(elapsed, peak, run.excluded_seconds)
+        self.log(f"  {label}: {timing.median:.4f} s")
+        return timing, None if run is None else run.result
+
+    def _attempt(self, label: str, measure: Callable[[], tuple[Timing, Any]]) -> tuple[Timing | None, Any, str | None]:
+        """``measure()``, with the device running out of memory recorded (as the figure's error) instead of
+        ending the bench; any other exception propagates."""
+        import gc
+
+        from fluxgrpo.runtime import device as rt_device
+        from fluxgrpo.runtime.peak import is_out_of_memory
+
+        try:
+            timing, result = measure()
+            return timing, result, None
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+        # Past the except clause the exception and the frames it pinned are gone, so their tensors can go too.
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        rt_device.empty_cache(self.ctx.device)
+        self.log(f"  {label}: out of memory (recorded; moving on)")
+        return None, None, "out of memory"
+
+    def _publish(self, figures: list[PhaseFigure]) -> None:
+        for figure in with_speedups(figures):
+            self.figures.append(figure)
+            self.emit(figure.to_record())
+
+    # ------------------------------------------------------------------ phases
+    def rollout(self, inputs: _Inputs, resolution: str) -> Rollout | None:
+        """Rollout rows; returns a rollout for the later phases (None if every size ran out of memory)."""
+        import torch
+
+        from fluxgrpo.grpo.rollout import generate_rollout
+
+        count = self.cfg.num_trajectories
+        flops = rollout_flops(self.model.shape, inputs.image_tokens, self.cfg.text_tokens, count, self.cfg.steps)
+        kept, figures = None, []
+        for size in self.cfg.rollout_batch_sizes:
+
+            def call(size: int = size) -> _Run:
+                generator = torch.Generator(device=self.ctx.device).manual_seed(self.cfg.seed + 17)
+                return _Run(
+                    generate_rollout(
+                        self.model.transformer,
+                        inputs.cond,
+                        inputs.noise,
+                        inputs.sigmas,
+                        eta=TRAINING_DEFAULTS.eta,
+                        guidance=TRAINING_DEFAULTS.guidance,
+                        img_ids=inputs.img_ids,
+                        rollout_batch_size=size,
+                        device_type=self.ctx.device_type,
+                        generator=generator,
+                        compute_dtype=self.compute_dtype,
+                    )
+                )
+
+            label = f"rollout {resolution} batch {size}"
+            timing, result, error = self._attempt(label, lambda label=label, call=call: self._measure(label, call))
+            kept = result if result is not None else kept
+            figures.append(
+                phase_figure(
+                    "rollout", resolution, size, None, count, "images", timing, flops, self.peak_tflops, error=error
+                )
+            )
+        self._publish(figures)
+        return kept
+
+    def decode_and_reward(self, rollout: Rollout, inputs: _Inputs, resolution: str) -> None:
+        """Decode rows, then reward rows, both in chunks of each rollout batch size, by the trainer's own stages."""
+        from fluxgrpo.grpo.trainer import decode_images, score_images
+
+        count = self.cfg.num_trajectories
+        captions = inputs.cond.captions or ()
+        images, figures = None, []
+        for size in self.cfg.rollout_batch_sizes:
+
+            def decode(size: int = size) -> _Run:
+                return _Run(
+                    decode_images(
+                        self.model.vae,
+                        rollout.final_x0,
+                        inputs.height,
+                        inputs.width,
+                        size,
+                        self.ctx.device_type,
+                        self.compute_dtype,
+                    )
+                )
+
+            label = f"decode {resolution} batch {size}"
+            timing, result, error = self._attempt(label, lambda label=label, call=decode: self._measure(label, call))
+            images = result if result is not None else images
+            figures.append(
+                phase_figure("decode", resolution, size, None, count, "images", timing, None, None, error=error)
+            )
+        self._publish(figures)
+        if images is None:
+            return
+        figures = []
+        for size in self.cfg.rollout_batch_sizes:
+
+            def score(size: int = size) -> _Run:
+                return _Run(score_images(self.model.reward, images, captions, size))
+
+            label = f"reward {resolution} batch {size}"
+            timing, _, error = self._attempt(label, lambda label=label, call=score: self._measure(label, call))
+            figures.append(
+                phase_figure("reward", resolution, size, None, count, "images", timing, None, None, error=error)
+            )
+        self._publish(figures)
+
+    def update(self, rollout: Rollout, inputs: _Inputs, resolution: str) -> None:
+        """Update rows for every (checkpointing, micro-batch size), then one optimizer row."""
+        import torch
+
+        from fluxgrpo.grpo.update import policy_update
+
+        count, trained = self.cfg.num_trajectories, self.cfg.num_train_timesteps
+        # (T + ½)/(N − 1): int((N − 1)·fraction) is exactly T whatever the rounding.
+        fraction = min(1.0, (trained + 0.5) / (self.cfg.steps - 1))
+        flops = update_flops(self.model.shape, inputs.image_tokens, self.cfg.text_tokens, count, trained)
+        transformer, optimizer = self.model.transformer, self.optimizer
+        optimizer.step_peak_bytes = None
+        step_timing = Timing()  # every timed update run takes exactly one optimizer step
+        figures = []
+        for checkpointing in self.cfg.checkpointing_modes:
+            if checkpointing:
+                transformer.enable_gradient_checkpointing()
+            else:
+                transformer.disable_gradient_checkpointing()
+            for size in self.cfg.micro_batch_sizes:
+
+                def call(size: int = size) -> _Run:
+                    optimizer.reset()
+                    stats = policy_update(
+                        transformer,
+                        rollout,
+                        inputs.cond,
+                        inputs.advantages,
+                        timestep_fraction=fraction,
+                        clip_range=TRAINING_DEFAULTS.clip_range,
+                        adv_clip_max=TRAINING_DEFAULTS.adv_clip_max,
+                        micro_batch_size=size,
+                        # one optimizer step per update at every micro-batch size: rows differ only in batching
+                        grad_accum_steps=math.ceil(count / size),
+                        max_grad_norm=TRAINING_DEFAULTS.max_grad_norm,
+                        optimizer=optimizer,
+                        lr_scheduler=_ConstantSchedule(),
+                        device_type=self.ctx.device_type,
+                        generator_cpu=torch.Generator().manual_seed(self.cfg.seed + 29),
+                        compute_dtype=self.compute_dtype,
+                    )
+                    return _Run(stats, optimizer.seconds_since_reset, optimizer.update_peak_bytes)
+
+                label = f"update {resolution} micro-batch {size} checkpointing {'on' if checkpointing else 'off'}"
+
+                def measure(
+                    label: str = label, size: int = size, call: Callable[[], _Run] = call
+                ) -> tuple[Timing, Any]:
+                    activation_bytes = self._activation_probe(rollout, inputs, size)
+                    timing, stats = self._measure(label, call)
+                    return timing, (stats, activation_bytes)
+
+                timing, result, error = self._attempt(label, measure)
+                stats, activation_bytes = result if result is not None else (None, None)
+                if timing is not None:
+                    step_timing.seconds.extend(timing.excluded_seconds)
+                figure = phase_figure(
+                    "update",
+                    resolution,
+                    size,
+                    checkpointing,
+                    count * trained,
+                    "samples",
+                    timing,
+                    flops,
+                    self.peak_tflops,
+                    error=error,
+                    activation_bytes=activation_bytes,
+                    max_abs_log_ratio=None if stats is None else stats.as_floats()["first_abs_log_ratio"],
+                )
+                if stats is not None and stats.skipped_steps:
+                    figure = replace(figure, error="non-finite gradient norm: the optimizer step was skipped")
+                figures.append(figure)
+        step_timing.peak_memory_bytes = optimizer.step_peak_bytes
+        figures.append(phase_figure("optimizer", resolution, None, None, 1, "steps", step_timing, None, None))
+        self._publish(figures)
+
+    def _activation_probe(self, rollout: Rollout, inputs: _Inputs, size: int) -> int:
+        """Saved-for-backward bytes of one micro-batch forward at the first timestep (then its backward, which
+        leaves FSDP2 in its usual state, and the gradients dropped)."""
+        import torch
+
+        from fluxgrpo.grpo.rollout import predict_velocity
+        from fluxgrpo.grpo.schedule import model_timesteps
+        from fluxgrpo.grpo.sde import sde_step
+
+        transformer = self.model.transformer
+        transformer.train()
+        device = self.ctx.device
+        # Copies, as the update's gather makes them: a view would pin (and count) the whole trajectory buffer.
+        current, following = (rollout.latents[:size, index].to(device).clone() for index in (0, 1))
+
+        def forward() -> torch.Tensor:
+            velocity = predict_velocity(
+                transformer,
+                current,
+                inputs.cond.rows(0, size),
+                model_timesteps(inputs.sigmas)[0].expand(size),
+                torch.full((size,), TRAINING_DEFAULTS.guidance, device=device),
+                inputs.img_ids,
+                self.ctx.device_type,
+                self.compute_dtype,
+            )
+            step = sde_step(
+                current, velocity, inputs.sigmas[0], inputs.sigmas[1], TRAINING_DEFAULTS.eta, prev_sample=following
+            )
+            return step.log_prob.mean()
+
+        held, loss = saved_activation_bytes(forward, list(transformer.parameters()))
+        loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        return held
+
+
+def _compute_dtype(cfg: BenchConfig, device_type: str) -> tuple[torch.dtype, str]:
+    import torch
+
+    from fluxgrpo.runtime import device as rt_device
+
+    if cfg.dtype is None:
+        dtype = rt_device.compute_dtype(device_type)
+    else:
+        dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    return dtype, "bf16" if dtype == torch.bfloat16 else "fp32"
+
+
+def bench_on_rank(
+    cfg: BenchConfig, ctx: DistContext, emit: Callable[[dict[str, Any]], None], log: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Every measurement on this rank (one process; with FSDP2 sharding when the world is larger than one).
+
+    ``emit`` receives each record as soon as it exists: ``config``, ``device``, ``versions``, ``model``, then a
+    ``figure`` per measured configuration and a ``summary`` per resolution. Returns the records.
+    """
+    import platform
+
+    import torch
+
+    from fluxgrpo import __version__
+    from fluxgrpo.grpo.latents import latent_shape
+    from fluxgrpo.runtime.peak import accelerator_stack, device_name, peak_throughput
+    from fluxgrpo.runtime.report import package_versions
+
+    records: list[dict[str, Any]] = []
+
+    def keep(record: dict[str, Any]) -> None:
+        records.append(record)
+        emit(record)
+
+    compute_dtype, dtype_name = _compute_dtype(cfg, ctx.device_type)
+    name = device_name(ctx.device)
+    peak = peak_throughput(ctx.device_type, name, dtype_name, cfg.peak_tflops)
+    keep({"record": "config", **cfg.to_dict(), "dtype": dtype_name})
+    keep(
+        {
+            "record": "device",
+            "type": ctx.device_type,
+            "name": name,
+            "world_size": ctx.world_size,
+            "memory_bytes": device_memory_bytes(ctx),
+            "peak_tflops": peak.tflops,
+            "peak_source": peak.source,
+            "compute_dtype": dtype_name,
+            "threads": torch.get_num_threads() if ctx.device_type == "cpu" else None,
+        }
+    )
+    keep(
+        {
+            "record": "versions",
+            "fluxgrpo": __version__,
+            "python": platform.python_version(),
+            **package_versions(),
+            "accelerator": accelerator_stack(ctx.device_type),
+        }
+    )
+
+    log(f"building {cfg.model} on {ctx.device_type} ({name})")
+    bench_model = build_bench_model(cfg, ctx, compute_dtype)
+    if ctx.distributed:
+        import warnings
+
+        from fluxgrpo.grpo.trainer import shard_transformer
+
+        # As in the trainer: FLUX blocks return views, which FSDP2 warns about on every forward; nothing here
+        # modifies a block output in place, so the warning is noise.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+        shard_transformer(bench_model.transformer, cpu_offload=False, compute_dtype=compute_dtype)
+    if cfg.compile:
+        bench_model.transformer.compile()
+    shape = bench_model.shape
+    keep(
+        {
+            "record": "model",
+            "name": cfg.model,
+            "double_blocks": shape.double_blocks,
+            "single_blocks": shape.single_blocks,
+            "hidden": shape.hidden,
+            "head_dim": shape.head_dim,
+            "transformer_parameters": sum(p.numel() for p in bench_model.transformer.parameters()),
+            "vae_parameters": sum(p.numel() for p in bench_model.vae.parameters()),
+            "reward": bench_model.reward_name,
+            "reward_parameters": bench_model.reward_parameters,
+            "text_tokens": cfg.text_tokens,
+            "trajectories": cfg.num_trajectories,
+            "steps": cfg.steps,
+            "train_timesteps": cfg.num_train_timesteps,
+            "compile": cfg.compile,
+            "forward_flops_per_sample": {
+                f"{h}x{w}": transformer_forward_flops(shape, latent_shape(h, w).num_tokens, cfg.text_tokens)
+                for h, w in cfg.resolved_resolutions()
+            },
+        }
+    )
+    sweep = _Sweep(cfg, ctx, bench_model, compute_dtype, peak.tflops, keep, log)
+    for height, width in cfg.resolved_resolutions():
+        resolution = f"{height}x{width}"
+        inputs = _make_inputs(cfg, bench_model, height, width, ctx.device, ctx.rank)
+        start = len(sweep.figures)
+        rollout = sweep.rollout(inputs, resolution)
+        if rollout is not None:
+            sweep.decode_and_reward(rollout, inputs, resolution)
+            sweep.update(rollout, inputs, resolution)
+        del rollout, inputs
+        keep(summarize(sweep.figures[start:], resolution))
+    return records
+
+
+def run_bench(
+    cfg: BenchConfig,
+    emit: Callable[[dict[str, Any]], None] = lambda record: None,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+) -> list[dict[str, Any]]:
+    """Run the benchmark: in this process for ``--dies 1``, else on ``--dies`` torchrun workers (rank 0 reports).
+
+    Returns the records (see ``bench_on_rank``); ``emit`` gets them as they come (after the workers end when
+    ``--dies`` > 1), ``log`` gets progress lines.
+    """
+    cfg.validate()
+    if cfg.dies == 1:
+        from fluxgrpo.runtime import dist as rt_dist
+
+        ctx = rt_dist.init_distributed(cfg.device)
+        try:
+            return bench_on_rank(cfg, ctx, emit, log)
+        finally:
+            rt_dist.teardown()
+    from fluxgrpo.bench.worker import launch_workers
+
+    return launch_workers(cfg, emit, log)
