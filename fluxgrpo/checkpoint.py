@@ -7,7 +7,7 @@ k, one update early, and keeps no optimizer state; see dancegrpo-spec.md §7):
                         ``FluxTransformer2DModel.from_pretrained`` loads it; ``sample`` uses it.
     transformer_ema/    the same, with the EMA weights (only when an EMA is kept).
     state/              torch.distributed.checkpoint (DCP) files for {"model", "optim", "lr_scheduler", "ema"},
-                        trainer_state.json, and rng_rank{r}.pt for every rank.
+                        trainer_state.json, and rng_rank{r}.pt for every rank (tensors and plain values only).
     COMPLETE            written last; JSON facts about the checkpoint (iteration, world size, what it holds).
 
 Atomicity: everything is written into ``checkpoint-{k}.tmp/``; only when every rank has finished does rank 0
@@ -18,11 +18,15 @@ checkpoint of the same iteration) rename the folder to ``.trash`` first, so a ha
 never taken for a complete one either.
 
 With more than one process ``output_dir`` must be on a filesystem every rank sees (DCP requires it anyway).
+
+Loading runs no code from the folder: the RNG files are read with ``torch.load(weights_only=True)`` and the DCP
+files through ``fluxgrpo.safe_load`` (see there), so a checkpoint from someone else is data, not a program.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -48,7 +52,8 @@ TRANSFORMER_DIR = "transformer"
 EMA_TRANSFORMER_DIR = "transformer_ema"
 STATE_DIR = "state"
 TRAINER_STATE_FILE = "trainer_state.json"
-FORMAT_VERSION = 1
+# 2: rng_rank{r}.pt holds tensors and plain values (version 1 pickled numpy arrays, unreadable safely).
+FORMAT_VERSION = 2
 # diffusers' own default for save_pretrained: FLUX.1-dev's 47.6 GB fp32 transformer becomes 5 shards.
 DEFAULT_MAX_SHARD_SIZE = "10GB"
 
@@ -110,7 +115,36 @@ def read_checkpoint_info(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not is_complete_checkpoint(path):
         raise FluxgrpoError(_not_complete_message(path, path.parent))
-    return json.loads((path / COMPLETE_MARKER).read_text())
+    info = _read_json(path / COMPLETE_MARKER)
+    if not isinstance(info, dict) or not isinstance(info.get("iteration"), int) or "world_size" not in info:
+        raise FluxgrpoError(f"{path / COMPLETE_MARKER} is malformed (not the JSON fluxgrpo writes): {_DAMAGED_FIX}")
+    return info
+
+
+def read_trainer_state(path: str | Path) -> dict[str, Any]:
+    """The ``trainer_state`` a complete checkpoint was saved with (iteration, sampler positions, config).
+
+    Raises:
+        FluxgrpoError: the file is missing, truncated or not a JSON object.
+    """
+    state = _read_json(Path(path) / STATE_DIR / TRAINER_STATE_FILE)
+    if not isinstance(state, dict):
+        raise FluxgrpoError(f"{Path(path) / STATE_DIR / TRAINER_STATE_FILE} is malformed: {_DAMAGED_FIX}")
+    return state
+
+
+# What to do about a checkpoint whose files were damaged after it was written.
+_DAMAGED_FIX = "resume from another checkpoint with --resume-from, or start a new run from its exported transformer"
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON file of a checkpoint; a missing, truncated or garbled one is one FluxgrpoError naming it."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FluxgrpoError(f"{path} is missing: {_DAMAGED_FIX}") from None
+    except (OSError, ValueError) as exc:
+        raise FluxgrpoError(f"{path} is damaged ({exc}): {_DAMAGED_FIX}") from None
 
 
 def resolve_resume(output_dir: str | Path, resume: str | bool | None) -> Path | None:
@@ -209,6 +243,8 @@ def save_checkpoint(
         raise UsageError(f"checkpoint iteration must be >= 0, got {iteration}")
     # Checked on every rank before any collective, so a bad dict fails everywhere instead of hanging the others.
     trainer_state_json = json.dumps(trainer_state, indent=2) + "\n"
+    extra_rng = dict(rng_states or {})
+    _check_plain(extra_rng, "rng_states")
 
     root = Path(output_dir)
     final = checkpoint_dir(root, iteration)
@@ -231,7 +267,7 @@ def save_checkpoint(
     _save_training_state(tmp / STATE_DIR, ctx, model, optimizer, lr_scheduler, ema)
     _write_durably(
         tmp / STATE_DIR / f"rng_rank{ctx.rank}.pt",
-        lambda f: torch.save({"global": rt_device.rng_state(ctx.device), "extra": dict(rng_states or {})}, f),
+        lambda f: torch.save({"global": _plain_rng_state(rt_device.rng_state(ctx.device)), "extra": extra_rng}, f),
     )
     if ctx.is_main:
         _write_durably(tmp / STATE_DIR / TRAINER_STATE_FILE, lambda f: f.write(trainer_state_json.encode()))
@@ -277,8 +313,45 @@ def _save_training_state(directory: Path, ctx: DistContext, model, optimizer, lr
         state["lr_scheduler"] = lr_scheduler.state_dict()
     if ema is not None:
         state["ema"] = ema.state_dict()
-    with _quiet_single_process_dcp():
+    with _quiet_single_process_dcp(), _dcp_errors("writing", directory):
         dcp.save(state, checkpoint_id=str(directory), no_dist=not ctx.distributed)
+
+
+@contextlib.contextmanager
+def _dcp_errors(doing: str, directory: Path):
+    """DCP reports any rank's failure as ``CheckpointException ranks:dict_keys([0, 1])`` plus tracebacks; say
+    what happened instead, preferring a full disk (the likeliest cause, and the same on every rank)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        failures = sorted((rank, cause) for rank, (cause, _trace) in exc.failures.items())
+        full = [(rank, cause) for rank, cause in failures if _is_disk_full(cause)]
+        rank, cause = (full or failures)[0]
+        if isinstance(cause, FluxgrpoError):
+            raise cause from None
+        raise _io_error(cause, doing, directory, rank) from None
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _io_error(exc: BaseException, doing: str, directory: Path, rank: int | None = None) -> FluxgrpoError:
+    """One line for a failed checkpoint read or write."""
+    where = Path(exc.filename) if isinstance(exc, OSError) and exc.filename else directory
+    if _is_disk_full(exc):
+        return FluxgrpoError(
+            f"no space left on device writing {where}: free space there, lower --keep-last, or choose another "
+            "--output-dir (the unfinished checkpoint is removed by the next save)"
+        )
+    on_rank = "" if rank is None else f" on rank {rank}"
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+    reason = reason.splitlines()[0] if reason else type(exc).__name__
+    if doing == "reading":
+        return FluxgrpoError(f"cannot read the training state in {where}{on_rank} ({reason}): {_DAMAGED_FIX}")
+    return FluxgrpoError(f"cannot write {where}{on_rank} ({reason}): choose a writable --output-dir with free space")
 
 
 @contextlib.contextmanager
@@ -329,7 +402,12 @@ def _write_diffusers_folder(
     split = split_torch_state_dict_into_shards(sizing, filename_pattern=pattern, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         shard = {name: state_dict[name].to(dtype_of(state_dict[name])).contiguous() for name in names}
-        save_file(shard, str(directory / filename), metadata={"format": "pt"})
+        try:
+            save_file(shard, str(directory / filename), metadata={"format": "pt"})
+        except Exception as exc:  # safetensors reports I/O errors as SafetensorError, the OS error only in its text
+            full = "No space left on device" in str(exc) or "os error 28" in str(exc)
+            cause = OSError(errno.ENOSPC if full else errno.EIO, str(exc), str(directory / filename))
+            raise _io_error(cause, "writing", directory) from None
         _fsync(directory / filename)
         del shard
     if split.is_sharded:
@@ -363,8 +441,15 @@ def load_checkpoint(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from fluxgrpo.safe_load import SafeFileSystemReader, SafeLoadPlanner
+
     path = Path(path)
     info = read_checkpoint_info(path)
+    if int(info.get("format_version", 1)) < 2:
+        raise FluxgrpoError(
+            f"{path} was written by an older fluxgrpo whose RNG files pickle numpy objects, which cannot be read "
+            "without letting the file run code: start a new run from its exported transformer"
+        )
     saved_world = int(info["world_size"])
     if saved_world != ctx.world_size:
         raise FluxgrpoError(
@@ -392,28 +477,86 @@ def load_checkpoint(
         state["lr_scheduler"] = lr_scheduler.state_dict()
     if ema is not None:
         state["ema"] = ema.state_dict()
-    with _quiet_single_process_dcp():
-        dcp.load(state, checkpoint_id=str(path / STATE_DIR), no_dist=not ctx.distributed)
+    # Read (and vetted) here, on every rank, before DCP's collectives start.
+    reader = SafeFileSystemReader(path / STATE_DIR)
+    with _quiet_single_process_dcp(), _dcp_errors("reading", path / STATE_DIR):
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not ctx.distributed)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
     if ema is not None:
         ema.load_state_dict(state["ema"])
 
-    trainer_state = json.loads((path / STATE_DIR / TRAINER_STATE_FILE).read_text())
-    # Written by save_checkpoint itself; python's and numpy's RNG states are not tensors, so weights_only
-    # cannot read them (trusting this file is the same as trusting the DCP metadata pickle beside it).
-    rng_file = path / STATE_DIR / f"rng_rank{ctx.rank}.pt"
-    if not rng_file.is_file():
-        raise FluxgrpoError(
-            f"{rng_file} is missing, so rank {ctx.rank} cannot resume exactly: the checkpoint was damaged after it "
-            "was written; resume from an earlier checkpoint with --resume-from"
-        )
-    rng = torch.load(rng_file, weights_only=False)
-    rt_device.set_rng_state(ctx.device, rng["global"])
+    trainer_state = read_trainer_state(path)
+    rng = _load_rng_file(path / STATE_DIR / f"rng_rank{ctx.rank}.pt", ctx.rank)
+    rt_device.set_rng_state(ctx.device, _rng_state_from_plain(rng["global"]))
     return LoadedState(
         trainer_state=trainer_state, rng_states=rng["extra"], iteration=int(info["iteration"]), path=path
     )
+
+
+# --------------------------------------------------------------------------------------------- RNG files
+
+
+def _plain_rng_state(state: dict[str, Any]) -> dict[str, Any]:
+    """``runtime.device.rng_state()`` with numpy's key array as a tensor, so ``weights_only`` can read it back.
+
+    Python's state is a tuple of ints; torch's and the device's are uint8 tensors; numpy's is
+    ``(name, uint32 array, pos, has_gauss, cached_gaussian)``.
+    """
+    name, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    plain = dict(state)
+    plain["numpy"] = {
+        "bit_generator": str(name),
+        "keys": torch.from_numpy(keys.astype("int64")),  # torch has no uint32 tensors before 2.3
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached_gaussian),
+    }
+    return plain
+
+
+def _rng_state_from_plain(plain: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+
+    numpy_state = plain["numpy"]
+    state = dict(plain)
+    state["numpy"] = (
+        numpy_state["bit_generator"],
+        numpy_state["keys"].numpy().astype(np.uint32),
+        numpy_state["pos"],
+        numpy_state["has_gauss"],
+        numpy_state["cached_gaussian"],
+    )
+    return state
+
+
+def _check_plain(value: Any, what: str) -> None:
+    """Refuse, at save time, anything the ``weights_only`` loader would refuse at resume time."""
+    if isinstance(value, torch.Tensor) or value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_plain(key, what)
+            _check_plain(item, what)
+        return
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            _check_plain(item, what)
+        return
+    raise TypeError(f"{what} may hold only tensors and plain values (a resume reads them safely), not {type(value)}")
+
+
+def _load_rng_file(rng_file: Path, rank: int) -> dict[str, Any]:
+    from fluxgrpo.safe_load import load_plain
+
+    try:
+        rng = load_plain(rng_file, _DAMAGED_FIX)
+    except FileNotFoundError:
+        raise FluxgrpoError(f"{rng_file} is missing, so rank {rank} cannot resume exactly: {_DAMAGED_FIX}") from None
+    if not isinstance(rng, dict) or not isinstance(rng.get("global"), dict) or "numpy" not in rng["global"]:
+        raise FluxgrpoError(f"{rng_file} is malformed (not the RNG state fluxgrpo writes): {_DAMAGED_FIX}")
+    return rng
 
 
 # --------------------------------------------------------------------------------------------- filesystem
@@ -431,10 +574,14 @@ def _fsync(path: Path) -> None:
 
 def _write_durably(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Write a file through ``write`` and fsync it, so the COMPLETE marker never precedes its data on disk."""
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        exc.filename = exc.filename or str(path)
+        raise _io_error(exc, "writing", path.parent) from None
 
 
 def _rename(src: Path, dst: Path) -> None:

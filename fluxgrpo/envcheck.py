@@ -48,15 +48,24 @@ def embeddings_status(embeddings_dir: str | Path) -> dict[str, Any]:
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         status["problems"].append(f"{index} is not a list of prompt entries (DanceGRPO's videos2caption.json layout)")
         return status
+    files = (
+        ("prompt_embed", "prompt_embed_path"),
+        ("pooled_prompt_embeds", "pooled_prompt_embeds_path"),
+        ("text_ids", "text_ids"),
+    )
+    needed = [key for _, key in files] + ["caption"]
+    malformed = [i for i, e in enumerate(entries) if not all(isinstance(e.get(key), str) for key in needed)]
+    if malformed:
+        status["problems"].append(
+            f"{index} is malformed: {len(malformed)} entr{'y' if len(malformed) == 1 else 'ies'} (first: number "
+            f"{malformed[0]}) lack one of {', '.join(needed)}"
+        )
+        return status
     missing = 0
     first_missing = None
     for entry in entries:
-        for folder, key in (
-            ("prompt_embed", "prompt_embed_path"),
-            ("pooled_prompt_embeds", "pooled_prompt_embeds_path"),
-            ("text_ids", "text_ids"),
-        ):
-            path = root / folder / str(entry.get(key, ""))
+        for folder, key in files:
+            path = root / folder / entry[key]
             if not path.is_file():
                 missing += 1
                 first_missing = first_missing or path

@@ -7,7 +7,6 @@ otherwise we build the torchrun command (``runtime/launch.py``) and run ``fluxgr
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,22 +60,11 @@ def preflight(cfg: TrainConfig) -> None:
 
 
 def _check_embeddings_match_model(cfg: TrainConfig) -> None:
-    import torch
+    """Every embedding file is a tensor file of the right shape for this transformer, checked now rather than when
+    its prompt is first drawn hours into the run (headers only: the files are memory-mapped, not read)."""
+    from fluxgrpo.data.embeddings import EmbeddingDataset
 
-    transformer_cfg = json.loads((Path(cfg.model) / "transformer" / "config.json").read_text())
-    root = Path(cfg.data_json_path).parent
-    first = json.loads(Path(cfg.data_json_path).read_text())[0]
-    embed = torch.load(root / "prompt_embed" / first["prompt_embed_path"], map_location="cpu", weights_only=True)
-    pooled = torch.load(
-        root / "pooled_prompt_embeds" / first["pooled_prompt_embeds_path"], map_location="cpu", weights_only=True
-    )
-    expected = (transformer_cfg["joint_attention_dim"], transformer_cfg["pooled_projection_dim"])
-    found = (embed.shape[-1], pooled.shape[-1])
-    if expected != found:
-        raise FluxgrpoError(
-            f"embeddings in {root} were made for another model (T5 width {found[0]}, CLIP width {found[1]}; "
-            f"{cfg.model} expects {expected[0]} and {expected[1]}): re-run `fluxgrpo preprocess --model {cfg.model}`"
-        )
+    EmbeddingDataset(cfg.data_json_path).validate(cfg.model)
 
 
 # Settings a resumed run may change without breaking exactness: where things are, how long to go, what to log.
@@ -116,7 +104,7 @@ def check_output_dir(output_dir: Path, create: bool) -> None:
 
 def check_resume_compatible(cfg: TrainConfig, checkpoint: Path, world_size: int) -> None:
     """A resume is exact only with the same world size and the same algorithm settings; say which differ."""
-    from fluxgrpo.checkpoint import read_checkpoint_info
+    from fluxgrpo.checkpoint import read_checkpoint_info, read_trainer_state
 
     info = read_checkpoint_info(checkpoint)
     problems = []
@@ -127,7 +115,7 @@ def check_resume_compatible(cfg: TrainConfig, checkpoint: Path, world_size: int)
         )
     if cfg.use_ema and not info.get("has_ema", False):
         problems.append("it has no EMA state but --use-ema is on: drop --use-ema")
-    saved = json.loads((checkpoint / "state" / "trainer_state.json").read_text()).get("config", {})
+    saved = read_trainer_state(checkpoint).get("config", {})
     now = cfg.to_dict()
     for key in sorted(now):
         if key in RESUME_FREE_FIELDS or key not in saved or saved[key] == now[key]:

@@ -110,7 +110,9 @@ def test_validate_catches_embeddings_from_other_encoders(tiny_embeddings, tmp_pa
     (other_flux / "transformer" / "config.json").write_text(
         json.dumps({"joint_attention_dim": 4096, "pooled_projection_dim": 768})
     )
-    with pytest.raises(FluxgrpoError, match=r"D=32.*D=4096.*fluxgrpo preprocess"):
+    with pytest.raises(
+        FluxgrpoError, match=r"another model .*T5 width 32, CLIP width 32; .* 4096 and 768.*fluxgrpo preprocess"
+    ):
         EmbeddingDataset(tiny_embeddings.index_path).validate(other_flux)
 
 
@@ -121,7 +123,7 @@ def test_missing_or_corrupt_file_is_one_clear_error(tiny_embeddings, tmp_path):
     dataset = EmbeddingDataset(out / "videos2caption.json")
     with pytest.raises(FluxgrpoError, match=r"pooled_prompt_embeds/1\.pt is missing.*fluxgrpo preprocess"):
         dataset[1]
-    with pytest.raises(FluxgrpoError, match=r"prompt_embed/4\.pt is corrupt.*fluxgrpo preprocess"):
+    with pytest.raises(FluxgrpoError, match=r"prompt_embed/4\.pt is damaged or not a torch file.*fluxgrpo preprocess"):
         dataset[4]
     with pytest.raises(FluxgrpoError, match=r"1\.pt is missing"):
         dataset.validate()

@@ -102,10 +102,11 @@ def write_index(out_dir: str | Path, captions: list[str]) -> Path:
     return target
 
 
-def _load(path: Path, mmap: bool = False) -> torch.Tensor:
-    import torch
+def _load(path: Path, mmap: bool = False, fix: str = "delete it and run `fluxgrpo preprocess`") -> Any:
+    """Tensors only: a file that asks to run code is refused before any of it runs (``safe_load``)."""
+    from fluxgrpo.safe_load import load_plain
 
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    return load_plain(path, fix, mmap=mmap)
 
 
 def stored_embedding_ok(out_dir: str | Path, index: int, seq_len: int, embed_dim: int, pooled_dim: int) -> bool:
@@ -167,14 +168,13 @@ class EmbeddingDataset:
     def _load_file(self, path: Path, mmap: bool = False) -> torch.Tensor:
         import torch
 
+        missing = f"embedding file {path} is missing: {self._fix} (it re-encodes only what is missing)"
         if not path.is_file():
-            raise FluxgrpoError(f"embedding file {path} is missing: {self._fix} (it re-encodes only what is missing)")
+            raise FluxgrpoError(missing)
         try:
-            tensor = _load(path, mmap=mmap)
-        except Exception as exc:
-            raise FluxgrpoError(
-                f"embedding file {path} is corrupt ({type(exc).__name__}): delete it and {self._fix}"
-            ) from None
+            tensor = _load(path, mmap=mmap, fix=f"delete it and {self._fix}")
+        except FileNotFoundError:
+            raise FluxgrpoError(missing) from None
         if not isinstance(tensor, torch.Tensor):
             raise FluxgrpoError(f"embedding file {path} does not hold a tensor: delete it and {self._fix}")
         return tensor
@@ -198,6 +198,12 @@ class EmbeddingDataset:
 
         Files are memory-mapped, not read, so this is cheap even for tens of thousands of prompts.
         """
+        want = None
+        if flux_dir is not None:
+            from fluxgrpo.models.flux import read_transformer_config
+
+            config = read_transformer_config(flux_dir)
+            want = (config.get("joint_attention_dim"), config.get("pooled_projection_dim"))
         reference: tuple[Any, ...] | None = None
         for index in range(len(self)):
             embeds, pooled, text_ids = self._load_item(index, mmap=True)
@@ -205,6 +211,12 @@ class EmbeddingDataset:
                 raise FluxgrpoError(
                     f"prompt {index} in {self.root} has shapes {tuple(embeds.shape)}, {tuple(pooled.shape)}, "
                     f"{tuple(text_ids.shape)} (want [S, D], [P], [3]): delete the folder and {self._fix}"
+                )
+            if want is not None and (embeds.shape[1], pooled.shape[0]) != want:
+                raise FluxgrpoError(
+                    f"embeddings in {self.root} were made for another model (prompt {index} has T5 width "
+                    f"{embeds.shape[1]}, CLIP width {pooled.shape[0]}; the transformer in {flux_dir} expects {want[0]} "
+                    f"and {want[1]}): run `fluxgrpo preprocess --model {flux_dir} --out <new folder>`"
                 )
             found = (tuple(embeds.shape), tuple(pooled.shape), embeds.dtype, pooled.dtype)
             if reference is None:
@@ -216,15 +228,4 @@ class EmbeddingDataset:
                 )
         assert reference is not None  # __init__ rejects an empty index
         (seq_len, embed_dim), (pooled_dim,), dtype = reference[0], reference[1], reference[2]
-        if flux_dir is not None:
-            from fluxgrpo.models.flux import read_transformer_config
-
-            config = read_transformer_config(flux_dir)
-            want = (config.get("joint_attention_dim"), config.get("pooled_projection_dim"))
-            if (embed_dim, pooled_dim) != want:
-                raise FluxgrpoError(
-                    f"embeddings in {self.root} have D={embed_dim}, P={pooled_dim} but the transformer in {flux_dir} "
-                    f"expects D={want[0]}, P={want[1]}: they were made with other text encoders; "
-                    f"run `fluxgrpo preprocess --model {flux_dir} --out <new folder>`"
-                )
         return EmbeddingsInfo(len(self), seq_len, embed_dim, pooled_dim, str(dtype).removeprefix("torch."))
