@@ -301,7 +301,3 @@ def save_resolved(cfg: TrainConfig, path: Path, derived: dict[str, Any], extra: 
         header.append(f"#   {k}: {v}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(header) + "\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-
-
-def load_resolved(path: Path) -> TrainConfig:
-    return build_config(str(path))

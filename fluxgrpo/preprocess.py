@@ -1,7 +1,7 @@
 """``fluxgrpo preprocess``: encode a prompt file once with FLUX's text encoders into DanceGRPO's embedding layout.
 
-Runs in one process, or on every rank under torchrun (``python -m fluxgrpo.preprocess ...`` is the worker entry
-the CLI launches for ``--dies N``). Prompt ``i`` belongs to rank ``i % world``: every prompt is encoded exactly
+Runs in one process, or on every rank under torchrun (``worker_entry`` is what the CLI runs on every worker for
+``--dies N``). Prompt ``i`` belongs to rank ``i % world``: every prompt is encoded exactly
 once, with no sampler padding (DanceGRPO's sampler encoded up to W-1 prompts twice and listed them twice).
 
 Restartable: each file is written under a temp name and renamed, a re-run skips prompts whose three files exist
@@ -12,11 +12,9 @@ partial run never looks complete. ``.fluxgrpo-preprocess.json`` records what the
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -163,11 +161,17 @@ def preprocess(
         FluxgrpoError: bad prompt file, incomplete weights, unwritable or mismatched ``out_dir`` (all before any
             model loads).
     """
+    from fluxgrpo.runtime.worker import worker_session
+
+    with worker_session(device) as ctx:
+        return _preprocess_on_rank(ctx, Path(prompts_path), Path(flux_dir), Path(out_dir), max_sequence_length)
+
+
+def _preprocess_on_rank(
+    ctx: Any, prompts_path: Path, flux_dir: Path, out: Path, max_sequence_length: int
+) -> PreprocessSummary:
     from fluxgrpo.runtime import dist as rt_dist
 
-    out = Path(out_dir)
-    flux_dir = Path(flux_dir)
-    ctx = rt_dist.init_distributed(device)
     prompts = check_inputs(prompts_path, flux_dir, out, max_sequence_length)
     embed_dim, pooled_dim = _encoder_dims(flux_dir)
     fingerprint = _fingerprint(prompts, max_sequence_length, flux_dir)
@@ -268,50 +272,7 @@ def _stored_dtype(out: Path) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-def worker_argv(
-    prompts_path: str | Path,
-    flux_dir: str | Path,
-    out_dir: str | Path,
-    max_sequence_length: int,
-    device: str | None,
-    summary_json: str | Path | None = None,
-) -> list[str]:
-    """The arguments of ``python -m fluxgrpo.preprocess`` for these settings (what the CLI hands torchrun)."""
-    argv = [
-        "--prompts",
-        str(prompts_path),
-        "--model",
-        str(flux_dir),
-        "--out",
-        str(out_dir),
-        "--max-sequence-length",
-        str(max_sequence_length),
-        "--device",
-        device or "auto",
-    ]
-    if summary_json is not None:
-        argv += ["--summary-json", str(summary_json)]
-    return argv
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Worker entry: ``[torchrun ...] python -m fluxgrpo.preprocess --prompts F --model D --out O ...``."""
-    from fluxgrpo.runtime.launch import run_worker
-
-    parser = argparse.ArgumentParser(prog="python -m fluxgrpo.preprocess", description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", required=True)
-    parser.add_argument("--model", required=True, help="FLUX diffusers folder")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--max-sequence-length", type=int, default=512)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--summary-json", default=None, help="rank 0 writes the summary here")
-    args = parser.parse_args(argv)
-
-    return run_worker(
-        lambda: preprocess(args.prompts, args.model, args.out, args.max_sequence_length, args.device),
-        args.summary_json,
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def worker_entry(payload: dict[str, Any]) -> PreprocessSummary:
+    """Every rank's part of ``fluxgrpo preprocess --dies N`` (``runtime.launch.run_workers``): ``preprocess``'s
+    arguments by name."""
+    return preprocess(**payload)

@@ -27,18 +27,16 @@ run's index, images and grid; a folder holding anything else is refused. With ``
 to rank ``i % N``; every rank writes its own images (the folder must be on a filesystem every rank sees), and
 rank 0 gathers the records and writes the grid and the index once every image is on disk.
 
-``python -m fluxgrpo.sample --request FILE`` is the worker entry ``fluxgrpo sample --dies N`` launches.
+``worker_entry`` is what ``fluxgrpo sample --dies N`` runs on every worker (``runtime.launch.run_workers``).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
 import os
 import re
-import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -567,15 +565,17 @@ def sample(request: SampleRequest, show_progress: bool = True) -> SampleSummary:
     Raises:
         FluxgrpoError: an image that was not written (the index is then not written either).
     """
-    import torch
+    from fluxgrpo.runtime.worker import worker_session
 
+    with worker_session(request.device) as ctx:
+        return _sample_on_rank(request, ctx, show_progress)
+
+
+def _sample_on_rank(request: SampleRequest, ctx: Any, show_progress: bool) -> SampleSummary:
     from fluxgrpo.preprocess import rank_indices
     from fluxgrpo.runtime import dist as rt_dist
     from fluxgrpo.runtime.device import compute_dtype
 
-    ctx = rt_dist.init_distributed(request.device)
-    if ctx.device_type == "cpu" and ctx.distributed:
-        torch.set_num_threads(1)  # N workers share the host's cores; oversubscription is far slower
     out = Path(request.out_dir)
     if ctx.is_main:
         check_output_dir(out)
@@ -714,21 +714,6 @@ def read_index(path: str | Path) -> SampleIndex:
 # --------------------------------------------------------------------------------------------- worker entry
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Worker entry: ``torchrun ... -m fluxgrpo.sample --request REQUEST.json [--summary-json FILE]``."""
-    from fluxgrpo.runtime.launch import run_worker
-
-    parser = argparse.ArgumentParser(prog="python -m fluxgrpo.sample", description=__doc__.splitlines()[0])
-    parser.add_argument("--request", required=True, help="the SampleRequest as JSON (written by `fluxgrpo sample`)")
-    parser.add_argument("--summary-json", default=None, help="rank 0 writes the summary here")
-    args = parser.parse_args(argv)
-
-    def work() -> SampleSummary:
-        request = SampleRequest.from_dict(json.loads(Path(args.request).read_text(encoding="utf-8")))
-        return sample(request)
-
-    return run_worker(work, args.summary_json)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def worker_entry(payload: dict[str, Any]) -> SampleSummary:
+    """Every rank's part of ``fluxgrpo sample --dies N`` (``runtime.launch.run_workers``): a SampleRequest."""
+    return sample(SampleRequest.from_dict(payload))

@@ -1,6 +1,7 @@
 """The runtime: device detection (accelerators faked), torch_npu import safety, env defaults, launch argv."""
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -218,6 +219,67 @@ def test_worker_errors_records_and_reraises(tmp_path, monkeypatch):
         worker()
     record = json.loads((tmp_path / "rank2.json").read_text())
     assert record["rank"] == 2 and record["error"] == "ValueError: bad shape" and "Traceback" in record["traceback"]
+
+
+ECHO_WORKER = """
+import os
+
+from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.runtime import dist
+from fluxgrpo.runtime.worker import worker_session
+
+
+def worker_entry(payload):
+    with worker_session("cpu") as ctx:
+        if payload.get("fail_rank") == ctx.rank:
+            raise FluxgrpoError(f"rank {ctx.rank} cannot go on")
+        import torch
+
+        ranks = dist.all_gather_object(ctx, ctx.rank)
+        return {"payload": payload, "ranks": ranks, "threads": torch.get_num_threads(), "pid": os.getpid()}
+"""
+
+
+@pytest.fixture
+def echo_module(tmp_path, monkeypatch):
+    """A worker module importable here and in torchrun workers (which inherit PYTHONPATH)."""
+    (tmp_path / "fluxgrpo_echo_worker.py").write_text(ECHO_WORKER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    yield "fluxgrpo_echo_worker"
+    sys.modules.pop("fluxgrpo_echo_worker", None)
+
+
+def test_one_worker_runs_in_this_process_and_returns_the_json_form(echo_module):
+    summary = launch.run_workers(echo_module, {"items": (1, 2)}, launch.LaunchSpec(), "cpu")
+    assert summary["payload"] == {"items": [1, 2]}  # through JSON, as from a torchrun worker
+    assert summary["ranks"] == [0] and summary["pid"] == os.getpid()
+
+
+@pytest.mark.slow
+def test_two_workers_run_under_torchrun_and_rank0_reports(echo_module, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    lines = []
+    summary = launch.run_workers(echo_module, {"x": 1}, launch.LaunchSpec(nproc_per_node=2), "cpu", log=lines.append)
+    assert summary["payload"] == {"x": 1} and summary["ranks"] == [0, 1] and summary["pid"] != os.getpid()
+    assert summary["threads"] == 1  # the prologue: one thread per CPU worker
+    assert "fluxgrpo.runtime.worker" in lines[0]
+    with pytest.raises(FluxgrpoError, match="rank 1 failed: rank 1 cannot go on"):
+        launch.run_workers(echo_module, {"fail_rank": 1}, launch.LaunchSpec(nproc_per_node=2), "cpu")
+
+
+def test_worker_session_leaves_the_group_and_filters_the_fsdp_view_warning():
+    import warnings
+
+    from fluxgrpo.runtime.worker import worker_session
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with worker_session("cpu") as ctx:
+            warnings.warn("FSDP2-wrapped module FluxTransformerBlock returned a view tensor", UserWarning, stacklevel=1)
+            warnings.warn("something else", UserWarning, stacklevel=1)
+    assert (ctx.world_size, ctx.device_type) == (1, "cpu")
+    assert [str(w.message) for w in caught] == ["something else"]
 
 
 def test_worker_env_shows_the_values_in_force_on_npu_only(monkeypatch):

@@ -199,7 +199,7 @@ def trained_run(tiny_weights, tiny_embeddings, tmp_path_factory):
     """A 2-iteration tiny-cpu training run with EMA (decay 0.5, so the EMA differs clearly from both weights)."""
     from fluxgrpo.config import build_config
     from fluxgrpo.grpo.trainer import train
-    from fluxgrpo.train import preflight
+    from fluxgrpo.train_launch import preflight
 
     output_dir = tmp_path_factory.mktemp("trained") / "grpo"
     cfg = build_config(

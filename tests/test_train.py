@@ -17,7 +17,7 @@ from fluxgrpo.config import build_config
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.metrics import read_metrics, reward_trend
 from fluxgrpo.runtime.launch import LaunchSpec
-from fluxgrpo.train import launch_training, plan_training
+from fluxgrpo.train_launch import launch_training, plan_training
 
 runner = CliRunner()
 

@@ -43,17 +43,21 @@ def command(
       fluxgrpo preprocess --prompts my_prompts.txt --dies 8
     """
     from fluxgrpo.data.prompts import bundled_prompts_path
-    from fluxgrpo.errors import UsageError
+    from fluxgrpo.preprocess import check_inputs
+    from fluxgrpo.runtime.launch import LaunchSpec, run_workers
 
-    if dies < 1:
-        raise UsageError(f"--dies must be at least 1 (got {dies})")
+    spec = LaunchSpec(nproc_per_node=dies)
+    spec.validate()
     prompts_path = prompts or str(bundled_prompts_path())
-    if dies == 1:
-        from fluxgrpo.preprocess import preprocess
-
-        summary = preprocess(prompts_path, model, out, max_sequence_length, device).to_dict()
-    else:
-        summary = _run_workers(prompts_path, model, out, max_sequence_length, dies, device)
+    check_inputs(prompts_path, model, out, max_sequence_length)  # fail here, not in every worker
+    payload = {
+        "prompts_path": prompts_path,
+        "flux_dir": model,
+        "out_dir": out,
+        "max_sequence_length": max_sequence_length,
+        "device": device,
+    }
+    summary = run_workers("fluxgrpo.preprocess", payload, spec, device, log=err_console.print)
     if json_output:
         print_json(summary)
         return
@@ -73,19 +77,3 @@ def command(
     )
     table.add_row("ranks", str(summary["world_size"]))
     out_console.print(table)
-
-
-def _run_workers(prompts_path: str, model: str, out: str, max_sequence_length: int, dies: int, device: str) -> dict:
-    """Launch ``python -m fluxgrpo.preprocess`` on ``dies`` workers; rank 0 hands back the summary."""
-    from fluxgrpo.preprocess import check_inputs, worker_argv
-    from fluxgrpo.runtime.device import resolve_device_type
-    from fluxgrpo.runtime.launch import launch_with_summary
-
-    check_inputs(prompts_path, model, out, max_sequence_length)  # fail here, not in every worker
-    return launch_with_summary(
-        "fluxgrpo.preprocess",
-        lambda scratch: worker_argv(prompts_path, model, out, max_sequence_length, device, scratch / "summary.json"),
-        dies,
-        resolve_device_type(device),
-        log=err_console.print,
-    )

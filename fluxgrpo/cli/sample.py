@@ -76,10 +76,11 @@ def command(
     """
     from fluxgrpo.data.prompts import read_prompts
     from fluxgrpo.errors import UsageError
+    from fluxgrpo.runtime.launch import LaunchSpec, run_workers
     from fluxgrpo.sample import SampleSettings, build_request
 
-    if dies < 1:
-        raise UsageError(f"--dies must be at least 1 (got {dies})")
+    spec = LaunchSpec(nproc_per_node=dies)
+    spec.validate()
     if prompts_file is not None and prompt:
         raise UsageError("pass either --prompts FILE or --prompt TEXT, not both")
     if prompts_file is not None:
@@ -100,12 +101,7 @@ def command(
     request = build_request(
         model=model, prompts=prompts, out_dir=out, checkpoint=checkpoint, ema=ema, settings=settings, device=device
     )
-    if dies == 1:
-        from fluxgrpo.sample import sample
-
-        summary = sample(request).to_dict()
-    else:
-        summary = _run_workers(request, dies)
+    summary = run_workers("fluxgrpo.sample", request.to_dict(), spec, request.device, log=err_console.print)
     if json_output:
         print_json(summary)
         return
@@ -124,20 +120,3 @@ def command(
     table.add_row("grid", escape(summary["grid_path"]))
     table.add_row("ran on", f"{summary['world_size']} × {summary['device_type']}, {summary['dtype']}")
     out_console.print(table)
-
-
-def _run_workers(request, dies: int) -> dict:
-    """Launch ``python -m fluxgrpo.sample`` on ``dies`` workers; rank 0 hands back the summary."""
-    import json
-
-    from fluxgrpo.runtime.device import resolve_device_type
-    from fluxgrpo.runtime.launch import launch_with_summary
-
-    def worker_args(scratch):
-        request_path = scratch / "request.json"
-        request_path.write_text(json.dumps(request.to_dict(), indent=2) + "\n", encoding="utf-8")
-        return ["--request", str(request_path), "--summary-json", str(scratch / "summary.json")]
-
-    return launch_with_summary(
-        "fluxgrpo.sample", worker_args, dies, resolve_device_type(request.device), log=err_console.print
-    )

@@ -9,7 +9,7 @@ from fluxgrpo.grpo.advantages import GroupAdvantages, group_advantages
 from fluxgrpo.grpo.ema import ShardedEMA
 from fluxgrpo.grpo.latents import LatentShape, image_ids, latent_shape, pack_latents, unpack_latents
 from fluxgrpo.grpo.loss import LossStats, clipped_policy_loss
-from fluxgrpo.grpo.rollout import generate_rollout, predict_velocity, reshard_sharded_modules
+from fluxgrpo.grpo.rollout import generate_rollout, predict_velocity
 from fluxgrpo.grpo.schedule import model_timesteps, num_train_timesteps, sigma_schedule
 from fluxgrpo.grpo.sde import SdeStep, sde_step
 from fluxgrpo.grpo.types import Conditioning, OptimizerStepEvent, Rollout, UpdateStats
@@ -36,7 +36,6 @@ __all__ = [
     "pack_latents",
     "policy_update",
     "predict_velocity",
-    "reshard_sharded_modules",
     "sde_step",
     "sigma_schedule",
     "unpack_latents",

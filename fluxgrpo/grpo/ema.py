@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fluxgrpo.errors import FluxgrpoError
-from fluxgrpo.grpo.rollout import reshard_sharded_modules
+from fluxgrpo.runtime.dist import reshard_sharded_modules
 
 # Wrappers that insert a path segment into parameter names; EMA keys use the unwrapped (diffusers) names.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")

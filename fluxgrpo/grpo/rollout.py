@@ -12,28 +12,7 @@ from fluxgrpo.grpo.schedule import model_timesteps
 from fluxgrpo.grpo.sde import sde_step
 from fluxgrpo.grpo.types import Conditioning, Rollout
 from fluxgrpo.runtime.device import autocast
-
-
-def reshard_sharded_modules(module: nn.Module) -> None:
-    """Return every FSDP2 submodule to its sharded state; a no-op for plain modules.
-
-    After a forward without gradients FSDP2 leaves the root's parameters unsharded (it reshards the root only
-    after backward), and while they are, ``parameters()`` yields the full plain tensors instead of the sharded
-    DTensors that the optimizer holds. Anything that walks the parameters (gradient clipping, the EMA) must
-    see the sharded ones.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    for submodule in module.modules():
-        if isinstance(submodule, FSDPModule):
-            submodule.reshard()
-
-
-def has_sharded_modules(module: nn.Module) -> bool:
-    """Whether any submodule is FSDP2-sharded (``fully_shard``)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(submodule, FSDPModule) for submodule in module.modules())
+from fluxgrpo.runtime.dist import has_sharded_modules, reshard_sharded_modules
 
 
 def predict_velocity(

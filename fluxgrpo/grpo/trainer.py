@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ import torch
 from fluxgrpo.config import TrainConfig
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime import dist as rt_dist
-from fluxgrpo.runtime.dist import DistContext
+from fluxgrpo.runtime.dist import DistContext, shard_transformer
 
 
 def derive_seed(seed: int, rank: int, iteration: int, stream: int) -> int:
@@ -59,30 +58,6 @@ class TrainingParts:
 
 
 # --------------------------------------------------------------------------------------------- set-up
-
-
-def shard_transformer(
-    transformer: torch.nn.Module, cpu_offload: bool, compute_dtype: torch.dtype = torch.float32
-) -> None:
-    """FSDP2: one unit per double and single block, then the root (embedders, norm_out, proj_out).
-
-    With a reduced compute dtype the all-gathered parameters are cast to it once per gather (half the traffic,
-    no per-forward casts of every weight under autocast) while gradients are reduced and kept in fp32 against
-    the fp32 master shards. The rollout and the update run the same forward, so the ratio is still 1.
-    """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-    kwargs: dict[str, Any] = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
-    if compute_dtype != torch.float32:
-        # Inputs are not cast: FLUX casts the timestep to the latents' dtype, and the RoPE cos/sin reach every
-        # block as inputs; both must stay float32 (DanceGRPO feeds fp32 latents; the Ascend guide keeps RoPE fp32).
-        # Autocast still runs the matmuls in the compute dtype.
-        kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
-        )
-    for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
-        fully_shard(block, **kwargs)
-    fully_shard(transformer, **kwargs)
 
 
 def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
@@ -392,15 +367,9 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
     from fluxgrpo.grpo.schedule import sigma_schedule
     from fluxgrpo.grpo.update import policy_update
     from fluxgrpo.metrics import MetricsLogger
+    from fluxgrpo.runtime.worker import worker_session
 
-    # FSDP2 warns that FLUX blocks return views, because an in-place op on one would skip its all-gather hook.
-    # Neither the FLUX forward nor our SDE step modifies a block output in place, so the warning is noise that
-    # would repeat every iteration.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    ctx = rt_dist.init_distributed(cfg.device)
-    try:
-        if ctx.device_type == "cpu" and ctx.distributed:
-            torch.set_num_threads(1)  # N workers share the host's cores; oversubscription is far slower
+    with worker_session(cfg.device) as ctx:
         rt_device.seed_everything(cfg.seed + ctx.rank)
         output_dir = Path(cfg.output_dir)
         parts = build_parts(cfg, ctx)
@@ -473,27 +442,9 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
                 path = save_training_checkpoint(ctx, cfg, parts, iteration)
                 rt_dist.rank0_print(ctx, f"saved {path}")
         metrics.close()
-    except BaseException:
-        rt_dist.teardown(failed=True)
-        raise
-    rt_dist.teardown()
     return records if ctx.is_main else []
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Worker entry point under torchrun: ``python -m fluxgrpo.grpo.trainer --config RESOLVED.yaml``."""
-    import argparse
-
-    from fluxgrpo.config import load_resolved
-    from fluxgrpo.runtime.launch import worker_errors
-
-    parser = argparse.ArgumentParser(description="fluxgrpo training worker (started by `fluxgrpo train`)")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--resume", default=None)
-    args = parser.parse_args(argv)
-    cfg = load_resolved(Path(args.config))
-    worker_errors(train)(cfg, args.resume)
-
-
-if __name__ == "__main__":
-    main()
+def worker_entry(payload: dict[str, Any]) -> None:
+    """Every rank's part of ``fluxgrpo train`` (``runtime.launch.run_workers``): ``{"config", "resume"}``."""
+    train(TrainConfig(**payload["config"]).validate(), payload.get("resume"))

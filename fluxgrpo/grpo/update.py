@@ -11,10 +11,11 @@ from torch import nn
 
 from fluxgrpo.errors import UsageError
 from fluxgrpo.grpo.loss import clipped_policy_loss
-from fluxgrpo.grpo.rollout import predict_velocity, reshard_sharded_modules
+from fluxgrpo.grpo.rollout import predict_velocity
 from fluxgrpo.grpo.schedule import model_timesteps, num_train_timesteps
 from fluxgrpo.grpo.sde import sde_step
 from fluxgrpo.grpo.types import Conditioning, OptimizerStepEvent, Rollout, UpdateStats
+from fluxgrpo.runtime.dist import reshard_sharded_modules
 
 
 class _Ema(Protocol):

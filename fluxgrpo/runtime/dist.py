@@ -1,4 +1,4 @@
-"""Process group bring-up and teardown from torchrun's environment, and the few collectives we use.
+"""Process group bring-up and teardown from torchrun's environment, the few collectives we use, FSDP2 helpers.
 
 A single process (no torchrun variables) is a world of size 1 and never creates a process group, so
 ``--dies 1`` runs in-process with no rendezvous.
@@ -18,6 +18,7 @@ from fluxgrpo.runtime.npu_env import apply_npu_env_defaults
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
 
 @dataclass(frozen=True)
@@ -141,3 +142,52 @@ def rank0_print(ctx: DistContext, *args: Any) -> None:
     """Log to stderr from rank 0 only."""
     if ctx.is_main:
         print(*args, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------- FSDP2
+
+
+def shard_transformer(transformer: nn.Module, cpu_offload: bool, compute_dtype: torch.dtype | None = None) -> None:
+    """FSDP2: one unit per double and single block, then the root (embedders, norm_out, proj_out).
+
+    With a reduced compute dtype the all-gathered parameters are cast to it once per gather (half the traffic,
+    no per-forward casts of every weight under autocast) while gradients are reduced and kept in fp32 against
+    the fp32 master shards. The rollout and the update run the same forward, so the ratio is still 1.
+    None means float32.
+    """
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
+    if compute_dtype is not None and compute_dtype != torch.float32:
+        # Inputs are not cast: FLUX casts the timestep to the latents' dtype, and the RoPE cos/sin reach every
+        # block as inputs; both must stay float32 (DanceGRPO feeds fp32 latents; the Ascend guide keeps RoPE fp32).
+        # Autocast still runs the matmuls in the compute dtype.
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+    for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
+        fully_shard(block, **kwargs)
+    fully_shard(transformer, **kwargs)
+
+
+def reshard_sharded_modules(module: nn.Module) -> None:
+    """Return every FSDP2 submodule to its sharded state; a no-op for plain modules.
+
+    After a forward without gradients FSDP2 leaves the root's parameters unsharded (it reshards the root only
+    after backward), and while they are, ``parameters()`` yields the full plain tensors instead of the sharded
+    DTensors that the optimizer holds. Anything that walks the parameters (gradient clipping, the EMA) must
+    see the sharded ones.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for submodule in module.modules():
+        if isinstance(submodule, FSDPModule):
+            submodule.reshard()
+
+
+def has_sharded_modules(module: nn.Module) -> bool:
+    """Whether any submodule is FSDP2-sharded (``fully_shard``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(submodule, FSDPModule) for submodule in module.modules())

@@ -1,8 +1,24 @@
-"""Build the torchrun command as data (a pure, tested function), then run it and report failing ranks.
+"""The one way fluxgrpo runs workers: ``run_workers(module, payload, spec, device)``.
 
-Workers record an uncaught exception in ``$FLUXGRPO_ERROR_DIR/rank<R>.json`` (see ``worker_errors``) so the
-launching command can name the rank that failed first and its error in one line, instead of leaving the
-user to dig through interleaved tracebacks. torchrun itself stops every other worker when one fails.
+A command that runs on N workers (train, sample, preprocess; bench once it adopts this) provides, in its library
+module, ``worker_entry(payload: dict)``, which opens ``runtime.worker.worker_session(device)`` (the one worker
+prologue: process group, threads, warning filters; see ``runtime/worker.py``) and returns rank 0's result::
+
+    def worker_entry(payload):
+        cfg = BenchConfig.from_dict(payload["config"])
+        with worker_session(cfg.device) as ctx:
+            return {"records": bench_on_rank(cfg, ctx, ...)}
+
+    summary = run_workers("fluxgrpo.bench", {"config": cfg.to_dict()}, LaunchSpec(nproc_per_node=dies), device)
+
+``--dies 1`` on one node calls the entry in this process; more workers (or nodes) run it under torchrun
+(``python -m fluxgrpo.runtime.worker <module> --payload FILE --summary FILE``). The result comes back the same
+way in both cases (through JSON), so a command has no in-process branch of its own.
+
+The torchrun command is built as data (``build_torchrun_argv``, a pure, tested function). Workers record an
+uncaught exception in ``$FLUXGRPO_ERROR_DIR/rank<R>.json`` (``worker_errors``) so the launching command can name
+the rank that failed first and its error in one line, instead of leaving the user to dig through interleaved
+tracebacks. torchrun itself stops every other worker when one fails.
 """
 
 from __future__ import annotations
@@ -24,6 +40,7 @@ from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.runtime.npu_env import NPU_ENV_DEFAULTS
 
 ERROR_DIR_ENV = "FLUXGRPO_ERROR_DIR"
+WORKER_MODULE = "fluxgrpo.runtime.worker"
 
 
 @dataclass(frozen=True)
@@ -138,6 +155,24 @@ def first_worker_error(error_dir: Path) -> dict[str, Any] | None:
     return min(records, key=lambda r: r["time"])
 
 
+def record_worker_error(exc: BaseException) -> None:
+    """Record this rank's first uncaught error for the launcher (a no-op outside ``run_torchrun``'s workers).
+
+    Called where the error happens, before the process group is left: a peer notices the lost connection only
+    after that, so the recorded times put the rank that really failed first.
+    """
+    error_dir = os.environ.get(ERROR_DIR_ENV)
+    if not error_dir or isinstance(exc, SystemExit | KeyboardInterrupt):
+        return
+    rank = os.environ.get("RANK", "0")
+    path = Path(error_dir, f"rank{rank}.json")
+    if path.exists():  # recorded already, where it happened
+        return
+    message = str(exc) if isinstance(exc, FluxgrpoError) else f"{type(exc).__name__}: {exc}"
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    path.write_text(json.dumps({"rank": int(rank), "error": message, "time": time.time(), "traceback": tb}))
+
+
 def worker_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate a worker entry point: record an uncaught exception for the launcher, then re-raise."""
 
@@ -146,70 +181,56 @@ def worker_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except BaseException as exc:
-            error_dir = os.environ.get(ERROR_DIR_ENV)
-            if error_dir and not isinstance(exc, SystemExit | KeyboardInterrupt):
-                rank = os.environ.get("RANK", "0")
-                message = str(exc) if isinstance(exc, FluxgrpoError) else f"{type(exc).__name__}: {exc}"
-                record = {"rank": int(rank), "error": message, "time": time.time(), "traceback": traceback.format_exc()}
-                Path(error_dir, f"rank{rank}.json").write_text(json.dumps(record))
+            record_worker_error(exc)
             raise
 
     return wrapper
 
 
-def run_worker(work: Callable[[], Any], summary_json: str | None = None) -> int:
-    """The body of a torchrun worker's ``main``: run ``work``, leave the process group, report.
-
-    The process group is left without a barrier after a failure (peers may be inside a collective and would
-    wait forever); the failure is recorded for the launcher (``worker_errors``). Rank 0 writes the result's
-    ``to_dict()`` to ``summary_json`` for the launching command.
-
-    Returns:
-        The exit code: 0, or the FluxgrpoError's code (its message printed to stderr).
-    """
-    from fluxgrpo.runtime import dist as rt_dist
-
-    @worker_errors
-    def guarded() -> Any:
-        try:
-            result = work()
-        except BaseException:
-            rt_dist.teardown(failed=True)
-            raise
-        rt_dist.teardown()
-        return result
-
-    try:
-        result = guarded()
-    except FluxgrpoError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    if summary_json and int(os.environ.get("RANK", "0")) == 0:
-        Path(summary_json).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
-    return 0
-
-
-def launch_with_summary(
+def run_workers(
     module: str,
-    worker_args: Callable[[Path], list[str]],
-    nproc: int,
-    device_type: str,
+    payload: dict[str, Any],
+    spec: LaunchSpec,
+    device: str | None,
+    *,
+    log_dir: str | Path | None = None,
     log: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """Run ``python -m module`` on ``nproc`` local workers and return rank 0's summary.
+) -> Any:
+    """Run ``module.worker_entry(payload)`` on ``spec``'s workers; returns rank 0's result in its JSON form.
+
+    One worker on one node runs in this process (no torchrun, no rendezvous); otherwise torchrun starts
+    ``python -m fluxgrpo.runtime.worker module`` on every worker with the payload as a JSON file. Either way the
+    entry runs inside ``worker.worker_session`` (it opens the session itself) and the result comes back the same:
+    ``to_dict()`` of what it returns, through JSON. On a node without rank 0 (``node_rank > 0``) it is None.
 
     Args:
-        worker_args: given a scratch folder, the worker's arguments; they must make rank 0 write
-            ``<scratch>/summary.json`` (``run_worker``'s ``summary_json``).
-        device_type: checked against the visible devices; the NPU recipe's variables go to the workers.
+        module: a module with ``worker_entry(payload: dict) -> result`` (a JSON-able value, an object with
+            ``to_dict()``, or None).
+        payload: JSON-able; everything the workers need (never live objects: they run in other processes).
+        device: the requested device (``--device``; None or "auto" for the best found); checked against
+            ``spec.nproc_per_node``, and the NPU recipe's environment variables go to the workers.
+        log_dir: keep every worker's output in files there; only local rank 0 reaches the console.
+        log: gets the torchrun command line.
     """
-    check_dies_fit(device_type, nproc)
-    with tempfile.TemporaryDirectory(prefix=f"{module.replace('.', '-')}-") as tmp:
-        argv = build_torchrun_argv(module, worker_args(Path(tmp)), LaunchSpec(nproc_per_node=nproc))
+    from fluxgrpo.runtime import device as rt_device
+    from fluxgrpo.runtime import worker
+
+    spec.validate()
+    device_type = rt_device.resolve_device_type(device)
+    check_dies_fit(device_type, spec.nproc_per_node)
+    worker_env = worker_env_defaults(device_type)
+    if spec.world_size == 1:
+        os.environ.update({k: v for k, v in worker_env.items() if k not in os.environ})
+        return worker.as_summary(worker.entry_point(module)(payload))
+    with tempfile.TemporaryDirectory(prefix="fluxgrpo-workers-") as tmp:
+        payload_path, summary_path = Path(tmp) / "payload.json", Path(tmp) / "summary.json"
+        payload_path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+        args = [module, "--payload", str(payload_path), "--summary", str(summary_path)]
+        argv = build_torchrun_argv(WORKER_MODULE, args, spec, log_dir=log_dir)
         if log is not None:
-            log(f"launching {nproc} workers: {' '.join(argv)}")
-        run_torchrun(argv, env=worker_env_defaults(device_type))
-        return json.loads((Path(tmp) / "summary.json").read_text())
+            log("launching: " + " ".join(argv))
+        run_torchrun(argv, env=worker_env)
+        return json.loads(summary_path.read_text()) if summary_path.is_file() else None
 
 
 def check_dies_fit(device_type: str, nproc: int) -> None:

@@ -1,13 +1,13 @@
-"""``fluxgrpo train``: check everything a worker would trip over, save the resolved config, then launch.
+"""Before ``fluxgrpo train`` starts the loop: check everything a worker would trip over, save the resolved config,
+then launch the workers (the loop itself is ``fluxgrpo/grpo/trainer.py``).
 
 Nothing heavy starts before the checks pass: weights and embeddings exist and agree with each other, the batch
-arithmetic is consistent, and the output directory is writable. ``--dies 1`` on one node runs in this process;
-otherwise we build the torchrun command (``runtime/launch.py``) and run ``fluxgrpo.grpo.trainer`` workers.
+arithmetic is consistent, and the output directory is writable. ``runtime.launch.run_workers`` then runs
+``fluxgrpo.grpo.trainer.worker_entry`` in this process (``--dies 1`` on one node) or on torchrun workers.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,7 @@ from typing import Any
 from fluxgrpo.config import TrainConfig, save_resolved
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.paths import ensure_writable_dir
-from fluxgrpo.runtime.launch import LaunchSpec, build_torchrun_argv, run_torchrun
+from fluxgrpo.runtime.launch import LaunchSpec, check_dies_fit, run_workers
 from fluxgrpo.weights.layout import check_flux_dir, check_hps_dir, check_pickscore_dir, pickscore_dir
 
 RESOLVED_CONFIG = "config.yaml"
@@ -146,10 +146,7 @@ def plan_training(cfg: TrainConfig, spec: LaunchSpec, resume: str | None = None,
             "use --dies 2 or more, or drop --cpu-offload"
         )
     device_type = rt_device.resolve_device_type(cfg.device)
-    if spec.world_size > 1 and device_type != "cpu":
-        available = rt_device.device_count(device_type)
-        if spec.nproc_per_node > available:
-            raise UsageError(f"--dies {spec.nproc_per_node} but only {available} {device_type} device(s) are visible")
+    check_dies_fit(device_type, spec.nproc_per_node)
     for flag, module, extra in (("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb")):
         if getattr(cfg, flag) and importlib.util.find_spec(module) is None:
             raise UsageError(f"--{flag} needs the {module} package: pip install 'fluxgrpo[{extra}]'")
@@ -174,8 +171,6 @@ def plan_training(cfg: TrainConfig, spec: LaunchSpec, resume: str | None = None,
 
 def launch_training(plan: TrainPlan, log=print) -> list[dict[str, Any]]:
     """Save the resolved config and run the workers; returns the run's metrics records (metrics.jsonl)."""
-    import os
-
     from fluxgrpo.metrics import read_metrics
 
     extra = {"device_type": plan.device_type, **{f"env {k}": v for k, v in plan.worker_env.items()}}
@@ -185,18 +180,7 @@ def launch_training(plan: TrainPlan, log=print) -> list[dict[str, Any]]:
     for key, value in plan.derived.items():
         log(f"  {key.replace('_', ' ')}: {value}")
     log(f"resolved config saved to {plan.resolved_path}")
-    if plan.spec.world_size == 1:
-        from fluxgrpo.grpo.trainer import train
-
-        os.environ.update({k: v for k, v in plan.worker_env.items() if k not in os.environ})
-        train(plan.cfg, plan.resume_checkpoint)
-    else:
-        args = ["--config", str(plan.resolved_path)]
-        if plan.resume_checkpoint is not None:
-            args += ["--resume", plan.resume_checkpoint]
-        argv = build_torchrun_argv(
-            WORKER_MODULE, args, plan.spec, python=sys.executable, log_dir=Path(plan.cfg.output_dir) / "logs"
-        )
-        log("launching: " + " ".join(argv))
-        run_torchrun(argv, env=plan.worker_env)
+    payload = {"config": plan.cfg.to_dict(), "resume": plan.resume_checkpoint}
+    log_dir = Path(plan.cfg.output_dir) / "logs"
+    run_workers(WORKER_MODULE, payload, plan.spec, plan.device_type, log_dir=log_dir, log=log)
     return read_metrics(Path(plan.cfg.output_dir))

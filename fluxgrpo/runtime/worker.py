@@ -1,0 +1,90 @@
+"""What runs inside every worker process: the one prologue, and the one torchrun entry point.
+
+``worker_session(device)`` is the prologue and epilogue every rank's work runs inside (train, sample, preprocess,
+and bench once it adopts it), in a torchrun worker or in the launching process for one worker:
+
+- join the process group (``dist.init_distributed``: device from LOCAL_RANK, NPU environment defaults);
+- one intra-op thread per worker when several CPU workers share the host (oversubscription is far slower);
+- silence FSDP2's "returned a view tensor" warning: FLUX blocks return views, and neither the FLUX forward nor
+  our SDE step modifies a block output in place (the case the warning is about), so it would only repeat
+  every iteration;
+- on an error, record it for the launcher (``launch.record_worker_error``) before anything else;
+- on exit leave the process group, without the barrier after a failure (busy peers would never reach it).
+
+``python -m fluxgrpo.runtime.worker MODULE --payload P.json [--summary S.json]`` is what ``launch.run_workers``
+starts under torchrun: it calls ``MODULE.worker_entry(payload)`` on every rank, records an uncaught exception for
+the launcher (``launch.worker_errors``), and rank 0 writes the entry's return value as JSON to ``S.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.runtime.launch import record_worker_error, worker_errors
+
+ENTRY_NAME = "worker_entry"
+FSDP_VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
+
+
+@contextlib.contextmanager
+def worker_session(requested_device: str | None) -> Iterator[rt_dist.DistContext]:
+    """Run a rank's work inside: join the process group, set up the process, leave the group on exit."""
+    warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING)
+    ctx = rt_dist.init_distributed(requested_device)
+    try:
+        if ctx.device_type == "cpu" and ctx.distributed:
+            import torch
+
+            torch.set_num_threads(1)  # N workers share the host's cores; oversubscription is far slower
+        yield ctx
+    except BaseException as exc:
+        record_worker_error(exc)
+        rt_dist.teardown(failed=True)
+        raise
+    rt_dist.teardown()
+
+
+def entry_point(module: str) -> Callable[[dict[str, Any]], Any]:
+    """``module.worker_entry``: called with the payload on every rank; rank 0's return value is the summary."""
+    return getattr(importlib.import_module(module), ENTRY_NAME)
+
+
+def as_summary(result: Any) -> Any:
+    """The JSON form of an entry's return value (objects with ``to_dict`` are converted), as JSON reads it back."""
+    if hasattr(result, "to_dict"):
+        result = result.to_dict()
+    return json.loads(json.dumps(result))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Worker entry under torchrun; returns the exit code (a FluxgrpoError's own, its message on stderr)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fluxgrpo.runtime.worker", description="a fluxgrpo worker (started by `fluxgrpo ... --dies N`)"
+    )
+    parser.add_argument("module", help="the module whose worker_entry(payload) every rank runs")
+    parser.add_argument("--payload", required=True, type=Path, help="the payload as JSON")
+    parser.add_argument("--summary", type=Path, default=None, help="rank 0 writes the entry's result here")
+    args = parser.parse_args(argv)
+    try:
+        result = worker_errors(lambda: entry_point(args.module)(json.loads(args.payload.read_text())))()
+    except FluxgrpoError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if args.summary is not None and int(os.environ.get("RANK", "0")) == 0:
+        args.summary.write_text(json.dumps(as_summary(result), indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
