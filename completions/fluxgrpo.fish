@@ -109,6 +109,7 @@ complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l hps-dir -r -F -d 
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l data-json-path -r -F -d 'Embeddings index written by `fluxgrpo preprocess`. [default: data/rl_embeddings/videos2caption.json]'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l output-dir -r -F -d 'Checkpoints, metrics.jsonl, sample images and the resolved config. [default: data/outputs/grpo]'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l reward -r -F -d 'Reward model: hpsv2, pickscore, or brightness (a smoke test for tiny models). [default: hpsv2]'
+complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l reward-dtype -r -F -d 'Dtype the reward encoders run in: fp32 or bf16 (scores are fp32 either way). [default: fp32]'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l height -r -F -d 'Image height in pixels (multiple of 16). [default: 720]'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l width -r -F -d 'Image width in pixels (multiple of 16). [default: 720]'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l sampling-steps -r -F -d 'Denoising steps N per trajectory. [default: 16]'
