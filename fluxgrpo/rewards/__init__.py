@@ -35,6 +35,12 @@ def _pickscore(hps_dir: Path, device: Any, dtype: torch.dtype) -> RewardFn:
     return PickScoreReward(pickscore_dir(hps_dir), device, compute_dtype=dtype)
 
 
+def _clipscore(hps_dir: Path, device: Any, dtype: torch.dtype) -> RewardFn:
+    from fluxgrpo.rewards.clipscore import ClipScoreReward
+
+    return ClipScoreReward(hps_dir, device, compute_dtype=dtype)
+
+
 def _brightness(hps_dir: Path, device: Any, dtype: torch.dtype) -> RewardFn:
     from fluxgrpo.rewards.brightness import BrightnessReward
 
@@ -45,6 +51,7 @@ def _brightness(hps_dir: Path, device: Any, dtype: torch.dtype) -> RewardFn:
 REWARDS: dict[str, RewardLoader] = {
     "hpsv2": _hpsv2,
     "pickscore": _pickscore,
+    "clipscore": _clipscore,
     "brightness": _brightness,
 }
 
