@@ -85,7 +85,7 @@ complete -c fluxgrpo -n '__fish_seen_subcommand_from sample' -l help -d 'Show th
 complete -c fluxgrpo -n '__fish_seen_subcommand_from score' -l index -r -F -d 'index.json written by `fluxgrpo sample` (or its folder).'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from score' -l images -r -F -d 'Folder of images, sorted by name (digits as numbers); needs --prompts.'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from score' -l prompts -r -F -d 'With --images: one prompt line per image, in the images name order.'
-complete -c fluxgrpo -n '__fish_seen_subcommand_from score' -l reward -r -F -d 'Reward model: hpsv2, pickscore, brightness (brightness: a smoke test).'
+complete -c fluxgrpo -n '__fish_seen_subcommand_from score' -l reward -r -F -d 'Reward model: hpsv2, pickscore, clipscore, brightness (brightness: a smoke test).'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from score' -l hps-dir -r -F -d 'Folder of HPS_v2.1_compressed.pt and open_clip_pytorch_model.bin.'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from score' -l batch-size -r -F -d 'Images per reward forward pass.'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from score' -l device -r -F -d 'auto (the best found), or one of npu, cuda, cpu.'
