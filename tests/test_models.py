@@ -267,10 +267,10 @@ def test_load_reward_registry(tiny_weights):
     from fluxgrpo.rewards.brightness import BrightnessReward
     from fluxgrpo.rewards.hpsv2 import HpsV2Reward
 
-    assert reward_names() == ["hpsv2", "pickscore", "brightness"]
+    assert reward_names()[0] == "hpsv2" and {"pickscore", "clipscore", "brightness"} <= set(reward_names())
     assert isinstance(load_reward("brightness", tiny_weights.hps_dir), BrightnessReward)
     assert isinstance(load_reward("hpsv2", tiny_weights.hps_dir, "cpu"), HpsV2Reward)
-    with pytest.raises(UsageError, match="hpsv2, pickscore, brightness"):
+    with pytest.raises(UsageError, match="hpsv2, pickscore, "):
         load_reward("no-such-reward", tiny_weights.hps_dir)
 
 
