@@ -23,6 +23,7 @@ from fluxgrpo.paths import (
     DEFAULT_OUTPUT_DIR,
     EMBEDDINGS_INDEX,
 )
+from fluxgrpo.rewards.base import REWARD_DTYPES
 from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 from fluxgrpo.runtime.device import DEVICE_TYPES
 
@@ -45,6 +46,7 @@ class TrainConfig:
     )
     output_dir: str = _opt(DEFAULT_OUTPUT_DIR, "Checkpoints, metrics.jsonl, sample images and the resolved config.")
     reward: str = _opt("hpsv2", "Reward model: hpsv2, pickscore, or brightness (a smoke test for tiny models).")
+    reward_dtype: str = _opt("fp32", "Dtype the reward encoders run in: fp32 or bf16 (scores are fp32 either way).")
     # --- rollout --------------------------------------------------------------------------------------
     height: int = _opt(720, "Image height in pixels (multiple of 16).")
     width: int = _opt(720, "Image width in pixels (multiple of 16).")
@@ -178,6 +180,8 @@ class TrainConfig:
             out.append(f"--lr-scheduler {self.lr_scheduler!r}: use one of {', '.join(LR_SCHEDULERS)}")
         if self.device != "auto" and self.device not in DEVICE_TYPES:
             out.append(f"--device {self.device!r}: use auto or one of {', '.join(DEVICE_TYPES)}")
+        if self.reward_dtype not in REWARD_DTYPES:
+            out.append(f"--reward-dtype {self.reward_dtype!r}: use one of {', '.join(REWARD_DTYPES)}")
         if self.attention not in ATTENTION_BACKENDS:
             out.append(f"--attention {self.attention!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
         return out

@@ -9,8 +9,8 @@ Inputs, one of:
   are kept: several images may share a prompt). The counts must match. Images with the same prompt text form
   one prompt group, numbered in order of first appearance.
 
-HPSv2 scores come from ``HpsV2Reward.score_pil``: hpsv2's own PIL input path (RGB, longest side to 224, zero
-padding to a square, CLIP normalisation) and the cosine of the image and text features, batched, with the
+A reward with its authors' own PIL input path has ``score_pil`` (HPSv2: RGB, longest side to 224, zero padding to
+a square, CLIP normalisation; PickScore: the CLIP image processor; ...), and scores through it, batched, with the
 encoders in float32 (``_load_scorer``). Other rewards (``--reward brightness``, a smoke test) get the images as
 [B, 3, H, W] tensors in [0, 1], a batch at a time when its images share a size, else one at a time.
 
@@ -373,16 +373,12 @@ def compare_runs(
 # --------------------------------------------------------------------------------------------- scoring
 
 
-def _load_scorer(name: str, hps_dir: str | Path, device: Any, batch_size: int) -> Any:
-    """The reward ``name`` on ``device``; HPSv2 with its encoders in float32."""
-    import torch
+def _load_scorer(name: str, hps_dir: str | Path, device: Any) -> Any:
+    """The reward ``name`` on ``device``, its encoders in float32: scores compared across runs should not carry
+    bf16 rounding (8 significant bits)."""
+    from fluxgrpo.rewards import load_reward
 
-    from fluxgrpo.models.reward import HpsV2Reward, load_reward
-
-    if name != HpsV2Reward.name:
-        return load_reward(name, hps_dir, device)
-    # Scores compared across runs should not carry bf16 rounding (8 significant bits): fp32 throughout.
-    return HpsV2Reward(hps_dir, device, batch_size=batch_size, compute_dtype=torch.float32)
+    return load_reward(name, hps_dir, device, reward_dtype="fp32")
 
 
 def score_items(
@@ -391,7 +387,7 @@ def score_items(
     """Score ``items`` in batches of ``batch_size`` images (decoded per batch, so memory stays bounded)."""
     import torch
 
-    from fluxgrpo.models.reward import pil_to_tensor
+    from fluxgrpo.rewards.base import pil_to_tensor
 
     scored: list[ScoredImage] = []
     for start in range(0, len(items), batch_size):
@@ -455,7 +451,7 @@ def score(request: ScoreRequest, progress: Any = None) -> ScoreReport:
 
     device_type = rt_device.resolve_device_type(request.device)
     device = rt_device.device_for_local_rank(device_type, 0)
-    scorer = _load_scorer(request.reward, request.hps_dir, device, request.batch_size)
+    scorer = _load_scorer(request.reward, request.hps_dir, device)
     images = score_items(items, scorer, request.batch_size, device, progress)
     comparison = None
     if request.compare is not None:

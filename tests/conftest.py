@@ -40,7 +40,7 @@ class TinyEmbeddings:
 
 @pytest.fixture(scope="session")
 def tiny_weights(tmp_path_factory: pytest.TempPathFactory) -> TinyWeights:
-    from fluxgrpo.weights.tiny import write_tiny_weights
+    from fluxgrpo.models.tiny_weights import write_tiny_weights
 
     root = tmp_path_factory.mktemp("tiny-weights")
     weights = TinyWeights(flux_dir=root / "flux", hps_dir=root / "hps_ckpt")

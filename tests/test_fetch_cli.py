@@ -222,8 +222,8 @@ def test_hub_flags_and_unknown_parts_with_tiny_exit_2(tmp_path, flag):
 
 
 def test_real_hps_over_tiny_weights_removes_the_tiny_architecture_file(tmp_path):
-    from fluxgrpo.models.reward import REAL_REWARD_ARCH, reward_model_name
-    from fluxgrpo.weights.tiny import write_tiny_weights
+    from fluxgrpo.models.tiny_weights import write_tiny_weights
+    from fluxgrpo.rewards.open_clip_model import REAL_REWARD_ARCH, reward_model_name
 
     hps_dir = tmp_path / "hps_ckpt"
     write_tiny_weights(tmp_path / "flux", hps_dir, parts=["hps"])
@@ -243,7 +243,8 @@ def test_real_hps_over_tiny_weights_removes_the_tiny_architecture_file(tmp_path)
 
 @pytest.mark.parametrize(("source", "with_safetensors"), [("hf", True), ("modelscope", False)])
 def test_pickscore_from_a_hub_loads_as_the_reward_it_was_served_as(tmp_path, tiny_weights, source, with_safetensors):
-    from fluxgrpo.models.reward import PickScoreReward, load_reward
+    from fluxgrpo.rewards import load_reward
+    from fluxgrpo.rewards.pickscore import PickScoreReward
 
     torch.set_num_threads(1)
     repos = pickscore_repos(tmp_path, source, tiny_weights.hps_dir, with_safetensors=with_safetensors)

@@ -18,7 +18,7 @@ PROMPTS = ["a red fox curled up in the snow", "an old lighthouse in a storm", "a
 
 @pytest.fixture(scope="module")
 def hps(tiny_weights):
-    from fluxgrpo.models.reward import HpsV2Reward
+    from fluxgrpo.rewards.hpsv2 import HpsV2Reward
 
     return HpsV2Reward(tiny_weights.hps_dir, device="cpu")
 
@@ -103,7 +103,7 @@ def test_decode_latents_matches_the_pipeline_post_processing(tiny_weights):
 
 
 def test_resize_longest_and_pad_centres_the_image():
-    from fluxgrpo.models.reward import resize_longest_and_pad
+    from fluxgrpo.rewards.hpsv2 import resize_longest_and_pad
 
     # 112 x 61 ones → scale 224/112 = 2 → 224 x round(122) = 122 → pad 102 columns: 51 left, 51 right
     out = resize_longest_and_pad(torch.ones(1, 3, 112, 61), 224)
@@ -120,7 +120,7 @@ def test_resize_longest_and_pad_centres_the_image():
 
 
 def test_normalize_clip_uses_the_openai_statistics():
-    from fluxgrpo.models.reward import CLIP_MEAN, CLIP_STD, normalize_clip
+    from fluxgrpo.rewards.base import CLIP_MEAN, CLIP_STD, normalize_clip
 
     mean = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1).expand(1, 3, 2, 2)
     std = torch.tensor(CLIP_STD).view(1, 3, 1, 1).expand(1, 3, 2, 2)
@@ -144,7 +144,7 @@ def test_scores_equal_a_direct_open_clip_computation(tiny_weights, hps):
     import open_clip
     import torchvision.transforms.functional as TF
 
-    from fluxgrpo.models.reward import reward_model_name
+    from fluxgrpo.rewards.open_clip_model import reward_model_name
 
     arch = reward_model_name(tiny_weights.hps_dir)
     model = open_clip.create_model(arch, pretrained=str(tiny_weights.hps_dir / HPS_CHECKPOINT)).eval()
@@ -167,7 +167,7 @@ def test_scores_equal_a_direct_open_clip_computation(tiny_weights, hps):
 
 
 def test_batched_equals_one_at_a_time_and_text_cache_is_used(tiny_weights):
-    from fluxgrpo.models.reward import HpsV2Reward
+    from fluxgrpo.rewards.hpsv2 import HpsV2Reward
 
     reward = HpsV2Reward(tiny_weights.hps_dir, batch_size=2)
     images = torch.rand(5, 3, 64, 64, generator=torch.Generator().manual_seed(0))
@@ -199,7 +199,7 @@ def _rewrite_hps_checkpoint(hps_dir, state_dict):
 
 
 def test_keys_missing_from_the_hps_checkpoint_come_from_the_open_clip_weights(tmp_path, tiny_weights):
-    from fluxgrpo.models.reward import load_hps_model
+    from fluxgrpo.rewards.hpsv2 import load_hps_model
 
     hps_dir = _copy_hps(tmp_path, tiny_weights)
     full = torch.load(hps_dir / HPS_CHECKPOINT, weights_only=True)["state_dict"]
@@ -215,7 +215,7 @@ def test_keys_missing_from_the_hps_checkpoint_come_from_the_open_clip_weights(tm
 
 
 def test_a_checkpoint_for_another_architecture_is_a_clear_error(tmp_path, tiny_weights):
-    from fluxgrpo.models.reward import load_hps_model
+    from fluxgrpo.rewards.hpsv2 import load_hps_model
 
     hps_dir = _copy_hps(tmp_path, tiny_weights)
     full = torch.load(hps_dir / HPS_CHECKPOINT, weights_only=True)["state_dict"]
@@ -228,7 +228,7 @@ def test_a_checkpoint_for_another_architecture_is_a_clear_error(tmp_path, tiny_w
 
 
 def test_missing_reward_weights_name_fetch_weights(tmp_path, tiny_weights):
-    from fluxgrpo.models.reward import HpsV2Reward
+    from fluxgrpo.rewards.hpsv2 import HpsV2Reward
 
     hps_dir = _copy_hps(tmp_path, tiny_weights)
     (hps_dir / OPEN_CLIP_WEIGHTS).unlink()
@@ -237,8 +237,8 @@ def test_missing_reward_weights_name_fetch_weights(tmp_path, tiny_weights):
 
 
 def test_architecture_defaults_to_vit_h_14_and_accepts_open_clips_wrapper(tmp_path, tiny_weights):
-    from fluxgrpo.models.reward import register_open_clip_config, reward_model_name
-    from fluxgrpo.models.tiny import TINY_REWARD_CONFIG
+    from fluxgrpo.rewards.open_clip_model import register_open_clip_config, reward_model_name
+    from fluxgrpo.rewards.tiny import TINY_REWARD_CONFIG
 
     assert reward_model_name(tmp_path) == "ViT-H-14"  # no architecture file: the real weights
     name = register_open_clip_config(TINY_REWARD_CONFIG)
@@ -252,7 +252,7 @@ def test_architecture_defaults_to_vit_h_14_and_accepts_open_clips_wrapper(tmp_pa
 
 
 def test_brightness_is_the_mean_pixel_value():
-    from fluxgrpo.models.reward import BrightnessReward
+    from fluxgrpo.rewards.brightness import BrightnessReward
 
     images = torch.zeros(2, 3, 4, 4)
     images[0] = 0.25  # every pixel 0.25 → 0.25
@@ -263,24 +263,27 @@ def test_brightness_is_the_mean_pixel_value():
 
 
 def test_load_reward_registry(tiny_weights):
-    from fluxgrpo.models.reward import BrightnessReward, HpsV2Reward, load_reward, reward_names
+    from fluxgrpo.rewards import load_reward, reward_names
+    from fluxgrpo.rewards.brightness import BrightnessReward
+    from fluxgrpo.rewards.hpsv2 import HpsV2Reward
 
-    assert reward_names() == ["hpsv2", "pickscore", "brightness"]
+    assert reward_names()[0] == "hpsv2" and {"pickscore", "clipscore", "brightness"} <= set(reward_names())
     assert isinstance(load_reward("brightness", tiny_weights.hps_dir), BrightnessReward)
     assert isinstance(load_reward("hpsv2", tiny_weights.hps_dir, "cpu"), HpsV2Reward)
-    with pytest.raises(UsageError, match="hpsv2, pickscore, brightness"):
-        load_reward("imagereward", tiny_weights.hps_dir)
+    with pytest.raises(UsageError, match="hpsv2, pickscore, "):
+        load_reward("no-such-reward", tiny_weights.hps_dir)
 
 
-def test_hps_under_bf16_autocast_still_returns_float32_scores(tiny_weights, hps, monkeypatch):
-    # On accelerators the encoders run in bf16 autocast; cpu autocast exercises the same branch here.
-    from fluxgrpo.models.reward import HpsV2Reward
+def test_hps_runs_in_fp32_by_default_even_where_the_runtime_computes_in_bf16(tiny_weights, hps, monkeypatch):
+    # Issue #11.6: accelerators compute FLUX in bf16, but the reward encoders stay fp32 unless --reward-dtype bf16.
+    from fluxgrpo.rewards import load_reward
     from fluxgrpo.runtime import device as rt_device
 
     images = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
     full_precision = hps(images, PROMPTS[:2])
     monkeypatch.setattr(rt_device, "compute_dtype", lambda device_type: torch.bfloat16)
-    mixed = HpsV2Reward(tiny_weights.hps_dir)(images, PROMPTS[:2])
+    assert torch.equal(load_reward("hpsv2", tiny_weights.hps_dir)(images, PROMPTS[:2]), full_precision)
+    mixed = load_reward("hpsv2", tiny_weights.hps_dir, reward_dtype="bf16")(images, PROMPTS[:2])
     assert mixed.dtype == torch.float32
-    assert not torch.equal(mixed, full_precision)  # the bf16 branch really ran
+    assert not torch.equal(mixed, full_precision)  # the bf16 branch really ran (cpu autocast: the same branch)
     torch.testing.assert_close(mixed, full_precision, rtol=0, atol=2e-2)

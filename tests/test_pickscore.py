@@ -25,7 +25,7 @@ PIXEL_LEVELS = 1.5
 
 @pytest.fixture(scope="module")
 def reward(tiny_weights):
-    from fluxgrpo.models.reward import PickScoreReward
+    from fluxgrpo.rewards.pickscore import PickScoreReward
 
     torch.set_num_threads(1)
     return PickScoreReward(pickscore_dir(tiny_weights.hps_dir))
@@ -79,7 +79,7 @@ def official_scores(processor_parts, images: list[Image.Image], prompts: list[st
 def test_tensor_preprocessing_matches_the_clip_image_processor(reward, processor_parts, size):
     import transformers
 
-    from fluxgrpo.models.reward import clip_preprocess
+    from fluxgrpo.rewards.pickscore import clip_preprocess
 
     image = blocky_image(*size, seed=size[0])
     ours = clip_preprocess(as_tensor(image), reward.image_spec)
@@ -95,7 +95,7 @@ def test_tensor_preprocessing_matches_the_clip_image_processor(reward, processor
 
 
 def test_resize_and_crop_geometry_by_hand():
-    from fluxgrpo.models.reward import center_crop, resize_shortest_edge
+    from fluxgrpo.rewards.pickscore import center_crop, resize_shortest_edge
 
     # 300 x 410 → shorter side 224, longer int(224 * 410 / 300) = int(306.13) = 306.
     assert resize_shortest_edge(torch.rand(1, 3, 300, 410), 224).shape[-2:] == (224, 306)
@@ -145,7 +145,7 @@ def test_each_image_is_scored_against_its_own_prompt(reward):
 
 
 def test_logit_scale_multiplies_the_cosine(tiny_weights, tmp_path):
-    from fluxgrpo.models.reward import PickScoreReward, clip_preprocess
+    from fluxgrpo.rewards.pickscore import PickScoreReward, clip_preprocess
 
     folder = tmp_path / "pickscore"
     shutil.copytree(pickscore_dir(tiny_weights.hps_dir), folder)
@@ -171,7 +171,7 @@ def test_logit_scale_multiplies_the_cosine(tiny_weights, tmp_path):
 
 
 def test_batched_scores_equal_one_image_at_a_time(tiny_weights):
-    from fluxgrpo.models.reward import PickScoreReward
+    from fluxgrpo.rewards.pickscore import PickScoreReward
 
     reward = PickScoreReward(pickscore_dir(tiny_weights.hps_dir), batch_size=2)  # 5 images: chunks of 2, 2, 1
     images = torch.rand(5, 3, 80, 48, generator=torch.Generator().manual_seed(5))
@@ -188,14 +188,15 @@ def test_a_prompt_longer_than_77_tokens_is_truncated_not_an_error(reward):
     assert score.shape == (1,) and torch.isfinite(score).all()
 
 
-def test_under_bf16_autocast_scores_stay_float32_and_close(tiny_weights, reward, monkeypatch):
-    from fluxgrpo.models.reward import PickScoreReward
+def test_pickscore_runs_in_fp32_by_default_and_in_bf16_on_request(tiny_weights, reward, monkeypatch):
+    from fluxgrpo.rewards import load_reward
     from fluxgrpo.runtime import device as rt_device
 
     images = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(6))
     full_precision = reward(images, PROMPTS[:2])
     monkeypatch.setattr(rt_device, "compute_dtype", lambda device_type: torch.bfloat16)
-    mixed = PickScoreReward(pickscore_dir(tiny_weights.hps_dir))(images, PROMPTS[:2])
+    assert torch.equal(load_reward("pickscore", tiny_weights.hps_dir)(images, PROMPTS[:2]), full_precision)
+    mixed = load_reward("pickscore", tiny_weights.hps_dir, reward_dtype="bf16")(images, PROMPTS[:2])
     assert mixed.dtype == torch.float32
     assert not torch.equal(mixed, full_precision)  # the bf16 branch really ran
     torch.testing.assert_close(mixed, full_precision, rtol=0, atol=5e-2)
@@ -205,7 +206,8 @@ def test_under_bf16_autocast_scores_stay_float32_and_close(tiny_weights, reward,
 
 
 def test_load_reward_finds_pickscore_inside_the_hps_dir(tiny_weights):
-    from fluxgrpo.models.reward import PickScoreReward, load_reward, reward_names
+    from fluxgrpo.rewards import load_reward, reward_names
+    from fluxgrpo.rewards.pickscore import PickScoreReward
 
     assert "pickscore" in reward_names()
     reward = load_reward("pickscore", tiny_weights.hps_dir, "cpu")
@@ -215,7 +217,7 @@ def test_load_reward_finds_pickscore_inside_the_hps_dir(tiny_weights):
 
 
 def test_a_missing_pickscore_names_the_fetch_command(tmp_path, tiny_weights):
-    from fluxgrpo.models.reward import load_reward
+    from fluxgrpo.rewards import load_reward
 
     with pytest.raises(FluxgrpoError, match=r"fetch-weights --only pickscore --hps-dir"):
         load_reward("pickscore", tmp_path / "hps_ckpt")

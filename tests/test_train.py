@@ -142,12 +142,12 @@ def test_reward_rises_on_a_fixed_seed(tiny_weights, tiny_embeddings, tmp_path):
 def test_nonfinite_rewards_get_zero_advantage_and_training_goes_on(
     tiny_weights, tiny_embeddings, tmp_path, monkeypatch
 ):
-    import fluxgrpo.models.reward as reward_module
+    import fluxgrpo.rewards as reward_module
 
     real_load = reward_module.load_reward
 
-    def load_with_failures(name, hps_dir, device="cpu"):
-        inner = real_load(name, hps_dir, device)
+    def load_with_failures(name, hps_dir, device="cpu", reward_dtype="fp32"):
+        inner = real_load(name, hps_dir, device, reward_dtype)
 
         def score(images, prompts):
             rewards = inner(images, prompts).clone()

@@ -72,7 +72,7 @@ FLUX_DEV_VAE_CONFIG: dict[str, Any] = {
 
 
 def random_hps_reward(architecture: str, device: Any, seed: int) -> Any:
-    """HPSv2's reward (``models.reward.load_reward("hpsv2", ...)``, the trainer's own code) with random weights.
+    """HPSv2's reward (``rewards.load_reward("hpsv2", ...)``, the trainer's own code) with random weights.
 
     ``architecture`` is "tiny-clip" (the tiny HPS-shaped CLIP of ``fetch-weights --source tiny``) or "vit-h-14"
     (HPSv2's open_clip ViT-H-14, 986 M parameters). The weights are written to a temporary folder in the HPS layout
@@ -83,12 +83,13 @@ def random_hps_reward(architecture: str, device: Any, seed: int) -> Any:
 
     import torch
 
-    from fluxgrpo.models.reward import REAL_REWARD_ARCH, load_reward
+    from fluxgrpo.rewards import load_reward
+    from fluxgrpo.rewards.open_clip_model import REAL_REWARD_ARCH
     from fluxgrpo.weights.layout import HPS_CHECKPOINT, OPEN_CLIP_WEIGHTS
 
     with tempfile.TemporaryDirectory(prefix="fluxgrpo-bench-reward-") as folder:
         if architecture == "tiny-clip":
-            from fluxgrpo.weights.tiny import write_tiny_reward
+            from fluxgrpo.models.tiny_weights import write_tiny_reward
 
             write_tiny_reward(Path(folder), seed)
         else:
@@ -209,7 +210,7 @@ def build_bench_model(cfg: BenchConfig, ctx: DistContext, compute_dtype: torch.d
     if reward_name in ("tiny-clip", "vit-h-14"):
         reward = random_hps_reward(reward_name, device, cfg.seed)
     else:
-        from fluxgrpo.models.reward import load_reward
+        from fluxgrpo.rewards import load_reward
 
         reward = load_reward(reward_name, cfg.hps_dir, device)
     reward_model = getattr(reward, "model", None)

@@ -157,8 +157,8 @@ def command(
 def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_output: bool) -> None:
     from pathlib import Path
 
+    from fluxgrpo.models.tiny_weights import TINY_PARTS, write_tiny_weights
     from fluxgrpo.weights.layout import check_flux_dir, check_hps_dir, check_pickscore_dir, pickscore_dir
-    from fluxgrpo.weights.tiny import TINY_PARTS, write_tiny_weights
 
     selected = parts or list(TINY_PARTS)
     err_console.print(f"writing tiny random weights (seed {seed}) to {flux_dir} and {hps_dir}")

@@ -7,8 +7,8 @@ from typing import Annotated
 import typer
 
 from fluxgrpo.cli.common import err_console, handle_errors, out_console, print_json
-from fluxgrpo.models.reward import reward_names
 from fluxgrpo.paths import DEFAULT_HPS_DIR
+from fluxgrpo.rewards import reward_names
 from fluxgrpo.runtime.device import DEVICE_TYPES
 
 

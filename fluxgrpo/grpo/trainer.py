@@ -67,7 +67,7 @@ def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
     from fluxgrpo.data.sampler import PromptSampler
     from fluxgrpo.grpo.ema import ShardedEMA
     from fluxgrpo.models.flux import load_transformer, load_vae
-    from fluxgrpo.models.reward import load_reward
+    from fluxgrpo.rewards import load_reward
 
     dataset = EmbeddingDataset(cfg.data_json_path)
     transformer = load_transformer(cfg.model, dtype=torch.float32, device=ctx.device)
@@ -87,7 +87,7 @@ def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
     ema = ShardedEMA(transformer, cfg.ema_decay) if cfg.use_ema else None
     vae = load_vae(cfg.model, dtype=rt_device.compute_dtype(ctx.device_type), device=ctx.device)
     vae.requires_grad_(False).eval()
-    reward_fn = load_reward(cfg.reward, cfg.hps_dir, ctx.device)
+    reward_fn = load_reward(cfg.reward, cfg.hps_dir, ctx.device, cfg.reward_dtype)
     sampler = PromptSampler(
         len(dataset), rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.train_batch_size, seed=cfg.seed
     )

@@ -107,10 +107,12 @@ def check_reward_file(hps_dir: str | Path, filename: str, part: str, manifest_na
 
 def check_hps_dir(hps_dir: str | Path) -> list[PartStatus]:
     """Check the HPSv2 checkpoint and the open_clip ViT-H-14 weights in ``hps_dir``."""
-    return [
-        check_reward_file(hps_dir, HPS_CHECKPOINT, "hps", HPS_MANIFEST),
-        check_reward_file(hps_dir, OPEN_CLIP_WEIGHTS, "clip", CLIP_MANIFEST),
-    ]
+    return [check_reward_file(hps_dir, HPS_CHECKPOINT, "hps", HPS_MANIFEST), check_clip_part(hps_dir)]
+
+
+def check_clip_part(hps_dir: str | Path) -> PartStatus:
+    """Check LAION's open_clip ViT-H-14 weights alone (what clipscore needs; HPSv2 needs the HPS file as well)."""
+    return check_reward_file(hps_dir, OPEN_CLIP_WEIGHTS, "clip", CLIP_MANIFEST)
 
 
 def reward_architecture(hps_dir: str | Path) -> dict | None:

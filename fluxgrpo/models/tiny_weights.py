@@ -106,7 +106,7 @@ def write_tiny_reward(hps_dir: Path, seed: int = 0) -> tuple[int, int]:
     """
     import torch
 
-    from fluxgrpo.models.tiny import TINY_REWARD_CONFIG, build_tiny_reward_model
+    from fluxgrpo.rewards.tiny import TINY_REWARD_CONFIG, build_tiny_reward_model
 
     hps_dir = Path(hps_dir)
     _refuse_unless_tiny_or_empty(hps_dir, (HPS_MANIFEST, CLIP_MANIFEST), _REWARD_FILES, "--hps-dir")
@@ -134,7 +134,8 @@ def write_tiny_pickscore(folder: Path, seed: int = 0) -> int:
     """
     from transformers import CLIPImageProcessor
 
-    from fluxgrpo.models.tiny import PICKSCORE_PROCESSOR_CONFIG, build_tiny_clip_tokenizer, build_tiny_pickscore_model
+    from fluxgrpo.models.tiny import build_tiny_clip_tokenizer
+    from fluxgrpo.rewards.tiny import PICKSCORE_PROCESSOR_CONFIG, build_tiny_pickscore_model
 
     folder = Path(folder)
     model_dir, processor_dir = folder / PICKSCORE_MODEL_DIR, folder / PICKSCORE_PROCESSOR_DIR

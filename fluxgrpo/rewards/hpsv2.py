@@ -1,0 +1,119 @@
+"""HPSv2.1: open_clip's ViT-H-14 with the HPS fine-tuned weights, batched on device from tensors.
+
+The score is the cosine similarity of the L2-normalised image and text features (no logit scale), as hpsv2's
+``img_score`` computes it. Preprocessing is hpsv2's validation transform: resize the longest side to 224 (bicubic,
+antialiased), pad to a square with zeros (centred), normalise with the OpenAI CLIP mean and std. Unlike DanceGRPO,
+which scored in fp16 autocast (a reward resolution of about 2e-4), the encoders run in float32 by default
+(``--reward-dtype``) and everything after them in float32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.rewards.base import check_batch, check_pil_batch, normalize_clip, pil_to_tensor, read_state_dict
+from fluxgrpo.rewards.open_clip_model import OpenClipCosine, create_empty_open_clip, reward_model_name
+from fluxgrpo.weights.layout import HPS_CHECKPOINT, OPEN_CLIP_WEIGHTS, check_hps_dir
+
+if TYPE_CHECKING:
+    import torch
+    from PIL import Image
+
+
+def load_hps_model(hps_dir: str | Path) -> tuple[Any, str]:
+    """The HPS open_clip model on cpu in float32, eval, gradients off; and its architecture name.
+
+    The HPS checkpoint holds the full CLIP (every key ViT-H-14 has), so it alone defines the model.
+    ``open_clip_pytorch_model.bin`` (LAION's ViT-H-14) is what hpsv2 loads first as initial weights before
+    overwriting them all with the checkpoint; it is read here only when the checkpoint lacks some keys, to fill
+    them. Both files must be present either way (``fetch-weights`` fetches both, as DanceGRPO's recipe does).
+    """
+    hps_dir = Path(hps_dir)
+    problems = [(part.problems, part.fix) for part in check_hps_dir(hps_dir) if not part.complete]
+    if problems:
+        details = "; ".join(p for found, _ in problems for p in found)
+        raise FluxgrpoError(f"reward weights in {hps_dir} are not usable ({details}): {problems[0][1]}")
+
+    arch = reward_model_name(hps_dir)
+    model = create_empty_open_clip(arch)
+    expected = set(model.state_dict())
+    refetch = f"re-run `fluxgrpo fetch-weights --only hps --hps-dir {hps_dir}`"
+    hps_state = read_state_dict(hps_dir / HPS_CHECKPOINT, refetch)
+    unexpected = sorted(set(hps_state) - expected)
+    if unexpected:
+        raise FluxgrpoError(
+            f"{hps_dir / HPS_CHECKPOINT} does not match the {arch} architecture (unexpected keys such as "
+            f"{unexpected[0]}): {refetch}"
+        )
+    try:
+        if expected - set(hps_state):
+            clip_fix = f"re-run `fluxgrpo fetch-weights --only clip --hps-dir {hps_dir}`"
+            model.load_state_dict(read_state_dict(hps_dir / OPEN_CLIP_WEIGHTS, clip_fix), strict=True)
+            model.load_state_dict(hps_state, strict=False)
+        else:
+            model.load_state_dict(hps_state, strict=True)
+    except RuntimeError as exc:
+        first_line = str(exc).splitlines()[0]
+        raise FluxgrpoError(
+            f"reward weights in {hps_dir} do not fit the {arch} architecture ({first_line}): "
+            f"re-run `fluxgrpo fetch-weights --hps-dir {hps_dir}`"
+        ) from exc
+    return model.eval().requires_grad_(False), arch
+
+
+def resize_longest_and_pad(images: torch.Tensor, size: int) -> torch.Tensor:
+    """[B, 3, H, W] → [B, 3, size, size]: longest side to ``size`` (bicubic, antialiased), centred zero padding.
+
+    The new short side is ``round(short * size / long)``; the padding splits as floor on the left/top. hpsv2 skips
+    the padding when the longest side is already ``size``; padding regardless keeps a non-square input square.
+    """
+    import torch.nn.functional as F
+
+    height, width = images.shape[-2:]
+    scale = size / max(height, width)
+    if scale != 1.0:
+        new_size = (round(height * scale), round(width * scale))
+        images = F.interpolate(images, size=new_size, mode="bicubic", align_corners=False, antialias=True)
+    pad_h, pad_w = size - images.shape[-2], size - images.shape[-1]
+    if pad_h or pad_w:
+        images = F.pad(images, (pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2), value=0.0)
+    return images
+
+
+class HpsV2Reward(OpenClipCosine):
+    """HPSv2.1 scores, batched on ``device``; see the module docstring for the exact computation."""
+
+    name = "hpsv2"
+
+    def __init__(
+        self,
+        hps_dir: str | Path,
+        device: Any = "cpu",
+        batch_size: int = 32,
+        text_cache_size: int = 4096,
+        compute_dtype: torch.dtype | None = None,
+    ):
+        model, arch = load_hps_model(hps_dir)
+        super().__init__(model, arch, device, batch_size, text_cache_size, compute_dtype)
+
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        import torch
+
+        check_batch(images, prompts)
+        pixels = images.to(self.device, torch.float32)
+        return self.cosine(normalize_clip(resize_longest_and_pad(pixels, self.image_size)), prompts)
+
+    def score_pil(self, images: list[Image.Image], prompts: list[str]) -> torch.Tensor:
+        """hpsv2's own input path: PIL images of any size → RGB → ToTensor → the same resize/pad/normalise."""
+        import torch
+
+        check_pil_batch(images, prompts)
+        pixels = torch.cat(
+            [
+                resize_longest_and_pad(pil_to_tensor(image).unsqueeze(0).to(self.device), self.image_size)
+                for image in images
+            ]
+        )
+        return self.cosine(normalize_clip(pixels), prompts)

@@ -1,0 +1,143 @@
+"""The open_clip models behind HPSv2 and CLIPScore: which architecture a folder holds, and building it empty.
+
+The real weights are ViT-H-14; the tiny ones written by ``fetch-weights --source tiny`` carry their architecture in
+``open_clip_config.json`` beside them (``layout.REWARD_ARCH_FILE``), registered with open_clip under a name derived
+from its content.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.weights.layout import reward_architecture
+
+REAL_REWARD_ARCH = "ViT-H-14"
+
+_config_dir: tempfile.TemporaryDirectory | None = None
+
+
+def register_open_clip_config(config: dict[str, Any]) -> str:
+    """Register an open_clip model config and return the name ``open_clip.create_model`` knows it by.
+
+    Accepts open_clip's model-config format (embed_dim, vision_cfg, text_cfg), or the ``{"model_cfg": ...}``
+    wrapper of open_clip's own ``open_clip_config.json``. The name is derived from the content, so registering the
+    same architecture twice is harmless and two different tiny architectures never collide.
+    """
+    global _config_dir
+    import open_clip
+
+    model_cfg = config.get("model_cfg", config)
+    if not all(key in model_cfg for key in ("embed_dim", "vision_cfg", "text_cfg")):
+        raise FluxgrpoError(
+            "reward architecture file lacks embed_dim/vision_cfg/text_cfg: re-run `fluxgrpo fetch-weights` "
+            "(or delete the file to use the real ViT-H-14)"
+        )
+    digest = hashlib.sha256(json.dumps(model_cfg, sort_keys=True).encode()).hexdigest()[:16]
+    name = f"fluxgrpo-reward-{digest}"
+    if name not in open_clip.list_models():
+        # open_clip registers configs only from files, and re-reads every registered path whenever another is
+        # added, so the file must outlive the call: it lives in a folder removed when the process exits.
+        if _config_dir is None:
+            _config_dir = tempfile.TemporaryDirectory(prefix="fluxgrpo-open-clip-")
+        path = Path(_config_dir.name) / f"{name}.json"
+        path.write_text(json.dumps(model_cfg))
+        open_clip.add_model_config(path)
+    return name
+
+
+def reward_model_name(hps_dir: str | Path) -> str:
+    """The open_clip architecture for the weights in ``hps_dir``: the tiny one's registered name, or ViT-H-14."""
+    config = reward_architecture(hps_dir)
+    return REAL_REWARD_ARCH if config is None else register_open_clip_config(config)
+
+
+class _DropRandomInitWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "initialized randomly" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_random_init_warning() -> Iterator[None]:
+    """open_clip warns that a model built with ``pretrained=None`` is random; ours gets its weights right after."""
+    root = logging.getLogger()
+    log_filter = _DropRandomInitWarning()
+    root.addFilter(log_filter)
+    try:
+        yield
+    finally:
+        root.removeFilter(log_filter)
+
+
+def create_empty_open_clip(arch: str) -> Any:
+    """The open_clip model ``arch`` on cpu in float32 with random weights (the caller loads the real ones)."""
+    import open_clip
+
+    with _quiet_random_init_warning():
+        return open_clip.create_model(arch, pretrained=None, precision="fp32", device="cpu")
+
+
+def image_size_of(model: Any) -> int:
+    """The square input side of an open_clip model's vision tower."""
+    size = model.visual.image_size
+    return int(size[0] if isinstance(size, tuple | list) else size)
+
+
+class OpenClipCosine:
+    """An open_clip model on ``device`` that gives cosine(image features, text features) per (image, prompt).
+
+    Text features are cached per prompt (bounded), since GRPO scores every prompt G times per iteration. The
+    encoders run in ``compute_dtype`` (autocast; float32 means none); normalisation and the cosine in float32.
+    """
+
+    def __init__(
+        self, model: Any, arch: str, device: Any, batch_size: int, text_cache_size: int, compute_dtype: Any
+    ) -> None:
+        import open_clip
+        import torch
+
+        from fluxgrpo.rewards.base import TextFeatureCache
+
+        self.device = torch.device(device)
+        self.model = model.eval().requires_grad_(False).to(self.device)
+        self.architecture = arch
+        self.tokenizer = open_clip.get_tokenizer(arch)
+        self.image_size = image_size_of(self.model)
+        self.batch_size = batch_size
+        self.compute_dtype = torch.float32 if compute_dtype is None else compute_dtype
+        self._text_features = TextFeatureCache(self._encode_text, text_cache_size)
+
+    def cosine(self, pixels: Any, prompts: list[str]) -> Any:
+        """Normalised pixels [B, 3, S, S] → cosine(image features, text features) [B] float32."""
+        import torch
+        import torch.nn.functional as F
+
+        from fluxgrpo.runtime.device import autocast
+
+        text_features = self._text_features(prompts)
+        scores = []
+        with torch.no_grad():
+            for start in range(0, pixels.shape[0], self.batch_size):
+                with autocast(self.device.type, dtype=self.compute_dtype):
+                    features = self.model.encode_image(pixels[start : start + self.batch_size])
+                features = F.normalize(features.float(), dim=-1)
+                scores.append((features * text_features[start : start + self.batch_size]).sum(dim=-1))
+        return torch.cat(scores)
+
+    def _encode_text(self, prompts: list[str]) -> Any:
+        """[n, E] float32 L2-normalised text features."""
+        import torch
+        import torch.nn.functional as F
+
+        from fluxgrpo.runtime.device import autocast
+
+        with torch.no_grad(), autocast(self.device.type, dtype=self.compute_dtype):
+            features = self.model.encode_text(self.tokenizer(prompts).to(self.device))
+        return F.normalize(features.float(), dim=-1)
