@@ -70,7 +70,7 @@ class TrainConfig:
     lr_scheduler: str = _opt("constant_with_warmup", f"Learning-rate schedule: {', '.join(LR_SCHEDULERS)}.")
     lr_warmup_steps: int = _opt(0, "Warm-up optimizer steps.")
     use_ema: bool = _opt(False, "Keep an EMA of the weights (sharded like the model), saved with checkpoints.")
-    ema_decay: float = _opt(0.995, "EMA decay per optimizer step.")
+    ema_decay: float = _opt(0.995, "EMA decay per iteration (one EMA update per iteration, as DanceGRPO).")
     # --- loop, checkpoints, logging -------------------------------------------------------------------
     seed: int = _opt(42, "Seed for prompts, noise and timestep draws (per rank: derived from it).")
     max_train_steps: int = _opt(300, "Iterations (rollout + update rounds).")

@@ -154,7 +154,7 @@ def _worker() -> None:
     from diffusers import FluxTransformer2DModel
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
 
-    from fluxgrpo.grpo import Conditioning, generate_rollout, image_ids, policy_update, sigma_schedule
+    from fluxgrpo.grpo import Conditioning, UpdateSettings, generate_rollout, image_ids, policy_update, sigma_schedule
     from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG
 
     torch.manual_seed(0)  # identical initial weights on both ranks
@@ -178,11 +178,14 @@ def _worker() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 
     def update(advantages: torch.Tensor, optimizer=optimizer, max_grad_norm=1.0, ema=ema):
-        return policy_update(
-            transformer, rollout, cond, advantages, timestep_fraction=0.7, clip_range=1e-4, adv_clip_max=5.0,
-            micro_batch_size=1, grad_accum_steps=3, max_grad_norm=max_grad_norm, optimizer=optimizer,
-            lr_scheduler=scheduler, device_type="cpu", generator_cpu=torch.Generator().manual_seed(3), ema=ema,
-        )  # fmt: skip
+        # T = int((4 − 1)·0.7) = 2 timesteps per trajectory
+        settings = UpdateSettings(num_train_timesteps=2, clip_range=1e-4, micro_batch_size=1, grad_accum_steps=3,
+                                  max_grad_norm=max_grad_norm)  # fmt: skip
+        stats = policy_update(transformer, rollout, cond, advantages, settings, optimizer, scheduler,
+                              device_type="cpu", generator_cpu=torch.Generator().manual_seed(3))  # fmt: skip
+        if ema is not None and stats.optimizer_steps:
+            ema.update(transformer)  # once per iteration that stepped, as the training loop does
+        return stats
 
     stats = update(torch.tensor([1.0, -0.5, -0.5]) * (1 if rank == 0 else -1))
     assert stats.first_microbatch_max_abs_log_ratio.item() < 1e-5, stats.first_microbatch_max_abs_log_ratio

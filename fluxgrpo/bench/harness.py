@@ -358,11 +358,9 @@ class _Sweep:
         """Update rows for every (checkpointing, micro-batch size), then one optimizer row."""
         import torch
 
-        from fluxgrpo.grpo.update import policy_update
+        from fluxgrpo.grpo.update import UpdateSettings, policy_update
 
         count, trained = self.cfg.num_trajectories, self.cfg.num_train_timesteps
-        # (T + ½)/(N − 1): int((N − 1)·fraction) is exactly T whatever the rounding.
-        fraction = min(1.0, (trained + 0.5) / (self.cfg.steps - 1))
         flops = update_flops(self.model.shape, inputs.image_tokens, self.cfg.text_tokens, count, trained)
         transformer, optimizer = self.model.transformer, self.optimizer
         optimizer.step_peak_bytes = None
@@ -377,23 +375,25 @@ class _Sweep:
 
                 def call(size: int = size) -> _Run:
                     optimizer.reset()
+                    settings = UpdateSettings(
+                        num_train_timesteps=trained,
+                        clip_range=TRAINING_DEFAULTS.clip_range,
+                        micro_batch_size=size,
+                        # one optimizer step per update at every micro-batch size: rows differ only in batching
+                        grad_accum_steps=math.ceil(count / size),
+                        max_grad_norm=TRAINING_DEFAULTS.max_grad_norm,
+                        compute_dtype=self.compute_dtype,
+                    )
                     stats = policy_update(
                         transformer,
                         rollout,
                         inputs.cond,
                         inputs.advantages,
-                        timestep_fraction=fraction,
-                        clip_range=TRAINING_DEFAULTS.clip_range,
-                        adv_clip_max=TRAINING_DEFAULTS.adv_clip_max,
-                        micro_batch_size=size,
-                        # one optimizer step per update at every micro-batch size: rows differ only in batching
-                        grad_accum_steps=math.ceil(count / size),
-                        max_grad_norm=TRAINING_DEFAULTS.max_grad_norm,
-                        optimizer=optimizer,
-                        lr_scheduler=_ConstantSchedule(),
+                        settings,
+                        optimizer,
+                        _ConstantSchedule(),
                         device_type=self.ctx.device_type,
                         generator_cpu=torch.Generator().manual_seed(self.cfg.seed + 29),
-                        compute_dtype=self.compute_dtype,
                     )
                     return _Run(stats, optimizer.seconds_since_reset, optimizer.update_peak_bytes)
 

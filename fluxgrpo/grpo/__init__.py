@@ -10,20 +10,20 @@ from fluxgrpo.grpo.ema import ShardedEMA
 from fluxgrpo.grpo.latents import LatentShape, image_ids, latent_shape, pack_latents, unpack_latents
 from fluxgrpo.grpo.loss import LossStats, clipped_policy_loss
 from fluxgrpo.grpo.rollout import generate_rollout, predict_velocity
-from fluxgrpo.grpo.schedule import model_timesteps, num_train_timesteps, sigma_schedule
+from fluxgrpo.grpo.schedule import model_timesteps, sigma_schedule
 from fluxgrpo.grpo.sde import SdeStep, sde_step
-from fluxgrpo.grpo.types import Conditioning, OptimizerStepEvent, Rollout, UpdateStats
-from fluxgrpo.grpo.update import draw_train_timesteps, policy_update
+from fluxgrpo.grpo.types import Conditioning, Rollout, UpdateStats
+from fluxgrpo.grpo.update import UpdateSettings, draw_train_timesteps, optimizer_step, policy_update
 
 __all__ = [
     "Conditioning",
     "GroupAdvantages",
     "LatentShape",
     "LossStats",
-    "OptimizerStepEvent",
     "Rollout",
     "SdeStep",
     "ShardedEMA",
+    "UpdateSettings",
     "UpdateStats",
     "clipped_policy_loss",
     "draw_train_timesteps",
@@ -32,7 +32,7 @@ __all__ = [
     "image_ids",
     "latent_shape",
     "model_timesteps",
-    "num_train_timesteps",
+    "optimizer_step",
     "pack_latents",
     "policy_update",
     "predict_velocity",

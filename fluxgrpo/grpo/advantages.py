@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+# A group whose rewards spread by less than this fraction of their magnitude is "all equal": fp32 rewards carry
+# about 6e-8 relative rounding, so such a spread is noise, and standardising it would blow rounding up to ±1.
+FLAT_GROUP_RELATIVE_SPREAD = 1e-6
+
 
 @dataclass(frozen=True)
 class GroupAdvantages:
@@ -15,13 +19,35 @@ class GroupAdvantages:
     num_nonfinite: int  # rewards that were NaN/±inf (excluded from their group's mean and std)
 
 
+def flat_groups(grouped: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """[groups] bool: the group's finite rewards are all equal up to rounding (or fewer than two are finite).
+
+    Decided in float64, where the mean of equal fp32 values is exact: max |r − mean| ≤ 1e-6 · max |r|. Computed
+    on the host (a few numbers; accelerators need not support float64); the mask is on ``grouped``'s device.
+
+    Args:
+        grouped: [groups, G] rewards (any float dtype; non-finite entries are ignored).
+        finite: [groups, G] which rewards are finite.
+    """
+    device = grouped.device
+    finite = finite.detach().cpu()
+    values = torch.where(finite, grouped.detach().cpu().to(torch.float64), torch.zeros((), dtype=torch.float64))
+    count = finite.sum(dim=1, keepdim=True)
+    mean = values.sum(dim=1, keepdim=True) / count.clamp(min=1)
+    spread = torch.where(finite, (values - mean).abs(), torch.zeros_like(values)).amax(dim=1)
+    magnitude = values.abs().amax(dim=1)
+    return ((spread <= FLAT_GROUP_RELATIVE_SPREAD * magnitude) | (count.squeeze(1) < 2)).to(device)
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, adv_clip_max: float, eps: float = 1e-8) -> GroupAdvantages:
     """A_j = clamp((r_j − mean_g) / (std_g + eps), ±adv_clip_max) per contiguous group g of ``group_size``.
 
     std is the unbiased (n−1) estimator, as in DanceGRPO. A non-finite reward gets advantage 0 and is left out
-    of its group's statistics, so one failed reward cannot poison the whole group; a group with fewer than two
-    finite rewards has no usable spread and gets all zeros. For DanceGRPO's global (non-group) mode pass all
-    rewards with ``group_size = len(rewards)``.
+    of its group's statistics, so one failed reward cannot poison the whole group. A group with no usable spread
+    (fewer than two finite rewards, or rewards all equal up to rounding: ``flat_groups``) gets all zeros;
+    DanceGRPO gives 12 equal rewards of 0.3 advantages of ±0.72, its fp32 rounding divided by std + 1e-8.
+    For DanceGRPO's global (non-group) mode pass all rewards with ``group_size = len(rewards)``. This is the
+    one place advantages are clipped.
 
     Args:
         rewards: [B·G] rewards, groups contiguous ([p0×G, p1×G, …]).
@@ -39,7 +65,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, adv_clip_max: float
     squared_dev = torch.where(finite, (grouped - mean) ** 2, torch.zeros_like(grouped))
     std = (squared_dev.sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
     advantages = (safe - mean) / (std + eps)
-    usable = finite & (count >= 2)
+    usable = finite & ~flat_groups(grouped, finite)[:, None]
     advantages = torch.where(usable, advantages, torch.zeros_like(advantages))
     advantages = advantages.clamp(-adv_clip_max, adv_clip_max)
     return GroupAdvantages(advantages=advantages.reshape(-1), num_nonfinite=int((~finite).sum().item()))

@@ -7,7 +7,6 @@ import contextlib
 import torch
 from torch import nn
 
-from fluxgrpo.errors import UsageError
 from fluxgrpo.grpo.schedule import model_timesteps
 from fluxgrpo.grpo.sde import sde_step
 from fluxgrpo.grpo.types import Conditioning, Rollout
@@ -88,8 +87,8 @@ def generate_rollout(
         generator: RNG for the step noise.
         compute_dtype: autocast dtype; None is the runtime's choice for ``device_type``.
     """
-    if rollout_batch_size < 1:
-        raise UsageError(f"--rollout-batch-size must be at least 1, got {rollout_batch_size}")
+    if rollout_batch_size < 1:  # TrainConfig validates it for the user
+        raise ValueError(f"rollout_batch_size must be at least 1, got {rollout_batch_size}")
     num_trajectories = initial_noise.shape[0]
     if cond.num_rows != num_trajectories:
         raise ValueError(f"{cond.num_rows} conditioning rows for {num_trajectories} trajectories")

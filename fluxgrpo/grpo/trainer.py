@@ -200,8 +200,11 @@ def reward_statistics(ctx: DistContext, rewards: torch.Tensor, group_size: int) 
     """Global reward statistics over every rank's trajectories: one gather, one host sync.
 
     Non-finite rewards are left out (and counted); a group's spread is the unbiased std of its finite rewards,
-    0 when fewer than two are finite.
+    0 when fewer than two are finite. ``zero_std_group_fraction`` counts the groups whose advantages are all 0
+    because their rewards are equal (``flat_groups``, the same rule ``group_advantages`` applies).
     """
+    from fluxgrpo.grpo.advantages import flat_groups
+
     gathered = rt_dist.all_gather_tensor(ctx, rewards.detach().float())
     finite = torch.isfinite(gathered)
     values = torch.where(finite, gathered, torch.zeros_like(gathered))
@@ -220,7 +223,16 @@ def reward_statistics(ctx: DistContext, rewards: torch.Tensor, group_size: int) 
     group_std = torch.where(group_count > 1, group_std, torch.zeros_like(group_std))
 
     stats = torch.stack(
-        [mean, std, low, high, group_std.mean(), (group_std < 1e-8).float().mean(), (~finite).sum().float(), count]
+        [
+            mean,
+            std,
+            low,
+            high,
+            group_std.mean(),
+            flat_groups(gathered.reshape(-1, group_size), group_finite).float().mean(),
+            (~finite).sum().float(),
+            count,
+        ]
     ).tolist()
     names = (
         "reward_mean",
@@ -235,6 +247,13 @@ def reward_statistics(ctx: DistContext, rewards: torch.Tensor, group_size: int) 
     if stats[-1] == 0:
         out.update(reward_mean=math.nan, reward_std=math.nan, reward_min=math.nan, reward_max=math.nan)
     return out
+
+
+def any_finite_reward(ctx: DistContext, rewards: torch.Tensor) -> bool:
+    """Whether any rank has a finite reward this iteration (one all-reduce; every rank gets the same answer)."""
+    count = torch.isfinite(rewards).sum().to(torch.float32).reshape(1)
+    rt_dist.all_reduce_sum(ctx, count)
+    return bool(count.item() > 0)
 
 
 def reduce_update_stats(ctx: DistContext, stats: dict[str, float]) -> dict[str, float]:
@@ -254,6 +273,7 @@ def reduce_update_stats(ctx: DistContext, stats: dict[str, float]) -> dict[str, 
     out["ratio_min"] = -low
     out["optimizer_steps"] = stats["optimizer_steps"]
     out["skipped_steps"] = stats["skipped_steps"]
+    out["update_skipped"] = stats["update_skipped"]  # the same on every rank (decided from a global count)
     return out
 
 
@@ -267,6 +287,8 @@ def progress_line(record: dict[str, Any], total: int) -> str:
     """One console line per iteration on rank 0 (the full record is in metrics.jsonl)."""
     seconds = record["seconds_rollout"] + record["seconds_decode_reward"] + record["seconds_update"]
     skipped = f" · skipped steps {record['skipped_steps']:.0f}" if record["skipped_steps"] else ""
+    if record["update_skipped"]:
+        skipped = " · update skipped: no finite reward"
     bad = f" · non-finite rewards {record['nonfinite_rewards']:.0f}" if record["nonfinite_rewards"] else ""
     return (
         f"iteration {record['iteration']}/{total} · reward {record['reward_mean']:.4f} ± {record['reward_std']:.4f} "
@@ -365,7 +387,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
     from fluxgrpo.grpo.latents import image_ids
     from fluxgrpo.grpo.rollout import generate_rollout
     from fluxgrpo.grpo.schedule import sigma_schedule
-    from fluxgrpo.grpo.update import policy_update
+    from fluxgrpo.grpo.update import UpdateSettings, policy_update, skipped_update
     from fluxgrpo.metrics import MetricsLogger
     from fluxgrpo.runtime.worker import worker_session
 
@@ -384,6 +406,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
         )
         sigmas = sigma_schedule(cfg.sampling_steps, cfg.shift).to(ctx.device)  # [N+1]
         img_ids = image_ids(cfg.height, cfg.width).to(ctx.device)  # [L, 3]
+        update_settings = UpdateSettings.from_config(cfg)
         records = []
         for iteration in range(start + 1, cfg.max_train_steps + 1):
             rt_device.reset_peak_memory(ctx.device)
@@ -413,23 +436,22 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
             clock.lap("decode_reward")
 
             adv = group_advantages(rewards, cfg.num_generations, cfg.adv_clip_max)  # [B]
-            update = policy_update(
-                parts.transformer,
-                rollout,
-                cond,
-                adv.advantages,
-                timestep_fraction=cfg.timestep_fraction,
-                clip_range=cfg.clip_range,
-                adv_clip_max=cfg.adv_clip_max,
-                micro_batch_size=cfg.train_micro_batch_size,
-                grad_accum_steps=cfg.gradient_accumulation_steps,
-                max_grad_norm=cfg.max_grad_norm,
-                optimizer=parts.optimizer,
-                lr_scheduler=parts.lr_scheduler,
-                device_type=ctx.device_type,
-                generator_cpu=timestep_gen,
-                ema=parts.ema,
-            )
+            if any_finite_reward(ctx, rewards):
+                update = policy_update(
+                    parts.transformer,
+                    rollout,
+                    cond,
+                    adv.advantages,
+                    update_settings,
+                    parts.optimizer,
+                    parts.lr_scheduler,
+                    device_type=ctx.device_type,
+                    generator_cpu=timestep_gen,
+                )
+                if parts.ema is not None and update.optimizer_steps:
+                    parts.ema.update(parts.transformer)  # once per iteration, as DanceGRPO
+            else:  # nothing to learn from: not even weight decay or Adam's step count may move
+                update = skipped_update(rollout, update_settings)
             clock.lap("update")
 
             record = iteration_record(ctx, cfg, parts, iteration, rewards, adv.advantages, update, clock)

@@ -96,15 +96,6 @@ class Rollout:
 
 
 @dataclass(frozen=True)
-class OptimizerStepEvent:
-    """Passed to ``policy_update``'s ``on_optimizer_step`` at every accumulation boundary."""
-
-    index: int  # 0-based boundary number within this update
-    grad_norm: torch.Tensor  # [] fp32, global norm before clipping (a plain tensor, also under FSDP2)
-    skipped: bool  # True when the norm was not finite and the step was dropped (weights untouched)
-
-
-@dataclass(frozen=True)
 class UpdateStats:
     """What one ``policy_update`` did, for this rank. Float tensors are fp32 on the computation device, built up
     without host syncs and reduced once at the end; ``as_floats`` turns them into numbers with one sync.
@@ -117,16 +108,13 @@ class UpdateStats:
     ratio_min: torch.Tensor  # []
     ratio_max: torch.Tensor  # []
     clip_fraction: torch.Tensor  # [] fraction of (trajectory, timestep) pairs with |ρ−1| > clip_range
-    grad_norms: torch.Tensor  # [num_boundaries] pre-clip global grad norm at each boundary (non-finite if skipped)
+    grad_norms: torch.Tensor  # [boundaries] pre-clip global grad norm at each boundary; non-finite: skipped
     first_microbatch_max_abs_log_ratio: torch.Tensor  # [] max |log ρ| of micro-batch 0, before any optimizer step
     optimizer_steps: int  # optimizer steps taken
     skipped_steps: int  # boundaries whose grad norm was non-finite: gradients dropped, weights untouched
     num_microbatches: int
     train_timestep_indices: torch.Tensor  # [B, T] int64 cpu, σ-table index of each trained step, in training order
-
-    @property
-    def grad_norm_last(self) -> torch.Tensor:
-        return self.grad_norms[-1]
+    update_skipped: bool = False  # True when the update did not run at all (no finite reward on any rank)
 
     def as_floats(self) -> dict[str, float]:
         """Plain numbers for logging (one host sync for the lot)."""
@@ -156,4 +144,5 @@ class UpdateStats:
         out = dict(zip(names, packed, strict=True))
         out["optimizer_steps"] = float(self.optimizer_steps)
         out["skipped_steps"] = float(self.skipped_steps)
+        out["update_skipped"] = float(self.update_skipped)
         return out
