@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from fluxgrpo.cli.common import escape, handle_errors, log, out_console, print_json
+from fluxgrpo.cli.common import handle_errors, log, out_console, print_json
 from fluxgrpo.paths import DEFAULT_FLUX_DIR
 from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 from fluxgrpo.runtime.device import DEVICE_TYPES
