@@ -165,7 +165,7 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
     selected = parts or list(TINY_PARTS)
     if "flux" in selected:
         ensure_writable_dir(flux_dir, "FLUX weights", "--flux-dir")
-    if set(selected) - {"flux"}:
+    if set(selected) & (set(TINY_PARTS) - {"flux"}):  # unknown names are refused below, before anything is made
         ensure_writable_dir(hps_dir, "reward weights", "--hps-dir")
     log(f"writing tiny random weights (seed {seed}) to {flux_dir} and {hps_dir}")
     try:
