@@ -40,6 +40,7 @@ from typing import Any, BinaryIO
 import torch
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.paths import give_default_mode
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime.dist import DistContext
@@ -408,6 +409,7 @@ def _write_diffusers_folder(
             full = "No space left on device" in str(exc) or "os error 28" in str(exc)
             cause = OSError(errno.ENOSPC if full else errno.EIO, str(exc), str(directory / filename))
             raise _io_error(cause, "writing", directory) from None
+        give_default_mode(directory / filename)
         _fsync(directory / filename)
         del shard
     if split.is_sharded:

@@ -2,8 +2,8 @@
 
 Sources, later wins: the defaults below (the Atlas A3 16-die recipe) → a YAML file (``--config``, a shipped
 name such as ``tiny-cpu`` or a path) → command-line flags. A YAML key is the flag without dashes, with
-underscores for hyphens (``--num-generations`` ↔ ``num_generations``). Unknown keys are rejected, and every
-problem is reported at once.
+underscores for hyphens (``--num-generations`` ↔ ``num_generations``). A key set to ``null`` (or left empty)
+keeps the default. Unknown keys are rejected, and every problem is reported at once.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 from fluxgrpo.runtime.device import DEVICE_TYPES
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+MAX_SEED = 2**32 - 1  # numpy's seed range; each rank seeds with --seed + rank, reduced modulo 2**32 for numpy
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
@@ -184,6 +185,8 @@ class TrainConfig:
             out.append(f"--reward-dtype {self.reward_dtype!r}: use one of {', '.join(REWARD_DTYPES)}")
         if self.attention not in ATTENTION_BACKENDS:
             out.append(f"--attention {self.attention!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
+        if not 0 <= self.seed <= MAX_SEED:
+            out.append(f"--seed {self.seed} is out of range: use 0 to {MAX_SEED} (numpy's seed range)")
         return out
 
     def validate(self) -> TrainConfig:
@@ -240,9 +243,20 @@ def read_yaml(path: Path) -> dict[str, Any]:
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(
+            f"{path} is not a text file (not UTF-8), so not a YAML config: pass one with --config"
+        ) from None
+    except OSError as exc:
+        raise UsageError(
+            f"cannot read {path} ({exc.strerror or exc}): pass a readable YAML file with --config"
+        ) from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
-        raise UsageError(f"{path} is not valid YAML: {exc}") from None
+        reason = " ".join(str(exc).split())  # PyYAML's message spans lines, with a caret drawing
+        raise UsageError(f"{path} is not valid YAML ({reason}): fix it, or pass another file with --config") from None
     if not isinstance(data, dict):
         raise UsageError(f"{path} must hold a mapping of option names to values")
     return data
@@ -263,6 +277,8 @@ def build_config(config: str | None = None, overrides: dict[str, Any] | None = N
             key = str(key).replace("-", "_")
             if key not in known:
                 problems.append(f"{path}: unknown key {key!r}")
+                continue
+            if value is None:  # `output_dir:` or `output_dir: null` means "the default", not the string "None"
                 continue
             values[key] = value
     for key, value in (overrides or {}).items():

@@ -57,8 +57,8 @@ def embeddings_status(embeddings_dir: str | Path) -> dict[str, Any]:
     malformed = [i for i, e in enumerate(entries) if not all(isinstance(e.get(key), str) for key in needed)]
     if malformed:
         status["problems"].append(
-            f"{index} is malformed: {len(malformed)} entr{'y' if len(malformed) == 1 else 'ies'} (first: number "
-            f"{malformed[0]}) lack one of {', '.join(needed)}"
+            f"{index} is malformed: {len(malformed)} of {len(entries)} entries lack one of {', '.join(needed)} "
+            f"(the first is entry {malformed[0]})"
         )
         return status
     missing = 0

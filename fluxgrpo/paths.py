@@ -33,3 +33,73 @@ def ensure_writable_dir(folder, what: str, flag: str) -> None:
         raise FluxgrpoError(
             f"cannot write {what} to {folder} ({exc.strerror or exc}): pass a writable folder with {flag}"
         ) from None
+
+
+def _umask() -> int:
+    import os
+
+    # os.umask can only be read by setting it; put it straight back (no file is created in between).
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
+
+
+def give_default_mode(path) -> None:
+    """Give a file the mode every other file gets (0644 under the usual umask 022).
+
+    safetensors (0.5+) writes through a private temporary file and keeps its 0600, so weights and checkpoints
+    would be unreadable by the rest of a team sharing the folder.
+    """
+    import os
+
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def write_atomic(path, data, *, durable: bool = False):
+    """Write ``data`` to ``path`` so a reader never sees a half-written file: a hidden temporary name beside it
+    (unique per process, so ranks never collide), then one rename over the old file.
+
+    Args:
+        data: ``str`` (written as UTF-8), ``bytes``, or a function that writes into a binary file object (for
+            ``torch.save`` and the like).
+        durable: fsync the file before the rename and the folder after it, so it also survives a power cut.
+
+    Returns:
+        ``path`` as a Path.
+    """
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            if isinstance(data, str):
+                f.write(data.encode("utf-8"))
+            elif isinstance(data, bytes | bytearray | memoryview):
+                f.write(data)
+            else:
+                data(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        _fsync_folder(path.parent)
+    return path
+
+
+def _fsync_folder(folder) -> None:
+    import contextlib
+    import os
+
+    # Some filesystems (and all directories on some platforms) refuse fsync; durability is then best effort.
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

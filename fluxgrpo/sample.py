@@ -224,6 +224,11 @@ def resolve_checkpoint(path: str | Path, ema: bool) -> Path:
     weights = found / (EMA_TRANSFORMER_DIR if ema else TRANSFORMER_DIR)
     if not (weights / "config.json").is_file():
         raise FluxgrpoError(f"{weights}/config.json is missing: the checkpoint is damaged; pass another --checkpoint")
+    from fluxgrpo.weights.integrity import folder_safetensors_problems
+
+    damaged = folder_safetensors_problems(weights)
+    if damaged:
+        raise FluxgrpoError(f"the checkpoint is damaged: {damaged[0]}; pass another --checkpoint")
     return found
 
 

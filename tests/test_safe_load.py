@@ -276,3 +276,14 @@ def test_train_resume_from_a_code_running_checkpoint_is_one_line_and_runs_nothin
     assert len(errors) == 1 and "rng_rank0.pt holds more than tensors" in errors[0], resumed.output
     assert "Traceback" not in resumed.output
     assert not marker.exists()
+
+
+def test_checkpoint_files_are_readable_by_all(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        path = save_checkpoint(tmp_path, 1, SINGLE, *build(), trainer_state={}, keep_last=None)
+    finally:
+        os.umask(previous)
+    modes = {f.relative_to(path).as_posix(): oct(f.stat().st_mode & 0o777) for f in path.rglob("*") if f.is_file()}
+    assert "transformer/diffusion_pytorch_model.safetensors" in modes
+    assert set(modes.values()) == {"0o644"}, modes

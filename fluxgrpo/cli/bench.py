@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from fluxgrpo.cli.common import err_console, handle_errors, out_console
+from fluxgrpo.cli.common import err_console, escape, handle_errors, out_console
 from fluxgrpo.paths import DEFAULT_HPS_DIR
 
 
@@ -170,7 +170,7 @@ def _render(records: list[dict[str, Any]]) -> None:
     console.print(
         f"[bold]fluxgrpo bench[/]: {model['name']} ({model['double_blocks']}+{model['single_blocks']} blocks, width "
         f"{model['hidden']}, {model['transformer_parameters'] / 1e6:.1f} M parameters), {config['dtype']} on "
-        f"{device['type']} × {device['world_size']} ({device['name']}); peak {peak}\n"
+        f"{device['type']} × {device['world_size']} ({escape(device['name'])}); peak {peak}\n"
         f"B = {model['trajectories']} trajectories, N = {model['steps']} steps, T = {model['train_timesteps']} trained "
         f"timesteps, {model['text_tokens']} text tokens, reward {model['reward']}; median of {config['repeats']} runs",
         highlight=False,
@@ -188,7 +188,10 @@ def _render(records: list[dict[str, Any]]) -> None:
         columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
             ("phase", _phase),
             ("batch", lambda f: str(f["batch_size"] or "-")),
-            ("seconds", lambda f: _seconds(f["seconds"]) if f["seconds"] is not None else f"[red]{f['error']}[/]"),
+            (
+                "seconds",
+                lambda f: _seconds(f["seconds"]) if f["seconds"] is not None else f"[red]{escape(f['error'])}[/]",
+            ),
             ("rate", lambda f: _seconds(f["per_second"])),
             ("×", lambda f: _ratio(f["speedup"])),
             ("TFLOP/s", lambda f: "-" if f["tflops"] is None else f"{f['tflops']:.3g}"),

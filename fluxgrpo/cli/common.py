@@ -2,6 +2,10 @@
 
 Results go to stdout (a rich table, or one JSON document with --json); logs, progress and errors go to
 stderr. Exit codes: 0 ok, 1 runtime failure, 2 usage error. ``FLUXGRPO_DEBUG=1`` shows tracebacks.
+
+Text from users and libraries (paths, prompts, error messages such as gloo's ``[/__w/.../pair.cc:561]``) is never
+rich markup: print it with ``log`` or through ``escape``, so brackets in it show as typed instead of vanishing
+as style tags or raising ``MarkupError``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fluxgrpo.errors import FluxgrpoError
 
@@ -34,13 +39,18 @@ def handle_errors(fn: F) -> F:
         except FluxgrpoError as exc:
             if os.environ.get("FLUXGRPO_DEBUG"):
                 raise
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             err_console.print("[yellow]interrupted[/]")
             raise typer.Exit(130) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def log(line: object) -> None:
+    """One line of progress on stderr, printed as the text it is (no markup, no highlighting)."""
+    err_console.print(str(line), markup=False, highlight=False, soft_wrap=True)
 
 
 def print_json(document: Any) -> None:

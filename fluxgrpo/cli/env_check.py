@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from fluxgrpo.cli.common import handle_errors, out_console, print_json
+from fluxgrpo.cli.common import escape, handle_errors, out_console, print_json
 from fluxgrpo.paths import DEFAULT_EMBEDDINGS_DIR, DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR
 
 _STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
@@ -52,7 +52,7 @@ def _render(report: dict) -> None:
     system.add_column("item", style="bold")
     system.add_column("value")
     system.add_row("fluxgrpo", report["fluxgrpo_version"])
-    system.add_row("platform", report["platform"])
+    system.add_row("platform", escape(report["platform"]))
     system.add_row("python", report["python"])
     for name, version in report["packages"].items():
         system.add_row(name, version or "[dim]not installed[/]")
@@ -61,8 +61,10 @@ def _render(report: dict) -> None:
     system.add_row("accelerator runtime", stack["cann_version"] or "[dim]not found[/]")
     system.add_row("device", f"{dev['type']} × {dev['count']} (backend {dev['backend']})" if dev["type"] else "?")
     for d in dev["devices"]:
-        system.add_row(f"  [{d['index']}] {d['name']}", f"{_gib(d['total_bytes'])} total, {_gib(d['free_bytes'])} free")
-    system.add_row("disk free", f"{_gib(report['disk']['free_bytes'])} at {report['disk']['path']}")
+        system.add_row(
+            f"  [{d['index']}] {escape(d['name'])}", f"{_gib(d['total_bytes'])} total, {_gib(d['free_bytes'])} free"
+        )
+    system.add_row("disk free", f"{_gib(report['disk']['free_bytes'])} at {escape(report['disk']['path'])}")
     system.add_row("/dev/shm", _gib(report["shm"]["total_bytes"]))
     out_console.print(system)
 
@@ -73,8 +75,8 @@ def _render(report: dict) -> None:
     for row in report["accelerator_env"]:
         env.add_row(
             row["name"],
-            row["value"] if row["value"] is not None else "[dim]unset[/]",
-            row["recommended"] or "[dim]cluster-specific[/]",
+            escape(row["value"]) if row["value"] is not None else "[dim]unset[/]",
+            escape(row["recommended"]) if row["recommended"] else "[dim]cluster-specific[/]",
         )
     out_console.print(env)
 
@@ -84,7 +86,8 @@ def _render(report: dict) -> None:
     checks.add_column("detail")
     checks.add_column("what to do")
     for c in report["checks"]:
-        checks.add_row(c["name"], f"[{_STYLE[c['status']]}]{c['status']}[/]", c["detail"], c["fix"] or "")
+        status = f"[{_STYLE[c['status']]}]{c['status']}[/]"
+        checks.add_row(c["name"], status, escape(c["detail"]), escape(c["fix"] or ""))
     out_console.print(checks)
     verdict = "[green]ready to train[/]" if report["ready"] else "[bold red]not ready: fix the failing checks above[/]"
     out_console.print(verdict)

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from fluxgrpo.cli.common import err_console, handle_errors, out_console, print_json
+from fluxgrpo.cli.common import escape, handle_errors, log, out_console, print_json
 from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR
 
 SOURCES = ("tiny", "hf", "modelscope")
@@ -157,12 +157,28 @@ def command(
 def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_output: bool) -> None:
     from pathlib import Path
 
+    from fluxgrpo.errors import FluxgrpoError
     from fluxgrpo.models.tiny_weights import TINY_PARTS, write_tiny_weights
+    from fluxgrpo.paths import ensure_writable_dir, give_default_mode
     from fluxgrpo.weights.layout import check_flux_dir, check_hps_dir, check_pickscore_dir, pickscore_dir
 
     selected = parts or list(TINY_PARTS)
-    err_console.print(f"writing tiny random weights (seed {seed}) to {flux_dir} and {hps_dir}")
-    summary = write_tiny_weights(Path(flux_dir), Path(hps_dir), seed=seed, parts=selected)
+    if "flux" in selected:
+        ensure_writable_dir(flux_dir, "FLUX weights", "--flux-dir")
+    if set(selected) & (set(TINY_PARTS) - {"flux"}):  # unknown names are refused below, before anything is made
+        ensure_writable_dir(hps_dir, "reward weights", "--hps-dir")
+    log(f"writing tiny random weights (seed {seed}) to {flux_dir} and {hps_dir}")
+    try:
+        summary = write_tiny_weights(Path(flux_dir), Path(hps_dir), seed=seed, parts=selected)
+    except OSError as exc:  # e.g. a full disk, or a sub-folder that is read-only
+        where = exc.filename or f"{flux_dir} / {hps_dir}"
+        raise FluxgrpoError(
+            f"cannot write tiny weights to {where} ({exc.strerror or exc}): free space there or pass writable "
+            "folders with --flux-dir and --hps-dir"
+        ) from None
+    for folder in {Path(flux_dir), Path(hps_dir)}:
+        for weights in folder.rglob("*.safetensors"):
+            give_default_mode(weights)  # safetensors leaves them 0600
     checks = {
         "flux": lambda: check_flux_dir(flux_dir),
         "hps": lambda: check_hps_dir(hps_dir)[0],
@@ -197,8 +213,8 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
     for column in ("part", "path", "source", "size", "status"):
         table.add_column(column)
     for row in rows:
-        status = "[green]complete[/]" if row["complete"] else f"[bold red]{'; '.join(row['problems'])}[/]"
-        table.add_row(row["part"], row["path"], row["source"] or "", _mib(row["bytes"]), status)
+        status = "[green]complete[/]" if row["complete"] else f"[bold red]{escape('; '.join(row['problems']))}[/]"
+        table.add_row(row["part"], escape(row["path"]), escape(row["source"] or ""), _mib(row["bytes"]), status)
     out_console.print(table)
 
 
@@ -250,12 +266,13 @@ def _print_plan(summary: Any) -> None:
 
     plan = summary.plan
     for part in plan.parts:
-        table = Table(title=f"{part.part}: {part.repo}@{_short(part.revision)} → {part.root}", title_justify="left")
+        title = escape(f"{part.part}: {part.repo}@{_short(part.revision)} → {part.root}")
+        table = Table(title=title, title_justify="left")
         table.add_column("file", overflow="fold")
         table.add_column("size", justify="right")
         table.add_column("state")
         for planned in part.files:
-            table.add_row(planned.path, format_bytes(planned.size), planned.state)
+            table.add_row(escape(planned.path), format_bytes(planned.size), planned.state)
         out_console.print(table)
     files = sum(len(p.files) for p in plan.parts)
     out_console.print(
@@ -278,8 +295,8 @@ def _print_summary(summary: Any) -> None:
     for part in summary.parts:
         table.add_row(
             part.part,
-            f"{part.repo}@{_short(part.revision)}",
-            part.dir,
+            escape(f"{part.repo}@{_short(part.revision)}"),
+            escape(str(part.dir)),
             str(part.files),
             f"{part.files_downloaded} ({format_bytes(part.bytes_downloaded)})",
             format_bytes(part.bytes_present),

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from fluxgrpo.cli.common import err_console, handle_errors, out_console, print_json
+from fluxgrpo.cli.common import escape, handle_errors, log, out_console, print_json
 from fluxgrpo.paths import DEFAULT_EMBEDDINGS_DIR, DEFAULT_FLUX_DIR, EMBEDDINGS_INDEX
 from fluxgrpo.runtime.device import DEVICE_TYPES
 
@@ -57,7 +57,7 @@ def command(
         "max_sequence_length": max_sequence_length,
         "device": device,
     }
-    summary = run_workers("fluxgrpo.preprocess", payload, spec, device, log=err_console.print)
+    summary = run_workers("fluxgrpo.preprocess", payload, spec, device, log=log)
     if json_output:
         print_json(summary)
         return
@@ -66,7 +66,7 @@ def command(
     table = Table(title="preprocess", show_header=False, title_justify="left")
     table.add_column("item", style="bold")
     table.add_column("value")
-    table.add_row("index", summary["index_path"])
+    table.add_row("index", escape(summary["index_path"]))
     table.add_row("prompts", str(summary["prompts"]))
     table.add_row("encoded now", str(summary["encoded"]))
     table.add_row("already present", str(summary["skipped"]))

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from fluxgrpo.cli.common import err_console, handle_errors, out_console, print_json
+from fluxgrpo.cli.common import handle_errors, log, out_console, print_json
 from fluxgrpo.paths import DEFAULT_FLUX_DIR
 from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 from fluxgrpo.runtime.device import DEVICE_TYPES
@@ -101,7 +101,7 @@ def command(
     request = build_request(
         model=model, prompts=prompts, out_dir=out, checkpoint=checkpoint, ema=ema, settings=settings, device=device
     )
-    summary = run_workers("fluxgrpo.sample", request.to_dict(), spec, request.device, log=err_console.print)
+    summary = run_workers("fluxgrpo.sample", request.to_dict(), spec, request.device, log=log)
     if json_output:
         print_json(summary)
         return

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from fluxgrpo.cli.common import err_console, handle_errors, out_console, print_json
+from fluxgrpo.cli.common import err_console, handle_errors, log, out_console, print_json
 from fluxgrpo.paths import DEFAULT_HPS_DIR
 from fluxgrpo.rewards import reward_names
 from fluxgrpo.runtime.device import DEVICE_TYPES
@@ -69,7 +69,7 @@ def command(
     report = score(request, progress=_progress_printer())
     if out is not None:
         write_csv(report, out)
-        err_console.print(f"wrote {out}")
+        log(f"wrote {out}")
     if json_output:
         print_json(report.to_dict())
         return

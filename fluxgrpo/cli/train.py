@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
-from fluxgrpo.cli.common import err_console, handle_errors, out_console, print_json
+from fluxgrpo.cli.common import err_console, escape, handle_errors, log, out_console, print_json
 
 _PY_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
@@ -57,7 +57,7 @@ def _list_configs() -> None:
     table.add_column("name", style="bold")
     table.add_column("what it is, and the command that launches it")
     for name, path in sorted(shipped_configs().items()):
-        table.add_row(name, config_summary(path))
+        table.add_row(escape(name), escape(config_summary(path)))
     out_console.print(table)
 
 
@@ -99,8 +99,10 @@ def _train(
             }
         )
         return
-    err_console.print(f"[bold]fluxgrpo train[/]: {plan.device_type} × {spec.world_size}, output {cfg.output_dir}")
-    records = launch_training(plan, log=lambda line: err_console.print(line, highlight=False))
+    err_console.print(
+        f"[bold]fluxgrpo train[/]: {plan.device_type} × {spec.world_size}, output {escape(cfg.output_dir)}"
+    )
+    records = launch_training(plan, log=log)
     trend = reward_trend(records)
     result = {
         "output_dir": cfg.output_dir,
@@ -115,7 +117,7 @@ def _train(
         out_console.print(
             f"reward {trend['first']:.4f} → {trend['last']:.4f} ({arrow} {trend['change']:+.4f}; mean of the first "
             f"and last {trend['window']} of {trend['iterations']} iterations). Checkpoints and metrics.jsonl in "
-            f"{cfg.output_dir}"
+            f"{escape(cfg.output_dir)}"
         )
 
 

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fluxgrpo.weights.integrity import folder_safetensors_problems
 from fluxgrpo.weights.manifest import read_manifest, verify_manifest
 
 FLUX_COMPONENTS = ("scheduler", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "transformer", "vae")
@@ -74,6 +75,9 @@ def check_flux_dir(flux_dir: str | Path) -> PartStatus:
     if manifest is not None:
         status.source = manifest.source
         status.problems.extend(verify_manifest(root, manifest))
+    else:  # placed by hand: no sizes to compare against, so read each shard's header instead
+        for comp in _MODEL_COMPONENTS:
+            status.problems.extend(folder_safetensors_problems(root / comp))
     status.complete = not status.problems
     if status.complete:
         status.fix = None
