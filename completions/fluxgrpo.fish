@@ -133,7 +133,7 @@ complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l lr-scheduler -r -
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l lr-warmup-steps -r -F -d 'Warm-up optimizer steps. [default: 0]'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l use-ema -d 'Keep an EMA of the weights (sharded like the model), saved with checkpoints. [default: False]'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l no-use-ema -d 'Keep an EMA of the weights (sharded like the model), saved with checkpoints. [default: False]'
-complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l ema-decay -r -F -d 'EMA decay per optimizer step. [default: 0.995]'
+complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l ema-decay -r -F -d 'EMA decay per iteration (one EMA update per iteration, as DanceGRPO). [default: 0.995]'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l seed -r -F -d 'Seed for prompts, noise and timestep draws (per rank: derived from it). [default: 42]'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l max-train-steps -r -F -d 'Iterations (rollout + update rounds). [default: 300]'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l checkpointing-steps -r -F -d 'Save a checkpoint every this many iterations (and after the last). [default: 40]'
