@@ -220,20 +220,16 @@ def test_two_workers_every_parameter_changes(tiny_weights, tiny_embeddings, tmp_
 
 @pytest.mark.slow
 def test_a_failing_rank_stops_the_run_and_is_named(tiny_weights, tiny_embeddings, tmp_path):
-    from fluxgrpo.data.sampler import PromptSampler
-
-    emb = tmp_path / "emb"
-    shutil.copytree(tiny_embeddings.out_dir, emb)
-    # Rank 1's first prompt (seed 42, 2 ranks, 1 prompt each): corrupt its embedding so only rank 1 fails.
-    entries = json.loads((emb / "videos2caption.json").read_text())
-    victim = PromptSampler(len(entries), rank=1, world_size=2, batch_size=1, seed=42).next_batch()[0]
-    (emb / "prompt_embed" / entries[victim]["prompt_embed_path"]).write_bytes(b"not a tensor")
+    # Only rank 1 fails: the file its first image would be saved as is a folder. (A damaged embedding no longer
+    # reaches a worker: preflight reads every embedding header before launch.)
+    (tmp_path / "out" / "images" / "flux_1_0.png").mkdir(parents=True)
     cfg = tiny_config(
         tiny_weights,
         tiny_embeddings,
         tmp_path / "out",
-        data_json_path=str(emb / "videos2caption.json"),
         max_train_steps=1,
+        save_images_every=1,
+        images_per_save=1,
     )
     with pytest.raises(FluxgrpoError, match=r"rank 1 failed"):
         run(cfg, dies=2)
