@@ -66,16 +66,20 @@ def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
     from fluxgrpo.data.embeddings import EmbeddingDataset
     from fluxgrpo.data.sampler import PromptSampler
     from fluxgrpo.grpo.ema import ShardedEMA
-    from fluxgrpo.models.flux import load_transformer, load_vae
+    from fluxgrpo.models.flux import load_vae
+    from fluxgrpo.models.shard_loading import empty_transformer, fill_transformer
     from fluxgrpo.rewards import load_reward
 
     dataset = EmbeddingDataset(cfg.data_json_path)
-    transformer = load_transformer(cfg.model, dtype=torch.float32, device=ctx.device)
+    # Built on the meta device and sharded before any weight exists; each rank then reads only its own shards
+    # from the safetensors, so the job holds one copy of the weights in host memory, not one per rank.
+    transformer = empty_transformer(cfg.model)
     adapt_for_device(transformer, cfg, ctx)
     if cfg.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     if ctx.distributed:
         shard_transformer(transformer, cfg.cpu_offload, rt_device.compute_dtype(ctx.device_type))
+    fill_transformer(transformer, cfg.model, device="cpu" if cfg.cpu_offload else ctx.device)
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=cfg.learning_rate, betas=(0.9, 0.999), eps=1e-8, weight_decay=cfg.weight_decay
