@@ -334,7 +334,7 @@ def plan_memory(cfg: TrainConfig, dies: int, device_type: str) -> MemoryEstimate
     if device_type != "cpu":
         try:
             capacity = min((d.total_bytes for d in rt_device.describe_devices(device_type)), default=None)
-        except Exception:  # noqa: BLE001 - an unreadable device leaves the decision to the run itself
+        except Exception:
             capacity = None
     problems = check_fits(cfg, dies, device_type, estimate_, capacity)
     if problems and os.environ.get(IGNORE_ESTIMATE_ENV) != "1":

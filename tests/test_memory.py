@@ -17,8 +17,8 @@ from fluxgrpo.config import build_config
 from fluxgrpo.errors import UsageError
 from fluxgrpo.memory import (
     DOUBLE_BLOCK_ACTIVATION_BYTES,
-    GiB,
     SINGLE_BLOCK_ACTIVATION_BYTES,
+    GiB,
     RunShape,
     estimate,
     plan_memory,
