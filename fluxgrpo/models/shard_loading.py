@@ -21,6 +21,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -121,7 +122,7 @@ def empty_transformer(flux_dir: str | Path) -> FluxTransformer2DModel:
     return model.eval()
 
 
-def _own_rows(parameter: torch.Tensor) -> tuple[torch.Tensor, int]:
+def own_rows(parameter: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(this rank's local tensor, index of its first row in the full tensor) for a plain or Shard(0) parameter."""
     placements = getattr(parameter, "placements", None)
     if placements is None:
@@ -158,9 +159,18 @@ def _read_rows(stored: StoredTensor, first_row: int, rows: int, fd: int) -> torc
 
 
 @torch.no_grad()
-def fill_transformer(model: torch.nn.Module, flux_dir: str | Path, device: Any) -> None:
+def fill_transformer(
+    model: torch.nn.Module,
+    flux_dir: str | Path,
+    device: Any,
+    stored_name: Callable[[str], str | None] = lambda name: name,
+) -> None:
     """Allocate the (possibly FSDP2-sharded) meta ``model`` on ``device`` and read its weights from the
-    transformer's safetensors, each rank reading only the rows of each tensor that it owns.
+    transformer's safetensors, each rank reading only the rows of each tensor that it owns. Each tensor is
+    converted to the dtype the model gives it (fp32, or the compute dtype for a frozen LoRA base).
+
+    ``stored_name`` maps a parameter's name to its name in the files; None leaves that tensor allocated but
+    unread (a LoRA adapter, which the caller initialises).
 
     Raises:
         FluxgrpoError: a parameter is missing from the files or has another shape (names the fix).
@@ -169,8 +179,9 @@ def fill_transformer(model: torch.nn.Module, flux_dir: str | Path, device: Any) 
     stored: dict[str, StoredTensor] = {}
     for path in files:
         stored.update(read_safetensors_header(path))
-    names = [name for name, _ in model.named_parameters()] + [name for name, _ in model.named_buffers()]
-    missing = [name for name in names if name not in stored]
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    names = [stored_name(name) for name, _ in tensors]
+    missing = [name for name in names if name is not None and name not in stored]
     if missing:
         raise FluxgrpoError(
             f"{Path(flux_dir) / 'transformer'} lacks {len(missing)} of the model's weights (e.g. {missing[:3]}): it "
@@ -179,14 +190,16 @@ def fill_transformer(model: torch.nn.Module, flux_dir: str | Path, device: Any) 
     model.to_empty(device=device)
     descriptors = {path: os.open(path, os.O_RDONLY) for path in files}
     try:
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        for (_, tensor), name in zip([*model.named_parameters(), *model.named_buffers()], names, strict=True):
+            if name is None:
+                continue
             entry = stored[name]
             if tuple(tensor.shape) != entry.shape:
                 raise FluxgrpoError(
                     f"{entry.path}: {name} has shape {list(entry.shape)} but the model built from config.json "
                     f"expects {list(tensor.shape)}; run `fluxgrpo fetch-weights --flux-dir {flux_dir}` again"
                 )
-            local, first_row = _own_rows(tensor)
+            local, first_row = own_rows(tensor)
             rows = local.shape[0] if local.dim() else 0
             local.copy_(_read_rows(entry, first_row, rows, descriptors[entry.path]))
     finally:
