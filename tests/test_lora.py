@@ -86,7 +86,10 @@ def test_only_adapters_train_and_the_adapter_file_reproduces_the_model_in_a_pipe
     assert changed == trainable  # every adapter moved (B left 0), no base weight did
 
     scheduler = get_scheduler("constant", optimizer)
-    path = save_checkpoint(tmp_path / "out", 1, SINGLE, model, optimizer, scheduler, trainer_state={}, keep_last=None)
+    trainer_state = {"config": cfg.to_dict()}
+    path = save_checkpoint(
+        tmp_path / "out", 1, SINGLE, model, optimizer, scheduler, trainer_state=trainer_state, keep_last=None
+    )
     assert not (path / "transformer").exists()  # no 47.6 GB full export for an adapter run
     info = json.loads((path / "COMPLETE").read_text())
     assert info["lora"]["r"] == 4 and info["lora"]["lora_alpha"] == 8.0
@@ -101,6 +104,41 @@ def test_only_adapters_train_and_the_adapter_file_reproduces_the_model_in_a_pipe
         base = FluxPipeline.from_pretrained(tiny_weights.flux_dir, torch_dtype=torch.float32).transformer(**inputs)
     assert not torch.allclose(expected, base.sample, atol=1e-4)  # the adapter matters
     torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-6)
+
+    # export --merge: a plain diffusers transformer (no peft layers) computing the same function
+    from diffusers import FluxTransformer2DModel
+    from typer.testing import CliRunner
+
+    from fluxgrpo.cli.app import app
+
+    merged_dir = tmp_path / "merged"
+    result = CliRunner().invoke(
+        app, ["export", "--checkpoint", str(path), "--merge", "--out", str(merged_dir), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["base_model"] == str(tiny_weights.flux_dir)  # as the checkpoint recorded it
+    merged = FluxTransformer2DModel.from_pretrained(merged_dir)
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**inputs).sample, expected, rtol=1e-4, atol=1e-5)
+    adapter_only = CliRunner().invoke(app, ["export", "--checkpoint", str(path), "--out", str(tmp_path / "adapter")])
+    assert adapter_only.exit_code == 0, adapter_only.output
+    assert (tmp_path / "adapter" / LORA_WEIGHTS_NAME).read_bytes() == (path / "lora" / LORA_WEIGHTS_NAME).read_bytes()
+
+    # sample --checkpoint takes the LoRA checkpoint: its images differ from the base model's
+    from fluxgrpo.sample import SampleSettings, build_request, sample
+
+    def sample_images(out: Path, checkpoint: str | None) -> list[bytes]:
+        settings = SampleSettings(height=32, width=48, steps=2, max_sequence_length=16, images_per_prompt=1)
+        request = build_request(
+            model=str(tiny_weights.flux_dir), prompts=["a red cat"], out_dir=out, checkpoint=checkpoint,
+            ema=False, settings=settings, device="cpu",
+        )  # fmt: skip
+        assert (request.lora_file is not None) == (checkpoint is not None)
+        sample(request, show_progress=False)
+        return [p.read_bytes() for p in sorted(out.glob("0*.png"))]
+
+    assert sample_images(tmp_path / "lora-images", str(path)) != sample_images(tmp_path / "base-images", None)
 
 
 def test_lora_exact_resume_and_rising_reward(tiny_weights, tiny_embeddings, tmp_path):
