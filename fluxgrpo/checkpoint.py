@@ -472,7 +472,7 @@ def load_checkpoint(
             processes; or ``ema`` is given but the checkpoint has no EMA state.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     from fluxgrpo.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
@@ -521,7 +521,11 @@ def load_checkpoint(
     reader = SafeFileSystemReader(path / STATE_DIR)
     with _quiet_single_process_dcp(), _dcp_errors("reading", path / STATE_DIR):
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not ctx.distributed)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+    # A LoRA state has no frozen base to set: the adapters alone (DCP has already refused any missing key).
+    set_options = StateDictOptions(ignore_frozen_params=options.ignore_frozen_params, strict=not is_lora_model(model))
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=set_options
+    )
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
     if ema is not None:

@@ -99,6 +99,20 @@ def transformer_shape(config: dict[str, Any]) -> TransformerShape:
     )
 
 
+def lora_adapter_shapes(config: dict[str, Any], targets: tuple[str, ...], rank: int) -> tuple[tuple[int, ...], ...]:
+    """The A (rank × in) and B (out × rank) matrices LoRA adds to every Linear that ``targets`` name."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel.from_config(config)
+    shapes: list[tuple[int, ...]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
+            shapes += [(rank, module.in_features), (module.out_features, rank)]
+    return tuple(shapes)
+
+
 def vae_parameters(config: dict[str, Any]) -> int:
     import torch
     from diffusers import AutoencoderKL
@@ -258,16 +272,18 @@ def estimate_for_config(cfg: TrainConfig, dies: int, device_type: str) -> Memory
     """The estimate for a validated config, reading the model's sizes from ``cfg.model`` (no weights loaded)."""
     import json
 
+    from fluxgrpo.lora import LoraSpec
     from fluxgrpo.models.flux import read_transformer_config
 
-    model = transformer_shape(read_transformer_config(cfg.model))
+    config = read_transformer_config(cfg.model)
+    lora = LoraSpec.from_config(cfg)
+    adapters = lora_adapter_shapes(config, lora.targets, lora.rank) if lora is not None else ()
     vae_config = json.loads((Path(cfg.model) / "vae" / "config.json").read_text())
     compute_bytes = 4 if device_type == "cpu" else 2
-    return estimate(
-        model,
-        vae_parameters(vae_config),
-        RunShape.from_config(cfg, dies, compute_bytes=compute_bytes, text_tokens=_text_tokens(cfg)),
+    run = RunShape.from_config(
+        cfg, dies, compute_bytes=compute_bytes, text_tokens=_text_tokens(cfg), adapter_shapes=adapters
     )
+    return estimate(transformer_shape(config), vae_parameters(vae_config), run)
 
 
 def _text_tokens(cfg: TrainConfig) -> int:
@@ -308,6 +324,8 @@ def check_fits(
 
 def _knobs(cfg: TrainConfig, dies: int) -> list[tuple[str, dict[str, Any]]]:
     knobs: list[tuple[str, dict[str, Any]]] = [(f"--dies {dies * 2}", {"dies": dies * 2})]
+    if cfg.lora_rank == 0:
+        knobs.append(("--lora-rank 64", {"cfg": {"lora_rank": 64}}))
     if not cfg.gradient_checkpointing:
         knobs.append(("--gradient-checkpointing", {"cfg": {"gradient_checkpointing": True}}))
     if cfg.train_micro_batch_size > 1:

@@ -21,6 +21,7 @@ from fluxgrpo.memory import (
     GiB,
     RunShape,
     estimate,
+    estimate_for_config,
     plan_memory,
     shard_elements,
     transformer_shape,
@@ -199,3 +200,23 @@ def test_a_config_that_cannot_fit_is_refused_naming_the_knobs(tmp_path, monkeypa
         assert knob in message
     monkeypatch.setenv("FLUXGRPO_IGNORE_MEMORY_ESTIMATE", "1")
     assert plan_memory(too_big, 4, "npu").peak > 64 * GiB
+
+
+def test_shipped_configs_state_the_estimate_in_their_header(tmp_path):
+    """A shipped config that quotes its estimated peak quotes what the model computes for FLUX.1-dev."""
+    import re
+
+    from fluxgrpo.config import shipped_configs
+
+    model_dir = flux_dev_config_dir(tmp_path / "flux")
+    quoted = 0
+    for name, path in shipped_configs().items():
+        text = path.read_text()
+        figure = re.search(r"Estimated peak(?: per die)?: ([\d.]+) GiB", text)
+        if figure is None:
+            continue
+        dies = int(re.search(r"--dies (\d+)", text).group(1)) if "--dies" in text.splitlines()[0] else 1
+        result = estimate_for_config(build_config(name, {"model": str(model_dir)}), dies, "cuda")  # bf16
+        assert float(figure.group(1)) == pytest.approx(result.peak / GiB, abs=0.05), name
+        quoted += 1
+    assert quoted >= 2
