@@ -158,6 +158,10 @@ def _read_rows(stored: StoredTensor, first_row: int, rows: int, fd: int) -> torc
     return out
 
 
+def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
 @torch.no_grad()
 def fill_transformer(
     model: torch.nn.Module,
@@ -179,8 +183,7 @@ def fill_transformer(
     stored: dict[str, StoredTensor] = {}
     for path in files:
         stored.update(read_safetensors_header(path))
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    names = [stored_name(name) for name, _ in tensors]
+    names = [stored_name(name) for name, _ in _named_tensors(model)]
     missing = [name for name in names if name is not None and name not in stored]
     if missing:
         raise FluxgrpoError(
@@ -190,7 +193,8 @@ def fill_transformer(
     model.to_empty(device=device)
     descriptors = {path: os.open(path, os.O_RDONLY) for path in files}
     try:
-        for (_, tensor), name in zip([*model.named_parameters(), *model.named_buffers()], names, strict=True):
+        # to_empty may replace the tensors, so they are listed again, in the same order
+        for (_, tensor), name in zip(_named_tensors(model), names, strict=True):
             if name is None:
                 continue
             entry = stored[name]
