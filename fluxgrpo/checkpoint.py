@@ -44,8 +44,8 @@ from typing import Any, BinaryIO
 import torch
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.paths import give_default_mode
 from fluxgrpo.lora import adapter_metadata, is_lora_model, write_lora_file
+from fluxgrpo.paths import give_default_mode
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime.dist import DistContext

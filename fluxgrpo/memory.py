@@ -7,7 +7,7 @@ Peak bytes on one die = what lives all run long + the largest of the three phase
                              (LoRA: 2·S_base + 4·S_adapters: base frozen in bf16, adapters fp32)
                 optimizer    8·S_train    AdamW exp_avg + exp_avg_sq of the trainable shards
                 ema          4·S_train    with --use-ema
-                reward       4·R          the reward model's fp32 weights (run under autocast)
+                reward       4·R          the reward model's weights (2·R with --reward-dtype bf16)
                 vae          2·V          the VAE in the compute dtype
                 rollout      B·(N+1)·L·64·4 + images  the trajectory latents and decoded images of one iteration
     rollout     gathered     2·(2·block + root)  FSDP2 all-gathers a block in bf16 and prefetches the next
@@ -46,8 +46,8 @@ ROLLOUT_FORWARD_BYTES = 12 * 2
 VAE_DECODE_CHANNELS, VAE_LIVE_MAPS = 256, 3
 # Device context, kernels' workspace and allocator fragmentation: kept free on every die.
 RUNTIME_RESERVE_BYTES = 2 * GiB
-# Weights of the reward models (open_clip ViT-H-14 for HPSv2; CLIP ViT-H-14 for PickScore), kept in fp32.
-REWARD_PARAMETERS = {"hpsv2": 986_109_440, "pickscore": 986_109_440, "brightness": 0}
+# Weights of the reward models: open_clip ViT-H-14 for HPSv2 and CLIPScore, CLIP ViT-H-14 for PickScore.
+REWARD_PARAMETERS = {"hpsv2": 986_109_440, "pickscore": 986_109_440, "clipscore": 986_109_440, "brightness": 0}
 DEFAULT_TEXT_TOKENS = 512  # FLUX.1-dev's T5 sequence length, DanceGRPO's preprocessing
 LATENT_CHANNELS = 64  # packed 2×2×16
 
@@ -137,6 +137,7 @@ class RunShape:
     cpu_offload: bool
     use_ema: bool
     reward: str
+    reward_bytes: int = 4  # --reward-dtype fp32 (4) or bf16 (2)
     compute_bytes: int = 2  # bf16 on accelerators; 4 (fp32) on cpu
     text_tokens: int = DEFAULT_TEXT_TOKENS
     adapter_shapes: tuple[tuple[int, ...], ...] = ()  # LoRA A/B matrices; () trains every weight
@@ -155,6 +156,7 @@ class RunShape:
             cpu_offload=cfg.cpu_offload,
             use_ema=cfg.use_ema,
             reward=cfg.reward,
+            reward_bytes=2 if cfg.reward_dtype == "bf16" else 4,
             compute_bytes=compute_bytes,
             **extra,
         )
@@ -234,7 +236,7 @@ def estimate(model: TransformerShape, vae_params: int, run: RunShape) -> MemoryE
         "weights": weights,
         "optimizer": optimizer,
         "ema": ema,
-        "reward": 4 * REWARD_PARAMETERS.get(run.reward, 0),
+        "reward": run.reward_bytes * REWARD_PARAMETERS.get(run.reward, 0),
         "vae": cb * vae_params,
         "rollout": trajectories * (run.sampling_steps + 2) * latent_tokens * LATENT_CHANNELS * 4
         + trajectories * 3 * run.height * run.width * 4,

@@ -16,7 +16,7 @@ from fluxgrpo.lora import LORA_WEIGHTS_NAME
 from fluxgrpo.metrics import read_metrics, reward_trend
 from fluxgrpo.runtime.dist import DistContext
 from fluxgrpo.runtime.launch import LaunchSpec
-from fluxgrpo.train import launch_training, plan_training
+from fluxgrpo.train_launch import launch_training, plan_training
 
 SINGLE = DistContext(rank=0, local_rank=0, world_size=1, device_type="cpu", device=torch.device("cpu"), backend="gloo")
 
