@@ -2,18 +2,19 @@
 _fluxgrpo() {
     local cur="${COMP_WORDS[COMP_CWORD]}" opts=""
     if [[ $COMP_CWORD -eq 1 ]]; then
-        COMPREPLY=( $(compgen -W "bench env-check fetch-weights preprocess report sample score train --help --version" -- "$cur") )
+        COMPREPLY=( $(compgen -W "bench env-check export fetch-weights preprocess report sample score train --help --version" -- "$cur") )
         return 0
     fi
     case "${COMP_WORDS[1]}" in
         bench) opts="--model --blocks --resolution --steps --rollout-batch-sizes --micro-batch-sizes --activation-checkpointing --trajectories --train-timesteps --text-tokens --dies --device --dtype --attention --peak-tflops --repeats --warmup --reward --hps-dir --compile --seed --json --help" ;;
         env-check) opts="--json --flux-dir --hps-dir --embeddings --device --help" ;;
+        export) opts="--checkpoint --out --merge --ema --model --json --help" ;;
         fetch-weights) opts="--source --only --flux-dir --hps-dir --revision --token --endpoint --dry-run --max-workers --rehash --seed --json --help" ;;
         preprocess) opts="--prompts --model --out --max-sequence-length --dies --device --json --help" ;;
         report) opts="--compare --png --out --json --help" ;;
         sample) opts="--model --checkpoint --ema --prompts --prompt --images-per-prompt --height --width --steps --guidance --seed --batch-size --dies --out --device --attention --max-sequence-length --json --help" ;;
         score) opts="--index --images --prompts --reward --hps-dir --batch-size --device --json --out --compare --help" ;;
-        train) opts="--config --list-configs --dies --nnodes --node-rank --master-addr --master-port --resume --resume-from --dry-run --json --model --hps-dir --data-json-path --output-dir --reward --reward-dtype --height --width --sampling-steps --eta --shift --guidance --num-generations --train-batch-size --init-same-noise --no-init-same-noise --rollout-batch-size --timestep-fraction --clip-range --adv-clip-max --learning-rate --weight-decay --max-grad-norm --gradient-accumulation-steps --train-micro-batch-size --lr-scheduler --lr-warmup-steps --use-ema --no-use-ema --ema-decay --seed --max-train-steps --checkpointing-steps --keep-last --save-images-every --images-per-save --gradient-checkpointing --no-gradient-checkpointing --cpu-offload --no-cpu-offload --attention --device --tensorboard --no-tensorboard --wandb --no-wandb --help" ;;
+        train) opts="--config --list-configs --dies --nnodes --node-rank --master-addr --master-port --resume --resume-from --dry-run --json --model --hps-dir --data-json-path --output-dir --reward --reward-dtype --height --width --sampling-steps --eta --shift --guidance --num-generations --train-batch-size --init-same-noise --no-init-same-noise --rollout-batch-size --timestep-fraction --clip-range --adv-clip-max --learning-rate --weight-decay --max-grad-norm --gradient-accumulation-steps --train-micro-batch-size --lr-scheduler --lr-warmup-steps --lora-rank --lora-alpha --lora-targets --lora-dropout --use-ema --no-use-ema --ema-decay --seed --max-train-steps --checkpointing-steps --keep-last --save-images-every --images-per-save --gradient-checkpointing --no-gradient-checkpointing --cpu-offload --no-cpu-offload --attention --device --tensorboard --no-tensorboard --wandb --no-wandb --help" ;;
     esac
     if [[ "$cur" == -* ]]; then
         COMPREPLY=( $(compgen -W "$opts" -- "$cur") )

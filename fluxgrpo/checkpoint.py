@@ -6,6 +6,10 @@ k, one update early, and keeps no optimizer state; see dancegrpo-spec.md §7):
     transformer/        config.json + diffusion_pytorch_model[-0000i-of-0000n].safetensors (+ index json):
                         ``FluxTransformer2DModel.from_pretrained`` loads it; ``sample`` uses it.
     transformer_ema/    the same, with the EMA weights (only when an EMA is kept).
+    lora/, lora_ema/    instead of the two above for a LoRA run (--lora-rank): pytorch_lora_weights.safetensors,
+                        the adapter in diffusers' format (``FluxPipeline.load_lora_weights`` loads it). The resume
+                        state then holds the adapters and their optimizer state only; the frozen base comes from
+                        the base model's files.
     state/              torch.distributed.checkpoint (DCP) files for {"model", "optim", "lr_scheduler", "ema"},
                         trainer_state.json, and rng_rank{r}.pt for every rank (tensors and plain values only).
     COMPLETE            written last; JSON facts about the checkpoint (iteration, world size, what it holds).
@@ -40,6 +44,7 @@ from typing import Any, BinaryIO
 import torch
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.lora import adapter_metadata, is_lora_model, write_lora_file
 from fluxgrpo.paths import give_default_mode
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime import dist as rt_dist
@@ -51,6 +56,8 @@ TRASH_SUFFIX = ".trash"
 COMPLETE_MARKER = "COMPLETE"
 TRANSFORMER_DIR = "transformer"
 EMA_TRANSFORMER_DIR = "transformer_ema"
+LORA_DIR = "lora"
+EMA_LORA_DIR = "lora_ema"
 STATE_DIR = "state"
 TRAINER_STATE_FILE = "trainer_state.json"
 # 2: rng_rank{r}.pt holds tensors and plain values (version 1 pickled numpy arrays, unreadable safely).
@@ -256,10 +263,16 @@ def save_checkpoint(
         (tmp / STATE_DIR).mkdir(parents=True)
     rt_dist.barrier(ctx)
 
-    _export_model(tmp / TRANSFORMER_DIR, ctx, model, export_dtype, max_shard_size)
+    lora = is_lora_model(model)
+    if lora:
+        _export_lora(tmp / LORA_DIR, ctx, model)
+    else:
+        _export_model(tmp / TRANSFORMER_DIR, ctx, model, export_dtype, max_shard_size)
     if ema is not None:
         ema_weights = ema.full_state_dict()
-        if ctx.is_main:
+        if ctx.is_main and lora:
+            write_lora_file(tmp / EMA_LORA_DIR, ema_weights, adapter_metadata(model))
+        elif ctx.is_main:
             _write_diffusers_folder(
                 tmp / EMA_TRANSFORMER_DIR, _diffusers_config(model), ema_weights, export_dtype, max_shard_size
             )
@@ -283,6 +296,7 @@ def save_checkpoint(
             "has_ema": ema is not None,
             "has_lr_scheduler": lr_scheduler is not None,
             "export_dtype": str(export_dtype).removeprefix("torch."),
+            "lora": adapter_metadata(model) if lora else None,
         }
         _write_durably(tmp / COMPLETE_MARKER, lambda f: f.write((json.dumps(info, indent=2) + "\n").encode()))
         _publish(tmp, final)
@@ -304,11 +318,28 @@ def _export_model(
     del full
 
 
+def _export_lora(directory: Path, ctx: DistContext, model: torch.nn.Module) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # A collective, like _export_model, for the adapters only.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    adapters = get_model_state_dict(model, options=options)
+    if ctx.is_main:
+        write_lora_file(directory, adapters, adapter_metadata(model))
+
+
+def _state_options(model: torch.nn.Module) -> Any:
+    """A LoRA run's resume state leaves out the frozen base: it is the base model's, read again on resume."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=is_lora_model(model))
+
+
 def _save_training_state(directory: Path, ctx: DistContext, model, optimizer, lr_scheduler, ema) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_state_options(model))
     state: dict[str, Any] = {"model": model_state, "optim": optim_state}
     if lr_scheduler is not None:
         state["lr_scheduler"] = lr_scheduler.state_dict()
@@ -441,7 +472,7 @@ def load_checkpoint(
             processes; or ``ema`` is given but the checkpoint has no EMA state.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     from fluxgrpo.safe_load import SafeFileSystemReader, SafeLoadPlanner
 
@@ -473,7 +504,14 @@ def load_checkpoint(
 
     # DCP loads in place into tensors laid out the way this run shards them; get_state_dict gives that
     # layout (and materialises an untouched optimizer's state so there is somewhere to load into).
-    model_state, optim_state = get_state_dict(model, optimizer)
+    if bool(info.get("lora")) != is_lora_model(model):
+        kinds = ("a LoRA adapter", "full weights") if info.get("lora") else ("full weights", "a LoRA adapter")
+        raise FluxgrpoError(
+            f"{path} holds {kinds[0]} but this run trains {kinds[1]}: resume with the --lora-rank the checkpoint "
+            f"was trained with ({(info.get('lora') or {}).get('r', 0)})"
+        )
+    options = _state_options(model)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state: dict[str, Any] = {"model": model_state, "optim": optim_state}
     if lr_scheduler is not None:
         state["lr_scheduler"] = lr_scheduler.state_dict()
@@ -483,7 +521,11 @@ def load_checkpoint(
     reader = SafeFileSystemReader(path / STATE_DIR)
     with _quiet_single_process_dcp(), _dcp_errors("reading", path / STATE_DIR):
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not ctx.distributed)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    # A LoRA state has no frozen base to set: the adapters alone (DCP has already refused any missing key).
+    set_options = StateDictOptions(ignore_frozen_params=options.ignore_frozen_params, strict=not is_lora_model(model))
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=set_options
+    )
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
     if ema is not None:

@@ -29,6 +29,11 @@ from fluxgrpo.runtime.device import DEVICE_TYPES
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 MAX_SEED = 2**32 - 1  # numpy's seed range; each rank seeds with --seed + rank, reduced modulo 2**32 for numpy
+# Flow-GRPO's FLUX LoRA targets: every attention projection of both streams and the double blocks' MLPs.
+LORA_DEFAULT_TARGETS = (
+    "attn.to_q,attn.to_k,attn.to_v,attn.to_out.0,attn.add_q_proj,attn.add_k_proj,attn.add_v_proj,attn.to_add_out,"
+    "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2"
+)
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
@@ -70,6 +75,12 @@ class TrainConfig:
     train_micro_batch_size: int = _opt(1, "Trajectories per training forward.")
     lr_scheduler: str = _opt("constant_with_warmup", f"Learning-rate schedule: {', '.join(LR_SCHEDULERS)}.")
     lr_warmup_steps: int = _opt(0, "Warm-up optimizer steps.")
+    lora_rank: int = _opt(
+        0, "LoRA rank R: train rank-R adapters, base frozen in the compute dtype (0: full fine-tune)."
+    )
+    lora_alpha: float = _opt(128.0, "LoRA alpha: adapter outputs are scaled by alpha/R (Flow-GRPO's FLUX: R 64, 128).")
+    lora_targets: str = _opt(LORA_DEFAULT_TARGETS, "Comma-separated module names that get LoRA adapters.")
+    lora_dropout: float = _opt(0.0, "Dropout on the LoRA adapters' input.")
     use_ema: bool = _opt(False, "Keep an EMA of the weights (sharded like the model), saved with checkpoints.")
     ema_decay: float = _opt(0.995, "EMA decay per iteration (one EMA update per iteration, as DanceGRPO).")
     # --- loop, checkpoints, logging -------------------------------------------------------------------
@@ -183,6 +194,15 @@ class TrainConfig:
             out.append(f"--device {self.device!r}: use auto or one of {', '.join(DEVICE_TYPES)}")
         if self.reward_dtype not in REWARD_DTYPES:
             out.append(f"--reward-dtype {self.reward_dtype!r}: use one of {', '.join(REWARD_DTYPES)}")
+        if self.lora_rank < 0:
+            out.append(f"--lora-rank {self.lora_rank} cannot be negative (0 trains every weight)")
+        if self.lora_rank > 0:
+            if not self.lora_alpha > 0:
+                out.append(f"--lora-alpha must be positive (got {self.lora_alpha})")
+            if not 0 <= self.lora_dropout < 1:
+                out.append(f"--lora-dropout {self.lora_dropout} must be in [0, 1)")
+            if not any(part.strip() for part in self.lora_targets.split(",")):
+                out.append("--lora-targets is empty: name the modules to adapt, e.g. attn.to_q,attn.to_k")
         if self.attention not in ATTENTION_BACKENDS:
             out.append(f"--attention {self.attention!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
         if not 0 <= self.seed <= MAX_SEED:

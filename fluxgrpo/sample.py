@@ -1,7 +1,8 @@
 """``fluxgrpo sample``: images from the base FLUX model or a trained checkpoint, reproducible image by image.
 
 Generation is diffusers' ``FluxPipeline`` (loaded from ``--model``) with, for a checkpoint, the trained
-transformer (``checkpoint-{k}/transformer`` or ``transformer_ema``) swapped in. Weights and compute use the
+transformer (``checkpoint-{k}/transformer`` or ``transformer_ema``) swapped in, or for a LoRA run's checkpoint its
+adapter (``lora/`` or ``lora_ema/``) loaded with ``load_lora_weights``. Weights and compute use the
 runtime's compute dtype (bfloat16 on accelerators, float32 on cpu) under its autocast, and the transformer gets
 the runtime's device adaptations (``adapt_transformer``).
 
@@ -123,12 +124,24 @@ class SampleRequest:
 
     @property
     def transformer_dir(self) -> Path | None:
-        """The diffusers folder of the transformer to sample with; None means the base model's own."""
+        """The diffusers folder of the transformer to sample with; None means the base model's own (also for a
+        LoRA checkpoint, whose adapter ``lora_file`` is loaded into it)."""
         from fluxgrpo.checkpoint import EMA_TRANSFORMER_DIR, TRANSFORMER_DIR
+
+        if self.checkpoint is None or self.lora_file is not None:
+            return None
+        return Path(self.checkpoint) / (EMA_TRANSFORMER_DIR if self.ema else TRANSFORMER_DIR)
+
+    @property
+    def lora_file(self) -> Path | None:
+        """The checkpoint's adapter (``pytorch_lora_weights.safetensors``) for a LoRA run's checkpoint, else None."""
+        from fluxgrpo.checkpoint import EMA_LORA_DIR, LORA_DIR
+        from fluxgrpo.lora import LORA_WEIGHTS_NAME
 
         if self.checkpoint is None:
             return None
-        return Path(self.checkpoint) / (EMA_TRANSFORMER_DIR if self.ema else TRANSFORMER_DIR)
+        path = Path(self.checkpoint) / (EMA_LORA_DIR if self.ema else LORA_DIR) / LORA_WEIGHTS_NAME
+        return path if path.is_file() else None
 
 
 @dataclass(frozen=True)
@@ -192,12 +205,15 @@ def resolve_checkpoint(path: str | Path, ema: bool) -> Path:
     """
     from fluxgrpo.checkpoint import (
         CHECKPOINT_PREFIX,
+        EMA_LORA_DIR,
         EMA_TRANSFORMER_DIR,
+        LORA_DIR,
         TRANSFORMER_DIR,
         is_complete_checkpoint,
         latest_checkpoint,
         read_checkpoint_info,
     )
+    from fluxgrpo.lora import LORA_WEIGHTS_NAME
 
     given = Path(path).expanduser()
     if is_complete_checkpoint(given):
@@ -216,11 +232,18 @@ def resolve_checkpoint(path: str | Path, ema: bool) -> Path:
             "(its latest complete checkpoint is used), or drop --checkpoint to sample the base model"
         )
     info = read_checkpoint_info(found)
-    if ema and (not info.get("has_ema", False) or not (found / EMA_TRANSFORMER_DIR).is_dir()):
+    lora = bool(info.get("lora"))
+    ema_dir = EMA_LORA_DIR if lora else EMA_TRANSFORMER_DIR
+    if ema and (not info.get("has_ema", False) or not (found / ema_dir).is_dir()):
         raise FluxgrpoError(
-            f"--ema: {found} has no EMA weights ({EMA_TRANSFORMER_DIR}/; the run was trained without --use-ema): "
+            f"--ema: {found} has no EMA weights ({ema_dir}/; the run was trained without --use-ema): "
             "drop --ema to sample its trained weights"
         )
+    if lora:
+        weights = found / (EMA_LORA_DIR if ema else LORA_DIR) / LORA_WEIGHTS_NAME
+        if not weights.is_file():
+            raise FluxgrpoError(f"{weights} is missing: the checkpoint is damaged; pass another --checkpoint")
+        return found
     weights = found / (EMA_TRANSFORMER_DIR if ema else TRANSFORMER_DIR)
     if not (weights / "config.json").is_file():
         raise FluxgrpoError(f"{weights}/config.json is missing: the checkpoint is damaged; pass another --checkpoint")
@@ -370,6 +393,8 @@ def load_pipeline(request: SampleRequest, ctx: Any) -> Any:
         if request.transformer_dir is not None:
             components["transformer"] = FluxTransformer2DModel.from_pretrained(request.transformer_dir, dtype=dtype)
         pipe = FluxPipeline.from_pretrained(request.model, dtype=dtype, **components)
+        if request.lora_file is not None:
+            pipe.load_lora_weights(request.lora_file.parent, weight_name=request.lora_file.name)
     pipe = pipe.to(ctx.device)
     pipe.set_progress_bar_config(disable=True)
     adapt_transformer(pipe.transformer, ctx.device_type, attention=request.settings.attention, compute_dtype=dtype)

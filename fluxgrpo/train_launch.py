@@ -32,6 +32,7 @@ class TrainPlan:
     worker_env: dict[str, str]
     resolved_path: Path
     resume_checkpoint: str | None  # the exact checkpoint folder, resolved once here so every rank agrees
+    memory: Any = None  # fluxgrpo.memory.MemoryEstimate per die
 
 
 def preflight(cfg: TrainConfig) -> None:
@@ -135,6 +136,7 @@ def plan_training(cfg: TrainConfig, spec: LaunchSpec, resume: str | None = None,
     import importlib.util
 
     from fluxgrpo.checkpoint import resolve_resume
+    from fluxgrpo.memory import plan_memory
     from fluxgrpo.runtime import device as rt_device
     from fluxgrpo.runtime.launch import worker_env_defaults
 
@@ -154,6 +156,7 @@ def plan_training(cfg: TrainConfig, spec: LaunchSpec, resume: str | None = None,
     output_dir = Path(cfg.output_dir)
     check_output_dir(output_dir, create=not dry_run)
     preflight(cfg)
+    memory = plan_memory(cfg, spec.world_size, device_type)
     checkpoint = resolve_resume(output_dir, resume) if resume is not None else None
     if checkpoint is not None:
         check_resume_compatible(cfg, checkpoint, spec.world_size)
@@ -166,6 +169,7 @@ def plan_training(cfg: TrainConfig, spec: LaunchSpec, resume: str | None = None,
         worker_env,
         output_dir / RESOLVED_CONFIG,
         None if checkpoint is None else str(checkpoint),
+        memory,
     )
 
 

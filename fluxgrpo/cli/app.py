@@ -28,6 +28,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("sample", "sample"),
     ("score", "score"),
     ("report", "report"),
+    ("export", "export"),
 )
 
 for _name, _module in COMMANDS:

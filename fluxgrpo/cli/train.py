@@ -89,6 +89,8 @@ def _train(
     )
     plan = plan_training(cfg, spec, resume, dry_run=dry_run)
     if dry_run:
+        for line in plan.memory.lines():
+            err_console.print(line, highlight=False)
         print_json(
             {
                 "config": cfg.to_dict(),
@@ -96,6 +98,7 @@ def _train(
                 "device_type": plan.device_type,
                 "worker_env": plan.worker_env,
                 "resume_from": plan.resume_checkpoint,
+                "memory_per_die": plan.memory.as_dict(),
             }
         )
         return

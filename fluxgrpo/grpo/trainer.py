@@ -66,16 +66,11 @@ def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
     from fluxgrpo.data.embeddings import EmbeddingDataset
     from fluxgrpo.data.sampler import PromptSampler
     from fluxgrpo.grpo.ema import ShardedEMA
-    from fluxgrpo.models.flux import load_transformer, load_vae
+    from fluxgrpo.models.flux import load_vae
     from fluxgrpo.rewards import load_reward
 
     dataset = EmbeddingDataset(cfg.data_json_path)
-    transformer = load_transformer(cfg.model, dtype=torch.float32, device=ctx.device)
-    adapt_for_device(transformer, cfg, ctx)
-    if cfg.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    if ctx.distributed:
-        shard_transformer(transformer, cfg.cpu_offload, rt_device.compute_dtype(ctx.device_type))
+    transformer = build_transformer(cfg, ctx)
     params = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=cfg.learning_rate, betas=(0.9, 0.999), eps=1e-8, weight_decay=cfg.weight_decay
@@ -92,6 +87,32 @@ def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
         len(dataset), rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.train_batch_size, seed=cfg.seed
     )
     return TrainingParts(ctx, transformer, vae, reward_fn, optimizer, lr_scheduler, ema, dataset, sampler)
+
+
+def build_transformer(cfg: TrainConfig, ctx: DistContext) -> torch.nn.Module:
+    """The transformer to train, sharded, with its weights (and LoRA adapters, with --lora-rank) in place.
+
+    Built on the meta device and sharded before any weight exists; each rank then reads only its own shards from
+    the safetensors, so the job holds one copy of the weights in host memory, not one per rank.
+    """
+    from fluxgrpo.lora import LoraSpec, add_lora, base_weight_name, init_adapters
+    from fluxgrpo.models.shard_loading import empty_transformer, fill_transformer
+
+    compute_dtype = rt_device.compute_dtype(ctx.device_type)
+    lora = LoraSpec.from_config(cfg)
+    transformer = empty_transformer(cfg.model)
+    if lora is not None:
+        add_lora(transformer, lora, compute_dtype)
+    adapt_for_device(transformer, cfg, ctx)
+    if cfg.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    if ctx.distributed:
+        shard_transformer(transformer, cfg.cpu_offload, compute_dtype)
+    device = "cpu" if cfg.cpu_offload else ctx.device
+    fill_transformer(transformer, cfg.model, device, stored_name=base_weight_name)
+    if lora is not None:
+        init_adapters(transformer, cfg.seed)
+    return transformer
 
 
 def adapt_for_device(transformer: torch.nn.Module, cfg: TrainConfig, ctx: DistContext) -> None:

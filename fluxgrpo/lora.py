@@ -1,0 +1,157 @@
+"""LoRA on the FLUX transformer, through diffusers' own peft integration (``add_adapter``, ``load_lora_weights``).
+
+``--lora-rank R`` (R > 0) adds rank-R adapters to ``--lora-targets`` and trains only them: the base weights are
+frozen in the compute dtype (bf16 on accelerators: no fp32 master, no gradients, no Adam state), the adapters are
+fp32, and FSDP2 shards both as for full fine-tuning. Adapters are added on the meta device before sharding, like
+the rest of the model (``models/shard_loading.py``); their initial values are drawn afterwards, per tensor, from
+a generator seeded by (run seed, tensor name), so they do not depend on the number of dies.
+
+Initialisation is peft's ``"gaussian"`` (Flow-GRPO's choice): A ~ N(0, 1/R²), B = 0, so training starts exactly at
+the base model. A checkpoint's adapter is ``pytorch_lora_weights.safetensors`` in diffusers' LoRA format (keys
+``transformer.<module>.lora_A.weight``, the peft config in its metadata), which ``FluxPipeline.load_lora_weights``
+loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fluxgrpo.config import LORA_DEFAULT_TARGETS
+from fluxgrpo.errors import FluxgrpoError
+
+if TYPE_CHECKING:
+    from fluxgrpo.config import TrainConfig
+
+# The single blocks' attention shares the to_q/to_k/to_v names, so the default targets adapt it too.
+DEFAULT_TARGETS = LORA_DEFAULT_TARGETS
+ADAPTER_NAME = "default"  # peft's name for the one adapter
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # diffusers' file name
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    dropout: float
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> LoraSpec | None:
+        """The LoRA of a run, or None for full fine-tuning (``--lora-rank 0``)."""
+        if cfg.lora_rank == 0:
+            return None
+        return cls(cfg.lora_rank, cfg.lora_alpha, parse_targets(cfg.lora_targets), cfg.lora_dropout)
+
+    def peft_config(self) -> Any:
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            target_modules=list(self.targets),
+            lora_dropout=self.dropout,
+            init_lora_weights="gaussian",
+        )
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """``"attn.to_q, attn.to_k"`` → ("attn.to_q", "attn.to_k")."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def is_lora_model(model: torch.nn.Module) -> bool:
+    """True when ``model`` carries a peft LoRA adapter (a LoRA run's transformer)."""
+    return bool(getattr(model, "peft_config", None))
+
+
+def add_lora(transformer: torch.nn.Module, spec: LoraSpec, compute_dtype: torch.dtype) -> None:
+    """Freeze the (meta-device) transformer in ``compute_dtype`` and add fp32 adapters on ``spec.targets``.
+
+    Raises:
+        FluxgrpoError: a target names no module of the transformer.
+    """
+    names = [name for name, _ in transformer.named_modules()]
+    unmatched = [t for t in spec.targets if not any(name == t or name.endswith("." + t) for name in names)]
+    if unmatched:
+        raise FluxgrpoError(
+            f"--lora-targets {','.join(unmatched)} match no module of the FLUX transformer: use module names such as "
+            f"{DEFAULT_TARGETS.split(',')[0]} (the default is {DEFAULT_TARGETS})"
+        )
+    transformer.requires_grad_(False)
+    transformer.to(compute_dtype)
+    transformer.add_adapter(spec.peft_config(), adapter_name=ADAPTER_NAME)
+    for name, parameter in transformer.named_parameters():
+        if is_adapter_parameter(name):
+            parameter.data = parameter.data.to(torch.float32)
+
+
+def is_adapter_parameter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def base_weight_name(name: str) -> str | None:
+    """The name a parameter of the adapted model has in the base model's safetensors; None for an adapter's."""
+    if is_adapter_parameter(name):
+        return None
+    return name.replace(".base_layer.", ".")
+
+
+def _seed_for(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"fluxgrpo-lora:{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & (2**63 - 1)
+
+
+@torch.no_grad()
+def init_adapters(transformer: torch.nn.Module, seed: int) -> None:
+    """Draw the adapters' initial values (A ~ N(0, 1/r²), B = 0) into their (possibly sharded) storage.
+
+    Each full tensor is drawn on the host from its own generator, and each rank keeps its rows, so the values do
+    not depend on the number of dies (an adapter is small: r × width).
+    """
+    from fluxgrpo.models.shard_loading import own_rows
+
+    rank = int(transformer.peft_config[ADAPTER_NAME].r)
+    for name, parameter in transformer.named_parameters():
+        if not is_adapter_parameter(name):
+            continue
+        if ".lora_A." in name:
+            generator = torch.Generator().manual_seed(_seed_for(seed, name))
+            full = torch.randn(tuple(parameter.shape), generator=generator, dtype=torch.float32) / rank
+        else:
+            full = torch.zeros(tuple(parameter.shape), dtype=torch.float32)
+        local, first_row = own_rows(parameter)
+        rows = local.shape[0] if local.dim() else 0
+        local.copy_(full[first_row : first_row + rows] if local.dim() else full)
+
+
+def adapter_metadata(transformer: torch.nn.Module) -> dict[str, Any]:
+    """The adapter's peft config as diffusers stores it beside the weights (rank, alpha, targets...)."""
+    config = transformer.peft_config[ADAPTER_NAME].to_dict()
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
+
+
+def to_diffusers_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Adapter tensors keyed as peft names them inside the model (``….lora_A.default.weight``) → keyed as
+    diffusers' LoRA files hold them, without the adapter name (``….lora_A.weight``)."""
+    suffix = f".{ADAPTER_NAME}."
+    return {name.replace(suffix, "."): tensor for name, tensor in state.items() if is_adapter_parameter(name)}
+
+
+def write_lora_file(directory: Path, state: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
+    """``directory/pytorch_lora_weights.safetensors`` in diffusers' format, fp32, via FluxPipeline's own saver."""
+    from diffusers import FluxPipeline
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: tensor.detach().to("cpu", torch.float32).contiguous() for name, tensor in state.items()}
+    FluxPipeline.save_lora_weights(
+        directory,
+        transformer_lora_layers=to_diffusers_keys(tensors),
+        weight_name=LORA_WEIGHTS_NAME,
+        transformer_lora_adapter_metadata=metadata,
+    )
+    return directory / LORA_WEIGHTS_NAME

@@ -1,0 +1,362 @@
+"""A per-die memory model of a training run, so a config that cannot fit is refused before a cluster starts.
+
+Peak bytes on one die = what lives all run long + the largest of the three phases + a fixed runtime reserve:
+
+    persistent  weights      4·S          fp32 master shards (S = this die's share of the transformer, FSDP2's
+                                          dim-0 chunks: Σ ceil(rows / dies)·row, exactly what FSDP2 allocates)
+                             (LoRA: 2·S_base + 4·S_adapters: base frozen in bf16, adapters fp32)
+                optimizer    8·S_train    AdamW exp_avg + exp_avg_sq of the trainable shards
+                ema          4·S_train    with --use-ema
+                reward       4·R          the reward model's weights (2·R with --reward-dtype bf16)
+                vae          2·V          the VAE in the compute dtype
+                rollout      B·(N+1)·L·64·4 + images  the trajectory latents and decoded images of one iteration
+    rollout     gathered     2·(2·block + root)  FSDP2 all-gathers a block in bf16 and prefetches the next
+                forward      rb·T·D·2·12  one block's no-grad temporaries for rollout_batch_size trajectories
+    decode      vae          rb·3·256·H·W·2  the VAE decoder's full-resolution feature maps
+    update      gradients    4·S_train    fp32 gradient shards (freed after each optimizer step)
+                gathered     2·(2·block + root) + 4·block  bf16 parameters and one block's unsharded fp32 grads
+                activations  mb·T·D·(n_double·a_d + n_single·a_s)·c       without --gradient-checkpointing
+                             mb·T·D·((n_double + n_single)·2 + a_d)·c      with it (block inputs + one recompute)
+
+T = (H/16)·(W/16) + S image and text tokens, D the transformer width, c = compute-dtype bytes / 2. The activation
+coefficients a_d, a_s (bytes a double / single block saves for backward, per token per unit of width, in bf16)
+are measured: tests/test_memory.py re-measures them with autograd's saved-tensor hooks on a FLUX block and fails
+if they drift. With --cpu-offload the weights, gradients, optimizer state and EMA live in host memory instead.
+With one die (no FSDP) the fp32 weights are not gathered but autocast keeps a bf16 copy of them per forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fluxgrpo.config import TrainConfig
+
+GiB = 2**30
+# Bytes a FLUX block saves for backward per token per unit of width, in bf16 (fused/flash attention):
+# measured on double and single blocks of widths 512-1024 (tests/test_memory.py keeps them honest).
+DOUBLE_BLOCK_ACTIVATION_BYTES = 57
+SINGLE_BLOCK_ACTIVATION_BYTES = 51
+# One block's no-grad temporaries per token per unit of width in the rollout (q, k, v, attention out, 4× MLP).
+ROLLOUT_FORWARD_BYTES = 12 * 2
+# The VAE decoder's widest full-resolution stage: 256 channels, about 3 live maps at once.
+VAE_DECODE_CHANNELS, VAE_LIVE_MAPS = 256, 3
+# Device context, kernels' workspace and allocator fragmentation: kept free on every die.
+RUNTIME_RESERVE_BYTES = 2 * GiB
+# Weights of the reward models: open_clip ViT-H-14 for HPSv2 and CLIPScore, CLIP ViT-H-14 for PickScore.
+REWARD_PARAMETERS = {"hpsv2": 986_109_440, "pickscore": 986_109_440, "clipscore": 986_109_440, "brightness": 0}
+DEFAULT_TEXT_TOKENS = 512  # FLUX.1-dev's T5 sequence length, DanceGRPO's preprocessing
+LATENT_CHANNELS = 64  # packed 2×2×16
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """What the memory model needs to know about the FLUX transformer, read off a meta-device build."""
+
+    parameter_shapes: dict[str, tuple[int, ...]]
+    block_parameters: int  # the largest block's parameters
+    root_parameters: int  # parameters outside the blocks (embedders, norm_out, proj_out)
+    width: int  # D = heads × head dim
+    double_blocks: int
+    single_blocks: int
+
+    @property
+    def parameters(self) -> int:
+        return sum(math.prod(shape) for shape in self.parameter_shapes.values())
+
+
+def shard_elements(shapes: dict[str, tuple[int, ...]] | list[tuple[int, ...]], dies: int) -> int:
+    """Elements FLUX's parameters take on one die under FSDP2: each tensor split along dim 0 into ``dies`` chunks
+    of ceil(rows / dies) rows (padded, so every die allocates the largest chunk)."""
+    total = 0
+    for shape in shapes.values() if isinstance(shapes, dict) else shapes:
+        if not shape:
+            total += 1
+            continue
+        total += math.ceil(shape[0] / dies) * math.prod(shape[1:])
+    return total
+
+
+def transformer_shape(config: dict[str, Any]) -> TransformerShape:
+    """Build FluxTransformer2DModel from its config on the meta device (no memory) and read its sizes."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel.from_config(config)
+    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    return TransformerShape(
+        parameter_shapes={name: tuple(p.shape) for name, p in model.named_parameters()},
+        block_parameters=max(sum(p.numel() for p in block.parameters()) for block in blocks),
+        root_parameters=sum(p.numel() for p in model.parameters() if id(p) not in in_blocks),
+        width=int(model.config.num_attention_heads * model.config.attention_head_dim),
+        double_blocks=len(model.transformer_blocks),
+        single_blocks=len(model.single_transformer_blocks),
+    )
+
+
+def lora_adapter_shapes(config: dict[str, Any], targets: tuple[str, ...], rank: int) -> tuple[tuple[int, ...], ...]:
+    """The A (rank × in) and B (out × rank) matrices LoRA adds to every Linear that ``targets`` name."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        model = FluxTransformer2DModel.from_config(config)
+    shapes: list[tuple[int, ...]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
+            shapes += [(rank, module.in_features), (module.out_features, rank)]
+    return tuple(shapes)
+
+
+def vae_parameters(config: dict[str, Any]) -> int:
+    import torch
+    from diffusers import AutoencoderKL
+
+    with torch.device("meta"):
+        vae = AutoencoderKL.from_config(config)
+    return sum(p.numel() for p in vae.parameters())
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """The knobs of a run that move memory (a TrainConfig's, plus the world size and the device's dtype)."""
+
+    dies: int
+    height: int
+    width: int
+    sampling_steps: int
+    trajectories_per_rank: int
+    rollout_batch_size: int
+    train_micro_batch_size: int
+    gradient_checkpointing: bool
+    cpu_offload: bool
+    use_ema: bool
+    reward: str
+    reward_bytes: int = 4  # --reward-dtype fp32 (4) or bf16 (2)
+    compute_bytes: int = 2  # bf16 on accelerators; 4 (fp32) on cpu
+    text_tokens: int = DEFAULT_TEXT_TOKENS
+    adapter_shapes: tuple[tuple[int, ...], ...] = ()  # LoRA A/B matrices; () trains every weight
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, dies: int, compute_bytes: int = 2, **extra: Any) -> RunShape:
+        return cls(
+            dies=dies,
+            height=cfg.height,
+            width=cfg.width,
+            sampling_steps=cfg.sampling_steps,
+            trajectories_per_rank=cfg.trajectories_per_rank,
+            rollout_batch_size=cfg.rollout_batch_size,
+            train_micro_batch_size=cfg.train_micro_batch_size,
+            gradient_checkpointing=cfg.gradient_checkpointing,
+            cpu_offload=cfg.cpu_offload,
+            use_ema=cfg.use_ema,
+            reward=cfg.reward,
+            reward_bytes=2 if cfg.reward_dtype == "bf16" else 4,
+            compute_bytes=compute_bytes,
+            **extra,
+        )
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per die, term by term, grouped by when they are live."""
+
+    persistent: dict[str, int]
+    phases: dict[str, dict[str, int]]  # rollout / decode / update → term → bytes
+    reserve: int = RUNTIME_RESERVE_BYTES
+    host: dict[str, int] = field(default_factory=dict)  # what --cpu-offload moves to host memory
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda name: sum(self.phases[name].values()))
+
+    @property
+    def peak(self) -> int:
+        return sum(self.persistent.values()) + sum(self.phases[self.peak_phase].values()) + self.reserve
+
+    def as_dict(self) -> dict[str, Any]:
+        def gib(value: int) -> float:
+            return round(value / GiB, 2)
+
+        return {
+            "peak_gib": gib(self.peak),
+            "peak_phase": self.peak_phase,
+            "persistent_gib": {k: gib(v) for k, v in self.persistent.items()},
+            "phases_gib": {p: {k: gib(v) for k, v in terms.items()} for p, terms in self.phases.items()},
+            "reserve_gib": gib(self.reserve),
+            "host_gib_per_die": {k: gib(v) for k, v in self.host.items()},
+        }
+
+    def lines(self) -> list[str]:
+        """A human-readable breakdown, one term per line."""
+        out = [f"estimated peak per die: {self.peak / GiB:.1f} GiB (during {self.peak_phase})"]
+        out += [f"  {name}: {value / GiB:.2f} GiB" for name, value in self.persistent.items() if value]
+        for phase, terms in self.phases.items():
+            detail = ", ".join(f"{k} {v / GiB:.2f}" for k, v in terms.items() if v)
+            out.append(f"  {phase} phase: {sum(terms.values()) / GiB:.2f} GiB ({detail})")
+        out.append(f"  runtime reserve: {self.reserve / GiB:.2f} GiB")
+        if self.host:
+            out.append(f"  in host memory per die (--cpu-offload): {sum(self.host.values()) / GiB:.1f} GiB")
+        return out
+
+
+def activation_bytes(model: TransformerShape, run: RunShape, checkpointing: bool) -> int:
+    """What one micro-batch's training forward keeps for backward at this resolution."""
+    tokens = (run.height // 16) * (run.width // 16) + run.text_tokens
+    per_token = tokens * model.width * run.train_micro_batch_size
+    scale = run.compute_bytes / 2
+    if checkpointing:
+        stored_inputs = (model.double_blocks + model.single_blocks) * run.compute_bytes
+        return int(per_token * (stored_inputs + DOUBLE_BLOCK_ACTIVATION_BYTES * scale))
+    saved = model.double_blocks * DOUBLE_BLOCK_ACTIVATION_BYTES + model.single_blocks * SINGLE_BLOCK_ACTIVATION_BYTES
+    return int(per_token * saved * scale)
+
+
+def estimate(model: TransformerShape, vae_params: int, run: RunShape) -> MemoryEstimate:
+    """The per-die memory of a run (see the module docstring for every term)."""
+    dies, cb = run.dies, run.compute_bytes
+    base = shard_elements(model.parameter_shapes, dies)
+    lora = bool(run.adapter_shapes)
+    trainable = shard_elements(list(run.adapter_shapes), dies) if lora else base
+    # LoRA: the frozen base is kept in the compute dtype, the adapters in fp32.
+    weights = base * cb + 4 * trainable if lora else 4 * base
+    optimizer, ema = 8 * trainable, (4 * trainable if run.use_ema else 0)
+    host: dict[str, int] = {}
+    if run.cpu_offload:
+        host = {"weights": weights, "optimizer": optimizer, "gradients": 4 * trainable, "ema": ema}
+        weights = optimizer = ema = 0
+    latent_tokens = (run.height // 16) * (run.width // 16)
+    trajectories = run.trajectories_per_rank
+    persistent = {
+        "weights": weights,
+        "optimizer": optimizer,
+        "ema": ema,
+        "reward": run.reward_bytes * REWARD_PARAMETERS.get(run.reward, 0),
+        "vae": cb * vae_params,
+        "rollout": trajectories * (run.sampling_steps + 2) * latent_tokens * LATENT_CHANNELS * 4
+        + trajectories * 3 * run.height * run.width * 4,
+    }
+    if dies > 1:
+        gathered = cb * (2 * model.block_parameters + model.root_parameters)
+        block_grads = 4 * model.block_parameters if not lora else 0
+    else:
+        # No FSDP: fp32 weights are used in place; autocast caches a compute-dtype copy of each during a forward
+        # (a LoRA base already in the compute dtype needs none).
+        gathered = 0 if (cb == 4 or lora) else cb * model.parameters
+        block_grads = 0
+    tokens = latent_tokens + run.text_tokens
+    phases = {
+        "rollout": {
+            "gathered weights": gathered,
+            "forward": run.rollout_batch_size * tokens * model.width * ROLLOUT_FORWARD_BYTES * cb // 2,
+        },
+        "decode": {
+            "vae decode": run.rollout_batch_size * VAE_LIVE_MAPS * VAE_DECODE_CHANNELS * run.height * run.width * cb
+        },
+        "update": {
+            "gradients": 0 if run.cpu_offload else 4 * trainable,
+            "gathered weights": gathered + block_grads,
+            "activations": activation_bytes(model, run, run.gradient_checkpointing),
+        },
+    }
+    return MemoryEstimate(persistent=persistent, phases=phases, host=host)
+
+
+# --------------------------------------------------------------------------------------------- the train hook
+
+
+def estimate_for_config(cfg: TrainConfig, dies: int, device_type: str) -> MemoryEstimate:
+    """The estimate for a validated config, reading the model's sizes from ``cfg.model`` (no weights loaded)."""
+    import json
+
+    from fluxgrpo.lora import LoraSpec
+    from fluxgrpo.models.flux import read_transformer_config
+
+    config = read_transformer_config(cfg.model)
+    lora = LoraSpec.from_config(cfg)
+    adapters = lora_adapter_shapes(config, lora.targets, lora.rank) if lora is not None else ()
+    vae_config = json.loads((Path(cfg.model) / "vae" / "config.json").read_text())
+    compute_bytes = 4 if device_type == "cpu" else 2
+    run = RunShape.from_config(
+        cfg, dies, compute_bytes=compute_bytes, text_tokens=_text_tokens(cfg), adapter_shapes=adapters
+    )
+    return estimate(transformer_shape(config), vae_parameters(vae_config), run)
+
+
+def _text_tokens(cfg: TrainConfig) -> int:
+    """The T5 sequence length of the preprocessed embeddings (the first one's), or FLUX's 512 if unreadable."""
+    import json
+
+    import torch
+
+    try:
+        root = Path(cfg.data_json_path).parent
+        first = json.loads(Path(cfg.data_json_path).read_text())[0]
+        embed = torch.load(root / "prompt_embed" / first["prompt_embed_path"], map_location="cpu", weights_only=True)
+        return int(embed.shape[-2])
+    except (OSError, ValueError, KeyError, IndexError, RuntimeError):
+        return DEFAULT_TEXT_TOKENS
+
+
+def check_fits(
+    cfg: TrainConfig, dies: int, device_type: str, estimate_: MemoryEstimate, capacity: int | None
+) -> list[str]:
+    """Problems (empty when it fits): the estimate exceeds ``capacity`` bytes per die; each problem names the
+    knobs that would bring it under, with their estimates."""
+    if capacity is None or estimate_.peak <= capacity:
+        return []
+    import dataclasses
+
+    options = []
+    for flag, change in _knobs(cfg, dies):
+        changed_cfg = dataclasses.replace(cfg, **change.get("cfg", {}))
+        changed = estimate_for_config(changed_cfg, change.get("dies", dies), device_type)
+        marker = "fits" if changed.peak <= capacity else "still too much"
+        options.append(f"{flag}: {changed.peak / GiB:.1f} GiB ({marker})")
+    return [
+        f"estimated peak {estimate_.peak / GiB:.1f} GiB per die (during {estimate_.peak_phase}) exceeds the "
+        f"{capacity / GiB:.1f} GiB of each {device_type} device; change one of: " + "; ".join(options)
+    ]
+
+
+def _knobs(cfg: TrainConfig, dies: int) -> list[tuple[str, dict[str, Any]]]:
+    knobs: list[tuple[str, dict[str, Any]]] = [(f"--dies {dies * 2}", {"dies": dies * 2})]
+    if cfg.lora_rank == 0:
+        knobs.append(("--lora-rank 64", {"cfg": {"lora_rank": 64}}))
+    if not cfg.gradient_checkpointing:
+        knobs.append(("--gradient-checkpointing", {"cfg": {"gradient_checkpointing": True}}))
+    if cfg.train_micro_batch_size > 1:
+        knobs.append(("--train-micro-batch-size 1", {"cfg": {"train_micro_batch_size": 1}}))
+    if not cfg.cpu_offload and dies > 1:
+        knobs.append(("--cpu-offload", {"cfg": {"cpu_offload": True}}))
+    return knobs
+
+
+# Set to 1 to launch a config the estimate says will not fit (an estimate can be wrong; the device will tell).
+IGNORE_ESTIMATE_ENV = "FLUXGRPO_IGNORE_MEMORY_ESTIMATE"
+
+
+def plan_memory(cfg: TrainConfig, dies: int, device_type: str) -> MemoryEstimate:
+    """The estimate for this launch; refuses (UsageError) a config whose peak exceeds the smallest visible
+    device, naming the knobs that would fit. No check on cpu (host memory) or when no device is visible."""
+    import os
+
+    from fluxgrpo.errors import UsageError
+    from fluxgrpo.runtime import device as rt_device
+
+    estimate_ = estimate_for_config(cfg, dies, device_type)
+    capacity = None
+    if device_type != "cpu":
+        try:
+            capacity = min((d.total_bytes for d in rt_device.describe_devices(device_type)), default=None)
+        except Exception:
+            capacity = None
+    problems = check_fits(cfg, dies, device_type, estimate_, capacity)
+    if problems and os.environ.get(IGNORE_ESTIMATE_ENV) != "1":
+        raise UsageError(problems[0] + f" (or set {IGNORE_ESTIMATE_ENV}=1 to launch anyway; see README, Performance)")
+    return estimate_

@@ -1,0 +1,222 @@
+"""LoRA training on the tiny weights: only adapters train, the adapter file loads in a FluxPipeline and reproduces
+the trained transformer, exact resume, a rising reward, and the merged export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fluxgrpo.config import build_config
+from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.lora import LORA_WEIGHTS_NAME
+from fluxgrpo.metrics import read_metrics, reward_trend
+from fluxgrpo.runtime.dist import DistContext
+from fluxgrpo.runtime.launch import LaunchSpec
+from fluxgrpo.train_launch import launch_training, plan_training
+
+SINGLE = DistContext(rank=0, local_rank=0, world_size=1, device_type="cpu", device=torch.device("cpu"), backend="gloo")
+
+
+def lora_config(tiny_weights, tiny_embeddings, output_dir: Path, **overrides):
+    values = {
+        "model": str(tiny_weights.flux_dir),
+        "hps_dir": str(tiny_weights.hps_dir),
+        "data_json_path": str(tiny_embeddings.index_path),
+        "output_dir": str(output_dir),
+        "max_train_steps": 4,
+        "checkpointing_steps": 2,
+        "save_images_every": 0,
+        "num_generations": 4,
+        "rollout_batch_size": 4,
+        "train_micro_batch_size": 2,
+        "sampling_steps": 6,
+        "lora_rank": 4,
+        "lora_alpha": 8.0,
+        "learning_rate": 0.03,
+    }
+    values.update(overrides)
+    return build_config("tiny-cpu", values)
+
+
+def run(cfg, dies: int = 1, resume: str | None = None):
+    return launch_training(plan_training(cfg, LaunchSpec(nproc_per_node=dies), resume), log=lambda _: None)
+
+
+def model_inputs(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    grid = torch.arange(16)
+    return {
+        "hidden_states": torch.randn(2, 16, 64, generator=generator),
+        "encoder_hidden_states": torch.randn(2, 8, 32, generator=generator),
+        "pooled_projections": torch.randn(2, 32, generator=generator),
+        "timestep": torch.tensor([0.3, 0.7]),
+        "img_ids": torch.stack([torch.zeros_like(grid), grid // 4, grid % 4], dim=1).float(),
+        "txt_ids": torch.zeros(8, 3),
+        "guidance": torch.tensor([3.5, 3.5]),
+    }
+
+
+def test_only_adapters_train_and_the_adapter_file_reproduces_the_model_in_a_pipeline(
+    tiny_weights, tiny_embeddings, tmp_path
+):
+    from diffusers import FluxPipeline
+    from diffusers.optimization import get_scheduler
+
+    from fluxgrpo.checkpoint import save_checkpoint
+    from fluxgrpo.grpo.trainer import build_transformer
+
+    cfg = lora_config(tiny_weights, tiny_embeddings, tmp_path / "out")
+    model = build_transformer(cfg, SINGLE)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # cpu: compute dtype fp32
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    model.train()
+    for _ in range(2):
+        model(**model_inputs(generator)).sample.pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    changed = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+    assert changed == trainable  # every adapter moved (B left 0), no base weight did
+
+    scheduler = get_scheduler("constant", optimizer)
+    trainer_state = {"config": cfg.to_dict()}
+    path = save_checkpoint(
+        tmp_path / "out", 1, SINGLE, model, optimizer, scheduler, trainer_state=trainer_state, keep_last=None
+    )
+    assert not (path / "transformer").exists()  # no 47.6 GB full export for an adapter run
+    info = json.loads((path / "COMPLETE").read_text())
+    assert info["lora"]["r"] == 4 and info["lora"]["lora_alpha"] == 8.0
+
+    pipeline = FluxPipeline.from_pretrained(tiny_weights.flux_dir, torch_dtype=torch.float32)
+    pipeline.load_lora_weights(path / "lora", weight_name=LORA_WEIGHTS_NAME)
+    inputs = model_inputs(torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad():
+        expected = model(**inputs).sample
+        found = pipeline.transformer(**inputs).sample
+        base = FluxPipeline.from_pretrained(tiny_weights.flux_dir, torch_dtype=torch.float32).transformer(**inputs)
+    assert not torch.allclose(expected, base.sample, atol=1e-4)  # the adapter matters
+    torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-6)
+
+    # export --merge: a plain diffusers transformer (no peft layers) computing the same function
+    from diffusers import FluxTransformer2DModel
+    from typer.testing import CliRunner
+
+    from fluxgrpo.cli.app import app
+
+    merged_dir = tmp_path / "merged"
+    result = CliRunner().invoke(
+        app, ["export", "--checkpoint", str(path), "--merge", "--out", str(merged_dir), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["base_model"] == str(tiny_weights.flux_dir)  # as the checkpoint recorded it
+    merged = FluxTransformer2DModel.from_pretrained(merged_dir)
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**inputs).sample, expected, rtol=1e-4, atol=1e-5)
+    adapter_only = CliRunner().invoke(app, ["export", "--checkpoint", str(path), "--out", str(tmp_path / "adapter")])
+    assert adapter_only.exit_code == 0, adapter_only.output
+    assert (tmp_path / "adapter" / LORA_WEIGHTS_NAME).read_bytes() == (path / "lora" / LORA_WEIGHTS_NAME).read_bytes()
+
+    # sample --checkpoint takes the LoRA checkpoint: its images differ from the base model's
+    from fluxgrpo.sample import SampleSettings, build_request, sample
+
+    def sample_images(out: Path, checkpoint: str | None) -> list[bytes]:
+        settings = SampleSettings(height=32, width=48, steps=2, max_sequence_length=16, images_per_prompt=1)
+        request = build_request(
+            model=str(tiny_weights.flux_dir), prompts=["a red cat"], out_dir=out, checkpoint=checkpoint,
+            ema=False, settings=settings, device="cpu",
+        )  # fmt: skip
+        assert (request.lora_file is not None) == (checkpoint is not None)
+        sample(request, show_progress=False)
+        return [p.read_bytes() for p in sorted(out.glob("0*.png"))]
+
+    assert sample_images(tmp_path / "lora-images", str(path)) != sample_images(tmp_path / "base-images", None)
+
+
+def test_lora_exact_resume_and_rising_reward(tiny_weights, tiny_embeddings, tmp_path):
+    straight = lora_config(tiny_weights, tiny_embeddings, tmp_path / "straight", use_ema=True, ema_decay=0.9)
+    records = run(straight)
+    run(
+        lora_config(tiny_weights, tiny_embeddings, tmp_path / "resumed", use_ema=True, ema_decay=0.9, max_train_steps=2)
+    )
+    resumed = lora_config(tiny_weights, tiny_embeddings, tmp_path / "resumed", use_ema=True, ema_decay=0.9)
+    run(resumed, resume="latest")
+    for folder in ("lora", "lora_ema"):
+        a = load_file(tmp_path / "straight" / "checkpoint-4" / folder / LORA_WEIGHTS_NAME)
+        b = load_file(tmp_path / "resumed" / "checkpoint-4" / folder / LORA_WEIGHTS_NAME)
+        assert a.keys() == b.keys() and a
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"{folder}/{name} differs after resume"
+    assert [r["reward_mean"] for r in read_metrics(tmp_path / "straight")] == [
+        r["reward_mean"] for r in read_metrics(tmp_path / "resumed")
+    ]
+    # the resume state holds the adapters, not the frozen base (read back from the base model's files)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(tmp_path / "straight" / "checkpoint-4" / "state")).read_metadata()
+    model_keys = [key for key in saved.state_dict_metadata if key.startswith("model.")]
+    assert model_keys and all(".lora_A." in key or ".lora_B." in key for key in model_keys)
+    assert all(r["ratio_mean"] > 0 for r in records)
+
+    with pytest.raises(FluxgrpoError, match="--lora-rank"):
+        run(
+            lora_config(tiny_weights, tiny_embeddings, tmp_path / "straight", lora_rank=0, max_train_steps=5),
+            resume="latest",
+        )
+
+
+def test_reward_rises_with_lora(tiny_weights, tiny_embeddings, tmp_path):
+    cfg = lora_config(
+        tiny_weights,
+        tiny_embeddings,
+        tmp_path / "out",
+        max_train_steps=12,
+        checkpointing_steps=12,
+        num_generations=8,
+        rollout_batch_size=8,
+        train_micro_batch_size=4,
+        sampling_steps=8,
+        lora_rank=8,
+        lora_alpha=16.0,
+    )
+    trend = reward_trend(run(cfg), window=3)
+    assert trend["last"] > trend["first"], trend
+
+
+def test_lora_options_are_validated():
+    from fluxgrpo.errors import UsageError
+
+    with pytest.raises(UsageError) as bad:
+        build_config("tiny-cpu", {"lora_rank": -1})
+    assert "--lora-rank -1" in str(bad.value)
+    with pytest.raises(UsageError) as bad:
+        build_config("tiny-cpu", {"lora_rank": 4, "lora_alpha": 0.0, "lora_dropout": 1.0, "lora_targets": " , "})
+    message = str(bad.value)
+    assert "--lora-alpha" in message and "--lora-dropout" in message and "--lora-targets" in message
+
+
+@pytest.mark.slow
+def test_two_workers_lora_trains_and_resumes_exactly(tiny_weights, tiny_embeddings, tmp_path):
+    """FSDP2 shards the frozen base and the fp32 adapters together; the adapter-only resume state restores them."""
+    overrides = {"max_train_steps": 2, "checkpointing_steps": 1, "num_generations": 2, "train_batch_size": 1}
+    overrides.update(rollout_batch_size=2, train_micro_batch_size=2, sampling_steps=4)
+    run(lora_config(tiny_weights, tiny_embeddings, tmp_path / "straight", **overrides), dies=2)
+    interrupted = lora_config(
+        tiny_weights, tiny_embeddings, tmp_path / "resumed", **{**overrides, "max_train_steps": 1}
+    )
+    run(interrupted, dies=2)
+    run(lora_config(tiny_weights, tiny_embeddings, tmp_path / "resumed", **overrides), dies=2, resume="latest")
+    a = load_file(tmp_path / "straight" / "checkpoint-2" / "lora" / LORA_WEIGHTS_NAME)
+    b = load_file(tmp_path / "resumed" / "checkpoint-2" / "lora" / LORA_WEIGHTS_NAME)
+    assert a.keys() == b.keys()
+    assert any(name.endswith("lora_B.weight") and a[name].abs().sum() > 0 for name in a)  # the adapters trained
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
