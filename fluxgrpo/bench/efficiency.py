@@ -171,6 +171,10 @@ def algorithm_config(base: TrainConfig, name: str) -> TrainConfig:
     return dataclasses.replace(base, output_dir=str(Path(base.output_dir, name)), **overrides).validate()
 
 
+# Where the runs' inputs and outputs were: a temporary folder, gone when the bench ends.
+WORKSPACE_FIELDS = ("model", "hps_dir", "data_json_path", "output_dir")
+
+
 def reward_gain(rewards: list[float]) -> float:
     """The least-squares line's rise over the run: slope × (n − 1), with the iterations as x (n ≥ 2)."""
     count = len(rewards)
@@ -180,15 +184,17 @@ def reward_gain(rewards: list[float]) -> float:
     return covariance / variance * (count - 1)
 
 
-def summarize_run(name: str, train_cfg: TrainConfig, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """One algorithm's row (before ratios) from its metrics records."""
+def summarize_run(
+    name: str, overrides: dict[str, Any], train_cfg: TrainConfig, records: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """One algorithm's row (before ratios) from its config and its metrics records."""
     rewards = [float(record["reward_mean"]) for record in records]
     seconds = [sum(float(record[key]) for key in PHASE_SECONDS) for record in records]
     per_iteration = statistics.median(seconds)
     gain = reward_gain(rewards)
     return {
         "algorithm": name,
-        "overrides": ALGORITHMS[name].overrides(train_cfg),
+        "overrides": overrides,
         "iterations": len(records),
         "trained_timesteps": train_cfg.train_timesteps,
         "seconds_per_iteration": per_iteration,
@@ -236,7 +242,7 @@ def run_efficiency(
         for name in cfg.runs:
             train_cfg = algorithm_config(base, name)
             log(f"training {name} for {cfg.iterations} iterations: {ALGORITHMS[name].description}")
-            row = summarize_run(name, train_cfg, train(train_cfg))
+            row = summarize_run(name, ALGORITHMS[name].overrides(base), train_cfg, train(train_cfg))
             log(f"  {name}: {row['seconds_per_iteration']:.3g} s per iteration, reward gain {row['reward_gain']:.4g}")
             rows.append(row)
     shared = {key: value for key, value in base.to_dict().items() if key not in WORKSPACE_FIELDS}
@@ -244,7 +250,3 @@ def run_efficiency(
         "config": {**dataclasses.asdict(cfg), "runs": list(cfg.runs), "training": shared},
         "algorithms": with_ratios(rows),
     }
-
-
-# Where the runs' inputs and outputs were: a temporary folder, gone when the bench ends.
-WORKSPACE_FIELDS = ("model", "hps_dir", "data_json_path", "output_dir")
