@@ -126,7 +126,7 @@ def command(
         return
     _refuse_flags(arguments, PHASE_FLAGS | SHARED_FLAGS, "--algorithms only: add --algorithms, or drop it")
     from fluxgrpo.bench.config import build_bench_config
-    from fluxgrpo.bench.harness import run_bench
+    from fluxgrpo.bench.run import run_bench
 
     cfg = build_bench_config(
         model=model,
