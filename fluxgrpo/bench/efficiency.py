@@ -133,8 +133,8 @@ class Workspace:
 def prepare_workspace(root: Path, seed: int, text_tokens: int, log: Callable[[str], None]) -> Workspace:
     """Write the tiny weights (seeded) and encode the bundled prompts with the tiny text encoders, under ``root``."""
     from fluxgrpo.data.prompts import bundled_prompts_path
+    from fluxgrpo.models.tiny_weights import write_tiny_weights
     from fluxgrpo.preprocess import preprocess
-    from fluxgrpo.weights.tiny import write_tiny_weights
 
     flux_dir, hps_dir = root / "flux", root / "hps_ckpt"
     log(f"writing the tiny weights (seed {seed}) and encoding the bundled prompts ({text_tokens} T5 tokens)")

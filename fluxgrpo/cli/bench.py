@@ -216,8 +216,8 @@ def _render_efficiency(document: dict[str, Any]) -> None:
     settings = document["config"]["training"]
     console.print(
         f"[bold]fluxgrpo bench --algorithms[/]: {document['config']['iterations']} iterations each, "
-        f"--config {document['config']['config']} ({settings['height']}x{settings['width']}, "
-        f"{settings['sampling_steps']} steps, G {settings['num_generations']}, reward {settings['reward']}, "
+        f"--config {escape(document['config']['config'])} ({settings['height']}x{settings['width']}, "
+        f"{settings['sampling_steps']} steps, G {settings['num_generations']}, reward {escape(settings['reward'])}, "
         f"{document['config']['text_tokens']} text tokens) on {settings['device']}; × = ratio to dance",
         highlight=False,
     )
