@@ -71,6 +71,10 @@ def test_dance_overrides_nothing_and_dance_tk_trains_exactly_k_transitions(tmp_p
         assert Path(dance.output_dir) == Path(base.output_dir, BASELINE)
         assert algorithm_config(base, "dance-t2").train_timesteps == 2
         assert algorithm_config(base, "dance-t4").train_timesteps == 4
+    # every algorithm is a valid config on the shipped tiny settings (validate() lists what is not)
+    base = base_training_config(EfficiencyConfig(), _workspace(tmp_path))
+    for name in ALGORITHMS:
+        assert algorithm_config(base, name).output_dir.endswith(name)
     # everything but the run's inputs, length and outputs is --config's
     shipped = build_config("tiny-cpu")
     base = base_training_config(EfficiencyConfig(), _workspace(tmp_path))
