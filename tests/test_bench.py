@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 from fluxgrpo.bench.config import BenchConfig, build_bench_config, parse_resolutions
 from fluxgrpo.bench.figures import PhaseFigure, summarize, with_speedups
 from fluxgrpo.bench.flops import FluxShape, rollout_flops, transformer_forward_flops, update_flops
-from fluxgrpo.bench.harness import run_bench, saved_activation_bytes
+from fluxgrpo.bench.harness import saved_activation_bytes
 from fluxgrpo.bench.models import FLUX_DEV_BLOCKS, FLUX_DEV_TRANSFORMER_CONFIG, check_training_memory
+from fluxgrpo.bench.run import run_bench
 from fluxgrpo.cli.app import app
 from fluxgrpo.errors import UsageError
 from fluxgrpo.runtime.peak import peak_throughput

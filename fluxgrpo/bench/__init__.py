@@ -3,7 +3,7 @@ algorithm buys per second of training (``--algorithms``).
 
 Modules: ``config`` (the flags as a validated ``BenchConfig``), ``flops`` (FLUX's model FLOPs, what MFU counts),
 ``models`` (the transformer, VAE and reward being measured), ``harness`` (timing every phase at every batch size
-on one rank), ``figures`` (rows, speed-ups and the per-resolution summary), ``worker`` (the ``--dies N`` torchrun
+on one rank), ``figures`` (rows, speed-ups and the per-resolution summary), ``run`` (launching it on ``--dies``
 workers), ``efficiency`` (the learning-efficiency comparison of algorithms, through the real training loop).
 
 The phase bench on an H200 (one device, bf16 autocast over fp32 weights, FLUX.1-dev's width, 720², 16 steps,

@@ -27,7 +27,6 @@ saved-tensor hooks. Activation checkpointing changes both; the summary reports w
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -533,13 +532,8 @@ def bench_on_rank(
     log(f"building {cfg.model} on {ctx.device_type} ({name})")
     bench_model = build_bench_model(cfg, ctx, compute_dtype)
     if ctx.distributed:
-        import warnings
+        from fluxgrpo.runtime.dist import shard_transformer
 
-        from fluxgrpo.grpo.trainer import shard_transformer
-
-        # As in the trainer: FLUX blocks return views, which FSDP2 warns about on every forward; nothing here
-        # modifies a block output in place, so the warning is noise.
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         shard_transformer(bench_model.transformer, cpu_offload=False, compute_dtype=compute_dtype)
     if cfg.compile:
         bench_model.transformer.compile()
@@ -579,27 +573,3 @@ def bench_on_rank(
         del rollout, inputs
         keep(summarize(sweep.figures[start:], resolution))
     return records
-
-
-def run_bench(
-    cfg: BenchConfig,
-    emit: Callable[[dict[str, Any]], None] = lambda record: None,
-    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
-) -> list[dict[str, Any]]:
-    """Run the benchmark: in this process for ``--dies 1``, else on ``--dies`` torchrun workers (rank 0 reports).
-
-    Returns the records (see ``bench_on_rank``); ``emit`` gets them as they come (after the workers end when
-    ``--dies`` > 1), ``log`` gets progress lines.
-    """
-    cfg.validate()
-    if cfg.dies == 1:
-        from fluxgrpo.runtime import dist as rt_dist
-
-        ctx = rt_dist.init_distributed(cfg.device)
-        try:
-            return bench_on_rank(cfg, ctx, emit, log)
-        finally:
-            rt_dist.teardown()
-    from fluxgrpo.bench.worker import launch_workers
-
-    return launch_workers(cfg, emit, log)

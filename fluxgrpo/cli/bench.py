@@ -1,13 +1,16 @@
-"""``fluxgrpo bench``: per-phase time, throughput, memory and MFU of one GRPO iteration, batched vs batch 1."""
+"""``fluxgrpo bench``: per-phase time, throughput, memory and MFU of one GRPO iteration, batched vs batch 1; with
+``--algorithms``, the learning efficiency of training algorithms instead (``fluxgrpo.bench.efficiency``)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
 
-from fluxgrpo.cli.common import err_console, escape, handle_errors, out_console
+from fluxgrpo.bench.efficiency import ALGORITHMS, BASELINE
+from fluxgrpo.cli.common import err_console, escape, handle_errors, out_console, print_json
 from fluxgrpo.paths import DEFAULT_HPS_DIR
 
 
@@ -82,25 +85,48 @@ def command(
     ] = "auto",
     hps_dir: Annotated[str, _option("--hps-dir", "HPS weights for --reward hpsv2.")] = DEFAULT_HPS_DIR,
     compile_model: Annotated[bool, _option("--compile", "torch.compile the transformer (opt-in).")] = False,
-    seed: Annotated[int, _option("--seed", "Seed for weights, conditioning and noise.")] = 0,
+    seed: Annotated[int, _option("--seed", "Seed for the weights (and the phase bench's conditioning and noise).")] = 0,
+    algorithms: Annotated[
+        str | None,
+        _option(
+            "--algorithms",
+            f"Compare training algorithms instead ({', '.join(ALGORITHMS)}): each trained --iterations on the "
+            f"tiny model from the same start; ratios to {BASELINE}.",
+        ),
+    ] = None,
+    iterations: Annotated[int, _option("--iterations", "With --algorithms: iterations each algorithm trains.")] = 30,
+    config: Annotated[
+        str,
+        _option("--config", "With --algorithms: the training settings (a shipped config or a YAML file)."),
+    ] = "tiny-cpu",
     json_output: Annotated[
         bool,
         _option(
-            "--json", "JSON lines (config, device, versions, model, figures, summaries) on stdout as they are measured."
+            "--json",
+            "JSON lines (config, device, versions, model, figures, summaries) on stdout as they are measured; "
+            "with --algorithms one JSON document at the end.",
         ),
     ] = False,
 ) -> None:
-    """Measure one GRPO iteration phase by phase, at several batch sizes side by side.
+    """Measure one GRPO iteration phase by phase, at several batch sizes side by side; or, with --algorithms,
+    what each training algorithm gains per second.
 
     Examples:
       fluxgrpo bench --model tiny --steps 2
       fluxgrpo bench --model flux-dev-shaped --blocks 8,16 --resolution 720 --steps 16 --json > bench.jsonl
+      fluxgrpo bench --algorithms dance,dance-t2 --iterations 30
     """
+    arguments = locals()
     import json
     import sys
 
+    if algorithms is not None:
+        _refuse_flags(arguments, EFFICIENCY_FLAGS | SHARED_FLAGS, "the phase bench only: drop it, or drop --algorithms")
+        _run_efficiency(algorithms, iterations, config, text_tokens, seed, device, json_output)
+        return
+    _refuse_flags(arguments, PHASE_FLAGS | SHARED_FLAGS, "--algorithms only: add --algorithms, or drop it")
     from fluxgrpo.bench.config import build_bench_config
-    from fluxgrpo.bench.harness import run_bench
+    from fluxgrpo.bench.run import run_bench
 
     cfg = build_bench_config(
         model=model,
@@ -134,6 +160,91 @@ def command(
     records = run_bench(cfg, emit=emit, log=lambda line: err_console.print(line, highlight=False, markup=False))
     if not json_output:
         _render(records)
+
+
+# Flags that mean the same in both benches; the others belong to one of them.
+SHARED_FLAGS = frozenset({"text_tokens", "seed", "device", "json_output"})
+EFFICIENCY_FLAGS = frozenset({"algorithms", "iterations", "config"})
+PHASE_FLAGS = frozenset(inspect.signature(command).parameters) - SHARED_FLAGS - EFFICIENCY_FLAGS
+
+
+def _refuse_flags(arguments: dict[str, Any], allowed: frozenset[str], why: str) -> None:
+    """A usage error for every flag outside ``allowed`` set to something other than its default."""
+    from fluxgrpo.errors import UsageError
+
+    parameters = inspect.signature(command).parameters
+    stray = [
+        name
+        for name, value in arguments.items()
+        if name in parameters and name not in allowed and value != parameters[name].default
+    ]
+    if stray:
+        flags = ", ".join(_flag(name) for name in stray)
+        raise UsageError(f"{flags}: {why}")
+
+
+def _flag(name: str) -> str:
+    return {"json_output": "--json", "compile_model": "--compile"}.get(name, "--" + name.replace("_", "-"))
+
+
+def _run_efficiency(
+    algorithms: str, iterations: int, config: str, text_tokens: int, seed: int, device: str, json_output: bool
+) -> None:
+    from fluxgrpo.bench.efficiency import EfficiencyConfig, parse_algorithms, run_efficiency
+
+    cfg = EfficiencyConfig(
+        algorithms=parse_algorithms(algorithms),
+        iterations=iterations,
+        config=config,
+        text_tokens=text_tokens,
+        seed=seed,
+        device=None if device == "auto" else device,
+    ).validate()
+    document = run_efficiency(cfg, log=lambda line: err_console.print(line, highlight=False, markup=False))
+    if json_output:
+        print_json(document)
+    else:
+        _render_efficiency(document)
+
+
+def _render_efficiency(document: dict[str, Any]) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    console = out_console if out_console.is_terminal else Console(width=160)
+    settings = document["config"]["training"]
+    console.print(
+        f"[bold]fluxgrpo bench --algorithms[/]: {document['config']['iterations']} iterations each, "
+        f"--config {escape(document['config']['config'])} ({settings['height']}x{settings['width']}, "
+        f"{settings['sampling_steps']} steps, G {settings['num_generations']}, reward {escape(settings['reward'])}, "
+        f"{document['config']['text_tokens']} text tokens) on {settings['device']}; × = ratio to dance",
+        highlight=False,
+    )
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    headers = ("algorithm", "trained", "s/iter", "×", "rollout s", "update s", "reward first→last", "gain", "×")
+    for index, header in enumerate((*headers, "gain/s", "×")):
+        table.add_column(header, justify="left" if index == 0 else "right", no_wrap=True)
+    for row in document["algorithms"]:
+        table.add_row(
+            row["algorithm"],
+            str(row["trained_timesteps"]),
+            f"{row['seconds_per_iteration']:.3g}",
+            _ratio(row["seconds_per_iteration_ratio"]),
+            f"{row['phase_seconds']['rollout']:.3g}",
+            f"{row['phase_seconds']['update']:.3g}",
+            f"{row['reward_first']:.4f}→{row['reward_last']:.4f}",
+            f"{row['reward_gain']:.3g}",
+            _ratio(row["reward_gain_ratio"]),
+            f"{row['reward_gain_per_second']:.3g}",
+            _ratio(row["reward_gain_per_second_ratio"]),
+        )
+    console.print(table)
+    console.print(
+        "s/iter: median of rollout + decode/reward + update; gain: rise of the least-squares line through the "
+        "iterations' mean rewards; gain/s: gain over s/iter × iterations",
+        highlight=False,
+    )
 
 
 def _seconds(value: float | None) -> str:
