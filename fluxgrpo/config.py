@@ -24,6 +24,7 @@ from fluxgrpo.paths import (
     EMBEDDINGS_INDEX,
 )
 from fluxgrpo.rewards.base import REWARD_DTYPES
+from fluxgrpo.rewards.reward_set import AGGREGATIONS, reward_spec_problems
 from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 from fluxgrpo.runtime.device import DEVICE_TYPES
 
@@ -51,7 +52,11 @@ class TrainConfig:
         f"{DEFAULT_EMBEDDINGS_DIR}/{EMBEDDINGS_INDEX}", "Embeddings index written by `fluxgrpo preprocess`."
     )
     output_dir: str = _opt(DEFAULT_OUTPUT_DIR, "Checkpoints, metrics.jsonl, sample images and the resolved config.")
-    reward: str = _opt("hpsv2", "Reward model: hpsv2, pickscore, or brightness (a smoke test for tiny models).")
+    reward: str = _opt(
+        "hpsv2",
+        "Reward model(s): hpsv2, pickscore, clipscore, or brightness (a smoke test for tiny models); several as "
+        "name:weight,... (e.g. hpsv2:1,pickscore:0.5; weights normalised to sum 1).",
+    )
     reward_dtype: str = _opt("fp32", "Dtype the reward encoders run in: fp32 or bf16 (scores are fp32 either way).")
     # --- rollout --------------------------------------------------------------------------------------
     height: int = _opt(720, "Image height in pixels (multiple of 16).")
@@ -68,6 +73,11 @@ class TrainConfig:
     timestep_fraction: float = _opt(0.6, "Fraction of the N−1 transitions each trajectory trains on.")
     clip_range: float = _opt(1e-4, "PPO clip ε on the probability ratio.")
     adv_clip_max: float = _opt(5.0, "Advantages are clipped to ±this.")
+    advantage_aggregation: str = _opt(
+        "sum-rewards",
+        "With several rewards: sum-rewards (group advantage of Σ w·r) or sum-advantages (Σ w·A, each reward "
+        "standardised in its group first).",
+    )
     learning_rate: float = _opt(1e-5, "AdamW learning rate.")
     weight_decay: float = _opt(1e-4, "AdamW weight decay.")
     max_grad_norm: float = _opt(1.0, "Gradient-norm clip before each optimizer step.")
@@ -192,6 +202,9 @@ class TrainConfig:
             out.append(f"--lr-scheduler {self.lr_scheduler!r}: use one of {', '.join(LR_SCHEDULERS)}")
         if self.device != "auto" and self.device not in DEVICE_TYPES:
             out.append(f"--device {self.device!r}: use auto or one of {', '.join(DEVICE_TYPES)}")
+        out.extend(reward_spec_problems(self.reward))
+        if self.advantage_aggregation not in AGGREGATIONS:
+            out.append(f"--advantage-aggregation {self.advantage_aggregation!r}: use one of {', '.join(AGGREGATIONS)}")
         if self.reward_dtype not in REWARD_DTYPES:
             out.append(f"--reward-dtype {self.reward_dtype!r}: use one of {', '.join(REWARD_DTYPES)}")
         if self.lora_rank < 0:

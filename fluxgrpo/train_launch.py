@@ -15,12 +15,13 @@ from typing import Any
 from fluxgrpo.config import TrainConfig, save_resolved
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.paths import ensure_writable_dir
+from fluxgrpo.rewards import reward_weights_status
+from fluxgrpo.rewards.reward_set import reward_spec_names
 from fluxgrpo.runtime.launch import LaunchSpec, check_dies_fit, run_workers
-from fluxgrpo.weights.layout import check_flux_dir, check_hps_dir, check_pickscore_dir, pickscore_dir
+from fluxgrpo.weights.layout import check_flux_dir
 
 RESOLVED_CONFIG = "config.yaml"
 WORKER_MODULE = "fluxgrpo.grpo.trainer"
-REWARDS_NEEDING_HPS = ("hpsv2",)
 
 
 @dataclass
@@ -42,14 +43,12 @@ def preflight(cfg: TrainConfig) -> None:
     flux = check_flux_dir(cfg.model)
     if not flux.complete:
         raise FluxgrpoError(f"FLUX weights in {cfg.model} are not usable ({'; '.join(flux.problems)}): {flux.fix}")
-    if cfg.reward in REWARDS_NEEDING_HPS:
-        for part in check_hps_dir(cfg.hps_dir):
+    for reward in reward_spec_names(cfg.reward):
+        for part in reward_weights_status(reward, cfg.hps_dir):
             if not part.complete:
-                raise FluxgrpoError(f"{part.name} weights are not usable ({'; '.join(part.problems)}): {part.fix}")
-    if cfg.reward == "pickscore":
-        status = check_pickscore_dir(pickscore_dir(cfg.hps_dir))
-        if not status.complete:
-            raise FluxgrpoError(f"PickScore weights are not usable ({'; '.join(status.problems)}): {status.fix}")
+                raise FluxgrpoError(
+                    f"{part.name} weights for --reward {reward} are not usable ({'; '.join(part.problems)}): {part.fix}"
+                )
     emb_dir = Path(cfg.data_json_path).parent
     emb = embeddings_status(emb_dir)
     if not emb["complete"]:

@@ -49,7 +49,7 @@ class TrainingParts:
     ctx: DistContext
     transformer: torch.nn.Module
     vae: torch.nn.Module
-    reward_fn: Any
+    reward_fn: Any  # a RewardSet: images, prompts → scores [B, K], one column per --reward entry
     optimizer: torch.optim.Optimizer
     lr_scheduler: Any
     ema: Any
@@ -67,7 +67,7 @@ def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
     from fluxgrpo.data.sampler import PromptSampler
     from fluxgrpo.grpo.ema import ShardedEMA
     from fluxgrpo.models.flux import load_vae
-    from fluxgrpo.rewards import load_reward
+    from fluxgrpo.rewards.reward_set import load_reward_set
 
     dataset = EmbeddingDataset(cfg.data_json_path)
     transformer = build_transformer(cfg, ctx)
@@ -82,7 +82,7 @@ def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
     ema = ShardedEMA(transformer, cfg.ema_decay) if cfg.use_ema else None
     vae = load_vae(cfg.model, dtype=rt_device.compute_dtype(ctx.device_type), device=ctx.device)
     vae.requires_grad_(False).eval()
-    reward_fn = load_reward(cfg.reward, cfg.hps_dir, ctx.device, cfg.reward_dtype)
+    reward_fn = load_reward_set(cfg.reward, cfg.hps_dir, ctx.device, cfg.reward_dtype)
     sampler = PromptSampler(
         len(dataset), rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.train_batch_size, seed=cfg.seed
     )
@@ -184,7 +184,8 @@ def decode_images(
 
 
 def score_images(reward_fn: Any, images: torch.Tensor, captions, chunk: int) -> torch.Tensor:
-    """Rewards [B] fp32 of images [B,3,H,W] and their captions, scored ``chunk`` at a time."""
+    """Rewards [B] (one reward) or [B, K] (a RewardSet) fp32 of images [B,3,H,W] and their captions, ``chunk`` at a
+    time."""
     with torch.no_grad():
         return torch.cat(
             [
@@ -197,7 +198,7 @@ def score_images(reward_fn: Any, images: torch.Tensor, captions, chunk: int) -> 
 def decode_and_score(
     parts: TrainingParts, cfg: TrainConfig, final_x0: torch.Tensor, captions
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images [B,3,H,W] in [0,1] and rewards [B] fp32, decoded and scored in chunks of rollout_batch_size."""
+    """Images [B,3,H,W] in [0,1] and scores [B, K] fp32 (one column per reward), in chunks of rollout_batch_size."""
     chunk = cfg.rollout_batch_size
     images = decode_images(parts.vae, final_x0, cfg.height, cfg.width, chunk, parts.ctx.device_type)
     return images, score_images(parts.reward_fn, images, captions, chunk)
@@ -277,6 +278,24 @@ def any_finite_reward(ctx: DistContext, rewards: torch.Tensor) -> bool:
     return bool(count.item() > 0)
 
 
+def per_reward_statistics(ctx: DistContext, scores: torch.Tensor, names: list[str]) -> dict[str, float]:
+    """reward_<name>_mean / _std over every rank's finite scores of each reward; nothing for a single reward
+    (its statistics are reward_mean / reward_std)."""
+    if len(names) < 2:
+        return {}
+    gathered = rt_dist.all_gather_tensor(ctx, scores.detach().float())  # [B·world, K]
+    finite = torch.isfinite(gathered)
+    values = torch.where(finite, gathered, torch.zeros_like(gathered))
+    count = finite.sum(dim=0).float()
+    mean = values.sum(dim=0) / count.clamp(min=1)
+    spread = torch.where(finite, gathered - mean, torch.zeros_like(gathered))
+    std = (spread.pow(2).sum(dim=0) / (count - 1).clamp(min=1)).sqrt()
+    out = {}
+    for name, m, s, n in zip(names, mean.tolist(), std.tolist(), count.tolist(), strict=True):
+        out[f"reward_{name}_mean"], out[f"reward_{name}_std"] = (m, s) if n else (math.nan, math.nan)
+    return out
+
+
 def reduce_update_stats(ctx: DistContext, stats: dict[str, float]) -> dict[str, float]:
     """Mean over ranks of the averages, min of mins, max of maxes (device tensors: collectives need them)."""
     mean_keys = ("loss", "ratio_mean", "clip_fraction", "grad_norm_mean")
@@ -347,6 +366,7 @@ def iteration_record(
     cfg: TrainConfig,
     parts: TrainingParts,
     iteration: int,
+    scores: torch.Tensor,
     rewards: torch.Tensor,
     advantages: torch.Tensor,
     update: Any,
@@ -357,6 +377,7 @@ def iteration_record(
     return {
         "iteration": iteration,
         **reward_statistics(ctx, rewards, cfg.num_generations),
+        **per_reward_statistics(ctx, scores, parts.reward_fn.names),
         **advantage_statistics(ctx, advantages),
         **reduce_update_stats(ctx, update.as_floats()),
         "lr": parts.lr_scheduler.get_last_lr()[0],
@@ -404,8 +425,8 @@ def restore(ctx: DistContext, parts: TrainingParts, checkpoint: Path | None) -> 
 def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
     """Run the GRPO loop on this rank; returns rank 0's metrics records (empty on other ranks)."""
     from fluxgrpo.checkpoint import resolve_resume
-    from fluxgrpo.grpo.advantages import group_advantages
     from fluxgrpo.grpo.latents import image_ids
+    from fluxgrpo.grpo.reward_aggregation import aggregate_rewards
     from fluxgrpo.grpo.rollout import generate_rollout
     from fluxgrpo.grpo.schedule import sigma_schedule
     from fluxgrpo.grpo.update import UpdateSettings, policy_update, skipped_update
@@ -453,10 +474,12 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
             )
             clock.lap("rollout")
 
-            images, rewards = decode_and_score(parts, cfg, rollout.final_x0, cond.captions)  # [B,3,H,W], [B]
+            images, scores = decode_and_score(parts, cfg, rollout.final_x0, cond.captions)  # [B,3,H,W], [B, K]
             clock.lap("decode_reward")
 
-            adv = group_advantages(rewards, cfg.num_generations, cfg.adv_clip_max)  # [B]
+            rewards, adv = aggregate_rewards(  # [B] Σ w·r, [B] advantages
+                scores, parts.reward_fn.weights, cfg.advantage_aggregation, cfg.num_generations, cfg.adv_clip_max
+            ).as_tuple()
             if any_finite_reward(ctx, rewards):
                 update = policy_update(
                     parts.transformer,
@@ -475,7 +498,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
                 update = skipped_update(rollout, update_settings)
             clock.lap("update")
 
-            record = iteration_record(ctx, cfg, parts, iteration, rewards, adv.advantages, update, clock)
+            record = iteration_record(ctx, cfg, parts, iteration, scores, rewards, adv.advantages, update, clock)
             metrics.log(record)
             records.append(record)
             rt_dist.rank0_print(ctx, progress_line(record, cfg.max_train_steps))

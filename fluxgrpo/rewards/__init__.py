@@ -18,6 +18,8 @@ from fluxgrpo.rewards.base import REWARD_DTYPES, RewardFn, reward_torch_dtype
 if TYPE_CHECKING:
     import torch
 
+    from fluxgrpo.weights.layout import PartStatus
+
 # A loader builds one reward: (hps_dir, device, encoder dtype) → RewardFn.
 RewardLoader = Callable[[Path, Any, "torch.dtype"], RewardFn]
 
@@ -56,6 +58,18 @@ REWARDS: dict[str, RewardLoader] = {
 }
 
 
+def reward_weights_status(name: str, hps_dir: str | Path) -> list[PartStatus]:
+    """The weight parts reward ``name`` reads from ``hps_dir``, each checked (``weights/layout.py``); [] for none."""
+    from fluxgrpo.weights import layout
+
+    checks: dict[str, Callable[[Path], list[PartStatus]]] = {
+        "hpsv2": layout.check_hps_dir,
+        "pickscore": lambda folder: [layout.check_pickscore_dir(layout.pickscore_dir(folder))],
+        "clipscore": lambda folder: [layout.check_clip_part(folder)],
+    }
+    return checks.get(name, lambda folder: [])(Path(hps_dir))
+
+
 def reward_names() -> list[str]:
     return list(REWARDS)
 
@@ -71,4 +85,12 @@ def load_reward(name: str, hps_dir: str | Path, device: Any = "cpu", reward_dtyp
     return loader(Path(hps_dir), device, reward_torch_dtype(reward_dtype))
 
 
-__all__ = ["REWARDS", "REWARD_DTYPES", "RewardFn", "RewardLoader", "load_reward", "reward_names"]
+__all__ = [
+    "REWARDS",
+    "REWARD_DTYPES",
+    "RewardFn",
+    "RewardLoader",
+    "load_reward",
+    "reward_names",
+    "reward_weights_status",
+]
