@@ -82,6 +82,14 @@ RESUME_FREE_FIELDS = frozenset(
         "images_per_save",
         "tensorboard",
         "wandb",
+        "wandb_project",
+        "wandb_name",
+        "wandb_mode",
+        "eval_every",
+        "eval_prompts",
+        "eval_images_per_prompt",
+        "eval_steps",
+        "eval_rewards",
     }
 )
 
