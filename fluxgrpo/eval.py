@@ -6,7 +6,8 @@ its deterministic flow-matching Euler sampler, η = 0, ``sample.image_seed`` wit
 grid and ``index.json``), but with the weights being trained: the pipeline wraps the live (possibly FSDP2-sharded)
 transformer and the training VAE, and the prompts are encoded once, so no text encoder stays in memory. So
 ``eval/iteration-<k>/`` holds the images ``fluxgrpo sample --checkpoint <output_dir>/checkpoint-<k> --seed 0
---steps <eval-steps>`` would make, and two evaluations differ only by the weights. With ``--use-ema`` the EMA
+--steps <eval-steps> --batch-size <rollout-batch-size>`` would make (batches of ``rollout_batch_size``, known to
+fit in memory), and two evaluations differ only by the weights. With ``--use-ema`` the EMA
 weights are evaluated too (``eval/iteration-<k>-ema/``).
 
 Prompt i is sampled by rank i % world (``preprocess.rank_indices``); every rank runs the same number of

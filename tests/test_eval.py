@@ -125,7 +125,10 @@ def test_eval_images_are_the_images_sample_makes_from_the_same_weights(eval_run,
     from fluxgrpo.sample import SampleSettings, build_request, sample
 
     cfg, out, _ = eval_run
-    settings = SampleSettings(height=64, width=64, steps=2, guidance=cfg.guidance, seed=0, images_per_prompt=2)
+    # the same batches as the evaluation (rollout_batch_size): a batch of one can round differently in the last bit
+    settings = SampleSettings(
+        height=64, width=64, steps=2, guidance=cfg.guidance, seed=0, images_per_prompt=2, batch_size=4
+    )
     for iteration, checkpoint, ema in (
         (0, None, False),
         (4, out / "checkpoint-4", False),
@@ -144,7 +147,13 @@ def test_eval_images_are_the_images_sample_makes_from_the_same_weights(eval_run,
         sample(request, show_progress=False)
         evaluated = out / "eval" / f"iteration-{iteration}{'-ema' if ema else ''}"
         for name in ("0000_00.png", "0001_01.png", "0002_00.png"):
-            assert np.array_equal(pixels(folder / name), pixels(evaluated / name)), f"{evaluated.name}/{name}"
+            here, there = pixels(folder / name).astype(int), pixels(evaluated / name).astype(int)
+            if ema:
+                # EMA weights swapped into the training parameters vs. loaded from the export: on cpu an odd pixel
+                # may round one step apart
+                assert np.abs(here - there).max() <= 1 and (here != there).mean() < 0.01, f"{evaluated.name}/{name}"
+            else:
+                assert np.array_equal(here, there), f"{evaluated.name}/{name}"
 
 
 def test_resume_neither_repeats_nor_misses_an_evaluation(eval_run, tmp_path):
@@ -178,6 +187,24 @@ def test_evaluation_changes_no_training_number(eval_run, tmp_path):
     for file in sorted((out / "checkpoint-4" / "transformer").glob("*.safetensors")):
         a, b = load_file(file), load_file(tmp_path / "plain" / "checkpoint-4" / "transformer" / file.name)
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_two_workers_split_the_prompts_and_make_the_same_images(eval_run, tmp_path):
+    """3 prompts over 2 FSDP2 ranks: rank 0 samples prompts 0 and 2 (2 batches of 2 images), rank 1 prompt 1
+    (1 batch) plus 1 padding batch, so both run the same sharded forwards. The base model's images equal the
+    single-process run's."""
+    cfg, out, _ = eval_run
+    two = derived_config(
+        cfg, output_dir=str(tmp_path / "two"), max_train_steps=2, rollout_batch_size=2, eval_rewards="", use_ema=False
+    )
+    launch_training(plan_training(two, LaunchSpec(nproc_per_node=2)), log=lambda _: None)
+    records = read_metrics(tmp_path / "two")
+    assert [r["iteration"] for r in records if "eval_brightness_mean" in r] == [0, 2]
+    for name in ("0000_00.png", "0001_01.png", "0002_00.png"):
+        assert np.array_equal(pixels(out / "eval/iteration-0" / name), pixels(tmp_path / "two/eval/iteration-0" / name))
+    index = json.loads((tmp_path / "two/eval/iteration-2/index.json").read_text())
+    assert index["settings"]["world_size"] == 2 and len(index["images"]) == 6
 
 
 def test_tensorboard_has_scalars_eval_grids_and_reward_histograms(eval_run):
