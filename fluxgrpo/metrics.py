@@ -152,6 +152,7 @@ def _start_wandb(output_dir: Path, config: dict[str, Any] | None, project: str, 
         id=run_id,
         resume="allow",
         config=config,
+        allow_val_change=True,  # a resumed run may change its length, checkpointing or logging settings
         dir=str(output_dir),
     )
 
