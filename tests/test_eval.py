@@ -304,3 +304,23 @@ def test_is_due_marks_zero_every_k_and_the_last_iteration():
     assert [k for k in range(8) if is_due(cfg, k)] == [0, 3, 6, 7]
     assert not any(is_due(TrainConfig(eval_every=0), k) for k in range(5))
     assert json.dumps(cfg.to_dict())  # the new fields serialise into the resolved config
+
+
+def test_preflight_checks_the_weights_of_the_eval_rewards(tiny_weights, tiny_embeddings, tmp_path):
+    from fluxgrpo.errors import FluxgrpoError
+    from fluxgrpo.weights.layout import pickscore_dir
+
+    hps = tmp_path / "hps"
+    shutil.copytree(tiny_weights.hps_dir, hps)
+    shutil.rmtree(pickscore_dir(hps))
+    values = {
+        "model": str(tiny_weights.flux_dir),
+        "hps_dir": str(hps),
+        "data_json_path": str(tiny_embeddings.index_path),
+        "output_dir": str(tmp_path / "out"),
+        "eval_rewards": "pickscore",
+    }
+    with pytest.raises(FluxgrpoError, match="PickScore"):
+        plan_training(build_config("tiny-cpu", {**values, "eval_every": 5}), LaunchSpec(nproc_per_node=1), dry_run=True)
+    # without evaluation the extra reward is never loaded, so its weights are not needed
+    plan_training(build_config("tiny-cpu", {**values, "eval_every": 0}), LaunchSpec(nproc_per_node=1), dry_run=True)
