@@ -35,6 +35,7 @@ LORA_DEFAULT_TARGETS = (
     "attn.to_q,attn.to_k,attn.to_v,attn.to_out.0,attn.add_q_proj,attn.add_k_proj,attn.add_v_proj,attn.to_add_out,"
     "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2"
 )
+WANDB_MODES = ("online", "offline", "disabled")
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
@@ -106,8 +107,21 @@ class TrainConfig:
         "sdpa", f"Attention kernel: {' or '.join(ATTENTION_BACKENDS)} (the fused Ascend kernel: bf16 only)."
     )
     device: str = _opt("auto", f"auto (first found of {', '.join(DEVICE_TYPES)}), or one of them.")
-    tensorboard: bool = _opt(False, "Also log metrics to TensorBoard (output_dir/tensorboard).")
-    wandb: bool = _opt(False, "Also log metrics to Weights & Biases.")
+    tensorboard: bool = _opt(False, "Also log metrics, eval grids and reward histograms to TensorBoard.")
+    wandb: bool = _opt(False, "Also log metrics, eval grids and reward histograms to Weights & Biases.")
+    wandb_project: str = _opt("fluxgrpo", "Weights & Biases project.")
+    wandb_name: str = _opt("", "Weights & Biases run name (empty: wandb picks one).")
+    wandb_mode: str = _opt("", f"Weights & Biases mode: {', '.join(WANDB_MODES)} (empty: wandb's default).")
+    # --- held-out evaluation --------------------------------------------------------------------------
+    eval_every: int = _opt(
+        0, "Evaluate on held-out prompts at iteration 0, every K iterations and after the last (0: off)."
+    )
+    eval_prompts: str = _opt(
+        "", "Held-out prompt file, one per line (empty: the 48 held-out prompts shipped with fluxgrpo)."
+    )
+    eval_images_per_prompt: int = _opt(1, "Images per held-out prompt (image j of prompt i always has the same seed).")
+    eval_steps: int = _opt(28, "Denoising steps of the deterministic (ODE) evaluation sampler, as `fluxgrpo sample`.")
+    eval_rewards: str = _opt("", "More rewards to score evaluations with, comma-separated (beside --reward).")
 
     # ---------------------------------------------------------------------------------------------------
     @property
@@ -220,6 +234,28 @@ class TrainConfig:
             out.append(f"--attention {self.attention!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
         if not 0 <= self.seed <= MAX_SEED:
             out.append(f"--seed {self.seed} is out of range: use 0 to {MAX_SEED} (numpy's seed range)")
+        out += self._logging_problems()
+        return out
+
+    def _logging_problems(self) -> list[str]:
+        """Held-out evaluation and experiment-tracker settings."""
+        from fluxgrpo.rewards import reward_names
+
+        out = []
+        if self.eval_every < 0:
+            out.append(f"--eval-every must be 0 (off) or a number of iterations (got {self.eval_every})")
+        for name in ("eval_images_per_prompt", "eval_steps"):
+            if getattr(self, name) < 1:
+                out.append(f"--{_flag(name)} must be at least 1 (got {getattr(self, name)})")
+        if self.eval_prompts and not Path(self.eval_prompts).is_file():
+            out.append(
+                f"--eval-prompts {self.eval_prompts}: no such file (one prompt per line; empty for the shipped set)"
+            )
+        unknown = [name for name in split_names(self.eval_rewards) if name not in reward_names()]
+        if unknown:
+            out.append(f"--eval-rewards {', '.join(unknown)}: not a reward; use names from {', '.join(reward_names())}")
+        if self.wandb_mode and self.wandb_mode not in WANDB_MODES:
+            out.append(f"--wandb-mode {self.wandb_mode!r}: use one of {', '.join(WANDB_MODES)}, or leave it empty")
         return out
 
     def validate(self) -> TrainConfig:
@@ -230,6 +266,12 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def split_names(spec: str) -> list[str]:
+    """The reward names in a comma-separated list (a ``name:weight`` entry gives ``name``), first occurrence kept."""
+    names = [part.split(":")[0].split("=")[0].strip() for part in spec.split(",")]
+    return list(dict.fromkeys(name for name in names if name))
 
 
 def _flag(name: str) -> str:

@@ -88,19 +88,28 @@ class MetricsLogger:
             for k, v in record.items()
             if isinstance(v, int | float) and not isinstance(v, bool) and k != "iteration" and math.isfinite(v)
         }
-        values = {k: v[v.isfinite()].cpu().numpy() for k, v in (histograms or {}).items()}
-        values = {k: v for k, v in values.items() if v.size}
         if self._tb is not None:
             for key, value in numeric.items():
                 self._tb.add_scalar(key, value, step)
-            for key, array in values.items():
-                self._tb.add_histogram(key, array, step)
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+        for key, values in (histograms or {}).items():
+            self.log_histogram(key, values.cpu().numpy(), step)
+
+    def log_histogram(self, tag: str, values: Any, step: int) -> None:
+        """A histogram of a 1-D array of values (non-finite ones left out), rank 0 only: no gathering here."""
+        import numpy as np
+
+        values = np.asarray(values, dtype=np.float64)
+        values = values[np.isfinite(values)]
+        if not self.enabled or not values.size:
+            return
+        if self._tb is not None:
+            self._tb.add_histogram(tag, values, step)
         if self._wandb is not None:
             import wandb as wandb_module
 
-            payload: dict[str, Any] = dict(numeric)
-            payload.update({k: wandb_module.Histogram(array) for k, array in values.items()})
-            self._wandb.log(payload, step=step)
+            self._wandb.log({tag: wandb_module.Histogram(values)}, step=step)
 
     def log_image(self, tag: str, image: Any, step: int, caption: str = "") -> None:
         """An RGB image (HWC uint8 array) at ``step``: TensorBoard add_image, wandb.Image (rank 0 only)."""
@@ -131,7 +140,10 @@ def _start_wandb(output_dir: Path, config: dict[str, Any] | None, project: str, 
     id_file = output_dir / WANDB_ID_FILE
     run_id = id_file.read_text().strip() if id_file.is_file() else ""
     if not run_id:
-        run_id = wandb_module.util.generate_id()
+        import secrets
+        import string
+
+        run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
         id_file.write_text(run_id + "\n")
     return wandb_module.init(
         project=project or "fluxgrpo",
@@ -140,6 +152,7 @@ def _start_wandb(output_dir: Path, config: dict[str, Any] | None, project: str, 
         id=run_id,
         resume="allow",
         config=config,
+        allow_val_change=True,  # a resumed run may change its length, checkpointing or logging settings
         dir=str(output_dir),
     )
 

@@ -362,7 +362,7 @@ def clear_previous_run(out: Path) -> int:
 
 
 @contextlib.contextmanager
-def _quiet_loading() -> Iterator[None]:
+def quiet_loading() -> Iterator[None]:
     """Hide diffusers' and transformers' per-file loading bars (``sample`` shows its own progress)."""
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
@@ -389,7 +389,7 @@ def load_pipeline(request: SampleRequest, ctx: Any) -> Any:
 
     dtype = compute_dtype(ctx.device_type)
     components: dict[str, Any] = {}
-    with _quiet_loading():
+    with quiet_loading():
         if request.transformer_dir is not None:
             components["transformer"] = FluxTransformer2DModel.from_pretrained(request.transformer_dir, dtype=dtype)
         pipe = FluxPipeline.from_pretrained(request.model, dtype=dtype, **components)
@@ -461,10 +461,31 @@ class _Progress:
             self._bar.stop()
 
 
+def encode_prompt(pipe: Any, prompt: str, ctx: Any, max_sequence_length: int) -> tuple[Any, Any]:
+    """(T5 embeddings, pooled CLIP embedding) of one prompt, encoded on its own (a batch of one)."""
+    import torch
+
+    from fluxgrpo.runtime.device import autocast
+
+    with torch.no_grad(), autocast(ctx.device_type):
+        embeds, pooled, _ = pipe.encode_prompt(
+            prompt=[prompt], prompt_2=None, device=ctx.device, max_sequence_length=max_sequence_length
+        )
+    return embeds, pooled
+
+
 def generate_images(
-    pipe: Any, request: SampleRequest, prompt_indices: list[int], ctx: Any, show_progress: bool = False
+    pipe: Any,
+    request: SampleRequest,
+    prompt_indices: list[int],
+    ctx: Any,
+    show_progress: bool = False,
+    encoded: dict[int, tuple[Any, Any]] | None = None,
 ) -> list[SampledImage]:
-    """Generate and write every image of ``prompt_indices``, ``batch_size`` images per pipeline call."""
+    """Generate and write every image of ``prompt_indices``, ``batch_size`` images per pipeline call.
+
+    ``encoded`` (prompt index → ``encode_prompt``'s output) supplies the prompts' embeddings, for a pipeline
+    without text encoders (the in-training evaluation); without it each prompt is encoded when first needed."""
     import torch
 
     from fluxgrpo.runtime.device import autocast
@@ -472,7 +493,8 @@ def generate_images(
     settings = request.settings
     out = Path(request.out_dir)
     work = [(i, j) for i in prompt_indices for j in range(settings.images_per_prompt)]
-    encoded: dict[int, tuple[Any, Any]] = {}
+    precomputed = encoded is not None
+    encoded = encoded if precomputed else {}
     records: list[SampledImage] = []
     progress = _Progress(
         show_progress,
@@ -482,18 +504,13 @@ def generate_images(
     try:
         for start in range(0, len(work), settings.batch_size):
             batch = work[start : start + settings.batch_size]
-            for stale in [i for i in encoded if i < batch[0][0]]:
-                del encoded[stale]
-            with torch.no_grad(), autocast(ctx.device_type):
+            if not precomputed:
+                for stale in [i for i in encoded if i < batch[0][0]]:
+                    del encoded[stale]
                 for i in dict.fromkeys(i for i, _ in batch):
                     if i not in encoded:
-                        embeds, pooled, _ = pipe.encode_prompt(
-                            prompt=[request.prompts[i]],
-                            prompt_2=None,
-                            device=ctx.device,
-                            max_sequence_length=settings.max_sequence_length,
-                        )
-                        encoded[i] = (embeds, pooled)
+                        encoded[i] = encode_prompt(pipe, request.prompts[i], ctx, settings.max_sequence_length)
+            with torch.no_grad(), autocast(ctx.device_type):
                 seeds = [image_seed(settings.seed, i, j) for i, j in batch]
                 images = pipe(
                     prompt_embeds=torch.cat([encoded[i][0] for i, _ in batch]),
@@ -553,12 +570,19 @@ def write_grid(out: Path, images: list[SampledImage], num_prompts: int, settings
     return path
 
 
-def write_index(out: Path, request: SampleRequest, images: list[SampledImage], run: dict[str, Any]) -> Path:
+def write_index(
+    out: Path,
+    request: SampleRequest,
+    images: list[SampledImage],
+    run: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> Path:
     """Write ``index.json`` atomically (temp file, fsync, rename): the marker of a complete run.
 
     Keys: format, format_version, fluxgrpo_version, model, checkpoint, ema, settings (the SampleSettings plus
     ``run``: world_size, device_type, dtype), seed_formula, prompts, grid, images (file, prompt, prompt_index,
-    image_index, seed; ordered by prompt_index then image_index).
+    image_index, seed; ordered by prompt_index then image_index), then any ``extra`` keys (the in-training
+    evaluation adds its iteration and scores).
     """
     document = {
         "format": INDEX_FORMAT,
@@ -572,6 +596,7 @@ def write_index(out: Path, request: SampleRequest, images: list[SampledImage], r
         "prompts": request.prompts,
         "grid": GRID_FILE,
         "images": [asdict(record) for record in images],
+        **(extra or {}),
     }
     path = out / INDEX_FILE
     tmp = path.with_name(f".{path.name}.tmp")

@@ -11,7 +11,7 @@ Inputs, one of:
 
 A reward with its authors' own PIL input path has ``score_pil`` (HPSv2: RGB, longest side to 224, zero padding to
 a square, CLIP normalisation; PickScore: the CLIP image processor; ...), and scores through it, batched, with the
-encoders in float32 (``_load_scorer``). Other rewards (``--reward brightness``, a smoke test) get the images as
+encoders in float32 (``load_scorer``). Other rewards (``--reward brightness``, a smoke test) get the images as
 [B, 3, H, W] tensors in [0, 1], a batch at a time when its images share a size, else one at a time.
 
 Statistics: mean and population standard deviation (divide by n; 0 for a single image).
@@ -373,7 +373,7 @@ def compare_runs(
 # --------------------------------------------------------------------------------------------- scoring
 
 
-def _load_scorer(name: str, hps_dir: str | Path, device: Any) -> Any:
+def load_scorer(name: str, hps_dir: str | Path, device: Any) -> Any:
     """The reward ``name`` on ``device``, its encoders in float32: scores compared across runs should not carry
     bf16 rounding (8 significant bits)."""
     from fluxgrpo.rewards import load_reward
@@ -451,7 +451,7 @@ def score(request: ScoreRequest, progress: Any = None) -> ScoreReport:
 
     device_type = rt_device.resolve_device_type(request.device)
     device = rt_device.device_for_local_rank(device_type, 0)
-    scorer = _load_scorer(request.reward, request.hps_dir, device)
+    scorer = load_scorer(request.reward, request.hps_dir, device)
     images = score_items(items, scorer, request.batch_size, device, progress)
     comparison = None
     if request.compare is not None:

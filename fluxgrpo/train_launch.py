@@ -43,7 +43,10 @@ def preflight(cfg: TrainConfig) -> None:
     flux = check_flux_dir(cfg.model)
     if not flux.complete:
         raise FluxgrpoError(f"FLUX weights in {cfg.model} are not usable ({'; '.join(flux.problems)}): {flux.fix}")
-    for reward in reward_spec_names(cfg.reward):
+    from fluxgrpo.eval import eval_reward_names
+
+    # --eval-rewards load at the first evaluation (iteration 0), so their weights are checked with the training's
+    for reward in eval_reward_names(cfg) if cfg.eval_every else reward_spec_names(cfg.reward):
         for part in reward_weights_status(reward, cfg.hps_dir):
             if not part.complete:
                 raise FluxgrpoError(
@@ -82,6 +85,14 @@ RESUME_FREE_FIELDS = frozenset(
         "images_per_save",
         "tensorboard",
         "wandb",
+        "wandb_project",
+        "wandb_name",
+        "wandb_mode",
+        "eval_every",
+        "eval_prompts",
+        "eval_images_per_prompt",
+        "eval_steps",
+        "eval_rewards",
     }
 )
 

@@ -425,12 +425,13 @@ def restore(ctx: DistContext, parts: TrainingParts, checkpoint: Path | None) -> 
 def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
     """Run the GRPO loop on this rank; returns rank 0's metrics records (empty on other ranks)."""
     from fluxgrpo.checkpoint import resolve_resume
+    from fluxgrpo.eval import Evaluator
     from fluxgrpo.grpo.latents import image_ids
     from fluxgrpo.grpo.reward_aggregation import aggregate_rewards
     from fluxgrpo.grpo.rollout import generate_rollout
     from fluxgrpo.grpo.schedule import sigma_schedule
     from fluxgrpo.grpo.update import UpdateSettings, policy_update, skipped_update
-    from fluxgrpo.metrics import MetricsLogger
+    from fluxgrpo.metrics import MetricsLogger, run_info
     from fluxgrpo.runtime.worker import worker_session
 
     with worker_session(cfg.device) as ctx:
@@ -445,11 +446,18 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
             wandb=cfg.wandb,
             config=cfg.to_dict(),
             resume_after=start,
+            ctx=ctx,
+            wandb_project=cfg.wandb_project,
+            wandb_name=cfg.wandb_name,
+            wandb_mode=cfg.wandb_mode,
+            run_info=run_info(ctx) if ctx.is_main else None,
         )
+        evaluator = Evaluator(cfg, ctx, metrics)
         sigmas = sigma_schedule(cfg.sampling_steps, cfg.shift).to(ctx.device)  # [N+1]
         img_ids = image_ids(cfg.height, cfg.width).to(ctx.device)  # [L, 3]
         update_settings = UpdateSettings.from_config(cfg)
         records = []
+        evaluator.before_training(start, parts)  # the base model at iteration 0: every eval curve starts there
         for iteration in range(start + 1, cfg.max_train_steps + 1):
             rt_device.reset_peak_memory(ctx.device)
             clock = PhaseClock(ctx.device)
@@ -499,11 +507,12 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
             clock.lap("update")
 
             record = iteration_record(ctx, cfg, parts, iteration, scores, rewards, adv.advantages, update, clock)
-            metrics.log(record)
+            metrics.log(record, histograms={"reward": rewards})
             records.append(record)
             rt_dist.rank0_print(ctx, progress_line(record, cfg.max_train_steps))
             if cfg.save_images_every and iteration % cfg.save_images_every == 0:
                 save_sample_images(images, output_dir, ctx.rank, cfg.images_per_save)
+            evaluator.maybe_run(iteration, parts)  # before the checkpoint: a saved iteration has its evaluation
             if iteration % cfg.checkpointing_steps == 0 or iteration == cfg.max_train_steps:
                 path = save_training_checkpoint(ctx, cfg, parts, iteration)
                 rt_dist.rank0_print(ctx, f"saved {path}")

@@ -118,6 +118,9 @@ def _draw_panel(ax: Any, panel: Panel, runs: list[RunData]) -> None:
             ax.plot(xs, ys, style, color=colour, label=label, marker=marker, markersize=4, linewidth=1.4)
             if line.band is not None:
                 _draw_band(ax, run, records, line, xs, ys, colour)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole numbers
     ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel("iteration", fontsize=8)
     ax.set_ylabel(panel.ylabel, fontsize=8)

@@ -32,9 +32,9 @@ main{padding:8px 28px 40px;max-width:1500px}
 h2{font-size:18px;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:32px}
 h3{font-size:15px;margin:22px 0 8px}
 .summary{font-size:15px;line-height:1.5;background:#fff;border-left:4px solid #1f77b4;padding:10px 16px}
-.curves{display:flex;flex-wrap:wrap;gap:12px}
+.curves{display:grid;grid-template-columns:repeat(auto-fill,minmax(380px,1fr));gap:12px}
 .curve{background:#fff;border:1px solid #e3e3e3;border-radius:6px;padding:4px}
-.curve svg{width:420px;height:auto;display:block}
+.curve svg{width:100%;height:auto;display:block}
 .gridwrap{overflow-x:auto;background:#fff;border:1px solid #e3e3e3;border-radius:6px;padding:8px}
 table.grid{border-collapse:collapse}
 table.grid th{font-size:12px;font-weight:600;padding:4px 6px;white-space:nowrap}

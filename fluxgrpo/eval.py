@@ -1,0 +1,307 @@
+"""Held-out evaluation during training: the same prompts, the same seeds, deterministic sampling, every reward.
+
+At iteration 0 (the base model), every ``--eval-every`` K iterations and after the last one, the training loop
+calls ``Evaluator``. It samples the held-out prompts exactly as ``fluxgrpo sample`` does (diffusers' FluxPipeline,
+its deterministic flow-matching Euler sampler, η = 0, ``sample.image_seed`` with seed 0, the same file names,
+grid and ``index.json``), but with the weights being trained: the pipeline wraps the live (possibly FSDP2-sharded)
+transformer and the training VAE, and the prompts are encoded once, so no text encoder stays in memory. So
+``eval/iteration-<k>/`` holds the images ``fluxgrpo sample --checkpoint <output_dir>/checkpoint-<k> --seed 0
+--steps <eval-steps> --batch-size <rollout-batch-size>`` would make (batches of ``rollout_batch_size``, known to
+fit in memory), and two evaluations differ only by the weights. With ``--use-ema`` the EMA
+weights are evaluated too (``eval/iteration-<k>-ema/``).
+
+Prompt i is sampled by rank i % world (``preprocess.rank_indices``); every rank runs the same number of
+transformer forwards (the ones with fewer prompts run discarded padding batches), as FSDP2 needs. Rank 0 gathers
+the image records, writes the grid, scores every image with every reward through ``fluxgrpo score``'s own code
+(the PNGs read back from disk, fp32 HPSv2), so ``fluxgrpo score --index eval/iteration-<k>`` reports the same
+numbers, writes ``index.json`` last (with the iteration and the scores), logs ``eval_<reward>_mean/std``
+(``eval_ema_…`` for the EMA) to metrics.jsonl at that iteration, and the grid and score histograms to
+TensorBoard / wandb.
+
+Resume-safety: an evaluation at iteration k finishes before checkpoint k is written, so a run resumed from
+checkpoint k already has it (metrics.jsonl keeps records up to k) and does not repeat it; one resumed from an
+earlier checkpoint repeats iteration k's evaluation, replacing the folder and the record the dead run left.
+Evaluation draws from no training RNG, so training numbers are the same with and without it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from fluxgrpo.config import TrainConfig, split_names
+
+EVAL_DIR = "eval"
+EVAL_SEED = 0  # `fluxgrpo sample`'s default --seed: evaluations of different runs start from the same noise
+EVAL_PROMPTS_FILE = "eval_prompts.txt"
+
+
+def shipped_eval_prompts_path() -> Path:
+    """48 held-out prompts across HPSv2's four styles (anime, concept art, paintings, photos), none of them in
+    the shipped training prompts."""
+    return Path(__file__).parent / "data" / EVAL_PROMPTS_FILE
+
+
+def eval_folder(output_dir: str | Path, iteration: int, ema: bool = False) -> Path:
+    return Path(output_dir) / EVAL_DIR / f"iteration-{iteration}{'-ema' if ema else ''}"
+
+
+def eval_reward_names(cfg: TrainConfig) -> list[str]:
+    """The training reward(s) first, then ``--eval-rewards``, each once."""
+    return list(dict.fromkeys([*split_names(cfg.reward), *split_names(cfg.eval_rewards)]))
+
+
+def is_due(cfg: TrainConfig, iteration: int) -> bool:
+    """Iteration 0, every ``eval_every``-th, and the last."""
+    if cfg.eval_every <= 0:
+        return False
+    return iteration % cfg.eval_every == 0 or iteration == cfg.max_train_steps
+
+
+class Evaluator:
+    """Runs the held-out evaluation when it is due; a no-op when ``--eval-every`` is 0. Call on every rank."""
+
+    def __init__(self, cfg: TrainConfig, ctx: Any, metrics: Any) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.metrics = metrics
+        self.enabled = cfg.eval_every > 0
+        if not self.enabled:
+            return
+        from fluxgrpo.data.prompts import read_prompts
+        from fluxgrpo.sample import SampleSettings
+
+        self.prompts = read_prompts(cfg.eval_prompts or shipped_eval_prompts_path())
+        self.rewards = eval_reward_names(cfg)
+        self.settings = SampleSettings(
+            height=cfg.height,
+            width=cfg.width,
+            steps=cfg.eval_steps,
+            guidance=cfg.guidance,
+            seed=EVAL_SEED,
+            images_per_prompt=cfg.eval_images_per_prompt,
+            batch_size=cfg.rollout_batch_size,
+            attention=cfg.attention,
+        ).validate()
+        self._pipe: Any = None
+        self._encoded: dict[int, tuple[Any, Any]] | None = None
+        self._scorers: dict[str, Any] = {}
+
+    # ----------------------------------------------------------------------------------------- entry points
+
+    def before_training(self, start: int, parts: Any) -> None:
+        """Evaluate the weights the loop starts from (the base model at 0), unless a resumed run already did."""
+        if not self.enabled or not is_due(self.cfg, start):
+            return
+        from fluxgrpo.runtime import dist as rt_dist
+
+        done = all(
+            (eval_folder(self.cfg.output_dir, start, ema) / "index.json").is_file() for ema in self._variants(parts)
+        )
+        if start > 0 and rt_dist.broadcast_object(self.ctx, done):
+            return
+        self.run(start, parts)
+
+    def maybe_run(self, iteration: int, parts: Any) -> None:
+        """Evaluate after ``iteration`` when it is due (call before that iteration's checkpoint is saved)."""
+        if self.enabled and is_due(self.cfg, iteration):
+            self.run(iteration, parts)
+
+    def run(self, iteration: int, parts: Any) -> dict[str, Any]:
+        """Evaluate the current weights (and the EMA's); returns the metrics record (rank 0; ``{}`` elsewhere)."""
+        from fluxgrpo.runtime import device as rt_device
+        from fluxgrpo.runtime import dist as rt_dist
+
+        began = time.perf_counter()
+        record: dict[str, Any] = {"iteration": iteration}
+        for ema in self._variants(parts):
+            if ema:
+                with parts.ema.swap_into(parts.transformer):
+                    record.update(self._evaluate(iteration, parts, ema=True))
+            else:
+                record.update(self._evaluate(iteration, parts, ema=False))
+        rt_device.empty_cache(self.ctx.device)
+        record["eval_seconds"] = time.perf_counter() - began
+        self.metrics.log(record)
+        means = " · ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in record.items() if k.endswith("_mean"))
+        rt_dist.rank0_print(self.ctx, f"eval at iteration {iteration}: {means} ({record['eval_seconds']:.1f} s)")
+        return record if self.ctx.is_main else {}
+
+    @staticmethod
+    def _variants(parts: Any) -> tuple[bool, ...]:
+        return (False, True) if parts.ema is not None else (False,)
+
+    # ----------------------------------------------------------------------------------------- one evaluation
+
+    def _evaluate(self, iteration: int, parts: Any, ema: bool) -> dict[str, float]:
+        from fluxgrpo.grpo.rollout import reshard_sharded_modules
+        from fluxgrpo.preprocess import rank_indices
+        from fluxgrpo.runtime import device as rt_device
+        from fluxgrpo.runtime import dist as rt_dist
+        from fluxgrpo.sample import SampledImage, SampleRequest, clear_previous_run, generate_images
+
+        ctx = self.ctx
+        out = eval_folder(self.cfg.output_dir, iteration, ema)
+        if ctx.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            clear_previous_run(out)  # a dead run's evaluation of this iteration, repeated after a resume
+        rt_dist.barrier(ctx)
+        request = SampleRequest(
+            model=self.cfg.model,
+            prompts=self.prompts,
+            out_dir=str(out),
+            checkpoint=None,
+            ema=ema,
+            settings=self.settings,
+            device=self.cfg.device,
+        )
+        mine = rank_indices(len(self.prompts), ctx.rank, ctx.world_size)
+        pipe = self._pipeline(parts)
+        encoded = self._encodings()
+        records = generate_images(pipe, request, mine, ctx, encoded=encoded) if mine else []
+        self._pad_forwards(pipe, len(mine), encoded)
+        reshard_sharded_modules(parts.transformer)
+
+        gathered = rt_dist.all_gather_object(ctx, [asdict(r) for r in records])
+        images = sorted(
+            (SampledImage(**r) for part in gathered for r in part), key=lambda r: (r.prompt_index, r.image_index)
+        )
+        values: dict[str, float] = {}
+        if ctx.is_main:
+            values = self._finish(out, request, images, iteration, ema, rt_device.compute_dtype(ctx.device_type))
+        rt_dist.barrier(ctx)
+        return values
+
+    def _finish(self, out: Path, request: Any, images: list[Any], iteration: int, ema: bool, dtype: Any) -> dict:
+        """Rank 0: grid, scores, index.json (last), image and histograms to the trackers; the metrics values."""
+        import numpy as np
+        from PIL import Image
+
+        from fluxgrpo.sample import write_grid, write_index
+
+        grid = write_grid(out, images, len(self.prompts), self.settings)
+        scores = {name: self._score(name, out, images) for name in self.rewards}
+        run = {
+            "world_size": self.ctx.world_size,
+            "device_type": self.ctx.device_type,
+            "dtype": str(dtype).removeprefix("torch."),
+        }
+        summary = {name: _mean_std(values) for name, values in scores.items()}
+        extra = {
+            "iteration": iteration,
+            "weights": f"training iteration {iteration}" + (" (EMA)" if ema else ""),
+            "scores": {name: {"mean": m, "std": s, "per_image": scores[name]} for name, (m, s) in summary.items()},
+        }
+        write_index(out, request, images, run, extra)
+        prefix = "eval_ema_" if ema else "eval_"
+        with Image.open(grid) as sheet:
+            pixels = np.asarray(sheet.convert("RGB"))
+        self.metrics.log_image(f"{prefix}grid", pixels, iteration, caption=f"iteration {iteration}")
+        for name, values in scores.items():
+            self.metrics.log_histogram(f"{prefix}{name}", np.asarray(values, dtype=np.float64), iteration)
+        values: dict[str, float] = {}
+        for name, (mean, std) in summary.items():
+            values[f"{prefix}{name}_mean"] = mean
+            values[f"{prefix}{name}_std"] = std
+        return values
+
+    def _score(self, name: str, out: Path, images: list[Any]) -> list[float]:
+        """Per-image scores, in (prompt, image) order, computed as ``fluxgrpo score --index`` computes them."""
+        from fluxgrpo.score import DEFAULT_SCORE_BATCH, ImageToScore, load_scorer, score_items
+
+        if name not in self._scorers:
+            self._scorers[name] = load_scorer(name, self.cfg.hps_dir, self.ctx.device)
+        items = [
+            ImageToScore(
+                path=out / image.file,
+                file=image.file,
+                prompt=image.prompt,
+                prompt_index=image.prompt_index,
+                image_index=image.image_index,
+                seed=image.seed,
+            )
+            for image in images
+        ]
+        scored = score_items(items, self._scorers[name], DEFAULT_SCORE_BATCH, self.ctx.device)
+        return [image.score for image in scored]
+
+    # ----------------------------------------------------------------------------------------- set-up
+
+    def _pipeline(self, parts: Any) -> Any:
+        """A FluxPipeline around the live transformer and the training VAE, without text encoders."""
+        if self._pipe is None:
+            from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+            scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(self.cfg.model, subfolder="scheduler")
+            self._pipe = FluxPipeline(
+                scheduler=scheduler,
+                vae=parts.vae,
+                text_encoder=None,
+                tokenizer=None,
+                text_encoder_2=None,
+                tokenizer_2=None,
+                transformer=parts.transformer,
+            )
+            self._pipe.set_progress_bar_config(disable=True)
+        return self._pipe
+
+    def _encodings(self) -> dict[int, tuple[Any, Any]]:
+        """This rank's prompts encoded once with `sample`'s code (text encoders loaded, used, and freed); a rank
+        without prompts encodes prompt 0 for its padding forwards."""
+        if self._encoded is None:
+            from diffusers import FluxPipeline
+
+            from fluxgrpo.preprocess import rank_indices
+            from fluxgrpo.runtime import device as rt_device
+            from fluxgrpo.sample import encode_prompt, quiet_loading
+
+            with quiet_loading():
+                encoders = FluxPipeline.from_pretrained(
+                    self.cfg.model, transformer=None, vae=None, dtype=rt_device.compute_dtype(self.ctx.device_type)
+                )
+            encoders = encoders.to(self.ctx.device)
+            mine = rank_indices(len(self.prompts), self.ctx.rank, self.ctx.world_size) or [0]
+            length = self.settings.max_sequence_length
+            self._encoded = {i: encode_prompt(encoders, self.prompts[i], self.ctx, length) for i in mine}
+            del encoders
+            rt_device.empty_cache(self.ctx.device)
+        return self._encoded
+
+    def _pad_forwards(self, pipe: Any, prompts_here: int, encoded: dict[int, tuple[Any, Any]]) -> None:
+        """Discarded pipeline calls so this rank runs as many sharded forwards as the busiest rank."""
+        import torch
+
+        from fluxgrpo.runtime.device import autocast
+        from fluxgrpo.sample import initial_latents
+
+        if not self.ctx.distributed:
+            return
+        settings = self.settings
+        busiest = math.ceil(len(self.prompts) / self.ctx.world_size)
+        calls = math.ceil(busiest * settings.images_per_prompt / settings.batch_size)
+        done = math.ceil(prompts_here * settings.images_per_prompt / settings.batch_size)
+        embeds, pooled = next(iter(encoded.values()))
+        for _ in range(calls - done):
+            with torch.no_grad(), autocast(self.ctx.device_type):
+                pipe(
+                    prompt_embeds=embeds,
+                    pooled_prompt_embeds=pooled,
+                    latents=initial_latents([EVAL_SEED], settings.height, settings.width),
+                    height=settings.height,
+                    width=settings.width,
+                    num_inference_steps=settings.steps,
+                    guidance_scale=settings.guidance,
+                    max_sequence_length=settings.max_sequence_length,
+                    output_type="latent",
+                )
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and population std, as ``fluxgrpo score`` reports them (NaN when there is no finite value)."""
+    from fluxgrpo.score import mean_std
+
+    finite = [v for v in values if math.isfinite(v)]
+    return mean_std(finite) if finite else (math.nan, math.nan)
