@@ -291,9 +291,10 @@ def test_tiny_writes_every_part_including_pickscore(tmp_path):
     )
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)["parts"]
-    assert [row["part"] for row in rows] == ["flux", "hps", "clip", "pickscore"]
+    assert [row["part"] for row in rows] == ["flux", "hps", "clip", "pickscore", "imagereward"]
     assert all(row["complete"] and row["source"] == "tiny" and row["bytes"] > 0 for row in rows)
     assert rows[3]["path"] == str(tmp_path / "h" / "pickscore")
+    assert rows[4]["path"] == str(tmp_path / "h" / "imagereward")
 
 
 def test_tiny_only_pickscore_writes_nothing_else(tmp_path):

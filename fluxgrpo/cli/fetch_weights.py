@@ -160,7 +160,14 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
     from fluxgrpo.errors import FluxgrpoError
     from fluxgrpo.models.tiny_weights import TINY_PARTS, write_tiny_weights
     from fluxgrpo.paths import ensure_writable_dir, give_default_mode
-    from fluxgrpo.weights.layout import check_flux_dir, check_hps_dir, check_pickscore_dir, pickscore_dir
+    from fluxgrpo.weights.layout import (
+        check_flux_dir,
+        check_hps_dir,
+        check_imagereward_dir,
+        check_pickscore_dir,
+        imagereward_dir,
+        pickscore_dir,
+    )
 
     selected = parts or list(TINY_PARTS)
     if "flux" in selected:
@@ -184,12 +191,14 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
         "hps": lambda: check_hps_dir(hps_dir)[0],
         "clip": lambda: check_hps_dir(hps_dir)[1],
         "pickscore": lambda: check_pickscore_dir(pickscore_dir(hps_dir)),
+        "imagereward": lambda: check_imagereward_dir(imagereward_dir(hps_dir)),
     }
     sizes = {
         "flux": summary.flux_bytes,
         "hps": summary.hps_bytes,
         "clip": summary.clip_bytes,
         "pickscore": summary.pickscore_bytes,
+        "imagereward": summary.imagereward_bytes,
     }
     rows = []
     for part in summary.parts:

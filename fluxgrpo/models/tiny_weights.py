@@ -22,11 +22,17 @@ from fluxgrpo.weights.layout import (
     CLIP_MANIFEST,
     HPS_CHECKPOINT,
     HPS_MANIFEST,
+    IMAGEREWARD_CHECKPOINT,
+    IMAGEREWARD_MED_CONFIG,
+    IMAGEREWARD_MODEL_DIR,
+    IMAGEREWARD_TOKENIZER_DIR,
+    IMAGEREWARD_VISION_ARCH_FILE,
     OPEN_CLIP_WEIGHTS,
     PICKSCORE_BPE_FILES,
     PICKSCORE_MODEL_DIR,
     PICKSCORE_PROCESSOR_DIR,
     REWARD_ARCH_FILE,
+    imagereward_dir,
     pickscore_dir,
 )
 from fluxgrpo.weights.manifest import MANIFEST_NAME, Manifest, describe_files, read_manifest, write_manifest
@@ -35,7 +41,7 @@ TINY_SOURCE = "tiny"
 _REWARD_FILES = (HPS_CHECKPOINT, OPEN_CLIP_WEIGHTS, REWARD_ARCH_FILE, HPS_MANIFEST, CLIP_MANIFEST)
 # What --only can name for --source tiny. hps and clip are one pair (the HPS checkpoint and the initial weights
 # it was fine-tuned from), written together.
-TINY_PARTS = ("flux", "hps", "clip", "pickscore")
+TINY_PARTS = ("flux", "hps", "clip", "pickscore", "imagereward")
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ class TinyWeightsSummary:
     hps_bytes: int
     clip_bytes: int
     pickscore_bytes: int = 0
+    imagereward_bytes: int = 0
     parts: tuple[str, ...] = TINY_PARTS  # the parts written, in TINY_PARTS order
 
 
@@ -161,6 +168,39 @@ def write_tiny_pickscore(folder: Path, seed: int = 0) -> int:
     return total
 
 
+def write_tiny_imagereward(folder: Path, seed: int = 0) -> int:
+    """Write a tiny ImageReward (``model/``: ImageReward.pt in the authors' keys + med_config.json + the tiny vision
+    shape; ``tokenizer/``: a WordPiece vocab.txt + tokenizer_config.json) with a manifest in each; returns bytes."""
+    import torch
+
+    from fluxgrpo.rewards.tiny import (
+        TINY_IMAGEREWARD_VISION,
+        build_tiny_imagereward_state,
+        tiny_bert_vocab,
+        tiny_imagereward_med_config,
+    )
+
+    folder = Path(folder)
+    model_dir, tokenizer_dir = folder / IMAGEREWARD_MODEL_DIR, folder / IMAGEREWARD_TOKENIZER_DIR
+    for sub in (model_dir, tokenizer_dir):
+        _refuse_unless_tiny_or_empty(sub, (MANIFEST_NAME,), None, "--hps-dir")
+    for sub in (model_dir, tokenizer_dir):
+        if sub.exists():
+            shutil.rmtree(sub)  # an earlier tiny folder: start clean so no stale file survives
+        sub.mkdir(parents=True)
+    torch.save(build_tiny_imagereward_state(seed), model_dir / IMAGEREWARD_CHECKPOINT)
+    (model_dir / IMAGEREWARD_MED_CONFIG).write_text(json.dumps(tiny_imagereward_med_config(), indent=2) + "\n")
+    (model_dir / IMAGEREWARD_VISION_ARCH_FILE).write_text(json.dumps(TINY_IMAGEREWARD_VISION, indent=2) + "\n")
+    (tokenizer_dir / "vocab.txt").write_text("\n".join(tiny_bert_vocab()) + "\n")
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True, "model_max_length": 512}))
+    total = 0
+    for sub in (model_dir, tokenizer_dir):
+        files = describe_files(sub, _relative_files(sub, {MANIFEST_NAME}))
+        write_manifest(sub, Manifest(part="imagereward", source=TINY_SOURCE, files=files), MANIFEST_NAME)
+        total += sum(f.size for f in files)
+    return total
+
+
 def write_tiny_weights(
     flux_dir: Path, hps_dir: Path, seed: int = 0, parts: Sequence[str] = TINY_PARTS
 ) -> TinyWeightsSummary:
@@ -183,6 +223,7 @@ def write_tiny_weights(
     flux_bytes = write_tiny_flux(Path(flux_dir), seed) if "flux" in written else 0
     hps_bytes, clip_bytes = write_tiny_reward(Path(hps_dir), seed) if "hps" in written else (0, 0)
     pickscore_bytes = write_tiny_pickscore(pickscore_dir(hps_dir), seed) if "pickscore" in written else 0
+    imagereward_bytes = write_tiny_imagereward(imagereward_dir(hps_dir), seed) if "imagereward" in written else 0
     return TinyWeightsSummary(
         Path(flux_dir),
         Path(hps_dir),
@@ -191,5 +232,6 @@ def write_tiny_weights(
         hps_bytes,
         clip_bytes,
         pickscore_bytes,
+        imagereward_bytes,
         tuple(part for part in TINY_PARTS if part in written),
     )

@@ -43,6 +43,13 @@ def _clipscore(hps_dir: Path, device: Any, dtype: torch.dtype) -> RewardFn:
     return ClipScoreReward(hps_dir, device, compute_dtype=dtype)
 
 
+def _imagereward(hps_dir: Path, device: Any, dtype: torch.dtype) -> RewardFn:
+    from fluxgrpo.rewards.imagereward import ImageRewardReward
+    from fluxgrpo.weights.layout import imagereward_dir
+
+    return ImageRewardReward(imagereward_dir(hps_dir), device, compute_dtype=dtype)
+
+
 def _brightness(hps_dir: Path, device: Any, dtype: torch.dtype) -> RewardFn:
     from fluxgrpo.rewards.brightness import BrightnessReward
 
@@ -54,6 +61,7 @@ REWARDS: dict[str, RewardLoader] = {
     "hpsv2": _hpsv2,
     "pickscore": _pickscore,
     "clipscore": _clipscore,
+    "imagereward": _imagereward,
     "brightness": _brightness,
 }
 
@@ -66,6 +74,7 @@ def reward_weights_status(name: str, hps_dir: str | Path) -> list[PartStatus]:
         "hpsv2": layout.check_hps_dir,
         "pickscore": lambda folder: [layout.check_pickscore_dir(layout.pickscore_dir(folder))],
         "clipscore": lambda folder: [layout.check_clip_part(folder)],
+        "imagereward": lambda folder: [layout.check_imagereward_dir(layout.imagereward_dir(folder))],
     }
     return checks.get(name, lambda folder: [])(Path(hps_dir))
 

@@ -90,3 +90,67 @@ def build_tiny_pickscore_model(seed: int = 0) -> CLIPModel:
         torch.manual_seed(seed)
         model = CLIPModel(config)
     return model.eval()
+
+
+# ImageReward: a BLIP-shaped ViT (one block, patch 32 at 224) and a one-layer BERT with cross-attention, in the shape
+# of the real med_config.json; the vocabulary is bert-base-uncased's special tokens plus lower-case characters and a
+# few words (WordPiece spells the rest), and BLIP adds [DEC] and [ENC] on load.
+TINY_IMAGEREWARD_VISION: dict[str, Any] = {
+    "hidden_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "patch_size": 32,
+    "mlp_ratio": 2,
+}
+_BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+_TINY_BERT_WORDS = ["a", "the", "of", "in", "on", "and", "with", "cat", "dog", "red", "fox", "snow", "castle", "hill"]
+
+
+def tiny_bert_vocab() -> list[str]:
+    """WordPiece vocabulary: specials (bert's ids 0..4 order differs; only names matter), characters, a few words."""
+    characters = list("abcdefghijklmnopqrstuvwxyz0123456789.,;:!?'\"-()&/")
+    words = [w for w in _TINY_BERT_WORDS if w not in characters]
+    return [*_BERT_SPECIALS, *characters, *(f"##{c}" for c in characters), *words]
+
+
+def tiny_imagereward_med_config() -> dict[str, Any]:
+    """med_config.json of the tiny ImageReward (the real one's keys; vocab = tiny vocabulary + [DEC] + [ENC])."""
+    return {
+        "architectures": ["BertModel"],
+        "attention_probs_dropout_prob": 0.1,
+        "hidden_act": "gelu",
+        "hidden_dropout_prob": 0.1,
+        "hidden_size": 32,
+        "initializer_range": 0.02,
+        "intermediate_size": 37,
+        "layer_norm_eps": 1e-12,
+        "max_position_embeddings": 64,
+        "model_type": "bert",
+        "num_attention_heads": 2,
+        "num_hidden_layers": 1,
+        "pad_token_id": 0,
+        "type_vocab_size": 2,
+        "vocab_size": len(tiny_bert_vocab()) + 2,
+        "encoder_width": TINY_IMAGEREWARD_VISION["hidden_size"],
+        "add_cross_attention": True,
+    }
+
+
+def build_tiny_imagereward_state(seed: int = 0) -> dict[str, Any]:
+    """A random tiny ImageReward's weights under the authors' checkpoint keys; seeded, global RNG untouched.
+
+    The head gets weights of std 1.5/√fan_in so scores vary visibly with the image (the real head's init, std
+    1/769, would make every tiny score the same to many digits).
+    """
+    import torch
+
+    from fluxgrpo.rewards.imagereward import authors_state_dict, build_imagereward_modules
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vision, text, head = build_imagereward_modules(tiny_imagereward_med_config(), TINY_IMAGEREWARD_VISION)
+        for layer in head:
+            if isinstance(layer, torch.nn.Linear):
+                torch.nn.init.normal_(layer.weight, std=1.5 / layer.in_features**0.5)
+                torch.nn.init.normal_(layer.bias, std=0.1)
+    return authors_state_dict(vision, text, head)

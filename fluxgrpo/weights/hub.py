@@ -49,6 +49,13 @@ from fluxgrpo.weights.layout import (
     FLUX_COMPONENTS,
     HPS_CHECKPOINT,
     HPS_MANIFEST,
+    IMAGEREWARD_CHECKPOINT,
+    IMAGEREWARD_DIR,
+    IMAGEREWARD_MED_CONFIG,
+    IMAGEREWARD_MODEL_DIR,
+    IMAGEREWARD_TOKENIZER_DIR,
+    IMAGEREWARD_TOKENIZER_FILES,
+    IMAGEREWARD_VISION_ARCH_FILE,
     OPEN_CLIP_WEIGHTS,
     PICKSCORE_BPE_FILES,
     PICKSCORE_DIR,
@@ -143,11 +150,34 @@ HUB_PARTS: dict[str, HubPart] = {
             manifest_name=MANIFEST_NAME,
             subdir=f"{PICKSCORE_DIR}/{PICKSCORE_PROCESSOR_DIR}",
         ),
+        HubPart(
+            "imagereward-model",
+            # No ModelScope copy of THUDM/ImageReward was found (DiffSynth-Studio's QualityMetric repo holds a
+            # safetensors conversion in another layout), so this part is Hugging Face only.
+            {"hf": ("THUDM/ImageReward",), "modelscope": ()},
+            allow=(IMAGEREWARD_CHECKPOINT, IMAGEREWARD_MED_CONFIG),
+            root="hps",
+            manifest_name=MANIFEST_NAME,
+            subdir=f"{IMAGEREWARD_DIR}/{IMAGEREWARD_MODEL_DIR}",
+            replaces=(IMAGEREWARD_VISION_ARCH_FILE,),  # the tiny vision shape would misbuild the real ViT-L
+        ),
+        HubPart(
+            "imagereward-tokenizer",
+            # What BLIP's init_tokenizer loads ('bert-base-uncased'); a ModelScope copy was not verified.
+            {"hf": ("google-bert/bert-base-uncased",), "modelscope": ()},
+            allow=IMAGEREWARD_TOKENIZER_FILES,
+            root="hps",
+            manifest_name=MANIFEST_NAME,
+            subdir=f"{IMAGEREWARD_DIR}/{IMAGEREWARD_TOKENIZER_DIR}",
+        ),
     )
 }
 
 # Names --only accepts besides the parts themselves: one name for parts that are only useful together.
-PART_GROUPS: dict[str, tuple[str, ...]] = {"pickscore": ("pickscore-model", "pickscore-processor")}
+PART_GROUPS: dict[str, tuple[str, ...]] = {
+    "pickscore": ("pickscore-model", "pickscore-processor"),
+    "imagereward": ("imagereward-model", "imagereward-tokenizer"),
+}
 # What a plain `fetch-weights` fetches: everything training with the default reward (HPSv2.1) needs.
 DEFAULT_PARTS: tuple[str, ...] = ("flux", "hps", "clip")
 PART_CHOICES: tuple[str, ...] = (*DEFAULT_PARTS, *PART_GROUPS, *(p for p in HUB_PARTS if p not in DEFAULT_PARTS))

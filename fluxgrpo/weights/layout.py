@@ -35,6 +35,18 @@ PICKSCORE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")  # either one; th
 PICKSCORE_TOKENIZER_JSON = "tokenizer.json"
 PICKSCORE_BPE_FILES = ("vocab.json", "merges.txt")
 
+# ImageReward lives beside PickScore, in the same two-folder shape:
+# <hps_dir>/imagereward/model      ImageReward.pt + med_config.json from THUDM/ImageReward
+# <hps_dir>/imagereward/tokenizer  bert-base-uncased's tokenizer (what BLIP's init_tokenizer loads)
+IMAGEREWARD_DIR = "imagereward"
+IMAGEREWARD_MODEL_DIR = "model"
+IMAGEREWARD_TOKENIZER_DIR = "tokenizer"
+IMAGEREWARD_CHECKPOINT = "ImageReward.pt"
+IMAGEREWARD_MED_CONFIG = "med_config.json"
+IMAGEREWARD_TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json")
+# Written beside the tiny ImageReward only: its vision tower's shape. Its absence means BLIP's ViT-L/16 at 224.
+IMAGEREWARD_VISION_ARCH_FILE = "vision_config.json"
+
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 _MODEL_COMPONENTS = ("text_encoder", "text_encoder_2", "transformer", "vae")
 
@@ -168,6 +180,44 @@ def check_pickscore_dir(folder: str | Path) -> PartStatus:
             status.problems.extend(f"{sub.name}/: {problem}" for problem in verify_manifest(sub, manifest))
     if sources:
         status.source = "+".join(dict.fromkeys(sources))  # "hf", or e.g. "modelscope+hf" when mixed
+    status.complete = not status.problems
+    if status.complete:
+        status.fix = None
+    return status
+
+
+def imagereward_dir(hps_dir: str | Path) -> Path:
+    """Where ImageReward's model and tokenizer live for a given HPS folder: ``<hps_dir>/imagereward``."""
+    return Path(hps_dir) / IMAGEREWARD_DIR
+
+
+def check_imagereward_dir(folder: str | Path) -> PartStatus:
+    """Check an ImageReward folder (``imagereward_dir(hps_dir)``): ``model/`` has ImageReward.pt and med_config.json,
+    ``tokenizer/`` has vocab.txt and tokenizer_config.json, and each manifest present lists files all in place."""
+    root = Path(folder)
+    model, tokenizer = root / IMAGEREWARD_MODEL_DIR, root / IMAGEREWARD_TOKENIZER_DIR
+    status = PartStatus(
+        "imagereward",
+        str(root),
+        complete=False,
+        fix=f"run `fluxgrpo fetch-weights --only imagereward --hps-dir {root.parent}` (or --source tiny for a CPU trial)",
+    )
+    if not root.is_dir():
+        status.problems.append(f"ImageReward weights not found in {root}")
+        return status
+    for sub, names in (
+        (model, (IMAGEREWARD_CHECKPOINT, IMAGEREWARD_MED_CONFIG)),
+        (tokenizer, IMAGEREWARD_TOKENIZER_FILES),
+    ):
+        status.problems.extend(f"{sub}/{name} is missing" for name in names if not (sub / name).is_file())
+    sources = []
+    for sub in (model, tokenizer):
+        manifest = read_manifest(sub)
+        if manifest is not None:
+            sources.append(manifest.source)
+            status.problems.extend(f"{sub.name}/: {problem}" for problem in verify_manifest(sub, manifest))
+    if sources:
+        status.source = "+".join(dict.fromkeys(sources))
     status.complete = not status.problems
     if status.complete:
         status.fix = None
