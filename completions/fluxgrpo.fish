@@ -113,6 +113,7 @@ complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l master-addr -r -F
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l master-port -r -F -d 'Rendezvous port on node 0.'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l resume -d 'Continue from the latest complete checkpoint in --output-dir (if any).'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l resume-from -r -F -d 'Continue from this checkpoint folder (or its name in --output-dir).'
+complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l overwrite -d 'Start over in an --output-dir that holds an earlier run: its files move to <dir>.replaced-<time>.'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l dry-run -d 'Validate, print the resolved config as JSON, start nothing.'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l json -d 'Print the run summary as one JSON document.'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l model -r -F -d 'FLUX diffusers folder (from `fluxgrpo fetch-weights`). [default: data/flux]'

@@ -256,9 +256,10 @@ class Evaluator:
 
             from fluxgrpo.preprocess import rank_indices
             from fluxgrpo.runtime import device as rt_device
-            from fluxgrpo.sample import encode_prompt, quiet_loading
+            from fluxgrpo.runtime.worker import quiet_library_progress
+            from fluxgrpo.sample import encode_prompt
 
-            with quiet_loading():
+            with quiet_library_progress():
                 encoders = FluxPipeline.from_pretrained(
                     self.cfg.model, transformer=None, vae=None, dtype=rt_device.compute_dtype(self.ctx.device_type)
                 )

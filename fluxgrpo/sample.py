@@ -33,12 +33,10 @@ rank 0 gathers the records and writes the grid and the index once every image is
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -361,24 +359,6 @@ def clear_previous_run(out: Path) -> int:
 # --------------------------------------------------------------------------------------------- generation
 
 
-@contextlib.contextmanager
-def quiet_loading() -> Iterator[None]:
-    """Hide diffusers' and transformers' per-file loading bars (``sample`` shows its own progress)."""
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    was = (diffusers_logging.is_progress_bar_enabled(), transformers_logging.is_progress_bar_enabled())
-    diffusers_logging.disable_progress_bar()
-    transformers_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was[0]:
-            diffusers_logging.enable_progress_bar()
-        if was[1]:
-            transformers_logging.enable_progress_bar()
-
-
 def load_pipeline(request: SampleRequest, ctx: Any) -> Any:
     """FluxPipeline from ``request.model`` in the compute dtype on ``ctx.device``, with the trained transformer
     swapped in when there is a checkpoint, adapted to the device by the runtime."""
@@ -389,12 +369,11 @@ def load_pipeline(request: SampleRequest, ctx: Any) -> Any:
 
     dtype = compute_dtype(ctx.device_type)
     components: dict[str, Any] = {}
-    with quiet_loading():
-        if request.transformer_dir is not None:
-            components["transformer"] = FluxTransformer2DModel.from_pretrained(request.transformer_dir, dtype=dtype)
-        pipe = FluxPipeline.from_pretrained(request.model, dtype=dtype, **components)
-        if request.lora_file is not None:
-            pipe.load_lora_weights(request.lora_file.parent, weight_name=request.lora_file.name)
+    if request.transformer_dir is not None:
+        components["transformer"] = FluxTransformer2DModel.from_pretrained(request.transformer_dir, dtype=dtype)
+    pipe = FluxPipeline.from_pretrained(request.model, dtype=dtype, **components)  # its bars: worker_session
+    if request.lora_file is not None:
+        pipe.load_lora_weights(request.lora_file.parent, weight_name=request.lora_file.name)
     pipe = pipe.to(ctx.device)
     pipe.set_progress_bar_config(disable=True)
     adapt_transformer(pipe.transformer, ctx.device_type, attention=request.settings.attention, compute_dtype=dtype)

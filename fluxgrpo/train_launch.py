@@ -8,6 +8,7 @@ arithmetic is consistent, and the output directory is writable. ``runtime.launch
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.paths import ensure_writable_dir
 from fluxgrpo.rewards import reward_weights_status
 from fluxgrpo.rewards.reward_set import reward_spec_names
+from fluxgrpo.run_folder import check_not_in_use, previous_run
 from fluxgrpo.runtime.launch import LaunchSpec, check_dies_fit, run_workers
 from fluxgrpo.weights.layout import check_flux_dir
 
@@ -34,6 +36,7 @@ class TrainPlan:
     resolved_path: Path
     resume_checkpoint: str | None  # the exact checkpoint folder, resolved once here so every rank agrees
     memory: Any = None  # fluxgrpo.memory.MemoryEstimate per die
+    overwrite: bool = False  # move an earlier run in the output directory aside (``run_folder.move_previous_run``)
 
 
 def preflight(cfg: TrainConfig) -> None:
@@ -140,9 +143,38 @@ def check_resume_compatible(cfg: TrainConfig, checkpoint: Path, world_size: int)
         )
 
 
-def plan_training(cfg: TrainConfig, spec: LaunchSpec, resume: str | None = None, *, dry_run: bool = False) -> TrainPlan:
+def check_previous_run(output_dir: Path, resume: str | None, overwrite: bool) -> None:
+    """A new run never writes over an earlier one: without --resume a folder holding a run needs --overwrite."""
+    if resume is not None and overwrite:
+        raise UsageError("--overwrite starts the run over and --resume continues it: pass one of them")
+    found = previous_run(output_dir)
+    if found and resume is None and not overwrite:
+        shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise UsageError(
+            f"--output-dir {output_dir} already holds a run ({shown}): continue it with --resume, or start over "
+            f"with another --output-dir, or with --overwrite (which moves the old run's files to "
+            f"{output_dir.name}.replaced-<UTC time>, beside it)"
+        )
+
+
+def check_resume_not_done(cfg: TrainConfig, checkpoint: Path) -> None:
+    """A resume must have iterations left to run; one already at --max-train-steps would silently do nothing."""
+    from fluxgrpo.checkpoint import read_checkpoint_info
+
+    done = int(read_checkpoint_info(checkpoint)["iteration"])
+    if done >= cfg.max_train_steps:
+        raise UsageError(
+            f"{checkpoint} has already run {done} iterations and --max-train-steps is {cfg.max_train_steps}: "
+            f"nothing to resume; raise --max-train-steps above {done} to train further"
+        )
+
+
+def plan_training(
+    cfg: TrainConfig, spec: LaunchSpec, resume: str | None = None, *, dry_run: bool = False, overwrite: bool = False
+) -> TrainPlan:
     """Validate and decide everything about the launch without starting it: config, devices, weights,
-    embeddings, output directory, logging back-ends and the checkpoint to resume from."""
+    embeddings, output directory (not in use by a live run, not holding an earlier run unless resumed or
+    overwritten), logging back-ends and the checkpoint to resume from."""
     import importlib.util
 
     from fluxgrpo.checkpoint import resolve_resume
@@ -165,11 +197,15 @@ def plan_training(cfg: TrainConfig, spec: LaunchSpec, resume: str | None = None,
     worker_env = worker_env_defaults(device_type)  # shown in the resolved config
     output_dir = Path(cfg.output_dir)
     check_output_dir(output_dir, create=not dry_run)
+    if spec.node_rank == 0:  # node 0 owns the folder; the other nodes of a shared one find node 0's run there
+        check_not_in_use(output_dir)
+        check_previous_run(output_dir, resume, overwrite)
     preflight(cfg)
     memory = plan_memory(cfg, spec.world_size, device_type)
     checkpoint = resolve_resume(output_dir, resume) if resume is not None else None
     if checkpoint is not None:
         check_resume_compatible(cfg, checkpoint, spec.world_size)
+        check_resume_not_done(cfg, checkpoint)
     derived = cfg.derived(spec.world_size)
     return TrainPlan(
         cfg,
@@ -180,21 +216,30 @@ def plan_training(cfg: TrainConfig, spec: LaunchSpec, resume: str | None = None,
         output_dir / RESOLVED_CONFIG,
         None if checkpoint is None else str(checkpoint),
         memory,
+        overwrite,
     )
 
 
 def launch_training(plan: TrainPlan, log=print) -> list[dict[str, Any]]:
-    """Save the resolved config and run the workers; returns the run's metrics records (metrics.jsonl)."""
+    """Save the resolved config and run the workers, holding the output directory's lock (node 0) for the
+    run's life; returns the run's metrics records (metrics.jsonl)."""
     from fluxgrpo.metrics import read_metrics
+    from fluxgrpo.run_folder import lock_run_folder, move_previous_run
 
-    extra = {"device_type": plan.device_type, **{f"env {k}": v for k, v in plan.worker_env.items()}}
-    if plan.resume_checkpoint:
-        extra["resumed_from"] = plan.resume_checkpoint
-    save_resolved(plan.cfg, plan.resolved_path, plan.derived, extra)
-    for key, value in plan.derived.items():
-        log(f"  {key.replace('_', ' ')}: {value}")
-    log(f"resolved config saved to {plan.resolved_path}")
-    payload = {"config": plan.cfg.to_dict(), "resume": plan.resume_checkpoint}
-    log_dir = Path(plan.cfg.output_dir) / "logs"
-    run_workers(WORKER_MODULE, payload, plan.spec, plan.device_type, log_dir=log_dir, log=log)
-    return read_metrics(Path(plan.cfg.output_dir))
+    output_dir = Path(plan.cfg.output_dir)
+    owner = plan.spec.node_rank == 0
+    with lock_run_folder(output_dir) if owner else contextlib.nullcontext({}) as stale:
+        if stale.get("pid"):
+            log(f"took over the lock of a run that is no longer running (pid {stale['pid']} on {stale.get('host')})")
+        if owner and plan.overwrite and previous_run(output_dir):
+            log(f"moved the previous run to {move_previous_run(output_dir)}")
+        extra = {"device_type": plan.device_type, **{f"env {k}": v for k, v in plan.worker_env.items()}}
+        if plan.resume_checkpoint:
+            extra["resumed_from"] = plan.resume_checkpoint
+        save_resolved(plan.cfg, plan.resolved_path, plan.derived, extra)
+        for key, value in plan.derived.items():
+            log(f"  {key.replace('_', ' ')}: {value}")
+        log(f"resolved config saved to {plan.resolved_path}")
+        payload = {"config": plan.cfg.to_dict(), "resume": plan.resume_checkpoint}
+        run_workers(WORKER_MODULE, payload, plan.spec, plan.device_type, log_dir=output_dir / "logs", log=log)
+    return read_metrics(output_dir)

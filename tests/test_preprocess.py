@@ -259,7 +259,8 @@ def test_cli_preprocess_exit_codes(tiny_weights, tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_write_every_prompt_once_and_match_one_process(tiny_embeddings, tmp_path, monkeypatch):
-    # `--dies 2` runs `python -m torch.distributed.run --standalone --nproc-per-node=2 -m fluxgrpo.preprocess ...`
+    # `--dies 2` runs `python -m fluxgrpo.runtime.agent --standalone --nproc-per-node=2 -m fluxgrpo.runtime.worker
+    # fluxgrpo.preprocess ...` (torchrun)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 2 cores, 2 workers
     out = tmp_path / "emb"
     result = runner.invoke(

@@ -161,7 +161,7 @@ def test_torchrun_argv_single_node():
     assert argv == [
         "py",
         "-m",
-        "torch.distributed.run",
+        "fluxgrpo.runtime.agent",  # torchrun itself, dying with its parent and reporting failures as data
         "--standalone",
         "--nproc-per-node=16",
         "-m",
@@ -177,6 +177,28 @@ def test_torchrun_argv_multi_node_and_logs(tmp_path):
     assert argv[3:7] == ["--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=29600"]
     assert "--nproc-per-node=8" in argv and "--local-ranks-filter=0" in argv and f"--log-dir={tmp_path}" in argv
     assert spec.world_size == 16
+    from torch.distributed.run import parse_args
+
+    args = parse_args(argv[3:])  # what the agent hands torchrun: its own arguments, unchanged
+    assert (args.role, args.log_line_prefix_template, args.module) == ("", "${role_name}", True)
+
+
+def test_failure_message_names_what_really_happened(tmp_path):
+    def agent_record(*failures):
+        (tmp_path / "agent.json").write_text(
+            json.dumps({"failures": [dict(zip(("rank", "exitcode", "time"), f, strict=True)) for f in failures]})
+        )
+
+    assert "exited with code 3 and recorded no error" in launch.failure_message(tmp_path, 3)
+    assert launch.failure_message(tmp_path, -9).startswith("the torchrun agent was killed by signal 9 (SIGKILL)")
+    assert launch.failure_message(tmp_path, 130).startswith("the torchrun agent was killed by signal 2 (SIGINT)")
+    agent_record((1, 7, 1.0), (0, -15, 2.0))
+    assert launch.failure_message(tmp_path, 1).startswith("rank 1 exited with code 7 without recording an error")
+    (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "error": "Connection closed by peer", "time": 0.5}))
+    assert launch.failure_message(tmp_path, 1) == "rank 0 failed: Connection closed by peer"
+    # killed from outside (not torchrun's own SIGTERM): that is the cause, not the peer's lost connection
+    agent_record((1, -9, 1.0), (0, 1, 2.0))
+    assert launch.failure_message(tmp_path, 1).startswith("rank 1 was killed by signal 9 (SIGKILL)")
 
 
 @pytest.mark.parametrize(
@@ -202,7 +224,7 @@ def test_run_torchrun_names_first_failing_rank():
 
     with pytest.raises(FluxgrpoError, match="rank 1 failed: OOM on rank 1"):
         launch.run_torchrun(["x"], runner=runner)
-    with pytest.raises(FluxgrpoError, match="exited with code 7"):
+    with pytest.raises(FluxgrpoError, match="exited with code 7 and recorded no error"):
         launch.run_torchrun(["x"], runner=lambda argv, env: 7)
     launch.run_torchrun(["x"], runner=lambda argv, env: 0)
 

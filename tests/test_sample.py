@@ -354,7 +354,8 @@ def test_cli_json_summary_and_exit_codes(tiny_weights, tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_write_every_image_once_and_match_one_process(tiny_weights, tmp_path, monkeypatch):
-    # `--dies 2` runs `python -m torch.distributed.run --standalone --nproc-per-node=2 -m fluxgrpo.sample ...`
+    # `--dies 2` runs `python -m fluxgrpo.runtime.agent --standalone --nproc-per-node=2 -m fluxgrpo.runtime.worker
+    # fluxgrpo.sample ...` (torchrun)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 2 cores, 2 workers
     three = [*PROMPTS, "a green tree"]
     out = tmp_path / "two"

@@ -32,7 +32,9 @@ COMMANDS: tuple[tuple[str, str], ...] = (
 )
 
 for _name, _module in COMMANDS:
-    app.command(_name)(importlib.import_module(f"fluxgrpo.cli.{_module}").command)
+    _cli_module = importlib.import_module(f"fluxgrpo.cli.{_module}")
+    # A module may bring its own click command class (train: help that stays readable in a narrow terminal).
+    app.command(_name, cls=getattr(_cli_module, "command_class", None))(_cli_module.command)
 
 
 def _version(value: bool) -> None:

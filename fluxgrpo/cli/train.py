@@ -10,6 +10,7 @@ import inspect
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 from fluxgrpo.cli.common import err_console, escape, handle_errors, log, out_console, print_json
 
@@ -71,6 +72,7 @@ def _train(
     master_addr: str | None,
     master_port: int | None,
     resume: str | None,
+    overwrite: bool,
     dry_run: bool,
     json_output: bool,
     **hyperparameters: Any,
@@ -87,7 +89,7 @@ def _train(
     spec = LaunchSpec(
         nproc_per_node=dies, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port
     )
-    plan = plan_training(cfg, spec, resume, dry_run=dry_run)
+    plan = plan_training(cfg, spec, resume, dry_run=dry_run, overwrite=overwrite)
     if dry_run:
         for line in plan.memory.lines():
             err_console.print(line, highlight=False)
@@ -141,6 +143,13 @@ def command(
         str | None,
         typer.Option("--resume-from", help="Continue from this checkpoint folder (or its name in --output-dir)."),
     ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Start over in an --output-dir that holds an earlier run: its files move to <dir>.replaced-<time>.",
+        ),
+    ] = False,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Validate, print the resolved config as JSON, start nothing.")
     ] = False,
@@ -149,12 +158,15 @@ def command(
 ) -> None:
     """Fine-tune the FLUX transformer with GRPO (rollout → reward → advantages → update → checkpoint).
 
+    \b
     Examples:
       fluxgrpo train --config tiny-cpu --dies 2
       fluxgrpo train --config a3-16die --dies 16
-      fluxgrpo train --config a3-16die --dies 8 --nnodes 2 --node-rank 0 --master-addr 10.0.0.1
+      fluxgrpo train --config a3-16die --dies 8 --nnodes 2 --node-rank 0 \\
+          --master-addr 10.0.0.1
       fluxgrpo train --config a3-16die --dies 16 --resume
-      fluxgrpo train --config a3-16die --dies 16 --resume-from data/outputs/grpo/checkpoint-80
+      fluxgrpo train --config a3-16die --dies 16 \\
+          --resume-from data/outputs/grpo/checkpoint-80
     """
     _train(
         config=config,
@@ -165,10 +177,32 @@ def command(
         master_addr=master_addr,
         master_port=master_port,
         resume=resume_from if resume_from is not None else ("latest" if resume else None),
+        overwrite=overwrite,
         dry_run=dry_run,
         json_output=json_output,
         **hyperparameters,
     )
+
+
+class TrainHelpCommand(TyperCommand):
+    """``train --help`` as a rich table where the terminal fits its long option names, else as click's plain list.
+
+    The rich table cuts names to fit (``--gradient-accumula…`` at 80 columns); the plain list wraps help text
+    instead and never cuts a name.
+    """
+
+    RICH_MIN_COLUMNS = 110
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        import shutil
+
+        if shutil.get_terminal_size().columns >= self.RICH_MIN_COLUMNS:
+            return super().format_help(ctx, formatter)
+        saved, self.rich_markup_mode = self.rich_markup_mode, None  # typer's own switch to click's plain help
+        try:
+            return super().format_help(ctx, formatter)
+        finally:
+            self.rich_markup_mode = saved
 
 
 def _with_generated_signature(fn):
@@ -182,3 +216,4 @@ def _with_generated_signature(fn):
 
 
 command = _with_generated_signature(handle_errors(command))
+command_class = TrainHelpCommand

@@ -23,9 +23,11 @@ tracebacks. torchrun itself stops every other worker when one fails.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,9 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.runtime.agent import AGENT_RECORD, ERROR_DIR_ENV, PARENT_PID_ENV, describe_exit
 from fluxgrpo.runtime.npu_env import NPU_ENV_DEFAULTS
 
-ERROR_DIR_ENV = "FLUXGRPO_ERROR_DIR"
+AGENT_MODULE = "fluxgrpo.runtime.agent"
+AGENT_STOP_SECONDS = 60  # after Ctrl-C: time for the agent to stop its workers before it is killed
 WORKER_MODULE = "fluxgrpo.runtime.worker"
 
 
@@ -93,7 +97,7 @@ def build_torchrun_argv(
     files there and only local rank 0 reaches the console.
     """
     spec.validate()
-    argv = [python or sys.executable, "-m", "torch.distributed.run"]
+    argv = [python or sys.executable, "-m", AGENT_MODULE]
     if spec.nnodes == 1 and spec.master_addr is None and spec.master_port is None:
         argv.append("--standalone")
     else:
@@ -105,7 +109,15 @@ def build_torchrun_argv(
         ]
     argv.append(f"--nproc-per-node={spec.nproc_per_node}")
     if log_dir is not None:
-        argv += [f"--log-dir={log_dir}", "--tee=3", "--local-ranks-filter=0"]
+        # An empty role rendered by the prefix template is an empty prefix: rank 0's lines reach the console as
+        # the worker wrote them, without torchrun's "[default0]:" (only local rank 0 is shown anyway).
+        argv += [
+            f"--log-dir={log_dir}",
+            "--tee=3",
+            "--local-ranks-filter=0",
+            "--role=",
+            "--log-line-prefix-template=${role_name}",
+        ]
     argv += ["-m", module, *args]
     return argv
 
@@ -116,30 +128,68 @@ def run_torchrun(
     env: Mapping[str, str] | None = None,
     runner: Callable[..., int] | None = None,
 ) -> None:
-    """Run a torchrun command; on failure raise FluxgrpoError naming the first rank that failed and why.
+    """Run a torchrun command; on failure raise FluxgrpoError saying in one line which rank failed and how.
 
     Args:
         argv: from ``build_torchrun_argv``.
         env: extra environment variables for the workers (merged over os.environ).
         runner: injectable for tests; called as ``runner(argv, env=full_env)`` and returns the exit code.
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C, after the agent has stopped the workers.
     """
     with tempfile.TemporaryDirectory(prefix="fluxgrpo-errors-") as error_dir:
-        full_env = {**os.environ, **(env or {}), ERROR_DIR_ENV: error_dir}
-        run = runner or (lambda a, env: subprocess.call(list(a), env=env))
-        try:
-            code = run(argv, env=full_env)
-        except KeyboardInterrupt:
-            raise FluxgrpoError(
-                "interrupted: workers stopped (no checkpoint is marked complete unless it was)"
-            ) from None
+        full_env = {**os.environ, **(env or {}), ERROR_DIR_ENV: error_dir, PARENT_PID_ENV: str(os.getpid())}
+        code = (runner or _run_agent)(argv, env=full_env)
         if code != 0:
-            first = first_worker_error(Path(error_dir))
-            if first is not None:
-                raise FluxgrpoError(f"rank {first['rank']} failed: {first['error']}")
-            raise FluxgrpoError(
-                f"workers exited with code {code} and recorded no error (killed, or out of memory?): "
-                "see the worker logs above"
-            )
+            raise FluxgrpoError(failure_message(Path(error_dir), code))
+
+
+def _run_agent(argv: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run the agent in its own session (a terminal's Ctrl-C reaches only us), and never leave it behind."""
+    agent = subprocess.Popen(list(argv), env=dict(env), start_new_session=True)
+    try:
+        return agent.wait()
+    except BaseException:  # Ctrl-C, or this process is being stopped: the agent stops its workers first
+        agent.terminate()
+        try:
+            agent.wait(timeout=AGENT_STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass  # killed below; its workers die with it
+        finally:  # also after a second Ctrl-C
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+        raise
+
+
+def failure_message(error_dir: Path, code: int) -> str:
+    """One line for a failed run, from what the workers and the agent recorded in ``error_dir``.
+
+    A rank killed by a signal other than SIGTERM (the one torchrun stops the other workers with) was killed from
+    outside, by the kernel's OOM killer or a user: that is the cause, and its peers' errors are only the
+    connection they lost. Otherwise the error recorded first is the cause.
+    """
+    agent_failures: list[dict[str, Any]] = []
+    with contextlib.suppress(OSError, ValueError):
+        agent_failures = json.loads((error_dir / AGENT_RECORD).read_text())["failures"]
+    killed = [f for f in agent_failures if f["exitcode"] < 0 and -f["exitcode"] != signal.SIGTERM]
+    if killed:
+        first = min(killed, key=lambda f: f["time"])
+        return (
+            f"rank {first['rank']} {describe_exit(first['exitcode'])}: it was killed from outside (out of host "
+            "memory? the kernel's OOM killer sends SIGKILL; see `dmesg`), and the other workers were stopped"
+        )
+    recorded = first_worker_error(error_dir)
+    if recorded is not None:
+        return f"rank {recorded['rank']} failed: {recorded['error']}"
+    if agent_failures:
+        first = min(agent_failures, key=lambda f: f["time"])
+        return f"rank {first['rank']} {describe_exit(first['exitcode'])} without recording an error: see its output"
+    if code < 0 or code > 128:
+        sig = -code if code < 0 else code - 128
+        return f"the torchrun agent {describe_exit(-sig)}; it stops its workers (no checkpoint is written)"
+    return f"the workers exited with code {code} and recorded no error: see their output above"
 
 
 def first_worker_error(error_dir: Path) -> dict[str, Any] | None:
@@ -234,8 +284,14 @@ def run_workers(
 
 
 def check_dies_fit(device_type: str, nproc: int) -> None:
-    """``--dies`` must not exceed the visible accelerators (the CPU takes any number of workers)."""
+    """``--dies`` must not exceed the visible accelerators, or on the CPU the cores this process may use."""
     if device_type == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if nproc > cores:
+            raise UsageError(
+                f"--dies {nproc} but only {cores} CPU core(s) are available: CPU workers need a core each, "
+                f"use --dies {cores} or fewer"
+            )
         return
     from fluxgrpo.runtime import device as rt_device
 

@@ -5,6 +5,8 @@ and bench once it adopts it), in a torchrun worker or in the launching process f
 
 - join the process group (``dist.init_distributed``: device from LOCAL_RANK, NPU environment defaults);
 - one intra-op thread per worker when several CPU workers share the host (oversubscription is far slower);
+- hide the libraries' own "Loading weights" / "Writing model shards" bars (``quiet_library_progress``): our
+  commands print their own progress, and N workers' bars would interleave;
 - silence FSDP2's "returned a view tensor" warning: FLUX blocks return views, and neither the FLUX forward nor
   our SDE step modifies a block output in place (the case the warning is about), so it would only repeat
   every iteration;
@@ -23,6 +25,7 @@ import contextlib
 import importlib
 import json
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -31,10 +34,31 @@ from typing import Any
 
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.runtime.agent import die_with_parent
 from fluxgrpo.runtime.launch import record_worker_error, worker_errors
 
 ENTRY_NAME = "worker_entry"
 FSDP_VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
+
+
+@contextlib.contextmanager
+def quiet_library_progress() -> Iterator[None]:
+    """Hide diffusers' and transformers' per-file loading and saving bars while the block runs."""
+    import importlib.util
+
+    switches = []
+    for name in ("diffusers.utils.logging", "transformers.utils.logging"):
+        if importlib.util.find_spec(name.split(".")[0]) is None:
+            continue
+        library_logging = importlib.import_module(name)
+        switches.append((library_logging, library_logging.is_progress_bar_enabled()))
+        library_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for library_logging, was_enabled in switches:
+            if was_enabled:
+                library_logging.enable_progress_bar()
 
 
 @contextlib.contextmanager
@@ -47,7 +71,8 @@ def worker_session(requested_device: str | None) -> Iterator[rt_dist.DistContext
             import torch
 
             torch.set_num_threads(1)  # N workers share the host's cores; oversubscription is far slower
-        yield ctx
+        with quiet_library_progress():
+            yield ctx
     except BaseException as exc:
         record_worker_error(exc)
         rt_dist.teardown(failed=True)
@@ -76,11 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--payload", required=True, type=Path, help="the payload as JSON")
     parser.add_argument("--summary", type=Path, default=None, help="rank 0 writes the entry's result here")
     args = parser.parse_args(argv)
+    die_with_parent(signal.SIGKILL)  # never train on after the agent is gone
     try:
         result = worker_errors(lambda: entry_point(args.module)(json.loads(args.payload.read_text())))()
     except FluxgrpoError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Exception as exc:  # recorded with its traceback; the launching command reports it in one line
+        if os.environ.get("FLUXGRPO_DEBUG"):
+            raise
+        print(f"error: {type(exc).__name__}: {exc} (FLUXGRPO_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 1
     if args.summary is not None and int(os.environ.get("RANK", "0")) == 0:
         args.summary.write_text(json.dumps(as_summary(result), indent=2) + "\n")
     return 0
