@@ -339,7 +339,8 @@ def ratio_means_per_step(ctx: DistContext, update: Any) -> list[float | None]:
     packed = torch.stack([update.ratio_sum_per_step, update.count_per_step])
     rt_dist.all_reduce_sum(ctx, packed)
     sums, counts = packed.tolist()
-    return [total / count if count else None for total, count in zip(sums, counts, strict=True)]
+    means = [total / count if count else None for total, count in zip(sums, counts, strict=True)]
+    return [mean if mean is not None and math.isfinite(mean) else None for mean in means]
 
 
 def advantage_statistics(ctx: DistContext, advantages: torch.Tensor) -> dict[str, float]:
