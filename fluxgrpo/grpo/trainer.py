@@ -3,7 +3,8 @@
 Each iteration, on each rank:
 
 1. draw ``train_batch_size`` prompts (a seeded distributed sampler whose epoch advances) and repeat each G times;
-2. rollout: SDE sampling with per-step log-probs, in chunks of ``rollout_batch_size`` (``rollout.py``);
+2. rollout: SDE sampling with per-step log-probs (every step, or a window with ODE elsewhere: ``step_plan.py``),
+   in chunks of ``rollout_batch_size`` (``rollout.py``);
 3. decode the final x̂0 with the VAE and score the images with the reward model, batched, on the device;
 4. group advantages (unbiased std + 1e-8, clipped), rewards gathered across ranks for logging;
 5. policy update on a random subset of timesteps per trajectory, PPO-clip, gradient accumulation (``update.py``);
