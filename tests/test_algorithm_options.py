@@ -266,3 +266,28 @@ def test_guard_log_ratio_is_the_noise_projection_with_zero_mean():
     bias = delta / (2 * old.std.item() ** 2)
     assert abs(sum(raw) / len(raw) + bias) < 0.1 * bias
     assert abs(sum(normalised) / len(normalised)) < 0.1 * bias * old.std.item()
+
+
+def test_a_lora_runs_reference_is_the_policy_with_its_adapters_off(base_transformer):
+    from fluxgrpo.grpo.reference import AdapterDisabledReference
+    from fluxgrpo.grpo.rollout import predict_velocity
+    from fluxgrpo.lora import LoraSpec, add_lora, init_adapters
+
+    base = copy.deepcopy(base_transformer)
+    policy = copy.deepcopy(base_transformer)
+    add_lora(policy, LoraSpec(rank=4, alpha=8.0, targets=("attn.to_q", "attn.to_v"), dropout=0.0), torch.float32)
+    init_adapters(policy, seed=0)
+    with torch.no_grad():  # move the adapters away from B = 0, so the policy differs from the base
+        for name, parameter in policy.named_parameters():
+            if ".lora_B." in name:
+                parameter.normal_(0, 0.1, generator=torch.Generator().manual_seed(3))
+    cond, noise = make_batch(2)
+    args = (cond, torch.full((2,), 0.7), torch.full((2,), GUIDANCE), image_ids(64, 64), "cpu")
+    with torch.no_grad():
+        expected = predict_velocity(base, noise, *args)
+        policy_before = predict_velocity(policy, noise, *args)
+    reference = AdapterDisabledReference(policy).reference_prediction(noise, *args)
+    assert torch.allclose(reference, expected, atol=1e-6)
+    assert not torch.allclose(policy_before, expected, atol=1e-3)
+    with torch.no_grad():
+        assert torch.equal(predict_velocity(policy, noise, *args), policy_before)  # adapters are back on

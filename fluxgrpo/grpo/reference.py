@@ -5,8 +5,8 @@ the policy's and the reference's velocity at the same (x, σ), std_dev_t the sam
 the Gaussian samplers that is the KL between the two steps' distributions times |dt| (the authors divide by
 std_dev_t², not by the step variance std_dev_t²·|dt|); fluxgrpo keeps their definition so their β values carry over.
 
-The reference is behind ``ReferenceModel.reference_prediction`` so that a LoRA run can answer it with the adapter
-disabled (the authors' way) instead of a second copy of the weights.
+The reference is behind ``ReferenceModel.reference_prediction``: a LoRA run answers it with the adapter disabled
+(the authors' way, no second copy of the weights), full fine-tuning with a frozen copy of the base weights.
 """
 
 from __future__ import annotations
@@ -58,6 +58,38 @@ class FrozenReference:
                 self.module, latents, cond, timesteps, guidance, img_ids, device_type, compute_dtype
             ).detach()
         finally:
+            reshard_sharded_modules(self.module)
+
+
+class AdapterDisabledReference:
+    """The base model of a LoRA run: the policy itself with its adapters switched off for one forward (diffusers'
+    peft integration, ``disable_adapters``/``enable_adapters``). Call it outside the policy's forward-backward (the
+    update does, before the policy's forward), so no graph or FSDP2 gather of the policy is in flight."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @torch.no_grad()
+    def reference_prediction(
+        self,
+        latents: torch.Tensor,
+        cond: Conditioning,
+        timesteps: torch.Tensor,
+        guidance: torch.Tensor,
+        img_ids: torch.Tensor,
+        device_type: str,
+        compute_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        was_training = self.module.training
+        self.module.eval()  # no adapter dropout either
+        self.module.disable_adapters()
+        try:
+            return predict_velocity(
+                self.module, latents, cond, timesteps, guidance, img_ids, device_type, compute_dtype
+            ).detach()
+        finally:
+            self.module.enable_adapters()
+            self.module.train(was_training)
             reshard_sharded_modules(self.module)
 
 

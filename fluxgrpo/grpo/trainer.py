@@ -88,21 +88,27 @@ def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
     sampler = PromptSampler(
         len(dataset), rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.train_batch_size, seed=cfg.seed
     )
-    reference = build_reference(cfg, ctx) if cfg.kl_beta > 0 else None
+    reference = build_reference(cfg, ctx, transformer) if cfg.kl_beta > 0 else None
     return TrainingParts(ctx, transformer, vae, reward_fn, optimizer, lr_scheduler, ema, dataset, sampler, reference)
 
 
-def build_reference(cfg: TrainConfig, ctx: DistContext):
-    """The KL's reference: the base weights again, frozen, in the compute dtype (a forward is all it does), sharded
-    like the policy. Built from ``cfg.model``, so a resumed run gets the same reference."""
-    from fluxgrpo.grpo.reference import FrozenReference
-    from fluxgrpo.models.flux import load_transformer
+def build_reference(cfg: TrainConfig, ctx: DistContext, transformer: torch.nn.Module):
+    """The KL's reference, the base model: for a LoRA run the policy with its adapters disabled; for full
+    fine-tuning the base weights again, frozen, in the compute dtype (a forward is all it does), built and sharded
+    like the policy (meta device, each rank reading its own shards). Built from ``cfg.model``, so a resumed run gets
+    the same reference."""
+    from fluxgrpo.grpo.reference import AdapterDisabledReference, FrozenReference
+    from fluxgrpo.lora import is_lora_model
+    from fluxgrpo.models.shard_loading import empty_transformer, fill_transformer
 
+    if is_lora_model(transformer):
+        return AdapterDisabledReference(transformer)
     compute_dtype = rt_device.compute_dtype(ctx.device_type)
-    base = load_transformer(cfg.model, dtype=compute_dtype, device=ctx.device)
+    base = empty_transformer(cfg.model).to(compute_dtype)
     adapt_for_device(base, cfg, ctx)
     if ctx.distributed:
         shard_transformer(base, cfg.cpu_offload, compute_dtype)
+    fill_transformer(base, cfg.model, "cpu" if cfg.cpu_offload else ctx.device)
     return FrozenReference(base)
 
 

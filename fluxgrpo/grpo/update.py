@@ -217,6 +217,10 @@ def policy_update(
             x_next = latents[rows, step_index + 1]
             fed, guidance = fed_timesteps[step_index], guidance_values[start:stop]
             sigma, sigma_next = sigmas[step_index], sigmas[step_index + 1]
+            if settings.kl_beta > 0:  # first: a LoRA reference is the policy with its adapters off
+                reference_velocity = reference.reference_prediction(
+                    x, micro_cond, fed, guidance, img_ids, device_type, settings.compute_dtype
+                )
             velocity = predict_velocity(
                 transformer, x, micro_cond, fed, guidance, img_ids, device_type, settings.compute_dtype
             )
@@ -233,9 +237,6 @@ def policy_update(
                 log_ratio, advantages[start:stop], settings.clip_range, loss_scale, sample_weights
             )
             if settings.kl_beta > 0:
-                reference_velocity = reference.reference_prediction(
-                    x, micro_cond, fed, guidance, img_ids, device_type, settings.compute_dtype
-                )
                 reference_mean = sampler_step(
                     rollout.sampler, x, reference_velocity, sigma, sigma_next, rollout.eta, sigma_max,
                     prev_sample=x_next,
