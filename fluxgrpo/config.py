@@ -37,6 +37,11 @@ LORA_DEFAULT_TARGETS = (
     "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2"
 )
 WANDB_MODES = ("online", "offline", "disabled")
+# The algorithm options' choices (fluxgrpo/grpo implements each; listed here so validation needs no torch).
+SAMPLERS = ("dance", "flow-grpo", "cps")
+WINDOW_POLICIES = ("sliding", "random")
+ODE_SOLVERS = ("euler", "dpm2")
+RATIO_NORMALIZATIONS = ("none", "grpo-guard")
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
@@ -72,7 +77,9 @@ class TrainConfig:
     init_same_noise: bool = _opt(True, "Share the initial noise within each group (not across prompts).")
     rollout_batch_size: int = _opt(4, "Trajectories per transformer forward during rollout.")
     # --- policy update --------------------------------------------------------------------------------
-    timestep_fraction: float = _opt(0.6, "Fraction of the N−1 transitions each trajectory trains on.")
+    timestep_fraction: float = _opt(
+        0.6, "Fraction of the N−1 transitions (or of the SDE window) each trajectory trains on."
+    )
     clip_range: float = _opt(1e-4, "PPO clip ε on the probability ratio.")
     adv_clip_max: float = _opt(5.0, "Advantages are clipped to ±this.")
     advantage_aggregation: str = _opt(
@@ -93,6 +100,29 @@ class TrainConfig:
     lora_alpha: float = _opt(128.0, "LoRA alpha: adapter outputs are scaled by alpha/R (Flow-GRPO's FLUX: R 64, 128).")
     lora_targets: str = _opt(LORA_DEFAULT_TARGETS, "Comma-separated module names that get LoRA adapters.")
     lora_dropout: float = _opt(0.0, "Dropout on the LoRA adapters' input.")
+    # --- algorithm options (the peers' methods; the defaults are DanceGRPO's) ---------------------------
+    sampler: str = _opt(
+        "dance",
+        "SDE of the rollout and its log-prob: dance (η at every step), flow-grpo (Flow-GRPO's σ-dependent noise) "
+        "or cps (coefficients-preserving); --eta is the noise level of each.",
+    )
+    sde_window: int = _opt(
+        0, "Only this many consecutive steps are SDE and trained, ODE elsewhere (MixGRPO); 0: every step is SDE."
+    )
+    sde_window_policy: str = _opt(
+        "sliding", "Window placement: sliding (from the noisy end, see --sde-window-shift-every) or random."
+    )
+    sde_window_shift_every: int = _opt(0, "Move the sliding window every this many iterations (0: it stays).")
+    sde_window_stride: int = _opt(1, "Steps the sliding window moves towards the data each time.")
+    sde_window_wrap: bool = _opt(False, "After its last position the sliding window starts over (else it stays).")
+    ode_solver: str = _opt(
+        "euler", "ODE outside the window: euler, or dpm2 (DPM-Solver++ 2M on fewer steps after the window)."
+    )
+    ode_compress_ratio: float = _opt(0.4, "With --ode-solver dpm2: the fraction of the steps after the window kept.")
+    kl_beta: float = _opt(0.0, "Weight of Flow-GRPO's KL to the frozen base model on the SDE means (0: off).")
+    ratio_normalization: str = _opt(
+        "none", "PPO ratio: none, or grpo-guard (GRPO-Guard's normalised log-ratio and 1/|dt| step weights)."
+    )
     use_ema: bool = _opt(False, "Keep an EMA of the weights (sharded like the model), saved with checkpoints.")
     ema_decay: float = _opt(0.995, "EMA decay per iteration (one EMA update per iteration, as DanceGRPO).")
     # --- loop, checkpoints, logging -------------------------------------------------------------------
@@ -130,9 +160,26 @@ class TrainConfig:
         return self.train_batch_size * self.num_generations
 
     @property
+    def trainable_timesteps(self) -> int:
+        """The transitions a trajectory may train on: the SDE window, or N−1 (the last one cannot change the
+        reward, so it never trains)."""
+        return self.sde_window or self.sampling_steps - 1
+
+    @property
     def train_timesteps(self) -> int:
-        """T_train = int((N−1)·fraction): the last transition never trains (it cannot change the reward)."""
-        return int((self.sampling_steps - 1) * self.timestep_fraction)
+        """T_train = int(trainable·fraction): with DanceGRPO's sampler int((N−1)·fraction)."""
+        return int(self.trainable_timesteps * self.timestep_fraction)
+
+    @property
+    def rollout_model_calls(self) -> int:
+        """Transformer forwards per trajectory in a rollout (with dpm2 and a sliding window: at its first position)."""
+        if self.ode_solver != "dpm2" or not 0 < self.sde_window < self.sampling_steps:
+            return self.sampling_steps
+        from fluxgrpo.grpo.schedule import sigma_schedule
+        from fluxgrpo.grpo.step_plan import tail_schedule
+
+        sigmas = sigma_schedule(self.sampling_steps, self.shift)
+        return self.sde_window + tail_schedule(sigmas, self.sde_window, self.shift, self.ode_compress_ratio).numel() - 1
 
     def derived(self, world_size: int) -> dict[str, Any]:
         """The numbers a user checks before spending a cluster-day."""
@@ -153,7 +200,7 @@ class TrainConfig:
             "trajectories_per_optimizer_step": world_size
             * self.train_micro_batch_size
             * self.gradient_accumulation_steps,
-            "rollout_forwards_per_rank": per_rank * self.sampling_steps,
+            "rollout_forwards_per_rank": per_rank * self.rollout_model_calls,
             "train_forward_backward_per_rank": per_rank * self.train_timesteps,
             "total_optimizer_steps": self.max_train_steps * steps,
         }
@@ -188,10 +235,12 @@ class TrainConfig:
         if self.sampling_steps >= 2 and not 0 < self.timestep_fraction <= 1:
             out.append(f"--timestep-fraction {self.timestep_fraction} must be in (0, 1]")
         elif self.sampling_steps >= 1 and self.train_timesteps < 1:
-            out.append(
-                f"--timestep-fraction {self.timestep_fraction} × (--sampling-steps {self.sampling_steps} − 1) trains "
-                "no timestep: raise either"
+            steps = (
+                f"--sde-window {self.sde_window}"
+                if self.sde_window
+                else f"(--sampling-steps {self.sampling_steps} − 1)"
             )
+            out.append(f"--timestep-fraction {self.timestep_fraction} × {steps} trains no timestep: raise either")
         per_rank = self.trajectories_per_rank
         for name in ("rollout_batch_size", "train_micro_batch_size"):
             size = getattr(self, name)
@@ -231,6 +280,7 @@ class TrainConfig:
                 out.append(f"--lora-dropout {self.lora_dropout} must be in [0, 1)")
             if not any(part.strip() for part in self.lora_targets.split(",")):
                 out.append("--lora-targets is empty: name the modules to adapt, e.g. attn.to_q,attn.to_k")
+        out += self._algorithm_problems()
         if self.attention not in ATTENTION_BACKENDS:
             out.append(f"--attention {self.attention!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
         if not 0 <= self.seed <= MAX_SEED:
@@ -257,6 +307,38 @@ class TrainConfig:
             out.append(f"--eval-rewards {', '.join(unknown)}: not a reward; use names from {', '.join(reward_names())}")
         if self.wandb_mode and self.wandb_mode not in WANDB_MODES:
             out.append(f"--wandb-mode {self.wandb_mode!r}: use one of {', '.join(WANDB_MODES)}, or leave it empty")
+        return out
+
+    def _algorithm_problems(self) -> list[str]:
+        out = []
+        for name, allowed in (
+            ("sampler", SAMPLERS),
+            ("sde_window_policy", WINDOW_POLICIES),
+            ("ode_solver", ODE_SOLVERS),
+            ("ratio_normalization", RATIO_NORMALIZATIONS),
+        ):
+            if getattr(self, name) not in allowed:
+                out.append(f"--{_flag(name)} {getattr(self, name)!r}: use one of {', '.join(allowed)}")
+        if not 0 <= self.sde_window <= self.sampling_steps - 1:
+            out.append(
+                f"--sde-window {self.sde_window} must be between 0 (off) and the {self.sampling_steps - 1} trainable "
+                f"steps of --sampling-steps {self.sampling_steps}"
+            )
+        if self.sde_window_shift_every < 0 or self.sde_window_stride < 0:
+            out.append("--sde-window-shift-every and --sde-window-stride cannot be negative")
+        if self.ode_solver == "dpm2" and self.sde_window == 0:
+            out.append("--ode-solver dpm2 integrates the steps outside an SDE window: set --sde-window too")
+        if not 0 < self.ode_compress_ratio <= 1:
+            out.append(f"--ode-compress-ratio {self.ode_compress_ratio} must be in (0, 1]")
+        if not self.kl_beta >= 0:
+            out.append(f"--kl-beta {self.kl_beta} cannot be negative (0 turns the KL off)")
+        if self.ratio_normalization == "grpo-guard" and self.sampler == "cps":
+            out.append(
+                "--ratio-normalization grpo-guard needs a Gaussian log-prob: use --sampler dance or flow-grpo "
+                "(cps's log-prob has its constants removed)"
+            )
+        if self.sampler == "cps" and not self.eta < 1:
+            out.append(f"--eta {self.eta} with --sampler cps must be below 1 (the noise is σ'·sin(η·π/2))")
         return out
 
     def validate(self) -> TrainConfig:

@@ -19,9 +19,13 @@ class LossStats:
 
 
 def clipped_policy_loss(
-    log_ratio: torch.Tensor, advantages: torch.Tensor, clip_range: float, scale: float
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_range: float,
+    scale: float,
+    sample_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """scale · mean(max(−A·ρ, −A·clamp(ρ, 1−ε, 1+ε))) with ρ = exp(log_ratio).
+    """scale · mean(w·max(−A·ρ, −A·clamp(ρ, 1−ε, 1+ε))) with ρ = exp(log_ratio) and w = ``sample_weights`` (1).
 
     Args:
         log_ratio: [M] log ρ = log π_θ − log π_old (differentiable through π_θ).
@@ -29,6 +33,7 @@ def clipped_policy_loss(
         clip_range: ε.
         scale: 1/(GA·T_train) in the update, so that the gradients summed over one accumulation window are
             the gradient of the mean surrogate over that window.
+        sample_weights: [M] per-sample weights (GRPO-Guard's 1/|dt|); None weighs all alike.
 
     Returns:
         (loss, stats): the scaled scalar loss to backpropagate, and detached diagnostics.
@@ -37,7 +42,10 @@ def clipped_policy_loss(
     advantages = advantages.detach().to(ratio.dtype)
     unclipped_loss = -advantages * ratio
     clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    surrogate = torch.maximum(unclipped_loss, clipped_loss).mean()
+    per_sample = torch.maximum(unclipped_loss, clipped_loss)
+    if sample_weights is not None:
+        per_sample = per_sample * sample_weights.detach()
+    surrogate = per_sample.mean()
     with torch.no_grad():
         detached = ratio.detach()
         stats = LossStats(

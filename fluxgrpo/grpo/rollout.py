@@ -7,8 +7,9 @@ import contextlib
 import torch
 from torch import nn
 
+from fluxgrpo.grpo.samplers import dpm_solver_2m_step, euler_step, sampler_step
 from fluxgrpo.grpo.schedule import model_timesteps
-from fluxgrpo.grpo.sde import sde_step
+from fluxgrpo.grpo.step_plan import StepPlan
 from fluxgrpo.grpo.types import Conditioning, Rollout
 from fluxgrpo.runtime.device import autocast
 from fluxgrpo.runtime.dist import has_sharded_modules, reshard_sharded_modules
@@ -57,6 +58,9 @@ def generate_rollout(
     device_type: str,
     generator: torch.Generator,
     compute_dtype: torch.dtype | None = None,
+    sampler: str = "dance",
+    plan: StepPlan | None = None,
+    keep_means: bool = False,
 ) -> Rollout:
     """Sample B trajectories z_0 … z_N with the SDE step, in chunks of ``rollout_batch_size`` per forward.
 
@@ -65,6 +69,10 @@ def generate_rollout(
     trajectories at once, so the samples do not depend on ``rollout_batch_size`` and the stream can be
     saved and restored for an exact resume. The loop makes no host sync. On return the module is back in
     its previous train/eval mode, with FSDP2 parameters resharded.
+
+    With a ``plan`` (an SDE window), steps outside the window are ODE steps (Euler, or DPM-Solver++(2M) on the
+    plan's tail grid). Noise is still drawn for every step on the σ table, so the stream, and each SDE step's noise,
+    do not depend on where the window is. Only z_0 … z_{sde_stop} are kept then (all the update reads).
 
     An unsharded module's fp32 weights are cast to the compute dtype once per rollout, not once per forward
     (one autocast region spans the loop, so autocast's weight-cast cache lives that long); the results are
@@ -79,13 +87,16 @@ def generate_rollout(
         cond: conditioning with one row per trajectory; computation happens on ``cond.prompt_embeds.device``.
         initial_noise: [B, L, C] z_0 (any float dtype; DanceGRPO draws it in bf16).
         sigmas: [N+1] exact σ table from ``sigma_schedule``.
-        eta: SDE noise level η > 0.
+        eta: SDE noise level η > 0 (the noise level a of the ``flow-grpo`` and ``cps`` samplers).
         guidance: FLUX distilled-guidance value (3.5).
         img_ids: [L, 3] image position ids.
         rollout_batch_size: trajectories per forward.
         device_type: the runtime device type, for autocast.
         generator: RNG for the step noise.
         compute_dtype: autocast dtype; None is the runtime's choice for ``device_type``.
+        sampler: one of ``config.SAMPLERS``; the update scores with the same one.
+        plan: which steps are SDE; None is DanceGRPO's (every step).
+        keep_means: also keep each SDE step's mean μ_old (GRPO-Guard's ratio needs it).
     """
     if rollout_batch_size < 1:  # TrainConfig validates it for the user
         raise ValueError(f"rollout_batch_size must be at least 1, got {rollout_batch_size}")
@@ -95,18 +106,32 @@ def generate_rollout(
     device = cond.prompt_embeds.device
     sigmas = sigmas.to(device=device, dtype=torch.float32)
     num_steps = sigmas.shape[0] - 1
+    plan = plan if plan is not None else StepPlan.every_step(num_steps)
     fed_timesteps = model_timesteps(sigmas)
+    sigma_max = float(sigmas[1]) if num_steps > 1 else 0.0  # flow-grpo's σ₁ (host read once, before the loop)
     img_ids = img_ids.to(device)
+    table_steps = plan.table_steps(num_steps)
+    kept = num_steps + 1 if plan.tail_sigmas is None and plan.last_step_sde else plan.sde_stop + 1
 
     was_training = transformer.training
     transformer.eval()
-    latents = torch.empty(
-        (num_trajectories, num_steps + 1, *initial_noise.shape[1:]), dtype=torch.float32, device=device
-    )
+    latents = torch.empty((num_trajectories, kept, *initial_noise.shape[1:]), dtype=torch.float32, device=device)
     latents[:, 0] = initial_noise.to(device=device, dtype=torch.float32)
-    log_probs = torch.empty((num_trajectories, num_steps), dtype=torch.float32, device=device)
+    current = latents[:, 0].clone() if kept < num_steps + 1 else None  # z beyond what is kept
+    log_probs = torch.full((num_trajectories, num_steps), float("nan"), dtype=torch.float32, device=device)
+    means = torch.zeros_like(latents[:, 1:]) if keep_means else None
     final_x0 = torch.empty_like(latents[:, 0])
+    previous_x0 = torch.empty_like(latents[:, 0])  # x̂0 of the last model call, DPM-Solver++'s history
     guidance_values = torch.full((num_trajectories,), guidance, dtype=torch.float32, device=device)
+
+    def latent_at(position: int, start: int, stop: int) -> torch.Tensor:
+        return latents[start:stop, position] if position < kept else current[start:stop]
+
+    def store(position: int, start: int, stop: int, value: torch.Tensor) -> None:
+        if position < kept:
+            latents[start:stop, position] = value
+        if current is not None:
+            current[start:stop] = value
 
     chunks = [
         (start, min(start + rollout_batch_size, num_trajectories))
@@ -114,22 +139,22 @@ def generate_rollout(
     ]
     # Autocast keeps every weight's low-precision copy until its outermost region ends, so a full copy of the
     # model is alive at the end of each forward anyway: spanning the whole loop costs no extra peak memory and
-    # replaces steps × chunks casts of every weight by one. (sde_step works in fp32 on fp32 inputs, which
+    # replaces steps × chunks casts of every weight by one. (The steps work in fp32 on fp32 inputs, which
     # autocast leaves alone.) Not for FSDP2-sharded modules: their cached copies would be keyed to unsharded
     # parameters that FSDP2 frees and re-gathers, an implementation detail not to lean on (FSDP2's own mixed
     # precision is the way to skip those casts).
     cast_once = contextlib.nullcontext() if has_sharded_modules(transformer) else autocast(device_type, compute_dtype)
     try:
         with cast_once:
-            for step in range(num_steps):
+            for step in range(table_steps):
                 step_noise = torch.randn(
                     latents[:, 0].shape, generator=generator, device=generator.device, dtype=torch.float32
                 ).to(device)
                 for start, stop in chunks:
-                    current = latents[start:stop, step]
+                    x = latent_at(step, start, stop)
                     velocity = predict_velocity(
                         transformer,
-                        current,
+                        x,
                         cond.rows(start, stop),
                         fed_timesteps[step].expand(stop - start),
                         guidance_values[start:stop],
@@ -137,13 +162,26 @@ def generate_rollout(
                         device_type,
                         compute_dtype,
                     )
-                    result = sde_step(
-                        current, velocity, sigmas[step], sigmas[step + 1], eta, noise=step_noise[start:stop]
-                    )
-                    latents[start:stop, step + 1] = result.prev_sample
-                    log_probs[start:stop, step] = result.log_prob
-                    if step == num_steps - 1:
-                        final_x0[start:stop] = result.x0_pred
+                    if plan.is_sde(step, num_steps):
+                        result = sampler_step(
+                            sampler, x, velocity, sigmas[step], sigmas[step + 1], eta, sigma_max,
+                            noise=step_noise[start:stop],
+                        )  # fmt: skip
+                        log_probs[start:stop, step] = result.log_prob
+                        if means is not None and step < kept - 1:
+                            means[start:stop, step] = result.mean
+                        following, x0_pred = result.prev_sample, result.x0_pred
+                    else:
+                        following = euler_step(x, velocity, sigmas[step], sigmas[step + 1])
+                        x0_pred = x.to(torch.float32) - sigmas[step] * velocity.to(torch.float32)
+                    store(step + 1, start, stop, following)
+                    final_x0[start:stop] = x0_pred
+                    previous_x0[start:stop] = x0_pred
+            if plan.tail_sigmas is not None:
+                _integrate_tail(
+                    transformer, cond, plan.tail_sigmas, sigmas[plan.sde_stop - 1], chunks, current, previous_x0,
+                    final_x0, guidance_values, img_ids, device_type, compute_dtype,
+                )  # fmt: skip
     finally:
         reshard_sharded_modules(transformer)
         transformer.train(was_training)
@@ -157,4 +195,44 @@ def generate_rollout(
         eta=float(eta),
         guidance=float(guidance),
         captions=cond.captions,
+        sampler=sampler,
+        sde_steps=(plan.sde_start, plan.sde_stop),
+        means=means,
     )
+
+
+def _integrate_tail(
+    transformer: nn.Module,
+    cond: Conditioning,
+    tail_sigmas: torch.Tensor,
+    previous_sigma: torch.Tensor,
+    chunks: list[tuple[int, int]],
+    current: torch.Tensor,
+    previous_x0: torch.Tensor,
+    final_x0: torch.Tensor,
+    guidance_values: torch.Tensor,
+    img_ids: torch.Tensor,
+    device_type: str,
+    compute_dtype: torch.dtype | None,
+) -> None:
+    """DPM-Solver++(2M) from ``tail_sigmas[0]`` to 0, in place on ``current``; the history starts with the x̂0 of
+    the window's last step (at ``previous_sigma``); the last step, to σ = 0, is first order (Euler)."""
+    fed = model_timesteps(tail_sigmas)
+    for j in range(tail_sigmas.shape[0] - 1):
+        sigma, sigma_next = tail_sigmas[j], tail_sigmas[j + 1]
+        sigma_previous = previous_sigma if j == 0 else tail_sigmas[j - 1]
+        for start, stop in chunks:
+            x = current[start:stop]
+            velocity = predict_velocity(
+                transformer, x, cond.rows(start, stop), fed[j].expand(stop - start), guidance_values[start:stop],
+                img_ids, device_type, compute_dtype,
+            ).to(torch.float32)  # fmt: skip
+            x0_pred = x - sigma * velocity
+            if j == tail_sigmas.shape[0] - 2:
+                current[start:stop] = euler_step(x, velocity, sigma, sigma_next)
+            else:
+                current[start:stop] = dpm_solver_2m_step(
+                    x, x0_pred, previous_x0[start:stop], sigma_previous, sigma, sigma_next
+                )
+            previous_x0[start:stop] = x0_pred
+            final_x0[start:stop] = x0_pred

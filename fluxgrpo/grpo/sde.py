@@ -32,9 +32,12 @@ class SdeStep:
     prev_sample: torch.Tensor  # [B, *] fp32, x' (the sample, or the given prev_sample)
     x0_pred: torch.Tensor  # [B, *] fp32, x̂0
     log_prob: torch.Tensor  # [B] fp32, mean over * of log N(x'; μ, std²); differentiable through μ only
+    mean: torch.Tensor  # [B, *] fp32, μ (differentiable)
+    std: torch.Tensor  # [] or [B, 1, …] fp32, the step's standard deviation
+    kl_scale: torch.Tensor  # [] or [B, 1, …] fp32, Flow-GRPO's std_dev_t: its KL is mean((μ−μ_ref)²)/(2·kl_scale²)
 
 
-def _per_sample(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def per_sample(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A scalar or [B] noise level as fp32, shaped [B, 1, …, 1] (or 0-d) to broadcast against ``like``."""
     tensor = torch.as_tensor(value, dtype=torch.float32, device=like.device)
     if tensor.ndim == 0:
@@ -75,8 +78,8 @@ def sde_step(
         raise ValueError(f"eta must be positive for a stochastic step with a log-probability, got {eta}")
     x = x.to(torch.float32)
     velocity = velocity.to(torch.float32)
-    sigma_t = _per_sample(sigma, x)
-    sigma_next_t = _per_sample(sigma_next, x)
+    sigma_t = per_sample(sigma, x)
+    sigma_next_t = per_sample(sigma_next, x)
 
     delta_sigma = sigma_next_t - sigma_t  # negative: σ decreases towards the data
     x0_pred = x - sigma_t * velocity
@@ -93,4 +96,11 @@ def sde_step(
 
     log_density = -((prev_sample.detach() - mean) ** 2) / (2 * std**2) - torch.log(std) - _HALF_LOG_TWO_PI
     log_prob = log_density.mean(dim=tuple(range(1, log_density.ndim)))
-    return SdeStep(prev_sample=prev_sample, x0_pred=x0_pred, log_prob=log_prob)
+    return SdeStep(
+        prev_sample=prev_sample,
+        x0_pred=x0_pred,
+        log_prob=log_prob,
+        mean=mean,
+        std=std,
+        kl_scale=torch.full_like(std, eta),  # DanceGRPO's diffusion coefficient g = η (std = g·√(σ−σ'))
+    )

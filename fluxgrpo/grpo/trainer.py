@@ -3,7 +3,8 @@
 Each iteration, on each rank:
 
 1. draw ``train_batch_size`` prompts (a seeded distributed sampler whose epoch advances) and repeat each G times;
-2. rollout: SDE sampling with per-step log-probs, in chunks of ``rollout_batch_size`` (``rollout.py``);
+2. rollout: SDE sampling with per-step log-probs (every step, or a window with ODE elsewhere: ``step_plan.py``),
+   in chunks of ``rollout_batch_size`` (``rollout.py``);
 3. decode the final x̂0 with the VAE and score the images with the reward model, batched, on the device;
 4. group advantages (unbiased std + 1e-8, clipped), rewards gathered across ranks for logging;
 5. policy update on a random subset of timesteps per trajectory, PPO-clip, gradient accumulation (``update.py``);
@@ -39,7 +40,7 @@ def derive_seed(seed: int, rank: int, iteration: int, stream: int) -> int:
     return (mixed * 31 + stream) % (2**63 - 1)
 
 
-NOISE_STREAM, TIMESTEP_STREAM = 1, 2
+NOISE_STREAM, TIMESTEP_STREAM, WINDOW_STREAM = 1, 2, 3
 
 
 @dataclass
@@ -55,6 +56,7 @@ class TrainingParts:
     ema: Any
     dataset: Any
     sampler: Any
+    reference: Any = None  # the KL's reference model (``--kl-beta`` > 0)
 
 
 # --------------------------------------------------------------------------------------------- set-up
@@ -86,7 +88,28 @@ def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
     sampler = PromptSampler(
         len(dataset), rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.train_batch_size, seed=cfg.seed
     )
-    return TrainingParts(ctx, transformer, vae, reward_fn, optimizer, lr_scheduler, ema, dataset, sampler)
+    reference = build_reference(cfg, ctx, transformer) if cfg.kl_beta > 0 else None
+    return TrainingParts(ctx, transformer, vae, reward_fn, optimizer, lr_scheduler, ema, dataset, sampler, reference)
+
+
+def build_reference(cfg: TrainConfig, ctx: DistContext, transformer: torch.nn.Module):
+    """The KL's reference, the base model: for a LoRA run the policy with its adapters disabled; for full
+    fine-tuning the base weights again, frozen, in the compute dtype (a forward is all it does), built and sharded
+    like the policy (meta device, each rank reading its own shards). Built from ``cfg.model``, so a resumed run gets
+    the same reference."""
+    from fluxgrpo.grpo.reference import AdapterDisabledReference, FrozenReference
+    from fluxgrpo.lora import is_lora_model
+    from fluxgrpo.models.shard_loading import empty_transformer, fill_transformer
+
+    if is_lora_model(transformer):
+        return AdapterDisabledReference(transformer)
+    compute_dtype = rt_device.compute_dtype(ctx.device_type)
+    base = empty_transformer(cfg.model).to(compute_dtype)
+    adapt_for_device(base, cfg, ctx)
+    if ctx.distributed:
+        shard_transformer(base, cfg.cpu_offload, compute_dtype)
+    fill_transformer(base, cfg.model, "cpu" if cfg.cpu_offload else ctx.device)
+    return FrozenReference(base)
 
 
 def build_transformer(cfg: TrainConfig, ctx: DistContext) -> torch.nn.Module:
@@ -298,7 +321,7 @@ def per_reward_statistics(ctx: DistContext, scores: torch.Tensor, names: list[st
 
 def reduce_update_stats(ctx: DistContext, stats: dict[str, float]) -> dict[str, float]:
     """Mean over ranks of the averages, min of mins, max of maxes (device tensors: collectives need them)."""
-    mean_keys = ("loss", "ratio_mean", "clip_fraction", "grad_norm_mean")
+    mean_keys = ("loss", "ratio_mean", "clip_fraction", "grad_norm_mean", "kl")
     means = torch.tensor([stats[k] for k in mean_keys], dtype=torch.float32, device=ctx.device)
     rt_dist.all_reduce_sum(ctx, means)
     # min(x) = −max(−x), so one MAX reduction covers both ends
@@ -315,6 +338,16 @@ def reduce_update_stats(ctx: DistContext, stats: dict[str, float]) -> dict[str, 
     out["skipped_steps"] = stats["skipped_steps"]
     out["update_skipped"] = stats["update_skipped"]  # the same on every rank (decided from a global count)
     return out
+
+
+def ratio_means_per_step(ctx: DistContext, update: Any) -> list[float | None]:
+    """Mean ρ of each σ-table step over every rank's trained samples (None: not trained this iteration): the
+    drift of the ratio across steps that GRPO-Guard corrects."""
+    packed = torch.stack([update.ratio_sum_per_step, update.count_per_step])
+    rt_dist.all_reduce_sum(ctx, packed)
+    sums, counts = packed.tolist()
+    means = [total / count if count else None for total, count in zip(sums, counts, strict=True)]
+    return [mean if mean is not None and math.isfinite(mean) else None for mean in means]
 
 
 def advantage_statistics(ctx: DistContext, advantages: torch.Tensor) -> dict[str, float]:
@@ -380,6 +413,7 @@ def iteration_record(
         **per_reward_statistics(ctx, scores, parts.reward_fn.names),
         **advantage_statistics(ctx, advantages),
         **reduce_update_stats(ctx, update.as_floats()),
+        "ratio_mean_per_step": ratio_means_per_step(ctx, update),
         "lr": parts.lr_scheduler.get_last_lr()[0],
         **clock.seconds,
         "images_per_second": ctx.world_size * cfg.trajectories_per_rank / clock.total,
@@ -430,6 +464,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
     from fluxgrpo.grpo.reward_aggregation import aggregate_rewards
     from fluxgrpo.grpo.rollout import generate_rollout
     from fluxgrpo.grpo.schedule import sigma_schedule
+    from fluxgrpo.grpo.step_plan import PlanSettings, plan_for_iteration
     from fluxgrpo.grpo.update import UpdateSettings, policy_update, skipped_update
     from fluxgrpo.metrics import MetricsLogger, run_info
     from fluxgrpo.runtime.worker import worker_session
@@ -456,6 +491,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
         sigmas = sigma_schedule(cfg.sampling_steps, cfg.shift).to(ctx.device)  # [N+1]
         img_ids = image_ids(cfg.height, cfg.width).to(ctx.device)  # [L, 3]
         update_settings = UpdateSettings.from_config(cfg)
+        plan_settings = PlanSettings.from_config(cfg)
         records = []
         evaluator.before_training(start, parts)  # the base model at iteration 0: every eval curve starts there
         for iteration in range(start + 1, cfg.max_train_steps + 1):
@@ -465,6 +501,10 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
                 derive_seed(cfg.seed, ctx.rank, iteration, NOISE_STREAM)
             )
             timestep_gen = torch.Generator().manual_seed(derive_seed(cfg.seed, ctx.rank, iteration, TIMESTEP_STREAM))
+
+            # Which steps are SDE (and trained): all (DanceGRPO) or a window; the same on every rank.
+            window_gen = torch.Generator().manual_seed(derive_seed(cfg.seed, 0, iteration, WINDOW_STREAM))
+            plan = plan_for_iteration(plan_settings, sigmas, iteration, window_gen)
 
             cond = draw_prompts(parts, cfg)  # [B = prompts × G] rows, groups contiguous
             noise = initial_noise(cfg, cfg.train_batch_size, noise_gen, ctx.device)  # [B, L, C]
@@ -479,6 +519,9 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
                 rollout_batch_size=cfg.rollout_batch_size,
                 device_type=ctx.device_type,
                 generator=noise_gen,
+                sampler=cfg.sampler,
+                plan=plan,
+                keep_means=cfg.ratio_normalization == "grpo-guard",
             )
             clock.lap("rollout")
 
@@ -499,6 +542,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
                     parts.lr_scheduler,
                     device_type=ctx.device_type,
                     generator_cpu=timestep_gen,
+                    reference=parts.reference,
                 )
                 if parts.ema is not None and update.optimizer_steps:
                     parts.ema.update(parts.transformer)  # once per iteration, as DanceGRPO
@@ -507,6 +551,8 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
             clock.lap("update")
 
             record = iteration_record(ctx, cfg, parts, iteration, scores, rewards, adv.advantages, update, clock)
+            if cfg.sde_window:
+                record["sde_window_start"] = plan.sde_start
             metrics.log(record, histograms={"reward": rewards})
             records.append(record)
             rt_dist.rank0_print(ctx, progress_line(record, cfg.max_train_steps))

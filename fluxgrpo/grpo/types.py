@@ -77,14 +77,17 @@ class Rollout:
     size (B=24, N=16, 720²) they are about 210 MB, small beside a sharded 12 B-parameter model.
     """
 
-    latents: torch.Tensor  # [B, N+1, L, C] fp32, z_0 (initial noise) … z_N
-    log_probs: torch.Tensor  # [B, N] fp32, log p(z_{i+1} | z_i) as a per-element mean
+    latents: torch.Tensor  # [B, K, L, C] fp32, z_0 (initial noise) … z_{K−1}: K = N+1, or sde_stop+1 with a window
+    log_probs: torch.Tensor  # [B, N] fp32, log p(z_{i+1} | z_i) as a per-element mean; NaN for ODE steps
     final_x0: torch.Tensor  # [B, L, C] fp32, x̂0 predicted at step N−1: what the VAE decodes
     sigmas: torch.Tensor  # [N+1] fp32, the exact σ table (1 → 0)
     img_ids: torch.Tensor  # [L, 3] image position ids used for every forward
     eta: float  # SDE noise level η
     guidance: float  # FLUX distilled-guidance value (3.5 for FLUX.1-dev)
     captions: tuple[str, ...] | None = None  # [B], copied from the conditioning
+    sampler: str = "dance"  # the SDE step that made it (``config.SAMPLERS``); the update scores with it
+    sde_steps: tuple[int, int] | None = None  # [start, stop): the SDE (trainable) transitions; None: 0…N−2
+    means: torch.Tensor | None = None  # [B, K−1, L, C] fp32, μ of each SDE step (GRPO-Guard), else None
 
     @property
     def num_trajectories(self) -> int:
@@ -92,7 +95,13 @@ class Rollout:
 
     @property
     def num_steps(self) -> int:
-        return int(self.latents.shape[1]) - 1
+        return int(self.sigmas.shape[0]) - 1
+
+    @property
+    def trainable(self) -> range:
+        """The transitions the update may train on: the SDE window, or DanceGRPO's 0…N−2."""
+        start, stop = self.sde_steps if self.sde_steps is not None else (0, self.num_steps - 1)
+        return range(start, stop)
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,9 @@ class UpdateStats:
     skipped_steps: int  # boundaries whose grad norm was non-finite: gradients dropped, weights untouched
     num_microbatches: int
     train_timestep_indices: torch.Tensor  # [B, T] int64 cpu, σ-table index of each trained step, in training order
+    ratio_sum_per_step: torch.Tensor  # [N] Σ ρ over the samples trained at each σ-table step
+    count_per_step: torch.Tensor  # [N] how many samples trained at each step (0: not trained)
+    kl_mean: torch.Tensor  # [] mean KL to the reference over the trained samples; NaN when the KL is off
     update_skipped: bool = False  # True when the update did not run at all (no finite reward on any rank)
 
     def as_floats(self) -> dict[str, float]:
@@ -127,6 +139,7 @@ class UpdateStats:
                 self.ratio_max,
                 self.clip_fraction,
                 self.first_microbatch_max_abs_log_ratio,
+                self.kl_mean,
                 finite_norms.mean() if finite_norms.numel() else torch.full_like(self.loss_sum, float("nan")),
                 finite_norms.max() if finite_norms.numel() else torch.full_like(self.loss_sum, float("nan")),
             ]
@@ -138,6 +151,7 @@ class UpdateStats:
             "ratio_max",
             "clip_fraction",
             "first_abs_log_ratio",
+            "kl",
             "grad_norm_mean",
             "grad_norm_max",
         )

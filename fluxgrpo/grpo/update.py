@@ -10,9 +10,11 @@ import torch
 from torch import nn
 
 from fluxgrpo.grpo.loss import clipped_policy_loss
+from fluxgrpo.grpo.ratio import guard_log_ratio, guard_step_weight
+from fluxgrpo.grpo.reference import ReferenceModel, mean_kl
 from fluxgrpo.grpo.rollout import predict_velocity
+from fluxgrpo.grpo.samplers import sampler_step
 from fluxgrpo.grpo.schedule import model_timesteps
-from fluxgrpo.grpo.sde import sde_step
 from fluxgrpo.grpo.types import Conditioning, Rollout, UpdateStats
 from fluxgrpo.runtime.dist import reshard_sharded_modules
 
@@ -30,6 +32,8 @@ class UpdateSettings:
     grad_accum_steps: int  # micro-batches per optimizer step (GA)
     max_grad_norm: float  # global gradient-norm clip
     compute_dtype: torch.dtype | None = None  # autocast dtype; None is the runtime's choice
+    kl_beta: float = 0.0  # weight of the KL to the reference (0: off, no reference forward)
+    ratio_normalization: str = "none"  # ``config.RATIO_NORMALIZATIONS``
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> UpdateSettings:
@@ -39,6 +43,8 @@ class UpdateSettings:
             micro_batch_size=cfg.train_micro_batch_size,
             grad_accum_steps=cfg.gradient_accumulation_steps,
             max_grad_norm=cfg.max_grad_norm,
+            kl_beta=cfg.kl_beta,
+            ratio_normalization=cfg.ratio_normalization,
         )
 
 
@@ -49,14 +55,17 @@ def _as_plain_tensor(value: torch.Tensor) -> torch.Tensor:
 
 
 def draw_train_timesteps(
-    num_trajectories: int, num_steps: int, num_train: int, generator: torch.Generator
+    num_trajectories: int, trainable: range, num_train: int, generator: torch.Generator
 ) -> torch.Tensor:
-    """[B, T] σ-table indices: for each trajectory in order, the first T of its own randperm(N−1).
+    """[B, T] σ-table indices: for each trajectory in order, start + the first T of its own randperm(len(trainable)).
 
-    A random subset of the trainable transitions 0…N−2 without replacement, visited in random order,
-    drawn independently per trajectory (DanceGRPO §6.2).
+    A random subset of the trainable transitions (DanceGRPO's 0…N−2, or the SDE window) without replacement,
+    visited in random order, drawn independently per trajectory (DanceGRPO §6.2).
     """
-    perms = [torch.randperm(num_steps - 1, generator=generator)[:num_train] for _ in range(num_trajectories)]
+    perms = [
+        trainable.start + torch.randperm(len(trainable), generator=generator)[:num_train]
+        for _ in range(num_trajectories)
+    ]
     return torch.stack(perms)
 
 
@@ -102,6 +111,9 @@ def skipped_update(rollout: Rollout, settings: UpdateSettings) -> UpdateStats:
         skipped_steps=num_boundaries,
         num_microbatches=num_micro_batches,
         train_timestep_indices=torch.empty((num_trajectories, 0), dtype=torch.int64),
+        ratio_sum_per_step=torch.zeros(rollout.num_steps, device=device),
+        count_per_step=torch.zeros(rollout.num_steps, device=device),
+        kl_mean=nan,
         update_skipped=True,
     )
 
@@ -117,16 +129,19 @@ def policy_update(
     *,
     device_type: str,
     generator_cpu: torch.Generator,
+    reference: ReferenceModel | None = None,
 ) -> UpdateStats:
     """Train the policy on one rollout; returns statistics reduced once at the end.
 
     Procedure (DanceGRPO §6, batched as in the Ascend recipe):
     - The last transition is never trained; each trajectory b draws randperm(N−1) from ``generator_cpu``
-      (trajectories in order) and trains on its first T = ``settings.num_train_timesteps`` entries.
+      (trajectories in order) and trains on its first T = ``settings.num_train_timesteps`` entries. With an SDE
+      window the permutation is of the window's steps (``rollout.trainable``).
     - Trajectories are taken in micro-batches of ``micro_batch_size``; for k < T, micro-batch step k stacks
       each trajectory's own k-th timestep, so σ differs per sample.
-    - Each step: forward in train mode under autocast, log-prob of the stored next latent via ``sde_step``,
-      PPO-clip loss scaled by 1/(GA·T), backward at once (no graph is kept across steps).
+    - Each step: forward in train mode under autocast, log-prob of the stored next latent with the rollout's
+      sampler, the ratio (``settings.ratio_normalization``), PPO-clip loss plus β·KL to ``reference`` (when
+      ``settings.kl_beta`` > 0), scaled by 1/(GA·T), backward at once (no graph is kept across steps).
     - After micro-batch m, if (m+1) % GA == 0 (the recipe's ``(i//mbs+1) % GA == 0``), an ``optimizer_step``.
       Gradients left over at the end (micro-batch count not a multiple of GA) are stepped too, with the same
       1/(GA·T) scale, so that window weighs less; DanceGRPO dropped them. A boundary whose gradient norm is not
@@ -144,15 +159,21 @@ def policy_update(
         lr_scheduler: anything with ``step()``; stepped once per optimizer step taken.
         device_type: the runtime device type, for autocast.
         generator_cpu: CPU RNG for the timestep permutations (save it for an exact resume).
+        reference: the KL's reference model; required when ``settings.kl_beta`` > 0.
     """
     num_trajectories, num_steps = rollout.num_trajectories, rollout.num_steps
     if advantages.shape != (num_trajectories,):
         raise ValueError(f"advantages must be [{num_trajectories}], got {tuple(advantages.shape)}")
     if cond.num_rows != num_trajectories:
         raise ValueError(f"{cond.num_rows} conditioning rows for {num_trajectories} trajectories")
-    num_train = settings.num_train_timesteps
-    if not 1 <= num_train <= num_steps - 1:
-        raise ValueError(f"cannot train {num_train} timesteps of a {num_steps}-step rollout (1…{num_steps - 1})")
+    num_train, trainable = settings.num_train_timesteps, rollout.trainable
+    if not 1 <= num_train <= len(trainable):
+        raise ValueError(f"cannot train {num_train} timesteps of {len(trainable)} trainable ones (1…{len(trainable)})")
+    if settings.kl_beta > 0 and reference is None:
+        raise ValueError("kl_beta > 0 needs a reference model")
+    guard = settings.ratio_normalization == "grpo-guard"
+    if guard and rollout.means is None:
+        raise ValueError("GRPO-Guard needs the rollout's step means: generate_rollout(..., keep_means=True)")
 
     device = cond.prompt_embeds.device
     sigmas = rollout.sigmas.to(device=device, dtype=torch.float32)
@@ -160,10 +181,12 @@ def policy_update(
     img_ids = rollout.img_ids.to(device)
     latents = rollout.latents.to(device)
     old_log_probs = rollout.log_probs.to(device)
+    old_means = rollout.means.to(device) if guard else None
+    sigma_max = float(sigmas[1])  # flow-grpo's σ₁
     advantages = advantages.to(device=device, dtype=torch.float32)
     guidance_values = torch.full((num_trajectories,), rollout.guidance, dtype=torch.float32, device=device)
 
-    train_indices = draw_train_timesteps(num_trajectories, num_steps, num_train, generator_cpu)  # [B, T] cpu
+    train_indices = draw_train_timesteps(num_trajectories, trainable, num_train, generator_cpu)  # [B, T] cpu
     train_indices_device = train_indices.to(device)
     loss_scale = 1.0 / (settings.grad_accum_steps * num_train)
 
@@ -172,6 +195,9 @@ def policy_update(
     ratio_min = torch.full((), float("inf"), device=device)
     ratio_max = torch.full((), float("-inf"), device=device)
     first_abs_log_ratio = zero.clone()
+    kl_sum = zero.clone()
+    ratio_sum_per_step = torch.zeros(num_steps, dtype=torch.float32, device=device)
+    count_per_step = torch.zeros(num_steps, dtype=torch.float32, device=device)
     grad_norms: list[torch.Tensor] = []
 
     reshard_sharded_modules(transformer)
@@ -189,21 +215,37 @@ def policy_update(
             step_index = train_indices_device[start:stop, k]  # [m] each trajectory's own k-th timestep
             x = latents[rows, step_index]
             x_next = latents[rows, step_index + 1]
+            fed, guidance = fed_timesteps[step_index], guidance_values[start:stop]
+            sigma, sigma_next = sigmas[step_index], sigmas[step_index + 1]
+            if settings.kl_beta > 0:  # first: a LoRA reference is the policy with its adapters off
+                reference_velocity = reference.reference_prediction(
+                    x, micro_cond, fed, guidance, img_ids, device_type, settings.compute_dtype
+                )
             velocity = predict_velocity(
-                transformer,
-                x,
-                micro_cond,
-                fed_timesteps[step_index],
-                guidance_values[start:stop],
-                img_ids,
-                device_type,
-                settings.compute_dtype,
+                transformer, x, micro_cond, fed, guidance, img_ids, device_type, settings.compute_dtype
             )
-            new_log_prob = sde_step(
-                x, velocity, sigmas[step_index], sigmas[step_index + 1], rollout.eta, prev_sample=x_next
-            ).log_prob
-            log_ratio = new_log_prob - old_log_probs[rows, step_index]
-            loss, stats = clipped_policy_loss(log_ratio, advantages[start:stop], settings.clip_range, loss_scale)
+            new = sampler_step(
+                rollout.sampler, x, velocity, sigma, sigma_next, rollout.eta, sigma_max, prev_sample=x_next
+            )
+            sample_weights = None
+            if guard:
+                log_ratio = guard_log_ratio(new, old_log_probs[rows, step_index], old_means[rows, step_index])
+                sample_weights = guard_step_weight(sigma, sigma_next)
+            else:
+                log_ratio = new.log_prob - old_log_probs[rows, step_index]
+            loss, stats = clipped_policy_loss(
+                log_ratio, advantages[start:stop], settings.clip_range, loss_scale, sample_weights
+            )
+            if settings.kl_beta > 0:
+                reference_mean = sampler_step(
+                    rollout.sampler, x, reference_velocity, sigma, sigma_next, rollout.eta, sigma_max,
+                    prev_sample=x_next,
+                ).mean  # fmt: skip
+                kl = mean_kl(new.mean, reference_mean, new.kl_scale)  # [m]
+                kl_sum += kl.detach().sum()
+                loss = loss + settings.kl_beta * kl.mean() * loss_scale
+            ratio_sum_per_step.index_add_(0, step_index, torch.exp(log_ratio.detach()))
+            count_per_step.index_add_(0, step_index, torch.ones_like(log_ratio, dtype=torch.float32))
             loss.backward()
             pending = True
             count = stop - start
@@ -235,4 +277,7 @@ def policy_update(
         skipped_steps=len(grad_norms) - taken,
         num_microbatches=len(micro_batches),
         train_timestep_indices=train_indices,
+        ratio_sum_per_step=ratio_sum_per_step,
+        count_per_step=count_per_step,
+        kl_mean=kl_sum / num_samples if settings.kl_beta > 0 else torch.full((), float("nan"), device=device),
     )

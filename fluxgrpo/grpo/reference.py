@@ -1,0 +1,99 @@
+"""What the KL option (``--kl-beta``) pulls the policy towards, and the KL itself (Flow-GRPO's).
+
+Flow-GRPO's KL, per trained step: mean over elements of (μθ − μ_ref)² / (2·std_dev_t²), μ the SDE step's mean from
+the policy's and the reference's velocity at the same (x, σ), std_dev_t the sampler's (``SdeStep.kl_scale``). For
+the Gaussian samplers that is the KL between the two steps' distributions times |dt| (the authors divide by
+std_dev_t², not by the step variance std_dev_t²·|dt|); fluxgrpo keeps their definition so their β values carry over.
+
+The reference is behind ``ReferenceModel.reference_prediction``: a LoRA run answers it with the adapter disabled
+(the authors' way, no second copy of the weights), full fine-tuning with a frozen copy of the base weights.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from fluxgrpo.grpo.rollout import predict_velocity
+from fluxgrpo.grpo.types import Conditioning
+from fluxgrpo.runtime.dist import reshard_sharded_modules
+
+
+class ReferenceModel(Protocol):
+    def reference_prediction(
+        self,
+        latents: torch.Tensor,
+        cond: Conditioning,
+        timesteps: torch.Tensor,
+        guidance: torch.Tensor,
+        img_ids: torch.Tensor,
+        device_type: str,
+        compute_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor: ...
+
+
+class FrozenReference:
+    """The base weights, frozen (no gradients, eval mode), in a module of their own: plain or sharded like the
+    policy (FSDP2), so it costs one more copy of this rank's shards."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module.requires_grad_(False).eval()
+
+    @torch.no_grad()
+    def reference_prediction(
+        self,
+        latents: torch.Tensor,
+        cond: Conditioning,
+        timesteps: torch.Tensor,
+        guidance: torch.Tensor,
+        img_ids: torch.Tensor,
+        device_type: str,
+        compute_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """The reference velocity v_ref at (latents, σ), fed exactly as the policy is."""
+        try:
+            return predict_velocity(
+                self.module, latents, cond, timesteps, guidance, img_ids, device_type, compute_dtype
+            ).detach()
+        finally:
+            reshard_sharded_modules(self.module)
+
+
+class AdapterDisabledReference:
+    """The base model of a LoRA run: the policy itself with its adapters switched off for one forward (diffusers'
+    peft integration, ``disable_adapters``/``enable_adapters``). Call it outside the policy's forward-backward (the
+    update does, before the policy's forward), so no graph or FSDP2 gather of the policy is in flight."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @torch.no_grad()
+    def reference_prediction(
+        self,
+        latents: torch.Tensor,
+        cond: Conditioning,
+        timesteps: torch.Tensor,
+        guidance: torch.Tensor,
+        img_ids: torch.Tensor,
+        device_type: str,
+        compute_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        was_training = self.module.training
+        self.module.eval()  # no adapter dropout either
+        self.module.disable_adapters()
+        try:
+            return predict_velocity(
+                self.module, latents, cond, timesteps, guidance, img_ids, device_type, compute_dtype
+            ).detach()
+        finally:
+            self.module.enable_adapters()
+            self.module.train(was_training)
+            reshard_sharded_modules(self.module)
+
+
+def mean_kl(policy_mean: torch.Tensor, reference_mean: torch.Tensor, kl_scale: torch.Tensor) -> torch.Tensor:
+    """[B] Flow-GRPO's KL: mean over all but the batch axis of (μθ − μ_ref)² / (2·kl_scale²)."""
+    kl = (policy_mean - reference_mean.detach()) ** 2 / (2 * kl_scale**2)
+    return kl.mean(dim=tuple(range(1, kl.ndim)))

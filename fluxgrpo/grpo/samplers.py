@@ -1,0 +1,140 @@
+"""The stochastic step a rollout samples with and the update scores with (``--sampler``), and the ODE steps
+outside an SDE window (``--ode-solver``).
+
+Every SDE step maps (x at σ, velocity v̂) to x' at σ' < σ with a Gaussian N(μ, std²) and a per-element mean
+log-prob of x', differentiable through μ only. With dt = σ' − σ < 0 and x̂0 = x − σ·v̂:
+
+- ``dance`` (DanceGRPO, ``sde.py``): g = η, μ = x + dt·v̂ + dt·(−½η²·score), std = η·√(−dt).
+- ``flow-grpo`` (Flow-GRPO's ``sde_step_with_logprob``, sde_type "sde"): g = a·√(σ/(1−σ)), with σ₁ in the
+  denominator at σ = 1; μ = x·(1 + g²·dt/(2σ)) + v̂·(1 + g²(1−σ)/(2σ))·dt, std = g·√(−dt). The same reverse SDE
+  as ``dance`` with a σ-dependent diffusion (algebraically identical means at equal g).
+- ``cps`` (Coefficients-Preserving Sampling, Flow-GRPO's sde_type "cps"): s = σ'·sin(a·π/2),
+  μ = (1−σ')·x̂0 + √(σ'² − s²)·x̂1 with x̂1 = x + (1−σ)·v̂ the predicted noise, std = s. x' keeps exactly the
+  marginal x_σ' = (1−σ')·x0 + σ'·ε when x̂0, x̂1 are right. Its "log-prob" is the authors': −mean((x'−μ)²), all
+  constants removed (not a density; the ratio's trust region scales with 1/(2s²) relative to a Gaussian's), which is
+  why the authors pair it with a small clip range (1e-5).
+
+a is ``--eta`` for all three. ``kl_scale`` is the std_dev_t each returns in the authors' code (η, g, s), which
+Flow-GRPO's KL divides by.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fluxgrpo.config import SAMPLERS
+from fluxgrpo.grpo.sde import SdeStep, per_sample, sde_step
+
+_LOG_SQRT_TWO_PI = math.log(math.sqrt(2 * math.pi))
+
+
+def flow_grpo_step(
+    x: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    noise_level: float,
+    sigma_max: float,
+    prev_sample: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+) -> SdeStep:
+    """Flow-GRPO's SDE step; ``sigma_max`` is σ₁ of the table (it replaces σ = 1 in g's denominator)."""
+    x, velocity = x.to(torch.float32), velocity.to(torch.float32)
+    sigma_t, sigma_next_t = per_sample(sigma, x), per_sample(sigma_next, x)
+    dt = sigma_next_t - sigma_t
+    std_dev_t = torch.sqrt(sigma_t / (1 - torch.where(sigma_t == 1, sigma_max, sigma_t))) * noise_level
+    mean = (
+        x * (1 + std_dev_t**2 / (2 * sigma_t) * dt) + velocity * (1 + std_dev_t**2 * (1 - sigma_t) / (2 * sigma_t)) * dt
+    )
+    std = std_dev_t * torch.sqrt(-1 * dt)
+    prev_sample = _sample_or_given(mean, std, prev_sample, noise)
+    log_density = -((prev_sample.detach() - mean) ** 2) / (2 * std**2) - torch.log(std) - _LOG_SQRT_TWO_PI
+    return SdeStep(prev_sample, x - sigma_t * velocity, _mean_over_elements(log_density), mean, std, std_dev_t)
+
+
+def cps_step(
+    x: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    noise_level: float,
+    prev_sample: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+) -> SdeStep:
+    """Coefficients-preserving step (Flow-GRPO's "cps"); noiseless (s = 0) at σ' = 0."""
+    x, velocity = x.to(torch.float32), velocity.to(torch.float32)
+    sigma_t, sigma_next_t = per_sample(sigma, x), per_sample(sigma_next, x)
+    std = sigma_next_t * math.sin(noise_level * math.pi / 2)
+    x0_pred = x - sigma_t * velocity
+    noise_pred = x + velocity * (1 - sigma_t)
+    mean = x0_pred * (1 - sigma_next_t) + noise_pred * torch.sqrt(sigma_next_t**2 - std**2)
+    prev_sample = _sample_or_given(mean, std, prev_sample, noise)
+    log_prob = _mean_over_elements(-((prev_sample.detach() - mean) ** 2))
+    return SdeStep(prev_sample, x0_pred, log_prob, mean, std, std)
+
+
+def sampler_step(
+    sampler: str,
+    x: torch.Tensor,
+    velocity: torch.Tensor,
+    sigma: float | torch.Tensor,
+    sigma_next: float | torch.Tensor,
+    noise_level: float,
+    sigma_max: float,
+    prev_sample: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+) -> SdeStep:
+    """One stochastic step of ``sampler`` (one of ``SAMPLERS``); see each step for the arguments."""
+    if sampler == "dance":
+        return sde_step(x, velocity, sigma, sigma_next, noise_level, prev_sample=prev_sample, noise=noise)
+    if sampler == "flow-grpo":
+        return flow_grpo_step(x, velocity, sigma, sigma_next, noise_level, sigma_max, prev_sample, noise)
+    if sampler == "cps":
+        return cps_step(x, velocity, sigma, sigma_next, noise_level, prev_sample, noise)
+    raise ValueError(f"unknown sampler {sampler!r}: one of {', '.join(SAMPLERS)}")
+
+
+def euler_step(x: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+    """The probability-flow ODE step x' = x + (σ'−σ)·v̂ (every sampler above at noise level 0), in fp32."""
+    return x.to(torch.float32) + (sigma_next - sigma) * velocity.to(torch.float32)
+
+
+def dpm_solver_2m_step(
+    x: torch.Tensor,
+    x0_pred: torch.Tensor,
+    previous_x0_pred: torch.Tensor,
+    sigma_previous: torch.Tensor,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+) -> torch.Tensor:
+    """DPM-Solver++(2M), data prediction, for the flow x_σ = (1−σ)·x0 + σ·ε (MixGRPO-Flash's tail solver).
+
+    With α = 1−σ and λ = log(α/σ): h = λ(σ') − λ(σ), h₀ = λ(σ) − λ(σ_prev), D0 = x̂0, D1 = (h/h₀)(x̂0 − x̂0_prev),
+    x' = (σ'/σ)·x − α'·(e^{−h} − 1)·(D0 + ½·D1). With a constant x̂0 (D1 = 0) this is the Euler step exactly in
+    exact arithmetic. Not for σ' = 0 (λ = ∞): the last step is Euler (first order), as in DPM-Solver++.
+    """
+    x, x0_pred, previous_x0_pred = (t.to(torch.float32) for t in (x, x0_pred, previous_x0_pred))
+
+    def log_snr(value: torch.Tensor) -> torch.Tensor:
+        return torch.log(1 - value) - torch.log(value)
+
+    h = log_snr(sigma_next) - log_snr(sigma)
+    h_previous = log_snr(sigma) - log_snr(sigma_previous)
+    correction = (h / h_previous) * (x0_pred - previous_x0_pred)
+    return (sigma_next / sigma) * x - (1 - sigma_next) * torch.expm1(-h) * (x0_pred + 0.5 * correction)
+
+
+def _sample_or_given(
+    mean: torch.Tensor, std: torch.Tensor, prev_sample: torch.Tensor | None, noise: torch.Tensor | None
+) -> torch.Tensor:
+    if prev_sample is not None:
+        return prev_sample.to(torch.float32)
+    if noise is None:
+        raise ValueError("a sampler step needs `noise` (standard normal, shaped like x) when prev_sample is None")
+    return mean + std * noise.to(torch.float32)
+
+
+def _mean_over_elements(values: torch.Tensor) -> torch.Tensor:
+    return values.mean(dim=tuple(range(1, values.ndim)))
