@@ -83,7 +83,8 @@ def add_lora(transformer: torch.nn.Module, spec: LoraSpec, compute_dtype: torch.
             f"{DEFAULT_TARGETS.split(',')[0]} (the default is {DEFAULT_TARGETS})"
         )
     transformer.requires_grad_(False)
-    transformer.to(compute_dtype)
+    for parameter in transformer.parameters():  # not .to(): diffusers warns about casting a whole model
+        parameter.data = parameter.data.to(compute_dtype)
     transformer.add_adapter(spec.peft_config(), adapter_name=ADAPTER_NAME)
     for name, parameter in transformer.named_parameters():
         if is_adapter_parameter(name):
