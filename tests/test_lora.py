@@ -191,6 +191,16 @@ def test_reward_rises_with_lora(tiny_weights, tiny_embeddings, tmp_path):
     assert trend["last"] > trend["first"], trend
 
 
+def test_unknown_targets_are_named(tiny_weights):
+    from fluxgrpo.lora import LoraSpec, add_lora
+    from fluxgrpo.models.shard_loading import empty_transformer
+
+    with pytest.raises(FluxgrpoError, match=r"--lora-targets attn\.to_qq match no module"):
+        add_lora(
+            empty_transformer(tiny_weights.flux_dir), LoraSpec(4, 8.0, ("attn.to_q", "attn.to_qq"), 0.0), torch.float32
+        )
+
+
 def test_lora_options_are_validated():
     from fluxgrpo.errors import UsageError
 
