@@ -7,7 +7,7 @@ Peak bytes on one die = what lives all run long + the largest of the three phase
                              (LoRA: 2·S_base + 4·S_adapters: base frozen in bf16, adapters fp32)
                 optimizer    8·S_train    AdamW exp_avg + exp_avg_sq of the trainable shards
                 ema          4·S_train    with --use-ema
-                reward       4·R          the reward model's weights (2·R with --reward-dtype bf16)
+                reward       4·R          every reward model's weights (2·R with --reward-dtype bf16)
                 vae          2·V          the VAE in the compute dtype
                 rollout      B·(N+1)·L·64·4 + images  the trajectory latents and decoded images of one iteration
     rollout     gathered     2·(2·block + root)  FSDP2 all-gathers a block in bf16 and prefetches the next
@@ -143,7 +143,7 @@ class RunShape:
     gradient_checkpointing: bool
     cpu_offload: bool
     use_ema: bool
-    reward: str
+    reward: str  # the --reward spec: one name, or several as name:weight,...; each model is loaded
     reward_bytes: int = 4  # --reward-dtype fp32 (4) or bf16 (2)
     compute_bytes: int = 2  # bf16 on accelerators; 4 (fp32) on cpu
     text_tokens: int = DEFAULT_TEXT_TOKENS
@@ -226,6 +226,8 @@ def activation_bytes(model: TransformerShape, run: RunShape, checkpointing: bool
 
 def estimate(model: TransformerShape, vae: VaeShape, run: RunShape) -> MemoryEstimate:
     """The per-die memory of a run (see the module docstring for every term)."""
+    from fluxgrpo.rewards.reward_set import reward_spec_names
+
     dies, cb = run.dies, run.compute_bytes
     base = shard_elements(model.parameter_shapes, dies)
     lora = bool(run.adapter_shapes)
@@ -243,7 +245,7 @@ def estimate(model: TransformerShape, vae: VaeShape, run: RunShape) -> MemoryEst
         "weights": weights,
         "optimizer": optimizer,
         "ema": ema,
-        "reward": run.reward_bytes * REWARD_PARAMETERS.get(run.reward, 0),
+        "reward": run.reward_bytes * sum(REWARD_PARAMETERS.get(name, 0) for name in reward_spec_names(run.reward)),
         "vae": cb * vae.parameters,
         "rollout": trajectories * (run.sampling_steps + 2) * latent_tokens * LATENT_CHANNELS * 4
         + trajectories * 3 * run.height * run.width * 4,

@@ -76,6 +76,10 @@ def test_flux_dev_sizes_and_the_shipped_recipes_fit_an_a3_die():
         assert result.peak < 64 * GiB, (name, result.lines())
         # sharding divides the weights: 47.6 GB fp32 over the dies, padded by at most one row per tensor
         assert model.parameters * 4 / dies <= result.persistent["weights"] < model.parameters * 4 / dies * 1.001
+    two_rewards = estimate(
+        model, vae, RunShape.from_config(build_config("a3-16die", {"reward": "hpsv2:1,pickscore:0.5"}), 16)
+    )
+    assert two_rewards.persistent["reward"] == 2 * 4 * 986_109_440  # each reward model is loaded
     one_die = estimate(model, vae, RunShape.from_config(build_config("a3-16die"), 1))
     assert one_die.peak > 141 * GiB  # full fine-tuning never fits one die, not even an H200
 
