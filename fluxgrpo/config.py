@@ -31,7 +31,8 @@ from fluxgrpo.runtime.device import DEVICE_TYPES
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 MAX_SEED = 2**32 - 1  # numpy's seed range; each rank seeds with --seed + rank, reduced modulo 2**32 for numpy
-# Flow-GRPO's FLUX LoRA targets: every attention projection of both streams and the double blocks' MLPs.
+# Flow-GRPO's FLUX LoRA targets: every attention projection of both streams and the double blocks' MLPs (the single
+# blocks' attention shares the to_q/to_k/to_v names, so it is adapted too).
 LORA_DEFAULT_TARGETS = (
     "attn.to_q,attn.to_k,attn.to_v,attn.to_out.0,attn.add_q_proj,attn.add_k_proj,attn.add_v_proj,attn.to_add_out,"
     "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2"

@@ -27,8 +27,6 @@ from fluxgrpo.errors import FluxgrpoError
 if TYPE_CHECKING:
     from fluxgrpo.config import TrainConfig
 
-# The single blocks' attention shares the to_q/to_k/to_v names, so the default targets adapt it too.
-DEFAULT_TARGETS = LORA_DEFAULT_TARGETS
 ADAPTER_NAME = "default"  # peft's name for the one adapter
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # diffusers' file name
 
@@ -80,10 +78,11 @@ def add_lora(transformer: torch.nn.Module, spec: LoraSpec, compute_dtype: torch.
     if unmatched:
         raise FluxgrpoError(
             f"--lora-targets {','.join(unmatched)} match no module of the FLUX transformer: use module names such as "
-            f"{DEFAULT_TARGETS.split(',')[0]} (the default is {DEFAULT_TARGETS})"
+            f"{LORA_DEFAULT_TARGETS.split(',')[0]} (the default is {LORA_DEFAULT_TARGETS})"
         )
     transformer.requires_grad_(False)
-    transformer.to(compute_dtype)
+    for parameter in transformer.parameters():  # not .to(): diffusers warns about casting a whole model
+        parameter.data = parameter.data.to(compute_dtype)
     transformer.add_adapter(spec.peft_config(), adapter_name=ADAPTER_NAME)
     for name, parameter in transformer.named_parameters():
         if is_adapter_parameter(name):

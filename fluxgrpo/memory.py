@@ -7,12 +7,12 @@ Peak bytes on one die = what lives all run long + the largest of the three phase
                              (LoRA: 2·S_base + 4·S_adapters: base frozen in bf16, adapters fp32)
                 optimizer    8·S_train    AdamW exp_avg + exp_avg_sq of the trainable shards
                 ema          4·S_train    with --use-ema
-                reward       4·R          the reward model's weights (2·R with --reward-dtype bf16)
+                reward       4·R          every reward model's weights (2·R with --reward-dtype bf16)
                 vae          2·V          the VAE in the compute dtype
                 rollout      B·(N+1)·L·64·4 + images  the trajectory latents and decoded images of one iteration
     rollout     gathered     2·(2·block + root)  FSDP2 all-gathers a block in bf16 and prefetches the next
                 forward      rb·T·D·2·12  one block's no-grad temporaries for rollout_batch_size trajectories
-    decode      vae          rb·3·256·H·W·2  the VAE decoder's full-resolution feature maps
+    decode      vae          rb·3·C·H·W·2    the VAE decoder's full-resolution maps (C = 256 for FLUX's VAE)
     update      gradients    4·S_train    fp32 gradient shards (freed after each optimizer step)
                 gathered     2·(2·block + root) + 4·block  bf16 parameters and one block's unsharded fp32 grads
                 activations  mb·T·D·(n_double·a_d + n_single·a_s)·c       without --gradient-checkpointing
@@ -42,8 +42,8 @@ DOUBLE_BLOCK_ACTIVATION_BYTES = 57
 SINGLE_BLOCK_ACTIVATION_BYTES = 51
 # One block's no-grad temporaries per token per unit of width in the rollout (q, k, v, attention out, 4× MLP).
 ROLLOUT_FORWARD_BYTES = 12 * 2
-# The VAE decoder's widest full-resolution stage: 256 channels, about 3 live maps at once.
-VAE_DECODE_CHANNELS, VAE_LIVE_MAPS = 256, 3
+# Live feature maps at once at the VAE decoder's full-resolution stage (its input, a norm, a conv output).
+VAE_LIVE_MAPS = 3
 # Device context, kernels' workspace and allocator fragmentation: kept free on every die.
 RUNTIME_RESERVE_BYTES = 2 * GiB
 # Weights of the reward models: open_clip ViT-H-14 for HPSv2 and CLIPScore, CLIP ViT-H-14 for PickScore.
@@ -113,13 +113,20 @@ def lora_adapter_shapes(config: dict[str, Any], targets: tuple[str, ...], rank: 
     return tuple(shapes)
 
 
-def vae_parameters(config: dict[str, Any]) -> int:
+@dataclass(frozen=True)
+class VaeShape:
+    parameters: int
+    decode_channels: int  # channels of the decoder's full-resolution maps (the upsampler feeding the last block)
+
+
+def vae_shape(config: dict[str, Any]) -> VaeShape:
     import torch
     from diffusers import AutoencoderKL
 
     with torch.device("meta"):
         vae = AutoencoderKL.from_config(config)
-    return sum(p.numel() for p in vae.parameters())
+    channels = list(vae.config.block_out_channels)
+    return VaeShape(sum(p.numel() for p in vae.parameters()), channels[min(1, len(channels) - 1)])
 
 
 @dataclass(frozen=True)
@@ -136,7 +143,7 @@ class RunShape:
     gradient_checkpointing: bool
     cpu_offload: bool
     use_ema: bool
-    reward: str
+    reward: str  # the --reward spec: one name, or several as name:weight,...; each model is loaded
     reward_bytes: int = 4  # --reward-dtype fp32 (4) or bf16 (2)
     compute_bytes: int = 2  # bf16 on accelerators; 4 (fp32) on cpu
     text_tokens: int = DEFAULT_TEXT_TOKENS
@@ -217,8 +224,10 @@ def activation_bytes(model: TransformerShape, run: RunShape, checkpointing: bool
     return int(per_token * saved * scale)
 
 
-def estimate(model: TransformerShape, vae_params: int, run: RunShape) -> MemoryEstimate:
+def estimate(model: TransformerShape, vae: VaeShape, run: RunShape) -> MemoryEstimate:
     """The per-die memory of a run (see the module docstring for every term)."""
+    from fluxgrpo.rewards.reward_set import reward_spec_names
+
     dies, cb = run.dies, run.compute_bytes
     base = shard_elements(model.parameter_shapes, dies)
     lora = bool(run.adapter_shapes)
@@ -236,8 +245,8 @@ def estimate(model: TransformerShape, vae_params: int, run: RunShape) -> MemoryE
         "weights": weights,
         "optimizer": optimizer,
         "ema": ema,
-        "reward": run.reward_bytes * REWARD_PARAMETERS.get(run.reward, 0),
-        "vae": cb * vae_params,
+        "reward": run.reward_bytes * sum(REWARD_PARAMETERS.get(name, 0) for name in reward_spec_names(run.reward)),
+        "vae": cb * vae.parameters,
         "rollout": trajectories * (run.sampling_steps + 2) * latent_tokens * LATENT_CHANNELS * 4
         + trajectories * 3 * run.height * run.width * 4,
     }
@@ -256,7 +265,7 @@ def estimate(model: TransformerShape, vae_params: int, run: RunShape) -> MemoryE
             "forward": run.rollout_batch_size * tokens * model.width * ROLLOUT_FORWARD_BYTES * cb // 2,
         },
         "decode": {
-            "vae decode": run.rollout_batch_size * VAE_LIVE_MAPS * VAE_DECODE_CHANNELS * run.height * run.width * cb
+            "vae decode": run.rollout_batch_size * VAE_LIVE_MAPS * vae.decode_channels * run.height * run.width * cb
         },
         "update": {
             "gradients": 0 if run.cpu_offload else 4 * trainable,
@@ -285,7 +294,7 @@ def estimate_for_config(cfg: TrainConfig, dies: int, device_type: str) -> Memory
     run = RunShape.from_config(
         cfg, dies, compute_bytes=compute_bytes, text_tokens=_text_tokens(cfg), adapter_shapes=adapters
     )
-    return estimate(transformer_shape(config), vae_parameters(vae_config), run)
+    return estimate(transformer_shape(config), vae_shape(vae_config), run)
 
 
 def _text_tokens(cfg: TrainConfig) -> int:

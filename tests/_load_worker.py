@@ -5,6 +5,7 @@ Run under torchrun by tests/test_shard_loading.py, or by hand for the README's m
     torchrun --standalone --nproc_per_node=2 tests/_load_worker.py compare FLUX_DIR OUT_DIR
     torchrun --standalone --nproc_per_node=2 tests/_load_worker.py memory FLUX_DIR OUT_DIR {sharded|pretrained}
     torchrun --standalone --nproc_per_node=2 tests/_load_worker.py terms FLUX_DIR OUT_DIR
+    torchrun --standalone --nproc_per_node=2 tests/_load_worker.py lora-bf16 FLUX_DIR OUT_DIR
 
 ``compare`` checks that every rank's shard of every parameter is bitwise the same both ways. ``memory`` loads one
 way and writes, per rank, how far the process's resident memory rose above what it held just before loading
@@ -95,6 +96,46 @@ def allocated_terms(model) -> dict[str, int]:
     }
 
 
+def lora_bf16_steps(flux_dir: str, rank: int) -> dict:
+    """The accelerator layout on cpu: bf16 frozen base + fp32 adapters, FSDP2 gathering in bf16, checkpointing,
+    autocast; two optimizer steps. Reports the dtypes and which parameters moved."""
+    from fluxgrpo.config import LORA_DEFAULT_TARGETS
+    from fluxgrpo.lora import LoraSpec, add_lora, base_weight_name, init_adapters, parse_targets
+    from fluxgrpo.models.shard_loading import empty_transformer, fill_transformer
+    from fluxgrpo.runtime.dist import shard_transformer
+
+    model = empty_transformer(flux_dir)
+    add_lora(model, LoraSpec(4, 8.0, parse_targets(LORA_DEFAULT_TARGETS), 0.0), torch.bfloat16)
+    model.enable_gradient_checkpointing()
+    shard_transformer(model, False, torch.bfloat16)
+    fill_transformer(model, flux_dir, "cpu", stored_name=base_weight_name)
+    init_adapters(model, 42)
+    before = {name: p.to_local().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    generator = torch.Generator().manual_seed(rank)
+    grid = torch.arange(16)
+    img_ids = torch.stack([torch.zeros_like(grid), grid // 4, grid % 4], dim=1).float()
+    model.train()
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(
+                hidden_states=torch.randn(2, 16, 64, generator=generator),
+                encoder_hidden_states=torch.randn(2, 8, 32, generator=generator),
+                pooled_projections=torch.randn(2, 32, generator=generator),
+                timestep=torch.tensor([0.3, 0.6]), img_ids=img_ids, txt_ids=torch.zeros(8, 3),
+                guidance=torch.tensor([3.5, 3.5]),
+            ).sample  # fmt: skip
+        out.float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {
+        "adapter_dtypes": sorted({str(p.dtype) for n, p in model.named_parameters() if p.requires_grad}),
+        "base_dtypes": sorted({str(p.dtype) for n, p in model.named_parameters() if not p.requires_grad}),
+        "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+        "changed": sorted(n for n, p in model.named_parameters() if not torch.equal(p.to_local(), before[n])),
+    }
+
+
 def _proc_status_kib(key: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key + ":"):
@@ -127,6 +168,8 @@ def main() -> None:
                     "training": sharded.training,
                 }
                 (out_dir / "compare.json").write_text(json.dumps(result))
+        elif mode == "lora-bf16":
+            (out_dir / f"lora_rank{ctx.rank}.json").write_text(json.dumps(lora_bf16_steps(flux_dir, ctx.rank)))
         elif mode == "terms":
             (out_dir / f"terms_rank{ctx.rank}.json").write_text(json.dumps(allocated_terms(load_sharded(flux_dir))))
         else:

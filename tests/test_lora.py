@@ -191,6 +191,16 @@ def test_reward_rises_with_lora(tiny_weights, tiny_embeddings, tmp_path):
     assert trend["last"] > trend["first"], trend
 
 
+def test_unknown_targets_are_named(tiny_weights):
+    from fluxgrpo.lora import LoraSpec, add_lora
+    from fluxgrpo.models.shard_loading import empty_transformer
+
+    with pytest.raises(FluxgrpoError, match=r"--lora-targets attn\.to_qq match no module"):
+        add_lora(
+            empty_transformer(tiny_weights.flux_dir), LoraSpec(4, 8.0, ("attn.to_q", "attn.to_qq"), 0.0), torch.float32
+        )
+
+
 def test_lora_options_are_validated():
     from fluxgrpo.errors import UsageError
 
@@ -220,3 +230,25 @@ def test_two_workers_lora_trains_and_resumes_exactly(tiny_weights, tiny_embeddin
     assert any(name.endswith("lora_B.weight") and a[name].abs().sum() > 0 for name in a)  # the adapters trained
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.slow
+def test_two_ranks_bf16_base_and_fp32_adapters_train_under_fsdp2(tiny_weights, tmp_path):
+    """The accelerator layout (bf16 frozen base, fp32 adapters, FSDP2 gathering in bf16), run on 2 cpu ranks."""
+    import os
+    import subprocess
+    import sys
+
+    worker = Path(__file__).with_name("_load_worker.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
+    proc = subprocess.run(
+        [*command, "lora-bf16", str(tiny_weights.flux_dir), str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"lora_rank{rank}.json").read_text())
+        assert result["adapter_dtypes"] == ["torch.float32"] and result["base_dtypes"] == ["torch.bfloat16"]
+        assert result["changed"] == result["trainable"]  # every adapter shard moved, no base shard did

@@ -20,12 +20,13 @@ from fluxgrpo.memory import (
     SINGLE_BLOCK_ACTIVATION_BYTES,
     GiB,
     RunShape,
+    VaeShape,
     estimate,
     estimate_for_config,
     plan_memory,
     shard_elements,
     transformer_shape,
-    vae_parameters,
+    vae_shape,
 )
 
 WORKER_PATH = Path(__file__).with_name("_load_worker.py")
@@ -68,12 +69,17 @@ def test_flux_dev_sizes_and_the_shipped_recipes_fit_an_a3_die():
     model = transformer_shape(FLUX_DEV_TRANSFORMER)
     assert model.parameters == 11_901_408_320  # FLUX.1-dev: 11.9 B parameters, 47.6 GB in fp32
     assert (model.double_blocks, model.single_blocks, model.width) == (19, 38, 3072)
-    vae = vae_parameters(FLUX_DEV_VAE)
+    vae = vae_shape(FLUX_DEV_VAE)
+    assert vae == VaeShape(83_819_683, 256)
     for name, dies in (("a3-16die", 16), ("a3-8die", 8)):
         result = estimate(model, vae, RunShape.from_config(build_config(name), dies))
         assert result.peak < 64 * GiB, (name, result.lines())
         # sharding divides the weights: 47.6 GB fp32 over the dies, padded by at most one row per tensor
         assert model.parameters * 4 / dies <= result.persistent["weights"] < model.parameters * 4 / dies * 1.001
+    two_rewards = estimate(
+        model, vae, RunShape.from_config(build_config("a3-16die", {"reward": "hpsv2:1,pickscore:0.5"}), 16)
+    )
+    assert two_rewards.persistent["reward"] == 2 * 4 * 986_109_440  # each reward model is loaded
     one_die = estimate(model, vae, RunShape.from_config(build_config("a3-16die"), 1))
     assert one_die.peak > 141 * GiB  # full fine-tuning never fits one die, not even an H200
 
@@ -82,14 +88,18 @@ def test_checkpointing_and_micro_batch_move_the_activation_term_as_the_formula_s
     model = transformer_shape(FLUX_DEV_TRANSFORMER)
     cfg = build_config("a3-16die")
     run = RunShape.from_config(cfg, 16)
-    with_ckpt = estimate(model, 0, run).phases["update"]["activations"]
-    without = estimate(model, 0, RunShape.from_config(build_config("a3-16die", {"gradient_checkpointing": False}), 16))
+    with_ckpt = estimate(model, VaeShape(0, 0), run).phases["update"]["activations"]
+    without = estimate(
+        model, VaeShape(0, 0), RunShape.from_config(build_config("a3-16die", {"gradient_checkpointing": False}), 16)
+    )
     tokens = 45 * 45 + 512  # 720² → 45×45 packed latents, plus the 512 T5 tokens
     assert with_ckpt == tokens * 3072 * ((19 + 38) * 2 + DOUBLE_BLOCK_ACTIVATION_BYTES)
     assert without.phases["update"]["activations"] == tokens * 3072 * (
         19 * DOUBLE_BLOCK_ACTIVATION_BYTES + 38 * SINGLE_BLOCK_ACTIVATION_BYTES
     )
-    doubled = estimate(model, 0, RunShape.from_config(build_config("a3-16die", {"train_micro_batch_size": 2}), 16))
+    doubled = estimate(
+        model, VaeShape(0, 0), RunShape.from_config(build_config("a3-16die", {"train_micro_batch_size": 2}), 16)
+    )
     assert doubled.phases["update"]["activations"] == 2 * with_ckpt
 
 
@@ -142,7 +152,7 @@ def test_weight_and_optimizer_terms_equal_what_a_single_process_allocates(tiny_w
     fill_transformer(model, tiny_weights.flux_dir, "cpu")
     allocated = worker.allocated_terms(model)
     run = RunShape.from_config(build_config("tiny-cpu"), 1, compute_bytes=4)
-    predicted = estimate(transformer_shape(json.loads(model.to_json_string())), 0, run)
+    predicted = estimate(transformer_shape(json.loads(model.to_json_string())), VaeShape(0, 0), run)
     assert predicted.persistent["weights"] == allocated["weights"]
     assert predicted.persistent["optimizer"] == allocated["optimizer"]
 
@@ -166,7 +176,7 @@ def test_weight_and_optimizer_terms_equal_what_fsdp2_allocates_on_two_ranks(tiny
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     rank0 = json.loads((tmp_path / "terms_rank0.json").read_text())  # rank 0 holds the full (padded) chunks
     run = RunShape.from_config(build_config("tiny-cpu"), 2, compute_bytes=4)
-    predicted = estimate(transformer_shape(config), 0, run)
+    predicted = estimate(transformer_shape(config), VaeShape(0, 0), run)
     assert predicted.persistent["weights"] == rank0["weights"]
     assert predicted.persistent["optimizer"] == rank0["optimizer"]
     rank1 = json.loads((tmp_path / "terms_rank1.json").read_text())
