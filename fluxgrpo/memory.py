@@ -7,6 +7,7 @@ Peak bytes on one die = what lives all run long + the largest of the three phase
                              (LoRA: 2·S_base + 4·S_adapters: base frozen in bf16, adapters fp32)
                 optimizer    8·S_train    AdamW exp_avg + exp_avg_sq of the trainable shards
                 ema          4·S_train    with --use-ema
+                kl reference 2·S          with --kl-beta > 0 and full fine-tuning (LoRA disables its adapters)
                 reward       4·R          every reward model's weights (2·R with --reward-dtype bf16)
                 vae          2·V          the VAE in the compute dtype
                 rollout      B·(N+1)·L·64·4 + images  the trajectory latents and decoded images of one iteration
@@ -148,6 +149,7 @@ class RunShape:
     compute_bytes: int = 2  # bf16 on accelerators; 4 (fp32) on cpu
     text_tokens: int = DEFAULT_TEXT_TOKENS
     adapter_shapes: tuple[tuple[int, ...], ...] = ()  # LoRA A/B matrices; () trains every weight
+    frozen_reference: bool = False  # --kl-beta > 0 with full fine-tuning: a second, frozen, sharded base model
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, dies: int, compute_bytes: int = 2, **extra: Any) -> RunShape:
@@ -163,6 +165,7 @@ class RunShape:
             cpu_offload=cfg.cpu_offload,
             use_ema=cfg.use_ema,
             reward=cfg.reward,
+            frozen_reference=cfg.kl_beta > 0 and cfg.lora_rank == 0,
             reward_bytes=2 if cfg.reward_dtype == "bf16" else 4,
             compute_bytes=compute_bytes,
             **extra,
@@ -235,16 +238,20 @@ def estimate(model: TransformerShape, vae: VaeShape, run: RunShape) -> MemoryEst
     # LoRA: the frozen base is kept in the compute dtype, the adapters in fp32.
     weights = base * cb + 4 * trainable if lora else 4 * base
     optimizer, ema = 8 * trainable, (4 * trainable if run.use_ema else 0)
+    # The KL's reference: a LoRA run disables its adapters (no copy); full fine-tuning keeps the base in bf16.
+    reference = base * cb if run.frozen_reference else 0
     host: dict[str, int] = {}
     if run.cpu_offload:
         host = {"weights": weights, "optimizer": optimizer, "gradients": 4 * trainable, "ema": ema}
-        weights = optimizer = ema = 0
+        host["kl reference"] = reference
+        weights = optimizer = ema = reference = 0
     latent_tokens = (run.height // 16) * (run.width // 16)
     trajectories = run.trajectories_per_rank
     persistent = {
         "weights": weights,
         "optimizer": optimizer,
         "ema": ema,
+        "kl reference": reference,
         "reward": run.reward_bytes * sum(REWARD_PARAMETERS.get(name, 0) for name in reward_spec_names(run.reward)),
         "vae": cb * vae.parameters,
         "rollout": trajectories * (run.sampling_steps + 2) * latent_tokens * LATENT_CHANNELS * 4

@@ -80,6 +80,12 @@ def test_flux_dev_sizes_and_the_shipped_recipes_fit_an_a3_die():
         model, vae, RunShape.from_config(build_config("a3-16die", {"reward": "hpsv2:1,pickscore:0.5"}), 16)
     )
     assert two_rewards.persistent["reward"] == 2 * 4 * 986_109_440  # each reward model is loaded
+    kl = estimate(model, vae, RunShape.from_config(build_config("a3-16die", {"kl_beta": 0.01}), 16))
+    assert kl.persistent["kl reference"] == kl.persistent["weights"] // 2  # the frozen base, bf16, sharded alike
+    kl_lora = estimate(
+        model, vae, RunShape.from_config(build_config("a3-16die", {"kl_beta": 0.01, "lora_rank": 8}), 16)
+    )
+    assert kl_lora.persistent["kl reference"] == 0  # the policy with its adapters disabled
     one_die = estimate(model, vae, RunShape.from_config(build_config("a3-16die"), 1))
     assert one_die.peak > 141 * GiB  # full fine-tuning never fits one die, not even an H200
 
