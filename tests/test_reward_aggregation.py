@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -167,3 +168,21 @@ def test_several_rewards_log_each_ones_statistics(tiny_weights, tiny_embeddings,
         assert math.isfinite(record[f"reward_{name}_mean"]) and record[f"reward_{name}_std"] >= 0
     combined = 2 / 3 * record["reward_brightness_mean"] + 1 / 3 * record["reward_clipscore_mean"]
     assert record["reward_mean"] == pytest.approx(combined, rel=1e-5)
+
+
+def test_preflight_names_the_fetch_command_of_every_listed_reward(tiny_weights, tiny_embeddings, tmp_path):
+    from fluxgrpo.config import build_config
+    from fluxgrpo.errors import FluxgrpoError
+    from fluxgrpo.train_launch import preflight
+
+    hps_dir = tmp_path / "hps_ckpt"
+    shutil.copytree(tiny_weights.hps_dir, hps_dir, ignore=shutil.ignore_patterns("imagereward"))
+    values = {
+        "model": str(tiny_weights.flux_dir),
+        "hps_dir": str(hps_dir),
+        "data_json_path": str(tiny_embeddings.index_path),
+        "output_dir": str(tmp_path / "out"),
+    }
+    preflight(build_config("tiny-cpu", {**values, "reward": "brightness:1,clipscore:1"}))  # both are in place
+    with pytest.raises(FluxgrpoError, match=r"--reward imagereward .*fetch-weights --only imagereward"):
+        preflight(build_config("tiny-cpu", {**values, "reward": "brightness:1,imagereward:1"}))
