@@ -190,13 +190,14 @@ def test_preflight_names_the_fetch_command_of_every_listed_reward(tiny_weights, 
 
 def test_the_memory_estimate_counts_every_listed_reward():
     from fluxgrpo.config import build_config
-    from fluxgrpo.memory import REWARD_PARAMETERS, RunShape, estimate, transformer_shape
+    from fluxgrpo.memory import REWARD_PARAMETERS, RunShape, VaeShape, estimate, transformer_shape
     from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG
 
     model = transformer_shape(dict(TINY_TRANSFORMER_CONFIG))
 
     def reward_term(**overrides):
-        return estimate(model, 0, RunShape.from_config(build_config("tiny-cpu", overrides), 1)).persistent["reward"]
+        run = RunShape.from_config(build_config("tiny-cpu", overrides), 1)
+        return estimate(model, VaeShape(0, 0), run).persistent["reward"]
 
     both = 4 * (REWARD_PARAMETERS["hpsv2"] + REWARD_PARAMETERS["imagereward"])
     assert reward_term(reward="hpsv2:1,imagereward:0.5") == both
