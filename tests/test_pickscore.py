@@ -247,3 +247,9 @@ def test_the_tiny_pickscore_is_complete_and_in_the_real_layout(tiny_weights):
         "vocab.json",
         "merges.txt",
     }
+
+
+def test_pil_path_is_the_official_processor_path(reward, processor_parts):
+    images = [blocky_image(300, 410, seed=7), blocky_image(257, 199, seed=8)]
+    expected = official_scores(processor_parts, images, PROMPTS[:2])
+    torch.testing.assert_close(reward.score_pil(images, PROMPTS[:2]), expected, rtol=0, atol=1e-5)

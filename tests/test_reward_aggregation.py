@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -167,3 +168,54 @@ def test_several_rewards_log_each_ones_statistics(tiny_weights, tiny_embeddings,
         assert math.isfinite(record[f"reward_{name}_mean"]) and record[f"reward_{name}_std"] >= 0
     combined = 2 / 3 * record["reward_brightness_mean"] + 1 / 3 * record["reward_clipscore_mean"]
     assert record["reward_mean"] == pytest.approx(combined, rel=1e-5)
+
+
+def test_preflight_names_the_fetch_command_of_every_listed_reward(tiny_weights, tiny_embeddings, tmp_path):
+    from fluxgrpo.config import build_config
+    from fluxgrpo.errors import FluxgrpoError
+    from fluxgrpo.train_launch import preflight
+
+    hps_dir = tmp_path / "hps_ckpt"
+    shutil.copytree(tiny_weights.hps_dir, hps_dir, ignore=shutil.ignore_patterns("imagereward"))
+    values = {
+        "model": str(tiny_weights.flux_dir),
+        "hps_dir": str(hps_dir),
+        "data_json_path": str(tiny_embeddings.index_path),
+        "output_dir": str(tmp_path / "out"),
+    }
+    preflight(build_config("tiny-cpu", {**values, "reward": "brightness:1,clipscore:1"}))  # both are in place
+    with pytest.raises(FluxgrpoError, match=r"--reward imagereward .*fetch-weights --only imagereward"):
+        preflight(build_config("tiny-cpu", {**values, "reward": "brightness:1,imagereward:1"}))
+
+
+def test_the_memory_estimate_counts_every_listed_reward():
+    from fluxgrpo.config import build_config
+    from fluxgrpo.memory import REWARD_PARAMETERS, RunShape, VaeShape, estimate, transformer_shape
+    from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG
+
+    model = transformer_shape(dict(TINY_TRANSFORMER_CONFIG))
+
+    def reward_term(**overrides):
+        run = RunShape.from_config(build_config("tiny-cpu", overrides), 1)
+        return estimate(model, VaeShape(0, 0), run).persistent["reward"]
+
+    both = 4 * (REWARD_PARAMETERS["hpsv2"] + REWARD_PARAMETERS["imagereward"])
+    assert reward_term(reward="hpsv2:1,imagereward:0.5") == both
+    assert reward_term(reward="hpsv2:1,imagereward:0.5", reward_dtype="bf16") == both // 2
+
+
+def test_imagereward_parameter_count_is_the_real_architectures():
+    from fluxgrpo.memory import REWARD_PARAMETERS
+    from fluxgrpo.rewards.imagereward import VIT_LARGE, build_imagereward_modules
+
+    med_config = {  # THUDM/ImageReward's med_config.json (BLIP's BERT-base)
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "max_position_embeddings": 512,
+        "vocab_size": 30524,
+    }
+    with torch.device("meta"):
+        modules = build_imagereward_modules(med_config, VIT_LARGE)
+    assert sum(p.numel() for m in modules for p in m.parameters()) == REWARD_PARAMETERS["imagereward"]
