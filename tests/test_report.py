@@ -70,7 +70,9 @@ def parse(path: Path) -> Collector:
     return collector
 
 
-def fake_run(folder: Path, iterations: int = 6, eval_every: int = 2, reward_shift: float = 0.0) -> Path:
+def fake_run(
+    folder: Path, iterations: int = 6, eval_every: int = 2, reward_shift: float = 0.0, kl: float = 0.0
+) -> Path:
     """A run folder as training writes it: metrics.jsonl with train and eval records, config.yaml, run_info.json,
     and eval/iteration-<k>/ folders holding images and a sample-format index.json with scores."""
     from PIL import Image
@@ -104,6 +106,7 @@ def fake_run(folder: Path, iterations: int = 6, eval_every: int = 2, reward_shif
                     "peak_memory_gib": None,
                     "nonfinite_rewards": 0.0,
                     "skipped_steps": 0.0,
+                    "kl": kl * k,  # 0 when the KL term is off
                 }
             )
         if k % eval_every == 0:
@@ -145,6 +148,7 @@ def test_report_html_is_self_contained_and_shows_curves_grids_and_facts(tmp_path
     assert page.tags["svg"] == len(document["panels"]) >= 8
     assert "Train reward (mean, min–max band)" in document["panels"]
     assert any(p.startswith("Eval brightness") for p in document["panels"])
+    assert not any(p.startswith("KL") for p in document["panels"])
     # 4 evaluations (0, 2, 4, 6) × 3 prompts, same prompt on a row
     assert len(page.images) == 12
     assert "iteration 0, prompt 0, seed 7" in page.images
@@ -160,13 +164,14 @@ def test_compare_overlays_runs_and_png_is_written(tmp_path):
     from PIL import Image
 
     a = fake_run(tmp_path / "dance")
-    b = fake_run(tmp_path / "mixgrpo", reward_shift=0.05)
+    b = fake_run(tmp_path / "mixgrpo", reward_shift=0.05, kl=0.01)
     out = tmp_path / "both.html"
     result = runner.invoke(app, ["report", str(a), "--compare", str(b), "--png", "--out", str(out), "--json"])
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)
     page = parse(out)
     assert "dance" in page.title and "mixgrpo" in page.title
+    assert "KL to the reference" in document["panels"]  # one run has a KL term
     text = out.read_text()
     assert ">dance</text>" in text and ">mixgrpo</text>" in text  # the curves' legends name each run
     assert len(page.images) == 24  # each run's grid

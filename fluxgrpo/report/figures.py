@@ -75,7 +75,8 @@ def panels_for(runs: list[RunData]) -> list[Panel]:
         ),
         Panel("Clip fraction", "fraction", [Line("clip_fraction", "clipped")]),
     ]
-    kl_keys = sorted({k for run in runs for r in run.records for k in r if re.match(r"^kl(_|$)", k)})
+    # the trainer logs kl = 0 when the KL term is off: a panel only when some run has a KL to show
+    kl_keys = sorted({k for run in runs for r in run.records for k in r if re.match(r"^kl(_|$)", k) and r[k]})
     if kl_keys:
         panels.append(Panel("KL to the reference", "KL", [Line(k, k) for k in kl_keys]))
     panels += [
