@@ -419,7 +419,7 @@ class _Progress:
             )
 
             self._bar = Progress(
-                TextColumn("{task.description}"),
+                TextColumn("{task.description}", markup=False),  # the description names the output folder
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeRemainingColumn(),
