@@ -128,6 +128,17 @@ def all_reduce_max(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def broadcast_object(ctx: DistContext, obj: Any, src: int = 0) -> Any:
+    """``obj`` from rank ``src`` on every rank (picklable objects; ``obj`` itself when not distributed)."""
+    if not ctx.distributed:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def rank0_print(ctx: DistContext, *args: Any) -> None:
     """Log to stderr from rank 0 only."""
     if ctx.is_main:
