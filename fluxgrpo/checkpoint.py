@@ -481,7 +481,8 @@ def load_checkpoint(
     if int(info.get("format_version", 1)) < 2:
         raise FluxgrpoError(
             f"{path} was written by an older fluxgrpo whose RNG files pickle numpy objects, which cannot be read "
-            "without letting the file run code: start a new run from its exported transformer"
+            "without letting the file run code: resume from a checkpoint written by this version, or start a new "
+            f"run (its exported weights in {path / TRANSFORMER_DIR} still work with `fluxgrpo sample --checkpoint`)"
         )
     saved_world = int(info["world_size"])
     if saved_world != ctx.world_size:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from fluxgrpo.data.embeddings import (
 from fluxgrpo.data.prompts import read_prompts
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.models.flux import require_flux_dir
-from fluxgrpo.paths import EMBEDDINGS_INDEX, ensure_writable_dir
+from fluxgrpo.paths import EMBEDDINGS_INDEX, ensure_writable_dir, write_atomic
 from fluxgrpo.weights.manifest import read_manifest
 
 STATE_FILE = ".fluxgrpo-preprocess.json"
@@ -178,9 +177,7 @@ def _preprocess_on_rank(
     _check_folder_matches(out, prompts, fingerprint)
     rt_dist.barrier(ctx)  # every rank has passed the check before rank 0 records it
     if ctx.is_main:
-        tmp = out / f".{STATE_FILE}.tmp"
-        tmp.write_text(json.dumps(fingerprint, indent=2) + "\n")
-        os.replace(tmp, out / STATE_FILE)
+        write_atomic(out / STATE_FILE, json.dumps(fingerprint, indent=2) + "\n")
 
     mine = rank_indices(len(prompts), ctx.rank, ctx.world_size)
     todo = [i for i in mine if not stored_embedding_ok(out, i, max_sequence_length, embed_dim, pooled_dim)]

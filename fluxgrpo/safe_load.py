@@ -94,7 +94,13 @@ def load_plain(path: str | Path, fix: str, *, mmap: bool = False) -> Any:
             ) from None
         raise FluxgrpoError(f"{path} is damaged or not a torch file (not a tensor pickle): {fix}") from None
     except (OSError, RuntimeError, EOFError, ValueError) as exc:
-        reason = str(exc).split(". ")[0] if str(exc) else type(exc).__name__
+        import zipfile
+
+        # torch's own messages are paragraphs (and with mmap, about mmap); say what is wrong with the file.
+        if path.is_file() and not zipfile.is_zipfile(path):
+            reason = "not a torch zip archive: truncated, or some other file"
+        else:
+            reason = str(exc).split(". ")[0] if str(exc) else type(exc).__name__
         raise FluxgrpoError(f"{path} is damaged or not a torch file ({reason}): {fix}") from None
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,7 +42,7 @@ from typing import Any
 
 from fluxgrpo import __version__
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.paths import DEFAULT_SAMPLES_DIR, ensure_writable_dir
+from fluxgrpo.paths import DEFAULT_SAMPLES_DIR, ensure_writable_dir, write_atomic
 
 INDEX_FILE = "index.json"
 GRID_FILE = "grid.png"
@@ -401,9 +400,7 @@ def _save_png(image: Any, path: Path, prompt: str, seed: int) -> None:
     info = PngInfo()
     info.add_itxt("prompt", prompt)
     info.add_text("seed", str(seed))
-    tmp = path.with_name(f".{path.name}.tmp")
-    image.save(tmp, format="PNG", pnginfo=info)
-    os.replace(tmp, path)
+    write_atomic(path, lambda f: image.save(f, format="PNG", pnginfo=info))
 
 
 class _Progress:
@@ -422,7 +419,7 @@ class _Progress:
             )
 
             self._bar = Progress(
-                TextColumn("{task.description}"),
+                TextColumn("{task.description}", markup=False),  # the description names the output folder
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeRemainingColumn(),
@@ -542,11 +539,7 @@ def write_grid(out: Path, images: list[SampledImage], num_prompts: int, settings
             tile,
             (GRID_GAP + record.image_index * (tile_w + GRID_GAP), GRID_GAP + record.prompt_index * (tile_h + GRID_GAP)),
         )
-    path = out / GRID_FILE
-    tmp = path.with_name(f".{path.name}.tmp")
-    sheet.save(tmp, format="PNG")
-    os.replace(tmp, path)
-    return path
+    return write_atomic(out / GRID_FILE, lambda f: sheet.save(f, format="PNG"))
 
 
 def write_index(
@@ -577,14 +570,7 @@ def write_index(
         "images": [asdict(record) for record in images],
         **(extra or {}),
     }
-    path = out / INDEX_FILE
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(document, indent=2, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return write_atomic(out / INDEX_FILE, json.dumps(document, indent=2, ensure_ascii=False) + "\n", durable=True)
 
 
 # --------------------------------------------------------------------------------------------- the run

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.paths import DEFAULT_HPS_DIR
+from fluxgrpo.paths import DEFAULT_HPS_DIR, write_atomic
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 DEFAULT_SCORE_BATCH = 16
@@ -512,14 +512,8 @@ def csv_text(report: ScoreReport) -> str:
 def write_csv(report: ScoreReport, path: str | Path) -> Path:
     """Write the CSV to a temp file beside ``path`` and rename it: a reader never sees half a file."""
     path = check_csv_destination(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8", newline="") as f:
-            f.write(csv_text(report))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, csv_text(report), durable=True)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise FluxgrpoError(f"cannot write {path} ({exc.strerror or exc}): choose another --out") from None
     return path

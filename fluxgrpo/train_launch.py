@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.config import TrainConfig, save_resolved
-from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.errors import FluxgrpoError, UsageError, not_usable
 from fluxgrpo.paths import ensure_writable_dir
 from fluxgrpo.rewards import reward_weights_status
 from fluxgrpo.rewards.reward_set import reward_spec_names
@@ -45,22 +45,21 @@ def preflight(cfg: TrainConfig) -> None:
 
     flux = check_flux_dir(cfg.model)
     if not flux.complete:
-        raise FluxgrpoError(f"FLUX weights in {cfg.model} are not usable ({'; '.join(flux.problems)}): {flux.fix}")
+        raise not_usable(f"FLUX weights in {cfg.model}", flux.problems, flux.fix)
     from fluxgrpo.eval import eval_reward_names
 
     # --eval-rewards load at the first evaluation (iteration 0), so their weights are checked with the training's
     for reward in eval_reward_names(cfg) if cfg.eval_every else reward_spec_names(cfg.reward):
         for part in reward_weights_status(reward, cfg.hps_dir):
             if not part.complete:
-                raise FluxgrpoError(
-                    f"{part.name} weights for --reward {reward} are not usable ({'; '.join(part.problems)}): {part.fix}"
-                )
+                raise not_usable(f"{part.name} weights for --reward {reward}", part.problems, part.fix)
     emb_dir = Path(cfg.data_json_path).parent
     emb = embeddings_status(emb_dir)
     if not emb["complete"]:
-        raise FluxgrpoError(
-            f"embeddings in {emb_dir} are not usable ({'; '.join(emb['problems'])}): run "
-            f"`fluxgrpo preprocess --model {cfg.model} --out {emb_dir}`, or point --data-json-path at them"
+        raise not_usable(
+            f"embeddings in {emb_dir}",
+            emb["problems"],
+            f"run `fluxgrpo preprocess --model {cfg.model} --out {emb_dir}`, or point --data-json-path at them",
         )
     _check_embeddings_match_model(cfg)
 

@@ -319,3 +319,17 @@ def test_tiny_only_pickscore_writes_nothing_else(tmp_path):
     assert not (tmp_path / "f").exists()
     assert sorted(p.name for p in (tmp_path / "h").iterdir()) == ["pickscore"]
     assert check_pickscore_dir(tmp_path / "h" / "pickscore").complete
+
+
+def test_a_hub_fetch_into_an_unwritable_folder_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with FakeHub("hf", default_repos(tmp_path, "hf")) as hub:
+        args = fetch_args(hub, tmp_path)
+        args[args.index("--flux-dir") + 1] = str(blocker / "flux")
+        result = runner.invoke(app, args)
+        assert hub.content_requests() == []  # refused before any download
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert f"cannot write weights to {blocker / 'flux'} (Not a directory)" in result.stderr
+    assert "--flux-dir" in result.stderr

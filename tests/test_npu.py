@@ -26,8 +26,8 @@ from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG
+from fluxgrpo.runtime import cann, npu
 from fluxgrpo.runtime import device as rt
-from fluxgrpo.runtime import npu
 from fluxgrpo.runtime.device import NpuImportStatus
 from fluxgrpo.runtime.npu_env import NPU_ENV_DEFAULTS, apply_npu_env_defaults
 
@@ -68,7 +68,8 @@ def fake_torch_npu(monkeypatch):
 
 @pytest.fixture
 def no_torch_npu(monkeypatch):
-    monkeypatch.setattr(npu, "npu_import_status", lambda: NpuImportStatus(False, False, None, None))
+    for module in (npu, cann):
+        monkeypatch.setattr(module, "npu_import_status", lambda: NpuImportStatus(False, False, None, None))
 
 
 @pytest.fixture
@@ -454,13 +455,13 @@ def test_adapt_needs_torch_npu(no_torch_npu):
 
 
 def test_report_with_working_torch_npu(fake_torch_npu):
-    report = npu.npu_runtime_report(environ={"TASK_QUEUE_ENABLE": "2"})
+    report = cann.npu_runtime_report(environ={"TASK_QUEUE_ENABLE": "2"})
     assert report["torch_npu_importable"] and report["torch_npu_version"] == "2.7.1+fake"
     assert report["cann_version"] == "8.3.RC1"
     assert report["cann_version_source"] == "torch_npu.utils.get_cann_version()"
     assert report["devices"] == [
-        {"index": 0, "name": "Ascend910_9391", "peak_tflops": npu.peak_tflops("Ascend910_9391")},
-        {"index": 1, "name": "Ascend910_9391", "peak_tflops": npu.peak_tflops("Ascend910_9391")},
+        {"index": 0, "name": "Ascend910_9391", "peak_tflops": cann.peak_tflops("Ascend910_9391")},
+        {"index": 1, "name": "Ascend910_9391", "peak_tflops": cann.peak_tflops("Ascend910_9391")},
     ]
     assert report["env"]["TASK_QUEUE_ENABLE"] == "2" and report["env"]["COMBINED_ENABLE"] is None
     assert report["explanation"] is None
@@ -470,7 +471,7 @@ def test_report_with_working_torch_npu(fake_torch_npu):
 
 def test_report_explains_an_npu_that_sees_no_device(fake_torch_npu, monkeypatch):
     monkeypatch.setattr(fake_torch_npu.npu, "DEVICE_NAMES", [])
-    report = npu.npu_runtime_report(environ={})
+    report = cann.npu_runtime_report(environ={})
     assert report["devices"] == []
     assert any("sees no NPU" in note and "ASCEND_RT_VISIBLE_DEVICES" in note for note in report["notes"])
 
@@ -480,26 +481,26 @@ def test_report_reads_cann_from_install_files_when_torch_npu_cannot_tell(fake_to
     info = tmp_path / "aarch64-linux" / "ascend_toolkit_install.info"
     info.parent.mkdir()
     info.write_text("package_name=Ascend-cann-toolkit\nversion=8.5.0\ninnerversion=V100R001C25\narch=aarch64\n")
-    report = npu.npu_runtime_report(environ={"ASCEND_HOME_PATH": str(tmp_path)})
+    report = cann.npu_runtime_report(environ={"ASCEND_HOME_PATH": str(tmp_path)})
     assert (report["cann_version"], report["cann_version_source"]) == ("8.5.0", str(info))
 
 
 def test_version_cfg_gives_the_public_version(tmp_path):
     (tmp_path / "version.cfg").write_text("# installed\nruntime_running_version=[7.3.0.1.231:8.0.RC2]\n")
-    assert npu.read_cann_version(tmp_path) == ("8.0.RC2", tmp_path / "version.cfg")
-    assert npu.read_cann_version(tmp_path / "missing") is None
+    assert cann.read_cann_version(tmp_path) == ("8.0.RC2", tmp_path / "version.cfg")
+    assert cann.read_cann_version(tmp_path / "missing") is None
     env = {"ASCEND_HOME_PATH": str(tmp_path / "missing"), "ASCEND_TOOLKIT_HOME": str(tmp_path), "HOME": "/h"}
-    assert npu.cann_home_candidates(env)[:4] == [
+    assert cann.cann_home_candidates(env)[:4] == [
         tmp_path / "missing",
         tmp_path,
         Path("/usr/local/Ascend/cann"),
         Path("/usr/local/Ascend/ascend-toolkit/latest"),
     ]
-    assert npu.find_cann_version(env) == ("8.0.RC2", tmp_path / "version.cfg")
+    assert cann.find_cann_version(env) == ("8.0.RC2", tmp_path / "version.cfg")
 
 
 def test_report_without_torch_npu(no_torch_npu):
-    report = npu.npu_runtime_report(environ={})
+    report = cann.npu_runtime_report(environ={})
     assert not report["torch_npu_installed"] and report["devices"] == []
     assert any("not installed" in note for note in report["notes"])
     assert report["explanation"] is None  # nothing is broken: there is just no NPU stack
@@ -513,7 +514,7 @@ def test_report_explains_a_torch_npu_that_does_not_import(tmp_path, monkeypatch)
     monkeypatch.syspath_prepend(str(tmp_path))
     rt._reset_npu_status_for_tests()
     try:
-        report = npu.npu_runtime_report(environ={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+        report = cann.npu_runtime_report(environ={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
     finally:
         _drop_torch_npu_modules()
         rt._reset_npu_status_for_tests()
@@ -529,8 +530,8 @@ def test_report_works_where_torch_itself_does_not_import():
     script = (
         "import json, sys\n"
         "sys.modules['torch'] = None  # any `import torch` now raises ImportError\n"
-        "from fluxgrpo.runtime import npu\n"
-        "print(json.dumps(npu.npu_runtime_report(environ={})))\n"
+        "from fluxgrpo.runtime import cann\n"
+        "print(json.dumps(cann.npu_runtime_report(environ={})))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -545,18 +546,18 @@ def test_report_never_raises(monkeypatch):
     def broken():
         raise RuntimeError("driver exploded")
 
-    monkeypatch.setattr(npu, "npu_import_status", broken)
-    report = npu.npu_runtime_report(environ={})
+    monkeypatch.setattr(cann, "npu_import_status", broken)
+    report = cann.npu_runtime_report(environ={})
     assert any("driver exploded" in note for note in report["notes"])
 
 
 def test_peak_tflops_table():
     # cube cores x MHz x 1e6 x (16·16·16 MACs x 2 FLOPs = 8192) per cycle:
-    assert npu.peak_tflops("Ascend910_9391") == pytest.approx(24 * 1850e6 * 8192 / 1e12)  # 363.7248 (A3 die)
-    assert npu.peak_tflops(" ascend910b2 ") == pytest.approx(353.8944)  # 24 x 1800e6 x 8192
-    assert npu.peak_tflops("Ascend910B4-1") == pytest.approx(245.76)  # 20 x 1500e6 x 8192
-    assert npu.peak_tflops("Ascend310P3") is None
-    assert npu.peak_tflops("") is None
+    assert cann.peak_tflops("Ascend910_9391") == pytest.approx(24 * 1850e6 * 8192 / 1e12)  # 363.7248 (A3 die)
+    assert cann.peak_tflops(" ascend910b2 ") == pytest.approx(353.8944)  # 24 x 1800e6 x 8192
+    assert cann.peak_tflops("Ascend910B4-1") == pytest.approx(245.76)  # 20 x 1500e6 x 8192
+    assert cann.peak_tflops("Ascend310P3") is None
+    assert cann.peak_tflops("") is None
 
 
 def test_env_defaults_never_override_user_values():

@@ -117,8 +117,16 @@ def test_checkpoint_loads_with_diffusers_and_holds_the_last_iteration(tiny_weigh
     run(tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", max_train_steps=3, checkpointing_steps=2))
     names = sorted(p.name for p in (tmp_path / "out").iterdir() if p.name.startswith("checkpoint-"))
     assert names == ["checkpoint-2", "checkpoint-3"]  # every 2 iterations, and always after the last one
-    model = FluxTransformer2DModel.from_pretrained(tmp_path / "out" / "checkpoint-3" / "transformer")
-    assert sum(p.numel() for p in model.parameters()) > 0
+    last, previous = tmp_path / "out" / "checkpoint-3", tmp_path / "out" / "checkpoint-2"
+    assert json.loads((last / "COMPLETE").read_text())["iteration"] == 3
+    assert json.loads((last / "state" / "trainer_state.json").read_text())["iteration"] == 3
+    loaded = FluxTransformer2DModel.from_pretrained(last / "transformer").state_dict()
+    exported, earlier = exported_weights(last), exported_weights(previous)
+    assert loaded.keys() == exported.keys() == initial_weights(tiny_weights).keys()
+    for name, value in loaded.items():
+        assert torch.equal(value, exported[name]), name
+    # the third update moved the weights, so checkpoint-3 is not a copy of checkpoint-2
+    assert any(not torch.equal(exported[name], earlier[name]) for name in exported)
 
 
 def test_reward_rises_on_a_fixed_seed(tiny_weights, tiny_embeddings, tmp_path):
@@ -204,8 +212,9 @@ def test_two_workers_every_parameter_changes(tiny_weights, tiny_embeddings, tmp_
     )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
-    assert summary["iterations"] == 2 and summary["reward_trend"] is not None
     records = read_metrics(tmp_path / "out")
+    assert summary["iterations"] == 2 and summary["final"] == records[-1]
+    assert summary["reward_trend"] == reward_trend(records) and summary["reward_trend"]["iterations"] == 2
     assert records[0]["first_abs_log_ratio"] < 1e-5
     assert records[0]["images_per_second"] > 0
     before = initial_weights(tiny_weights)

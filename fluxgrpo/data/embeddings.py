@@ -15,13 +15,12 @@ The index is written last, so an embeddings folder with ``videos2caption.json`` 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError
-from fluxgrpo.paths import EMBEDDINGS_INDEX
+from fluxgrpo.paths import EMBEDDINGS_INDEX, write_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -73,9 +72,8 @@ def save_tensor_atomic(tensor: torch.Tensor, path: Path) -> None:
     """
     import torch
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(tensor.detach().to("cpu").clone().contiguous(), tmp)
-    os.replace(tmp, path)
+    own = tensor.detach().to("cpu").clone().contiguous()
+    write_atomic(path, lambda f: torch.save(own, f))
 
 
 def write_embedding(
@@ -94,12 +92,8 @@ def write_embedding(
 
 def write_index(out_dir: str | Path, captions: list[str]) -> Path:
     """Write videos2caption.json for prompts 0..N-1 atomically; call it only once every file is in place."""
-    out_dir = Path(out_dir)
-    target = out_dir / EMBEDDINGS_INDEX
-    tmp = out_dir / f".{EMBEDDINGS_INDEX}.tmp"
-    tmp.write_text(json.dumps([index_entry(i, caption) for i, caption in enumerate(captions)], indent=4))
-    os.replace(tmp, target)
-    return target
+    entries = [index_entry(i, caption) for i, caption in enumerate(captions)]
+    return write_atomic(Path(out_dir) / EMBEDDINGS_INDEX, json.dumps(entries, indent=4))
 
 
 def _load(path: Path, mmap: bool = False, fix: str = "delete it and run `fluxgrpo preprocess`") -> Any:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.weights.layout import check_flux_dir
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ def require_flux_dir(flux_dir: str | Path) -> Path:
     """The folder, if ``check_flux_dir`` calls it complete; otherwise FluxgrpoError listing what is missing."""
     status = check_flux_dir(flux_dir)
     if not status.complete:
-        raise FluxgrpoError(f"FLUX weights in {flux_dir} are not usable ({'; '.join(status.problems)}): {status.fix}")
+        raise not_usable(f"FLUX weights in {flux_dir}", status.problems, status.fix)
     return Path(flux_dir)
 
 

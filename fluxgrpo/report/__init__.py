@@ -6,12 +6,12 @@ extra: ``pip install 'fluxgrpo[report]'``), ``html.py`` assembles the page. Noth
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.paths import write_atomic
 
 REPORT_HTML = "report.html"
 REPORT_PNG = "report.png"
@@ -34,12 +34,9 @@ class ReportResult:
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        write_atomic(path, data)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise FluxgrpoError(f"cannot write {path} ({exc.strerror or exc}): choose another --out") from None
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import check_batch, check_pil_batch, normalize_clip, read_state_dict
 from fluxgrpo.rewards.open_clip_model import OpenClipCosine, create_empty_open_clip, reward_model_name
 from fluxgrpo.rewards.pickscore import resize_shortest_edge
@@ -34,7 +34,7 @@ def load_clip_model(hps_dir: str | Path) -> tuple[Any, str]:
     hps_dir = Path(hps_dir)
     status = check_clip_part(hps_dir)
     if not status.complete:
-        raise FluxgrpoError(f"CLIP weights in {hps_dir} are not usable ({'; '.join(status.problems)}): {status.fix}")
+        raise not_usable(f"CLIP weights in {hps_dir}", status.problems, status.fix)
     arch = reward_model_name(hps_dir)
     model = create_empty_open_clip(arch)
     fix = f"re-run `fluxgrpo fetch-weights --only clip --hps-dir {hps_dir}`"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import check_batch, check_pil_batch, normalize_clip, pil_to_tensor, read_state_dict
 from fluxgrpo.rewards.open_clip_model import OpenClipCosine, create_empty_open_clip, reward_model_name
 from fluxgrpo.weights.layout import HPS_CHECKPOINT, OPEN_CLIP_WEIGHTS, check_hps_dir
@@ -34,7 +34,7 @@ def load_hps_model(hps_dir: str | Path) -> tuple[Any, str]:
     problems = [(part.problems, part.fix) for part in check_hps_dir(hps_dir) if not part.complete]
     if problems:
         details = "; ".join(p for found, _ in problems for p in found)
-        raise FluxgrpoError(f"reward weights in {hps_dir} are not usable ({details}): {problems[0][1]}")
+        raise not_usable(f"reward weights in {hps_dir}", [details], problems[0][1])
 
     arch = reward_model_name(hps_dir)
     model = create_empty_open_clip(arch)

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import check_batch, check_pil_batch, load_pretrained, normalize_clip, read_state_dict
 from fluxgrpo.rewards.clipscore import center_crop_rounded
 from fluxgrpo.rewards.pickscore import resize_shortest_edge
@@ -165,9 +165,7 @@ def load_imagereward(folder: str | Path) -> tuple[Any, Any, Any, Any]:
     folder = Path(folder)
     status = check_imagereward_dir(folder)
     if not status.complete:
-        raise FluxgrpoError(
-            f"ImageReward weights in {folder} are not usable ({'; '.join(status.problems)}): {status.fix}"
-        )
+        raise not_usable(f"ImageReward weights in {folder}", status.problems, status.fix)
     fix = f"re-run `fluxgrpo fetch-weights --only imagereward --hps-dir {folder.parent}`"
     model_dir = folder / IMAGEREWARD_MODEL_DIR
     med_config = _read_json(model_dir / IMAGEREWARD_MED_CONFIG, fix)

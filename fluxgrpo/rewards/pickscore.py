@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import TextFeatureCache, check_batch, check_pil_batch, load_pretrained
 from fluxgrpo.weights.layout import PICKSCORE_MODEL_DIR, PICKSCORE_PROCESSOR_DIR, check_pickscore_dir
 
@@ -153,9 +153,7 @@ class PickScoreReward:
         folder = Path(folder)
         status = check_pickscore_dir(folder)
         if not status.complete:
-            raise FluxgrpoError(
-                f"PickScore weights in {folder} are not usable ({'; '.join(status.problems)}): {status.fix}"
-            )
+            raise not_usable(f"PickScore weights in {folder}", status.problems, status.fix)
         fix = f"re-run `fluxgrpo fetch-weights --only pickscore --hps-dir {folder.parent}`"
         model = load_pretrained(
             lambda: CLIPModel.from_pretrained(folder / PICKSCORE_MODEL_DIR, dtype=torch.float32),

@@ -129,6 +129,7 @@ def all_reduce_max(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def broadcast_object(ctx: DistContext, obj: Any, src: int = 0) -> Any:
+    """``obj`` from rank ``src`` on every rank (picklable objects; ``obj`` itself when not distributed)."""
     if not ctx.distributed:
         return obj
     import torch.distributed as dist

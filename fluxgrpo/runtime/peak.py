@@ -61,7 +61,7 @@ def peak_throughput(
                 return PeakThroughput(tf32, f"datasheet: {fragment} tf32 dense (fp32 matmuls run in TF32)")
         return PeakThroughput(None, f"unknown: {device_name!r} is not in the table; pass --peak-tflops")
     if device_type == "npu":
-        from fluxgrpo.runtime.npu import peak_tflops
+        from fluxgrpo.runtime.cann import peak_tflops
 
         if compute_dtype == "fp32":
             return PeakThroughput(None, "unknown: Ascend publishes no fp32 (HF32) cube peak; pass --peak-tflops")

@@ -43,9 +43,9 @@ def _npu_section() -> dict[str, Any]:
         "explanation": None,
     }
     try:
-        from fluxgrpo.runtime import npu as rt_npu
+        from fluxgrpo.runtime import cann
 
-        extra = rt_npu.npu_runtime_report()
+        extra = cann.npu_runtime_report()
         section["cann_version"] = extra.get("cann_version")
         if extra.get("explanation"):
             section["explanation"] = extra["explanation"]

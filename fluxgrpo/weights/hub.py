@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR
+from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR, ensure_writable_dir
 from fluxgrpo.weights.hub_clients import (
     HubClient,
     RemoteFile,
@@ -668,7 +668,7 @@ def _hold(roots: list[Path]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for root in roots:
             lock_path = root / FETCH_LOCK
-            lock_path.parent.mkdir(parents=True, exist_ok=True)
+            ensure_writable_dir(root, "weights", "--flux-dir / --hps-dir")
             try:
                 stack.enter_context(FileLock(str(lock_path), timeout=0))
             except Timeout:

@@ -15,10 +15,11 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from fluxgrpo.paths import write_atomic
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -66,12 +67,7 @@ def write_manifest(root: Path, manifest: Manifest, name: str = MANIFEST_NAME) ->
     """Write atomically (temp file + rename) so a crash never leaves a half-written manifest."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    target = root / name
-    tmp = root / f".{name}.tmp"
-    data = asdict(manifest)
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, target)
-    return target
+    return write_atomic(root / name, json.dumps(asdict(manifest), indent=2) + "\n")
 
 
 def read_manifest(root: Path, name: str = MANIFEST_NAME) -> Manifest | None:
