@@ -75,6 +75,11 @@ def test_dance_overrides_nothing_and_dance_tk_trains_exactly_k_transitions(tmp_p
     base = base_training_config(EfficiencyConfig(), _workspace(tmp_path))
     for name in ALGORITHMS:
         assert algorithm_config(base, name).output_dir.endswith(name)
+    # the peers' windows: only the window's steps train; the DPM tail makes fewer model calls than the N steps
+    assert algorithm_config(base, "mixgrpo").train_timesteps == 4
+    assert algorithm_config(base, "flow-grpo-fast").train_timesteps == 3
+    calls = {name: algorithm_config(base, name).rollout_model_calls for name in ("dance", "mixgrpo", "mixgrpo-flash")}
+    assert calls["dance"] == calls["mixgrpo"] == base.sampling_steps > calls["mixgrpo-flash"]
     # everything but the run's inputs, length and outputs is --config's
     shipped = build_config("tiny-cpu")
     base = base_training_config(EfficiencyConfig(), _workspace(tmp_path))
@@ -83,8 +88,8 @@ def test_dance_overrides_nothing_and_dance_tk_trains_exactly_k_transitions(tmp_p
 
 
 def test_unknown_or_repeated_algorithms_are_usage_errors_listing_the_known_ones():
-    with pytest.raises(UsageError, match="unknown 'mixgrpo'; known: " + ", ".join(ALGORITHMS)):
-        EfficiencyConfig(algorithms=parse_algorithms("dance,mixgrpo")).validate()
+    with pytest.raises(UsageError, match="unknown 'mixgrp'; known: " + ", ".join(ALGORITHMS)):
+        EfficiencyConfig(algorithms=parse_algorithms("dance,mixgrp")).validate()
     with pytest.raises(UsageError, match="twice"):
         EfficiencyConfig(algorithms=("dance-t2", "dance-t2")).validate()
     with pytest.raises(UsageError, match="--iterations 1"):

@@ -53,6 +53,17 @@ def _trained_transitions(count: int) -> Callable[[TrainConfig], dict[str, Any]]:
     return overrides
 
 
+# MixGRPO's window (Flow-GRPO's SDE at η 0.7 on 4 consecutive steps, all trained, moving by 1 step towards the data).
+MIXGRPO_WINDOW = {
+    "sampler": "flow-grpo",
+    "eta": 0.7,
+    "sde_window": 4,
+    "sde_window_policy": "sliding",
+    "sde_window_stride": 1,
+    "timestep_fraction": 1.0,
+}
+
+
 @dataclass(frozen=True)
 class Algorithm:
     """A training algorithm as the bench knows it: ``TrainConfig`` overrides, given the base config."""
@@ -68,6 +79,51 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm(BASELINE, "DanceGRPO as configured: SDE at every step, --timestep-fraction of them trained"),
         Algorithm("dance-t2", "dance, 2 trained transitions per trajectory", _trained_transitions(2)),
         Algorithm("dance-t4", "dance, 4 trained transitions per trajectory", _trained_transitions(4)),
+        # The peers' methods with their authors' FLUX settings (as the a3-16die-* presets): every window step
+        # trains, ODE outside the window. Their noise level comes with the sampler; the rest is --config's.
+        Algorithm(
+            "mixgrpo",
+            "MixGRPO: Flow-GRPO's SDE (η 0.7) on a 4-step window sliding every 25 iterations, Euler ODE elsewhere",
+            lambda base: {**MIXGRPO_WINDOW, "sde_window_shift_every": 25, "ode_solver": "euler"},
+        ),
+        Algorithm(
+            "mixgrpo-flash",
+            "MixGRPO-Flash: mixgrpo's window sliding every 20 iterations, DPM-Solver++ 2M on 40 % of the steps after it",
+            lambda base: {
+                **MIXGRPO_WINDOW,
+                "sde_window_shift_every": 20,
+                "ode_solver": "dpm2",
+                "ode_compress_ratio": 0.4,
+            },
+        ),
+        Algorithm(
+            "mixgrpo-flash-w2",
+            "mixgrpo-flash with a 2-step window that stays at the start: the fewest model calls",
+            lambda base: {
+                **MIXGRPO_WINDOW,
+                "sde_window": 2,
+                "sde_window_shift_every": 0,
+                "ode_solver": "dpm2",
+                "ode_compress_ratio": 0.4,
+            },
+        ),
+        Algorithm(
+            "flow-grpo-fast",
+            "Flow-GRPO-Fast: the CPS SDE (η 0.8) on the first 3 steps only, Euler ODE after them",
+            lambda base: {
+                "sampler": "cps",
+                "eta": 0.8,
+                "sde_window": 3,
+                "sde_window_policy": "sliding",
+                "sde_window_shift_every": 0,
+                "timestep_fraction": 1.0,
+            },
+        ),
+        Algorithm(
+            "cps",
+            "dance with the coefficients-preserving SDE (η 0.8) at every step",
+            lambda base: {"sampler": "cps", "eta": 0.8},
+        ),
     )
 }
 
@@ -197,6 +253,7 @@ def summarize_run(
         "overrides": overrides,
         "iterations": len(records),
         "trained_timesteps": train_cfg.train_timesteps,
+        "rollout_model_calls": train_cfg.rollout_model_calls,
         "seconds_per_iteration": per_iteration,
         "phase_seconds": {
             key.removeprefix("seconds_"): statistics.median(r[key] for r in records) for key in PHASE_SECONDS

@@ -222,13 +222,25 @@ def _render_efficiency(document: dict[str, Any]) -> None:
         highlight=False,
     )
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    headers = ("algorithm", "trained", "s/iter", "×", "rollout s", "update s", "reward first→last", "gain", "×")
+    headers = (
+        "algorithm",
+        "trained",
+        "calls",
+        "s/iter",
+        "×",
+        "rollout s",
+        "update s",
+        "reward first→last",
+        "gain",
+        "×",
+    )
     for index, header in enumerate((*headers, "gain/s", "×")):
         table.add_column(header, justify="left" if index == 0 else "right", no_wrap=True)
     for row in document["algorithms"]:
         table.add_row(
             row["algorithm"],
             str(row["trained_timesteps"]),
+            str(row["rollout_model_calls"]),
             f"{row['seconds_per_iteration']:.3g}",
             _ratio(row["seconds_per_iteration_ratio"]),
             f"{row['phase_seconds']['rollout']:.3g}",
@@ -241,6 +253,7 @@ def _render_efficiency(document: dict[str, Any]) -> None:
         )
     console.print(table)
     console.print(
+        "trained: transitions trained per trajectory; calls: transformer forwards per trajectory in a rollout; "
         "s/iter: median of rollout + decode/reward + update; gain: rise of the least-squares line through the "
         "iterations' mean rewards; gain/s: gain over s/iter × iterations",
         highlight=False,
