@@ -202,11 +202,11 @@ class Evaluator:
         self.metrics.log_image(f"{prefix}grid", pixels, iteration, caption=f"iteration {iteration}")
         for name, values in scores.items():
             self.metrics.log_histogram(f"{prefix}{name}", np.asarray(values, dtype=np.float64), iteration)
-        values: dict[str, float] = {}
+        logged: dict[str, float] = {}
         for name, (mean, std) in summary.items():
-            values[f"{prefix}{name}_mean"] = mean
-            values[f"{prefix}{name}_std"] = std
-        return values
+            logged[f"{prefix}{name}_mean"] = mean
+            logged[f"{prefix}{name}_std"] = std
+        return logged
 
     def _score(self, name: str, out: Path, images: list[Any]) -> list[float]:
         """Per-image scores, in (prompt, image) order, computed as ``fluxgrpo score --index`` computes them."""

@@ -50,7 +50,7 @@ class LoraSpec:
 
         return LoraConfig(
             r=self.rank,
-            lora_alpha=self.alpha,
+            lora_alpha=self.alpha,  # type: ignore[arg-type]  # peft annotates int; it scales by alpha / r, a float works
             target_modules=list(self.targets),
             lora_dropout=self.dropout,
             init_lora_weights="gaussian",
@@ -83,7 +83,7 @@ def add_lora(transformer: torch.nn.Module, spec: LoraSpec, compute_dtype: torch.
     transformer.requires_grad_(False)
     for parameter in transformer.parameters():  # not .to(): diffusers warns about casting a whole model
         parameter.data = parameter.data.to(compute_dtype)
-    transformer.add_adapter(spec.peft_config(), adapter_name=ADAPTER_NAME)
+    transformer.add_adapter(spec.peft_config(), adapter_name=ADAPTER_NAME)  # type: ignore[operator]  # a peft/diffusers method reached through nn.Module.__getattr__
     for name, parameter in transformer.named_parameters():
         if is_adapter_parameter(name):
             parameter.data = parameter.data.to(torch.float32)
@@ -114,7 +114,7 @@ def init_adapters(transformer: torch.nn.Module, seed: int) -> None:
     """
     from fluxgrpo.models.shard_loading import own_rows
 
-    rank = int(transformer.peft_config[ADAPTER_NAME].r)
+    rank = int(transformer.peft_config[ADAPTER_NAME].r)  # type: ignore[index, union-attr]  # set by peft's add_adapter
     for name, parameter in transformer.named_parameters():
         if not is_adapter_parameter(name):
             continue
@@ -130,7 +130,7 @@ def init_adapters(transformer: torch.nn.Module, seed: int) -> None:
 
 def adapter_metadata(transformer: torch.nn.Module) -> dict[str, Any]:
     """The adapter's peft config as diffusers stores it beside the weights (rank, alpha, targets...)."""
-    config = transformer.peft_config[ADAPTER_NAME].to_dict()
+    config = transformer.peft_config[ADAPTER_NAME].to_dict()  # type: ignore[index, union-attr]  # set by peft's add_adapter
     return {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
 
 

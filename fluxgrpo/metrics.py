@@ -81,6 +81,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        assert self._file is not None  # opened in __init__ whenever enabled
         self._file.write(json.dumps(clean) + "\n")
         step = record.get("iteration")
         numeric = {
@@ -96,7 +97,7 @@ class MetricsLogger:
         for key, values in (histograms or {}).items():
             self.log_histogram(key, values.cpu().numpy(), step)
 
-    def log_histogram(self, tag: str, values: Any, step: int) -> None:
+    def log_histogram(self, tag: str, values: Any, step: int | None) -> None:
         """A histogram of a 1-D array of values (non-finite ones left out), rank 0 only: no gathering here."""
         import numpy as np
 
@@ -148,7 +149,7 @@ def _start_wandb(output_dir: Path, config: dict[str, Any] | None, project: str, 
     return wandb_module.init(
         project=project or "fluxgrpo",
         name=name or None,
-        mode=mode or None,
+        mode=mode or None,  # type: ignore[arg-type]  # config validation admits only wandb's modes
         id=run_id,
         resume="allow",
         config=config,

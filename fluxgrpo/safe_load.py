@@ -148,9 +148,10 @@ class SafeFileSystemReader(FileSystemReader):
         self._metadata = read_dcp_metadata(Path(path) / METADATA_FILE)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if getattr(self._metadata, "storage_meta", None) is None:
-            self._metadata.storage_meta = StorageMeta()
-        self._metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(self._metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = self._metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return self._metadata
 
 

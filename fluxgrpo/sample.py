@@ -470,7 +470,7 @@ def generate_images(
     out = Path(request.out_dir)
     work = [(i, j) for i in prompt_indices for j in range(settings.images_per_prompt)]
     precomputed = encoded is not None
-    encoded = encoded if precomputed else {}
+    encoded = encoded if encoded is not None else {}
     records: list[SampledImage] = []
     progress = _Progress(
         show_progress,

@@ -174,11 +174,15 @@ class ScoreRequest:
         return self
 
 
-class _Pairable(Protocol):
-    prompt: str
-    prompt_index: int
-    image_index: int
-    seed: int | None
+class _Pairable(Protocol):  # read-only members, so frozen dataclasses match
+    @property
+    def prompt(self) -> str: ...
+    @property
+    def prompt_index(self) -> int: ...
+    @property
+    def image_index(self) -> int: ...
+    @property
+    def seed(self) -> int | None: ...
 
 
 # --------------------------------------------------------------------------------------------- inputs
@@ -440,6 +444,7 @@ def score(request: ScoreRequest, progress: Any = None) -> ScoreReport:
         items = images_from_index(request.index)
         source = {"index": str(request.index)}
     else:
+        assert request.images_dir is not None and request.prompts_file is not None  # validate() requires both
         items = images_from_folder(request.images_dir, request.prompts_file)
         source = {"images": str(request.images_dir), "prompts": str(request.prompts_file)}
     items = sorted(items, key=lambda item: (item.prompt_index, item.image_index))

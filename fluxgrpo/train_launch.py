@@ -227,7 +227,10 @@ def launch_training(plan: TrainPlan, log=print) -> list[dict[str, Any]]:
 
     output_dir = Path(plan.cfg.output_dir)
     owner = plan.spec.node_rank == 0
-    with lock_run_folder(output_dir) if owner else contextlib.nullcontext({}) as stale:
+    held: contextlib.AbstractContextManager[dict[str, Any]] = (
+        lock_run_folder(output_dir) if owner else contextlib.nullcontext({})
+    )
+    with held as stale:
         if stale.get("pid"):
             log(f"took over the lock of a run that is no longer running (pid {stale['pid']} on {stale.get('host')})")
         if owner and plan.overwrite and previous_run(output_dir):

@@ -6,7 +6,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 PHASES = ("rollout", "decode", "reward", "update", "optimizer")
 
@@ -139,10 +141,10 @@ def summarize(figures: Sequence[PhaseFigure], resolution: str) -> dict[str, Any]
     the trainer does."""
     rows = [f for f in figures if f.resolution == resolution and f.seconds is not None]
     by_phase = {phase: [f for f in rows if f.phase == phase] for phase in PHASES}
-    optimizer_seconds = by_phase["optimizer"][0].seconds if by_phase["optimizer"] else 0.0
+    optimizer_seconds = _known(by_phase["optimizer"][0].seconds) if by_phase["optimizer"] else 0.0
 
     def iteration(chosen: dict[str, PhaseFigure]) -> dict[str, Any]:
-        seconds = {phase: figure.seconds for phase, figure in chosen.items()}
+        seconds = {phase: _known(figure.seconds) for phase, figure in chosen.items()}
         seconds["optimizer"] = optimizer_seconds
         total = sum(seconds.values())
         return {
@@ -155,7 +157,7 @@ def summarize(figures: Sequence[PhaseFigure], resolution: str) -> dict[str, Any]
     iterations = []
     sampling = ("rollout", "decode", "reward")
     if all(by_phase[phase] for phase in (*sampling, "update")):
-        common = set.intersection(*({f.batch_size for f in by_phase[phase]} for phase in sampling))
+        common = set.intersection(*({_known(f.batch_size) for f in by_phase[phase]} for phase in sampling))
         for checkpointing in sorted({bool(f.activation_checkpointing) for f in by_phase["update"]}):
             updates = [f for f in by_phase["update"] if f.activation_checkpointing == checkpointing]
             if not common:
@@ -164,7 +166,7 @@ def summarize(figures: Sequence[PhaseFigure], resolution: str) -> dict[str, Any]
             for end, pick in (("smallest", min), ("largest", max)):
                 size = pick(common)
                 chosen = {phase: next(f for f in by_phase[phase] if f.batch_size == size) for phase in sampling}
-                chosen["update"] = pick(updates, key=lambda f: f.batch_size)
+                chosen["update"] = pick(updates, key=lambda f: _known(f.batch_size))
                 ends[end] = iteration(chosen)
             iterations.append(
                 {
@@ -175,17 +177,18 @@ def summarize(figures: Sequence[PhaseFigure], resolution: str) -> dict[str, Any]
             )
     speedups = {}
     for phase in ("rollout", "decode", "reward", "update"):
-        for checkpointing in sorted({f.activation_checkpointing for f in by_phase[phase]}, key=str):
-            candidates = [f for f in by_phase[phase] if f.activation_checkpointing == checkpointing]
-            low, top = min(candidates, key=lambda f: f.batch_size), max(candidates, key=lambda f: f.batch_size)
-            suffix = "" if checkpointing is None else (" ckpt" if checkpointing else " no-ckpt")
+        for checkpointed in sorted({f.activation_checkpointing for f in by_phase[phase]}, key=str):
+            candidates = [f for f in by_phase[phase] if f.activation_checkpointing == checkpointed]
+            low = min(candidates, key=lambda f: _known(f.batch_size))
+            top = max(candidates, key=lambda f: _known(f.batch_size))
+            suffix = "" if checkpointed is None else (" ckpt" if checkpointed else " no-ckpt")
             speedups[phase + suffix] = {
                 "batch_size": top.batch_size,
                 "vs_batch_size": low.batch_size,
                 "speedup": top.speedup,
             }
     checkpointing_cost = {}
-    for size in sorted({f.batch_size for f in by_phase["update"]}):
+    for size in sorted({_known(f.batch_size) for f in by_phase["update"]}):
         on = next((f for f in by_phase["update"] if f.batch_size == size and f.activation_checkpointing), None)
         off = next((f for f in by_phase["update"] if f.batch_size == size and not f.activation_checkpointing), None)
         if on is None or off is None:
@@ -193,7 +196,7 @@ def summarize(figures: Sequence[PhaseFigure], resolution: str) -> dict[str, Any]
         checkpointing_cost[str(size)] = {
             "peak_memory_saved_bytes": _difference(off.peak_memory_bytes, on.peak_memory_bytes),
             "activation_bytes_saved": _difference(off.activation_bytes, on.activation_bytes),
-            "time_ratio_on_over_off": on.seconds / off.seconds,
+            "time_ratio_on_over_off": _known(on.seconds) / _known(off.seconds),
         }
     return {
         "record": "summary",
@@ -202,6 +205,12 @@ def summarize(figures: Sequence[PhaseFigure], resolution: str) -> dict[str, Any]
         "speedups": speedups,
         "activation_checkpointing_by_micro_batch": checkpointing_cost,
     }
+
+
+def _known(value: _T | None) -> _T:
+    """A figure every row here has: ``seconds`` (rows are filtered on it), ``batch_size`` (all but the optimizer's)."""
+    assert value is not None
+    return value
 
 
 def _difference(a: int | None, b: int | None) -> int | None:

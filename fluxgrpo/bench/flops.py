@@ -39,6 +39,7 @@ datasheet figures, Ascend's cube peak) or ``--peak-tflops``. No peak, no MFU (cp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +69,9 @@ class FluxShape:
     @classmethod
     def from_config(cls, config: Any, blocks: tuple[int, int] | None = None) -> FluxShape:
         """From a transformer config (attribute access or dict); ``blocks`` overrides the block counts."""
-        get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+        get: Callable[..., Any] = (
+            config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+        )
         if get("patch_size", 1) != 1:
             raise FluxgrpoError(
                 f"the FLOP count assumes FLUX's patch_size 1 (latents packed outside), got {get('patch_size')}"
@@ -93,7 +96,7 @@ class FluxShape:
         """From a built model; the block counts are the module lists' lengths (they may have been trimmed)."""
         return cls.from_config(
             transformer.config,
-            (len(transformer.transformer_blocks), len(transformer.single_transformer_blocks)),
+            (len(transformer.transformer_blocks), len(transformer.single_transformer_blocks)),  # type: ignore[arg-type]  # FLUX/diffusers attribute reached through nn.Module.__getattr__
         )
 
     def parameter_count(self) -> int:

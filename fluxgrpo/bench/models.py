@@ -158,11 +158,11 @@ def _trim_blocks(transformer: nn.Module, blocks: tuple[int, int] | None, model: 
     if blocks is None:
         return
     double, single = blocks
-    have = (len(transformer.transformer_blocks), len(transformer.single_transformer_blocks))
+    have = (len(transformer.transformer_blocks), len(transformer.single_transformer_blocks))  # type: ignore[arg-type]  # FLUX/diffusers attribute reached through nn.Module.__getattr__
     if double > have[0] or single > have[1]:
         raise UsageError(f"--blocks {double},{single}: {model} has only {have[0]} double and {have[1]} single blocks")
-    del transformer.transformer_blocks[double:]
-    del transformer.single_transformer_blocks[single:]
+    del transformer.transformer_blocks[double:]  # type: ignore[union-attr, operator]  # FLUX/diffusers attribute reached through nn.Module.__getattr__
+    del transformer.single_transformer_blocks[single:]  # type: ignore[union-attr, operator]  # FLUX/diffusers attribute reached through nn.Module.__getattr__
 
 
 def build_bench_model(cfg: BenchConfig, ctx: DistContext, compute_dtype: torch.dtype) -> BenchModel:

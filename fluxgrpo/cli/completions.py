@@ -36,8 +36,8 @@ def describe_cli() -> list[Subcommand]:
 
     root = typer.main.get_command(app)
     out = []
-    for name in sorted(root.commands):
-        cmd = root.commands[name]
+    for name in sorted(root.commands):  # type: ignore[attr-defined]  # an app with subcommands is a click Group
+        cmd = root.commands[name]  # type: ignore[attr-defined]  # as above
         flags = []
         for param in cmd.params:
             names = tuple(n for n in (*param.opts, *getattr(param, "secondary_opts", ())) if n.startswith("--"))

@@ -200,7 +200,7 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
         "pickscore": summary.pickscore_bytes,
         "imagereward": summary.imagereward_bytes,
     }
-    rows = []
+    rows: list[dict[str, Any]] = []
     for part in summary.parts:
         status = checks[part]()
         rows.append(
@@ -222,8 +222,8 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
     for column in ("part", "path", "source", "size", "status"):
         table.add_column(column)
     for row in rows:
-        status = "[green]complete[/]" if row["complete"] else f"[bold red]{escape('; '.join(row['problems']))}[/]"
-        table.add_row(row["part"], escape(row["path"]), escape(row["source"] or ""), _mib(row["bytes"]), status)
+        shown = "[green]complete[/]" if row["complete"] else f"[bold red]{escape('; '.join(row['problems']))}[/]"
+        table.add_row(row["part"], escape(row["path"]), escape(row["source"] or ""), _mib(row["bytes"]), shown)
     out_console.print(table)
 
 

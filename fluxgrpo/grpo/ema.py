@@ -95,7 +95,7 @@ class ShardedEMA:
             if placements is not None and getattr(value, "placements", None) is None:
                 from torch.distributed.tensor import distribute_tensor
 
-                value = distribute_tensor(value.to(shadow.device), shadow.device_mesh, placements)
+                value = distribute_tensor(value.to(shadow.device), shadow.device_mesh, placements)  # type: ignore[attr-defined]  # the shadow is a DTensor when placements are set
             _local(shadow).copy_(_local(value))
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:

@@ -82,13 +82,13 @@ class AdapterDisabledReference:
     ) -> torch.Tensor:
         was_training = self.module.training
         self.module.eval()  # no adapter dropout either
-        self.module.disable_adapters()
+        self.module.disable_adapters()  # type: ignore[operator]  # a peft/diffusers method reached through nn.Module.__getattr__
         try:
             return predict_velocity(
                 self.module, latents, cond, timesteps, guidance, img_ids, device_type, compute_dtype
             ).detach()
         finally:
-            self.module.enable_adapters()
+            self.module.enable_adapters()  # type: ignore[operator]  # a peft/diffusers method reached through nn.Module.__getattr__
             self.module.train(was_training)
             reshard_sharded_modules(self.module)
 

@@ -125,7 +125,10 @@ def generate_rollout(
     guidance_values = torch.full((num_trajectories,), guidance, dtype=torch.float32, device=device)
 
     def latent_at(position: int, start: int, stop: int) -> torch.Tensor:
-        return latents[start:stop, position] if position < kept else current[start:stop]
+        if position < kept:
+            return latents[start:stop, position]
+        assert current is not None  # positions past ``kept`` exist only when z is tracked beyond them
+        return current[start:stop]
 
     def store(position: int, start: int, stop: int, value: torch.Tensor) -> None:
         if position < kept:
@@ -178,6 +181,7 @@ def generate_rollout(
                     final_x0[start:stop] = x0_pred
                     previous_x0[start:stop] = x0_pred
             if plan.tail_sigmas is not None:
+                assert current is not None  # the tail's steps lie past the kept ones
                 _integrate_tail(
                     transformer, cond, plan.tail_sigmas, sigmas[plan.sde_stop - 1], chunks, current, previous_x0,
                     final_x0, guidance_values, img_ids, device_type, compute_dtype,

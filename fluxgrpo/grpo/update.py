@@ -181,7 +181,7 @@ def policy_update(
     img_ids = rollout.img_ids.to(device)
     latents = rollout.latents.to(device)
     old_log_probs = rollout.log_probs.to(device)
-    old_means = rollout.means.to(device) if guard else None
+    old_means = rollout.means.to(device) if guard and rollout.means is not None else None
     sigma_max = float(sigmas[1])  # flow-grpo's σ₁
     advantages = advantages.to(device=device, dtype=torch.float32)
     guidance_values = torch.full((num_trajectories,), rollout.guidance, dtype=torch.float32, device=device)
@@ -218,6 +218,7 @@ def policy_update(
             fed, guidance = fed_timesteps[step_index], guidance_values[start:stop]
             sigma, sigma_next = sigmas[step_index], sigmas[step_index + 1]
             if settings.kl_beta > 0:  # first: a LoRA reference is the policy with its adapters off
+                assert reference is not None  # checked on entry
                 reference_velocity = reference.reference_prediction(
                     x, micro_cond, fed, guidance, img_ids, device_type, settings.compute_dtype
                 )
@@ -229,6 +230,7 @@ def policy_update(
             )
             sample_weights = None
             if guard:
+                assert old_means is not None  # moved above whenever guard is on
                 log_ratio = guard_log_ratio(new, old_log_probs[rows, step_index], old_means[rows, step_index])
                 sample_weights = guard_step_weight(sigma, sigma_next)
             else:

@@ -133,10 +133,10 @@ def own_rows(parameter: torch.Tensor) -> tuple[torch.Tensor, int]:
         raise FluxgrpoError(
             f"cannot fill a parameter sharded as {placements}: fluxgrpo loads FSDP2's default dim-0 sharding only"
         )
-    mesh = parameter.device_mesh
+    mesh = parameter.device_mesh  # type: ignore[attr-defined]  # an FSDP2 parameter is a DTensor
     rows_per_rank = math.ceil(parameter.shape[0] / mesh.size()) if parameter.dim() else 0
     # FSDP2 splits dim 0 as torch.chunk does: ceil(rows / ranks) per rank, the last ones shorter or empty.
-    return parameter.to_local(), min(
+    return parameter.to_local(), min(  # type: ignore[attr-defined]  # an FSDP2 parameter is a DTensor
         mesh.get_local_rank() * rows_per_rank, parameter.shape[0] if parameter.dim() else 0
     )
 
@@ -149,7 +149,7 @@ def _read_rows(stored: StoredTensor, first_row: int, rows: int, fd: int) -> torc
     if raw is None:
         return out
     start = stored.offset + first_row * stored.row_bytes
-    view, done = memoryview(raw), 0
+    view, done = memoryview(raw), 0  # type: ignore[arg-type]  # ndarray has the buffer protocol; numpy's stubs lack __buffer__ before 3.12
     while done < len(view):  # pread may return less than asked for very large reads
         count = os.preadv(fd, [view[done:]], start + done)
         if count <= 0:

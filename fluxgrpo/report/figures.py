@@ -133,6 +133,7 @@ def _draw_panel(ax: Any, panel: Panel, runs: list[RunData]) -> None:
 
 def _draw_band(ax: Any, run: RunData, records: list[dict[str, Any]], line: Line, xs, ys, colour: str) -> None:
     """A shaded band: between two keys, or mean ± one key (a std) when the upper key is empty."""
+    assert line.band is not None  # called for lines with a band only
     low_key, high_key = line.band
     by_iteration = dict(zip(xs, ys, strict=True))
     low_x, low = run.series(low_key, records)
@@ -201,7 +202,7 @@ def summary_png(runs: list[RunData], title: str, grid: Callable[[Any], bool] | N
     spec = figure.add_gridspec(rows + extra_row, 2)
     for position, panel in enumerate(chosen):
         _draw_panel(figure.add_subplot(spec[position // 2, position % 2]), panel, runs)
-    if extra_row:
+    if grid is not None:  # the extra row
         ax = figure.add_subplot(spec[rows, :])
         if not grid(ax):
             figure.delaxes(ax)

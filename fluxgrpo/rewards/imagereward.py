@@ -174,7 +174,7 @@ def load_imagereward(folder: str | Path) -> tuple[Any, Any, Any, Any]:
     vision_model, text_model, head = build_imagereward_modules(med_config, vision)
 
     state = read_state_dict(model_dir / IMAGEREWARD_CHECKPOINT, fix)
-    parts = {"blip.visual_encoder.": {}, "blip.text_encoder.": {}, "mlp.layers.": {}}
+    parts: dict[str, dict[str, Any]] = {"blip.visual_encoder.": {}, "blip.text_encoder.": {}, "mlp.layers.": {}}
     for key, value in state.items():
         for prefix, bucket in parts.items():
             if key.startswith(prefix):

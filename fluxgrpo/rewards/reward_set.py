@@ -34,7 +34,8 @@ class RewardTerm:
 def _parse(spec: str) -> tuple[list[RewardTerm], list[str]]:
     from fluxgrpo.rewards import REWARDS
 
-    terms, problems = [], []
+    terms: list[RewardTerm] = []
+    problems: list[str] = []
     entries = [entry.strip() for entry in spec.split(",")]
     if not spec.strip() or any(not entry for entry in entries):
         return [], [

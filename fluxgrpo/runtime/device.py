@@ -134,7 +134,7 @@ def device_module(device_type: str) -> Any:
     import torch
 
     if device_type == "npu":
-        return torch.npu
+        return torch.npu  # type: ignore[attr-defined]  # torch.npu exists once torch_npu is imported
     if device_type == "cuda":
         return torch.cuda
     return None
@@ -212,9 +212,9 @@ def set_matmul_precision(device_type: str, allow_reduced: bool = True) -> None:
     import torch
 
     if device_type == "npu":
-        torch.npu.matmul.allow_hf32 = allow_reduced
+        torch.npu.matmul.allow_hf32 = allow_reduced  # type: ignore[attr-defined]  # torch.npu exists once torch_npu is imported
         with contextlib.suppress(AttributeError):
-            torch.npu.conv.allow_hf32 = allow_reduced
+            torch.npu.conv.allow_hf32 = allow_reduced  # type: ignore[attr-defined]  # as above
     elif device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = allow_reduced
         torch.backends.cudnn.allow_tf32 = allow_reduced

@@ -167,7 +167,7 @@ def shard_transformer(transformer: nn.Module, cpu_offload: bool, compute_dtype: 
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
         )
-    for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:
+    for block in [*transformer.transformer_blocks, *transformer.single_transformer_blocks]:  # type: ignore[misc]  # FLUX/diffusers attribute reached through nn.Module.__getattr__
         fully_shard(block, **kwargs)
     fully_shard(transformer, **kwargs)
 

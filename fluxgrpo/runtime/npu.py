@@ -136,8 +136,8 @@ class NpuFusedRMSNorm(nn.Module):
             self.eps = norm.eps  # None means finfo(x.dtype).eps, as torch.nn.RMSNorm
         elif diffusers_rmsnorm is not None and isinstance(norm, diffusers_rmsnorm):
             self.replaces = _DIFFUSERS_RMSNORM
-            self.normalized_shape = tuple(norm.dim)
-            self.eps = norm.eps
+            self.normalized_shape = tuple(norm.dim)  # type: ignore[arg-type]  # diffusers RMSNorm's attribute, via nn.Module.__getattr__
+            self.eps = norm.eps  # type: ignore[assignment]  # diffusers RMSNorm's attribute, via nn.Module.__getattr__
         else:
             raise TypeError(f"NpuFusedRMSNorm wraps torch.nn.RMSNorm or diffusers' RMSNorm, not {type(norm).__name__}")
         weight = getattr(norm, "weight", None)
@@ -161,7 +161,7 @@ class NpuFusedRMSNorm(nn.Module):
         if weight is None:
             gamma = torch.ones(self.normalized_shape, dtype=torch.float32, device=x.device)
         elif self.replaces == _DIFFUSERS_RMSNORM:
-            x = x.to(weight.dtype)
+            x = x.to(weight.dtype)  # type: ignore[arg-type]  # a Parameter, via nn.Module.__getattr__
             gamma = weight
         elif weight.dtype == x.dtype or weight.dtype == torch.float32:
             gamma = weight
@@ -197,7 +197,7 @@ def swap_flux_rmsnorm(transformer: nn.Module) -> int:
             if isinstance(norm, NpuFusedRMSNorm):
                 already_swapped += 1
             elif isinstance(norm, replaceable):
-                setattr(module, name, NpuFusedRMSNorm(norm))
+                setattr(module, name, NpuFusedRMSNorm(norm))  # type: ignore[arg-type]  # isinstance against a runtime tuple of classes leaves `object`
                 newly_swapped += 1
     total = newly_swapped + already_swapped
     if total == 0:
@@ -273,7 +273,7 @@ def diffusers_rope_is_float32_on_npu(pos_embed: nn.Module) -> bool:
     if code is None:
         return False
     if "maybe_adjust_dtype_for_device" in code.co_names:
-        adjust = forward.__globals__.get("maybe_adjust_dtype_for_device")
+        adjust = forward.__globals__.get("maybe_adjust_dtype_for_device")  # type: ignore[union-attr]  # it has a __code__, so it is a function
         try:  # it reads only device.type; a real npu device cannot be made without torch_npu
             return adjust(torch.float64, SimpleNamespace(type="npu")) == torch.float32
         except Exception:
@@ -346,7 +346,7 @@ def set_attention_backend(transformer: nn.Module, name: str, compute_dtype: torc
             f"{_diffusers_version()} is installed: pip install 'diffusers>=0.35', or use --attention sdpa"
         )
     try:
-        transformer.set_attention_backend(backend)
+        transformer.set_attention_backend(backend)  # type: ignore[operator]  # a peft/diffusers method reached through nn.Module.__getattr__
     except (RuntimeError, ValueError) as exc:
         raise FluxgrpoError(
             f"diffusers {_diffusers_version()} refused attention backend {backend!r} ({exc}): use --attention sdpa"

@@ -456,8 +456,8 @@ def fetch_from_hub(
                 _classify(client, part, roots[part.name], *listings[part.name], view, verify=True, rehash=rehash)
                 for part in selected
             ]
-            for plan in plans:
-                _log_plan(view, plan)
+            for part_plan in plans:
+                _log_plan(view, part_plan)
             _check_disk_space(plans)
             results = [_fetch_part(client, plan, max_workers, view) for plan in plans]
     return FetchSummary(

@@ -138,7 +138,7 @@ def _counting_resumed_bytes(bar_class: type) -> type:
     Range and the file restarts, and its in-run retries reuse the bar instead of building another.
     """
 
-    class _CountingResumed(bar_class):  # type: ignore[misc, valid-type]
+    class _CountingResumed(bar_class):
         def __init__(self, *args: object, **kwargs: object) -> None:
             super().__init__(*args, **kwargs)
             initial = kwargs.get("initial")
@@ -362,7 +362,8 @@ class ModelScopeClient:
             ) from exc
 
         config = HubConfig(endpoint=endpoint, token=token)  # reads MODELSCOPE_* now, not at first import
-        self.endpoint = config.endpoint
+        # HubConfig.__post_init__ always resolves a str; the field keeps its constructor's Optional annotation
+        self.endpoint: str = config.endpoint  # type: ignore[assignment]
         self._api = HubApi(config=config)
         self._downloader = self._api.downloader  # built here: its lazy first use from worker threads would race
 
@@ -417,7 +418,7 @@ class ModelScopeClient:
         from modelscope_hub import _download
         from tqdm.auto import tqdm
 
-        class _SilentTqdm(tqdm):  # type: ignore[misc, valid-type]
+        class _SilentTqdm(tqdm):
             def __init__(self, *args: object, **kwargs: object) -> None:
                 kwargs["disable"] = True
                 super().__init__(*args, **kwargs)

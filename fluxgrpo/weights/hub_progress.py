@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 
 def format_bytes(n: int) -> str:
@@ -57,7 +60,7 @@ class ProgressView:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._progress = None
-        self._overall = None
+        self._overall: TaskID | None = None
         self._lock = threading.Lock()
         if enabled:
             from rich.console import Console
