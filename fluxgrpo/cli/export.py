@@ -45,4 +45,4 @@ def command(
         print_json(result.to_dict())
         return
     what = "merged transformer" if result.merged else ("LoRA adapter" if result.kind == "lora" else "transformer")
-    out_console.print(f"{what} of {result.checkpoint} written to {result.out}", highlight=False)
+    out_console.print(f"{what} of {result.checkpoint} written to {result.out}", highlight=False, markup=False)

@@ -46,8 +46,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, adv_clip_max: float
     of its group's statistics, so one failed reward cannot poison the whole group. A group with no usable spread
     (fewer than two finite rewards, or rewards all equal up to rounding: ``flat_groups``) gets all zeros;
     DanceGRPO gives 12 equal rewards of 0.3 advantages of ±0.72, its fp32 rounding divided by std + 1e-8.
-    For DanceGRPO's global (non-group) mode pass all rewards with ``group_size = len(rewards)``. This is the
-    one place advantages are clipped.
+    For DanceGRPO's global (non-group) mode pass all rewards with ``group_size = len(rewards)``. Advantages are
+    clipped here, once; only ``sum-advantages`` (reward_aggregation.py) clips its weighted sum again.
 
     Args:
         rewards: [B·G] rewards, groups contiguous ([p0×G, p1×G, …]).

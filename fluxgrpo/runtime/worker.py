@@ -1,7 +1,7 @@
 """What runs inside every worker process: the one prologue, and the one torchrun entry point.
 
 ``worker_session(device)`` is the prologue and epilogue every rank's work runs inside (train, sample, preprocess,
-and bench once it adopts it), in a torchrun worker or in the launching process for one worker:
+bench), in a torchrun worker or in the launching process for one worker:
 
 - join the process group (``dist.init_distributed``: device from LOCAL_RANK, NPU environment defaults);
 - one intra-op thread per worker when several CPU workers share the host (oversubscription is far slower);
