@@ -8,33 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from training_helpers import run, tiny_config
 
-from fluxgrpo.config import build_config
 from fluxgrpo.metrics import read_metrics, reward_trend
-from fluxgrpo.runtime.launch import LaunchSpec
-from fluxgrpo.train_launch import launch_training, plan_training
-
-
-def tiny_config(tiny_weights, tiny_embeddings, output_dir: Path, **overrides):
-    values = {
-        "model": str(tiny_weights.flux_dir),
-        "hps_dir": str(tiny_weights.hps_dir),
-        "data_json_path": str(tiny_embeddings.index_path),
-        "output_dir": str(output_dir),
-        "max_train_steps": 4,
-        "checkpointing_steps": 2,
-        "save_images_every": 0,
-        "num_generations": 4,
-        "rollout_batch_size": 4,
-        "train_micro_batch_size": 2,
-        "sampling_steps": 6,
-        **overrides,
-    }
-    return build_config("tiny-cpu", values)
-
-
-def run(cfg, resume: str | None = None):
-    return launch_training(plan_training(cfg, LaunchSpec(nproc_per_node=1), resume), log=lambda _: None)
 
 
 def weights_in(folder: Path) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from training_helpers import run
 
 from fluxgrpo.config import build_config
 from fluxgrpo.metrics import WANDB_ID_FILE, read_metrics
@@ -45,10 +46,6 @@ def eval_config(tiny_weights, tiny_embeddings, output_dir: Path, prompts_file: P
     }
     values.update(overrides)
     return build_config("tiny-cpu", values)
-
-
-def run(cfg, resume: str | None = None):
-    return launch_training(plan_training(cfg, LaunchSpec(nproc_per_node=1), resume), log=lambda _: None)
 
 
 def pixels(path: Path) -> np.ndarray:

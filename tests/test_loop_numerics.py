@@ -6,32 +6,14 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-
-from fluxgrpo.config import build_config
-from fluxgrpo.runtime.launch import LaunchSpec
-from fluxgrpo.train_launch import launch_training, plan_training
+from training_helpers import run
+from training_helpers import tiny_config as training_config
 
 
 def tiny_config(tiny_weights, tiny_embeddings, output_dir: Path, **overrides):
-    values = {
-        "model": str(tiny_weights.flux_dir),
-        "hps_dir": str(tiny_weights.hps_dir),
-        "data_json_path": str(tiny_embeddings.index_path),
-        "output_dir": str(output_dir),
-        "max_train_steps": 1,
-        "checkpointing_steps": 1,
-        "save_images_every": 0,
-        "num_generations": 4,
-        "rollout_batch_size": 4,
-        "train_micro_batch_size": 2,
-        "sampling_steps": 4,
-        **overrides,
-    }
-    return build_config("tiny-cpu", values)
-
-
-def run(cfg):
-    return launch_training(plan_training(cfg, LaunchSpec(nproc_per_node=1), None), log=lambda _: None)
+    """One short iteration per checkpoint: these tests read the weights after each."""
+    values = {"max_train_steps": 1, "checkpointing_steps": 1, "sampling_steps": 4, **overrides}
+    return training_config(tiny_weights, tiny_embeddings, output_dir, **values)
 
 
 def weights_in(folder: Path) -> dict[str, torch.Tensor]:

@@ -9,41 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from training_helpers import run, tiny_config
 
 from fluxgrpo.config import build_config
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.lora import LORA_WEIGHTS_NAME
 from fluxgrpo.metrics import read_metrics, reward_trend
 from fluxgrpo.runtime.dist import DistContext
-from fluxgrpo.runtime.launch import LaunchSpec
-from fluxgrpo.train_launch import launch_training, plan_training
 
 SINGLE = DistContext(rank=0, local_rank=0, world_size=1, device_type="cpu", device=torch.device("cpu"), backend="gloo")
 
 
 def lora_config(tiny_weights, tiny_embeddings, output_dir: Path, **overrides):
-    values = {
-        "model": str(tiny_weights.flux_dir),
-        "hps_dir": str(tiny_weights.hps_dir),
-        "data_json_path": str(tiny_embeddings.index_path),
-        "output_dir": str(output_dir),
-        "max_train_steps": 4,
-        "checkpointing_steps": 2,
-        "save_images_every": 0,
-        "num_generations": 4,
-        "rollout_batch_size": 4,
-        "train_micro_batch_size": 2,
-        "sampling_steps": 6,
-        "lora_rank": 4,
-        "lora_alpha": 8.0,
-        "learning_rate": 0.03,
-    }
-    values.update(overrides)
-    return build_config("tiny-cpu", values)
-
-
-def run(cfg, dies: int = 1, resume: str | None = None):
-    return launch_training(plan_training(cfg, LaunchSpec(nproc_per_node=dies), resume), log=lambda _: None)
+    values = {"lora_rank": 4, "lora_alpha": 8.0, "learning_rate": 0.03, **overrides}
+    return tiny_config(tiny_weights, tiny_embeddings, output_dir, **values)
 
 
 def model_inputs(generator: torch.Generator) -> dict[str, torch.Tensor]:
