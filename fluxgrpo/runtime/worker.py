@@ -117,5 +117,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """Leave a torchrun worker without the interpreter's final teardown.
+
+    Everything the worker owes is done by now (process group left, summary and metrics written and closed), and the
+    Python exit handlers still run. What is skipped is the destruction of C++ objects at interpreter exit, where a
+    c10d/gloo thread still joinable aborts the process now and then ("terminate called without an active
+    exception", SIGABRT), which the launcher would rightly report as a failed rank.
+    """
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
