@@ -48,12 +48,14 @@ VAE_LIVE_MAPS = 3
 # Device context, kernels' workspace and allocator fragmentation: kept free on every die.
 RUNTIME_RESERVE_BYTES = 2 * GiB
 # Weights of the reward models: open_clip ViT-H-14 for HPSv2 and CLIPScore, CLIP ViT-H-14 for PickScore, BLIP ViT-L +
-# BERT-base with cross-attention + MLP for ImageReward (counted on a meta-device build of rewards/imagereward.py).
+# BERT-base with cross-attention + MLP for ImageReward, Qwen2-VL-7B without lm_head + rm_head for HPSv3 (counted on
+# meta-device builds of rewards/imagereward.py and rewards/hpsv3.py).
 REWARD_PARAMETERS = {
     "hpsv2": 986_109_440,
     "pickscore": 986_109_440,
     "clipscore": 986_109_440,
     "imagereward": 446_206_689,
+    "hpsv3": 7_748_610_610,
     "brightness": 0,
 }
 DEFAULT_TEXT_TOKENS = 512  # FLUX.1-dev's T5 sequence length, DanceGRPO's preprocessing

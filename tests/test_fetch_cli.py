@@ -291,10 +291,11 @@ def test_tiny_writes_every_part_including_pickscore(tmp_path):
     )
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)["parts"]
-    assert [row["part"] for row in rows] == ["flux", "hps", "clip", "pickscore", "imagereward"]
+    assert [row["part"] for row in rows] == ["flux", "hps", "clip", "pickscore", "imagereward", "hpsv3"]
     assert all(row["complete"] and row["source"] == "tiny" and row["bytes"] > 0 for row in rows)
     assert rows[3]["path"] == str(tmp_path / "h" / "pickscore")
     assert rows[4]["path"] == str(tmp_path / "h" / "imagereward")
+    assert rows[5]["path"] == str(tmp_path / "h" / "hpsv3")
 
 
 def test_tiny_only_pickscore_writes_nothing_else(tmp_path):

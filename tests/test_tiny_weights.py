@@ -210,7 +210,7 @@ def test_cli_fetch_weights_tiny_writes_complete_parts(tmp_path):
     )
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)
-    assert [p["part"] for p in document["parts"]] == ["flux", "hps", "clip", "pickscore", "imagereward"]
+    assert [p["part"] for p in document["parts"]] == ["flux", "hps", "clip", "pickscore", "imagereward", "hpsv3"]
     assert all(p["complete"] and p["source"] == "tiny" and p["bytes"] > 0 for p in document["parts"])
 
 
@@ -219,7 +219,7 @@ def test_cli_fetch_weights_table_and_usage_errors(tmp_path):
         app, ["fetch-weights", "--source", "tiny", "--flux-dir", str(tmp_path / "f"), "--hps-dir", str(tmp_path / "h")]
     )
     assert result.exit_code == 0, result.output
-    assert result.stdout.count("complete") == 5  # flux, hps, clip, pickscore, imagereward
+    assert result.stdout.count("complete") == 6  # flux, hps, clip, pickscore, imagereward, hpsv3
     hub = runner.invoke(app, ["fetch-weights", "--source", "hf", "--seed", "1", "--flux-dir", str(tmp_path / "x")])
     assert hub.exit_code == 2
     assert "--seed applies to --source tiny only" in hub.stderr

@@ -38,8 +38,8 @@ def command(
         str | None,
         typer.Option(
             "--only",
-            help="Comma-separated parts: flux, hps, clip, pickscore. Default: flux,hps,clip from a hub; every part "
-            "for tiny.",
+            help="Comma-separated parts: flux, hps, clip, pickscore, imagereward, hpsv3. Default: flux,hps,clip from "
+            "a hub; every part for tiny.",
         ),
     ] = None,
     flux_dir: Annotated[
@@ -47,7 +47,11 @@ def command(
     ] = DEFAULT_FLUX_DIR,
     hps_dir: Annotated[
         str,
-        typer.Option("--hps-dir", help="Where the HPS checkpoint and open_clip weights go (PickScore: pickscore/)."),
+        typer.Option(
+            "--hps-dir",
+            help="Where the HPS checkpoint and open_clip weights go; the other rewards in subfolders (pickscore/, "
+            "imagereward/, hpsv3/).",
+        ),
     ] = DEFAULT_HPS_DIR,
     revision: Annotated[
         str | None,
@@ -106,7 +110,7 @@ def command(
     ] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
 ) -> None:
-    """Fetch FLUX.1-dev, HPSv2.1 and (on request) PickScore weights, or write tiny random ones for a CPU trial.
+    """Fetch FLUX.1-dev, HPSv2.1 and (on request) the other rewards' weights, or write tiny random ones for a CPU trial.
 
     Each part gets a manifest, written last, which env-check, train and sample read to call it complete. A rerun
     downloads only what is missing or damaged; FLUX.1-dev is gated on Hugging Face (accept its licence first).
@@ -116,6 +120,7 @@ def command(
       fluxgrpo fetch-weights --dry-run
       fluxgrpo fetch-weights --source modelscope
       HF_ENDPOINT=https://hf-mirror.com fluxgrpo fetch-weights --only hps,clip,pickscore
+      fluxgrpo fetch-weights --only hpsv3 --dry-run
       fluxgrpo fetch-weights --source tiny --flux-dir /tmp/flux --hps-dir /tmp/hps --seed 1
     """
     from fluxgrpo.errors import UsageError
@@ -163,8 +168,10 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
     from fluxgrpo.weights.layout import (
         check_flux_dir,
         check_hps_dir,
+        check_hpsv3_dir,
         check_imagereward_dir,
         check_pickscore_dir,
+        hpsv3_dir,
         imagereward_dir,
         pickscore_dir,
     )
@@ -192,6 +199,7 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
         "clip": lambda: check_hps_dir(hps_dir)[1],
         "pickscore": lambda: check_pickscore_dir(pickscore_dir(hps_dir)),
         "imagereward": lambda: check_imagereward_dir(imagereward_dir(hps_dir)),
+        "hpsv3": lambda: check_hpsv3_dir(hpsv3_dir(hps_dir)),
     }
     sizes = {
         "flux": summary.flux_bytes,
@@ -199,6 +207,7 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
         "clip": summary.clip_bytes,
         "pickscore": summary.pickscore_bytes,
         "imagereward": summary.imagereward_bytes,
+        "hpsv3": summary.hpsv3_bytes,
     }
     rows: list[dict[str, Any]] = []
     for part in summary.parts:

@@ -22,6 +22,9 @@ from fluxgrpo.weights.layout import (
     CLIP_MANIFEST,
     HPS_CHECKPOINT,
     HPS_MANIFEST,
+    HPSV3_BASE_DIR,
+    HPSV3_CHECKPOINT,
+    HPSV3_MODEL_DIR,
     IMAGEREWARD_CHECKPOINT,
     IMAGEREWARD_MED_CONFIG,
     IMAGEREWARD_MODEL_DIR,
@@ -32,6 +35,7 @@ from fluxgrpo.weights.layout import (
     PICKSCORE_MODEL_DIR,
     PICKSCORE_PROCESSOR_DIR,
     REWARD_ARCH_FILE,
+    hpsv3_dir,
     imagereward_dir,
     pickscore_dir,
 )
@@ -41,7 +45,7 @@ TINY_SOURCE = "tiny"
 _REWARD_FILES = (HPS_CHECKPOINT, OPEN_CLIP_WEIGHTS, REWARD_ARCH_FILE, HPS_MANIFEST, CLIP_MANIFEST)
 # What --only can name for --source tiny. hps and clip are one pair (the HPS checkpoint and the initial weights
 # it was fine-tuned from), written together.
-TINY_PARTS = ("flux", "hps", "clip", "pickscore", "imagereward")
+TINY_PARTS = ("flux", "hps", "clip", "pickscore", "imagereward", "hpsv3")
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class TinyWeightsSummary:
     clip_bytes: int
     pickscore_bytes: int = 0
     imagereward_bytes: int = 0
+    hpsv3_bytes: int = 0
     parts: tuple[str, ...] = TINY_PARTS  # the parts written, in TINY_PARTS order
 
 
@@ -201,6 +206,33 @@ def write_tiny_imagereward(folder: Path, seed: int = 0) -> int:
     return total
 
 
+def write_tiny_hpsv3(folder: Path, seed: int = 0) -> int:
+    """Write a tiny HPSv3 (``model/``: HPSv3.safetensors in the authors' keys; ``base/``: a Qwen2-VL config.json in
+    the real file's format and a Qwen2 tokenizer) with a manifest in each; returns bytes."""
+    from safetensors.torch import save_file
+
+    from fluxgrpo.rewards.tiny import build_tiny_hpsv3_state, build_tiny_qwen2_tokenizer, tiny_hpsv3_base_config
+
+    folder = Path(folder)
+    model_dir, base_dir = folder / HPSV3_MODEL_DIR, folder / HPSV3_BASE_DIR
+    for sub in (model_dir, base_dir):
+        _refuse_unless_tiny_or_empty(sub, (MANIFEST_NAME,), None, "--hps-dir")
+    for sub in (model_dir, base_dir):
+        if sub.exists():
+            shutil.rmtree(sub)  # an earlier tiny folder: start clean so no stale file survives
+        sub.mkdir(parents=True)
+    tokenizer = build_tiny_qwen2_tokenizer()
+    save_file(build_tiny_hpsv3_state(tokenizer, seed), model_dir / HPSV3_CHECKPOINT, metadata={"format": "pt"})
+    tokenizer.save_pretrained(base_dir)
+    (base_dir / "config.json").write_text(json.dumps(tiny_hpsv3_base_config(tokenizer), indent=2) + "\n")
+    total = 0
+    for sub in (model_dir, base_dir):
+        files = describe_files(sub, _relative_files(sub, {MANIFEST_NAME}))
+        write_manifest(sub, Manifest(part="hpsv3", source=TINY_SOURCE, files=files), MANIFEST_NAME)
+        total += sum(f.size for f in files)
+    return total
+
+
 def write_tiny_weights(
     flux_dir: Path, hps_dir: Path, seed: int = 0, parts: Sequence[str] = TINY_PARTS
 ) -> TinyWeightsSummary:
@@ -224,6 +256,7 @@ def write_tiny_weights(
     hps_bytes, clip_bytes = write_tiny_reward(Path(hps_dir), seed) if "hps" in written else (0, 0)
     pickscore_bytes = write_tiny_pickscore(pickscore_dir(hps_dir), seed) if "pickscore" in written else 0
     imagereward_bytes = write_tiny_imagereward(imagereward_dir(hps_dir), seed) if "imagereward" in written else 0
+    hpsv3_bytes = write_tiny_hpsv3(hpsv3_dir(hps_dir), seed) if "hpsv3" in written else 0
     return TinyWeightsSummary(
         Path(flux_dir),
         Path(hps_dir),
@@ -233,5 +266,6 @@ def write_tiny_weights(
         clip_bytes,
         pickscore_bytes,
         imagereward_bytes,
+        hpsv3_bytes,
         tuple(part for part in TINY_PARTS if part in written),
     )

@@ -50,6 +50,13 @@ def _imagereward(hps_dir: Path, device: Any, dtype: torch.dtype) -> RewardFn:
     return ImageRewardReward(imagereward_dir(hps_dir), device, compute_dtype=dtype)
 
 
+def _hpsv3(hps_dir: Path, device: Any, dtype: torch.dtype) -> RewardFn:
+    from fluxgrpo.rewards.hpsv3 import HpsV3Reward
+    from fluxgrpo.weights.layout import hpsv3_dir
+
+    return HpsV3Reward(hpsv3_dir(hps_dir), device, compute_dtype=dtype)
+
+
 def _brightness(hps_dir: Path, device: Any, dtype: torch.dtype) -> RewardFn:
     from fluxgrpo.rewards.brightness import BrightnessReward
 
@@ -62,6 +69,7 @@ REWARDS: dict[str, RewardLoader] = {
     "pickscore": _pickscore,
     "clipscore": _clipscore,
     "imagereward": _imagereward,
+    "hpsv3": _hpsv3,
     "brightness": _brightness,
 }
 
@@ -75,6 +83,7 @@ def reward_weights_status(name: str, hps_dir: str | Path) -> list[PartStatus]:
         "pickscore": lambda folder: [layout.check_pickscore_dir(layout.pickscore_dir(folder))],
         "clipscore": lambda folder: [layout.check_clip_part(folder)],
         "imagereward": lambda folder: [layout.check_imagereward_dir(layout.imagereward_dir(folder))],
+        "hpsv3": lambda folder: [layout.check_hpsv3_dir(layout.hpsv3_dir(folder))],
     }
     return checks.get(name, lambda folder: [])(Path(hps_dir))
 

@@ -47,6 +47,17 @@ IMAGEREWARD_TOKENIZER_FILES = ("vocab.txt", "tokenizer_config.json")
 # Written beside the tiny ImageReward only: its vision tower's shape. Its absence means BLIP's ViT-L/16 at 224.
 IMAGEREWARD_VISION_ARCH_FILE = "vision_config.json"
 
+# HPSv3 lives beside them, in the same two-folder shape:
+# <hps_dir>/hpsv3/model  HPSv3.safetensors from MizzenAI/HPSv3: the whole reward model (Qwen2-VL-7B fine-tuned, with
+#                        the <|Reward|> token's embedding row and the rm_head), so the base model's weights are not needed
+# <hps_dir>/hpsv3/base   Qwen2-VL-7B-Instruct's config.json and tokenizer: what the authors' code reads from the base
+#                        repo besides its weights
+HPSV3_DIR = "hpsv3"
+HPSV3_MODEL_DIR = "model"
+HPSV3_BASE_DIR = "base"
+HPSV3_CHECKPOINT = "HPSv3.safetensors"
+HPSV3_BASE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 _MODEL_COMPONENTS = ("text_encoder", "text_encoder_2", "transformer", "vae")
 
@@ -194,24 +205,54 @@ def imagereward_dir(hps_dir: str | Path) -> Path:
 def check_imagereward_dir(folder: str | Path) -> PartStatus:
     """Check an ImageReward folder (``imagereward_dir(hps_dir)``): ``model/`` has ImageReward.pt and med_config.json,
     ``tokenizer/`` has vocab.txt and tokenizer_config.json, and each manifest present lists files all in place."""
-    root = Path(folder)
-    model, tokenizer = root / IMAGEREWARD_MODEL_DIR, root / IMAGEREWARD_TOKENIZER_DIR
-    status = PartStatus(
+    return _check_two_folder_part(
         "imagereward",
-        str(root),
-        complete=False,
-        fix=f"run `fluxgrpo fetch-weights --only imagereward --hps-dir {root.parent}` (or --source tiny for a CPU trial)",
+        "ImageReward",
+        Path(folder),
+        {
+            IMAGEREWARD_MODEL_DIR: (IMAGEREWARD_CHECKPOINT, IMAGEREWARD_MED_CONFIG),
+            IMAGEREWARD_TOKENIZER_DIR: IMAGEREWARD_TOKENIZER_FILES,
+        },
     )
+
+
+def hpsv3_dir(hps_dir: str | Path) -> Path:
+    """Where HPSv3's model and its base model's config and tokenizer live for a given HPS folder: ``<hps_dir>/hpsv3``."""
+    return Path(hps_dir) / HPSV3_DIR
+
+
+def check_hpsv3_dir(folder: str | Path) -> PartStatus:
+    """Check an HPSv3 folder (``hpsv3_dir(hps_dir)``): ``model/`` has HPSv3.safetensors, ``base/`` has Qwen2-VL's
+    config.json, tokenizer.json and tokenizer_config.json, and each manifest present lists files all in place
+    (without a manifest, the checkpoint's safetensors header is read instead)."""
+    root = Path(folder)
+    status = _check_two_folder_part(
+        "hpsv3", "HPSv3", root, {HPSV3_MODEL_DIR: (HPSV3_CHECKPOINT,), HPSV3_BASE_DIR: HPSV3_BASE_FILES}
+    )
+    model = root / HPSV3_MODEL_DIR
+    if (model / HPSV3_CHECKPOINT).is_file() and read_manifest(model) is None:
+        status.problems.extend(folder_safetensors_problems(model))
+        status.complete = not status.problems
+        status.fix = None if status.complete else _fetch_fix("hpsv3", root)
+    return status
+
+
+def _fetch_fix(part: str, folder: Path) -> str:
+    return f"run `fluxgrpo fetch-weights --only {part} --hps-dir {folder.parent}` (or --source tiny for a CPU trial)"
+
+
+def _check_two_folder_part(part: str, title: str, root: Path, required: dict[str, tuple[str, ...]]) -> PartStatus:
+    """A reward kept as subfolders of ``root``, each with its required files and (when fetched) its own manifest."""
+    status = PartStatus(part, str(root), complete=False, fix=_fetch_fix(part, root))
     if not root.is_dir():
-        status.problems.append(f"ImageReward weights not found in {root}")
+        status.problems.append(f"{title} weights not found in {root}")
         return status
-    for sub, names in (
-        (model, (IMAGEREWARD_CHECKPOINT, IMAGEREWARD_MED_CONFIG)),
-        (tokenizer, IMAGEREWARD_TOKENIZER_FILES),
-    ):
+    for sub_name, names in required.items():
+        sub = root / sub_name
         status.problems.extend(f"{sub}/{name} is missing" for name in names if not (sub / name).is_file())
     sources = []
-    for sub in (model, tokenizer):
+    for sub_name in required:
+        sub = root / sub_name
         manifest = read_manifest(sub)
         if manifest is not None:
             sources.append(manifest.source)
