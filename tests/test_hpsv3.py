@@ -451,3 +451,43 @@ def test_parameter_count_is_the_published_checkpoints_and_the_memory_models():
     assert tensors == PUBLISHED_TENSORS
     header = PUBLISHED_CHECKPOINT_BYTES - 2 * (parameters + rows * QWEN2_VL_7B_CONFIG["hidden_size"])
     assert 64 * tensors < header < 160 * tensors, header
+
+
+# -- training, evaluation and `fluxgrpo score` -------------------------------------------------------------------------
+
+
+def test_trains_on_hpsv3_and_evaluates_with_it_as_score_does(tiny_weights, tiny_embeddings, tmp_path):
+    """One iteration with HPSv3 as the training reward and, beside it, as an eval reward; the eval's logged score is
+    what `fluxgrpo score` (the PIL path) gives the saved images."""
+    import math
+
+    from training_helpers import run, tiny_config
+
+    from fluxgrpo.metrics import read_metrics
+    from fluxgrpo.score import ScoreRequest, score
+
+    prompts = tmp_path / "eval_prompts.txt"
+    prompts.write_text("a lighthouse in a storm, oil painting\na cat on a windowsill, photo\n")
+    cfg = tiny_config(
+        tiny_weights,
+        tiny_embeddings,
+        tmp_path / "out",
+        reward="hpsv3",
+        max_train_steps=1,
+        checkpointing_steps=1,
+        eval_every=1,
+        eval_prompts=str(prompts),
+        eval_images_per_prompt=1,
+        eval_steps=2,
+        eval_rewards="brightness",
+    )
+    records = run(cfg)
+    trained = [r for r in records if "reward_mean" in r][0]
+    assert math.isfinite(trained["reward_mean"]) and trained["reward_std"] > 0
+    assert trained["first_abs_log_ratio"] < 1e-4  # the ratio is 1 before the first update
+    evals = {r["iteration"]: r for r in read_metrics(tmp_path / "out") if "eval_hpsv3_mean" in r}
+    assert sorted(evals) == [0, 1]
+    report = score(
+        ScoreRequest(index=str(tmp_path / "out" / "eval" / "iteration-1"), reward="hpsv3", hps_dir=cfg.hps_dir)
+    )
+    assert evals[1]["eval_hpsv3_mean"] == report.overall.mean
