@@ -58,6 +58,9 @@ REWARD_PARAMETERS = {
     "hpsv3": 7_748_610_610,
     "brightness": 0,
 }
+# Rewards whose weights --reward-dtype bf16 casts to bf16 (HPSv3, as its authors run it). The others keep float32
+# weights and run their encoders under bf16 autocast, so their weights cost 4 bytes a parameter either way.
+REWARDS_CAST_TO_REWARD_DTYPE = frozenset({"hpsv3"})
 DEFAULT_TEXT_TOKENS = 512  # FLUX.1-dev's T5 sequence length, DanceGRPO's preprocessing
 LATENT_CHANNELS = 64  # packed 2×2×16
 
@@ -261,7 +264,10 @@ def estimate(model: TransformerShape, vae: VaeShape, run: RunShape) -> MemoryEst
         "optimizer": optimizer,
         "ema": ema,
         "kl reference": reference,
-        "reward": run.reward_bytes * sum(REWARD_PARAMETERS.get(name, 0) for name in reward_spec_names(run.reward)),
+        "reward": sum(
+            (run.reward_bytes if name in REWARDS_CAST_TO_REWARD_DTYPE else 4) * REWARD_PARAMETERS.get(name, 0)
+            for name in reward_spec_names(run.reward)
+        ),
         "vae": cb * vae.parameters,
         "rollout": trajectories * (run.sampling_steps + 2) * latent_tokens * LATENT_CHANNELS * 4
         + trajectories * 3 * run.height * run.width * 4,

@@ -201,7 +201,13 @@ def test_the_memory_estimate_counts_every_listed_reward():
 
     both = 4 * (REWARD_PARAMETERS["hpsv2"] + REWARD_PARAMETERS["imagereward"])
     assert reward_term(reward="hpsv2:1,imagereward:0.5") == both
-    assert reward_term(reward="hpsv2:1,imagereward:0.5", reward_dtype="bf16") == both // 2
+    # bf16 autocast keeps those two rewards' weights in float32; HPSv3's weights are cast to bf16
+    assert reward_term(reward="hpsv2:1,imagereward:0.5", reward_dtype="bf16") == both
+    assert reward_term(reward="hpsv3") == 4 * REWARD_PARAMETERS["hpsv3"]
+    assert (
+        reward_term(reward="hpsv3,hpsv2", reward_dtype="bf16")
+        == 2 * REWARD_PARAMETERS["hpsv3"] + 4 * REWARD_PARAMETERS["hpsv2"]
+    )
 
 
 def test_imagereward_parameter_count_is_the_real_architectures():
