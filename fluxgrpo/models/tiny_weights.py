@@ -1,4 +1,4 @@
-"""``fetch-weights --source tiny``: tiny random, seeded FLUX, HPS and PickScore weights in exactly the real layout.
+"""``fetch-weights --source tiny``: tiny random, seeded FLUX and reward weights in exactly the real layout.
 
 The FLUX part is a ``FluxPipeline.save_pretrained`` folder (what FLUX.1-dev's diffusers repo holds); the reward
 part is saved the way the real files are: ``HPS_v2.1_compressed.pt`` is ``{"state_dict": ...}`` of a full open_clip
@@ -6,7 +6,9 @@ CLIP and ``open_clip_pytorch_model.bin`` is a plain open_clip state dict (LAION'
 fine-tuned from, so here it is a different random draw). Only the tiny part also gets ``open_clip_config.json``,
 the architecture (the real one is ViT-H-14). PickScore goes to ``<hps_dir>/pickscore``: ``model/`` is a
 ``CLIPModel.save_pretrained`` folder, ``processor/`` the CLIP tokenizer and image processor config, as the two hub
-repos hold them. Manifests are written last, so a part with a manifest is complete.
+repos hold them. ImageReward (``<hps_dir>/imagereward``) and HPSv3 (``<hps_dir>/hpsv3``) are written in their
+checkpoints' own key names beside the config and tokenizer files their hub repos hold. Manifests are written last,
+so a part with a manifest is complete.
 """
 
 from __future__ import annotations
@@ -236,11 +238,10 @@ def write_tiny_hpsv3(folder: Path, seed: int = 0) -> int:
 def write_tiny_weights(
     flux_dir: Path, hps_dir: Path, seed: int = 0, parts: Sequence[str] = TINY_PARTS
 ) -> TinyWeightsSummary:
-    """Write tiny random FLUX (``flux_dir``), HPS and PickScore (``hps_dir``) weights, offline, in the real layout.
+    """Write tiny random FLUX (``flux_dir``) and reward (``hps_dir``) weights, offline, in the real layout.
 
-    ``parts`` selects from ``TINY_PARTS`` ("hps" and "clip" are written together). Afterwards
-    ``check_flux_dir(flux_dir)``, ``check_hps_dir(hps_dir)`` and ``check_pickscore_dir(pickscore_dir(hps_dir))``
-    report complete for what was written. The same seed gives the same weights. A folder holding non-tiny weights
+    ``parts`` selects from ``TINY_PARTS`` ("hps" and "clip" are written together). Afterwards the layout checks
+    (``check_flux_dir``, ``check_hps_dir``, ``check_pickscore_dir``, ...) report complete for what was written. The same seed gives the same weights. A folder holding non-tiny weights
     (another source's manifest, or files without one) is never overwritten: FluxgrpoError names the flag to change.
     """
     unknown = [part for part in parts if part not in TINY_PARTS]
