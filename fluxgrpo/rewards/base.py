@@ -79,6 +79,23 @@ def normalize_clip(pixels: torch.Tensor) -> torch.Tensor:
     return normalize(pixels, CLIP_MEAN, CLIP_STD)
 
 
+def resize_like_pil(images: torch.Tensor, height: int, width: int, mode: str = "bicubic") -> torch.Tensor:
+    """[B, 3, H, W] in [0, 1] → [B, 3, height, width], antialiased, as PIL's 8-bit resize behind the reward
+    processors: two passes, width then height, each clamped to [0, 1]. A single 2-D interpolation keeps the first
+    pass's overshoot at sharp edges and differs from PIL by up to 20/255 when upscaling; what remains is PIL's
+    rounding to 1/255."""
+    import torch.nn.functional as F
+
+    in_height, in_width = images.shape[-2:]
+    if width != in_width:
+        images = F.interpolate(images, size=(in_height, width), mode=mode, align_corners=False, antialias=True)
+        images = images.clamp(0.0, 1.0)
+    if height != in_height:
+        images = F.interpolate(images, size=(height, width), mode=mode, align_corners=False, antialias=True)
+        images = images.clamp(0.0, 1.0)
+    return images
+
+
 class TextFeatureCache:
     """Bounded LRU of per-prompt text features: GRPO scores every prompt G times per iteration."""
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError, not_usable
-from fluxgrpo.rewards.base import check_batch, check_pil_batch, load_pretrained, normalize_clip
+from fluxgrpo.rewards.base import check_batch, check_pil_batch, load_pretrained, normalize_clip, resize_like_pil
 from fluxgrpo.weights.layout import HPSV3_BASE_DIR, HPSV3_CHECKPOINT, HPSV3_MODEL_DIR, check_hpsv3_dir
 
 if TYPE_CHECKING:
@@ -122,21 +122,6 @@ def patchify(pixels: torch.Tensor, patch: int = 14, merge: int = 2, temporal: in
     rows = rows.permute(0, 2, 5, 3, 6, 1, 4, 7)  # B, gh/m, gw/m, m, m, C, py, px
     rows = rows.unsqueeze(6).expand(*rows.shape[:6], temporal, patch, patch)
     return rows.reshape(batch * grid_h * grid_w, channels * temporal * patch * patch)
-
-
-def resize_like_pil(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """[B, 3, H, W] in [0, 1] → [B, 3, height, width], bicubic and antialiased, width then height, each pass clamped
-    to [0, 1] as PIL's separable 8-bit resize does (without its rounding)."""
-    import torch.nn.functional as F
-
-    in_height, in_width = images.shape[-2:]
-    if width != in_width:
-        images = F.interpolate(images, size=(in_height, width), mode="bicubic", align_corners=False, antialias=True)
-        images = images.clamp(0.0, 1.0)
-    if height != in_height:
-        images = F.interpolate(images, size=(height, width), mode="bicubic", align_corners=False, antialias=True)
-        images = images.clamp(0.0, 1.0)
-    return images
 
 
 # -- the model ---------------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError, not_usable
-from fluxgrpo.rewards.base import TextFeatureCache, check_batch, check_pil_batch, load_pretrained
+from fluxgrpo.rewards.base import TextFeatureCache, check_batch, check_pil_batch, load_pretrained, resize_like_pil
 from fluxgrpo.weights.layout import PICKSCORE_MODEL_DIR, PICKSCORE_PROCESSOR_DIR, check_pickscore_dir
 
 if TYPE_CHECKING:
@@ -77,26 +77,13 @@ class ClipImageSpec:
 
 def resize_shortest_edge(images: torch.Tensor, size: int, mode: str = "bicubic") -> torch.Tensor:
     """[B, 3, H, W] in [0, 1] → shorter side ``size``, longer side ``int(size * long / short)`` (truncated, as
-    transformers computes it), antialiased.
-
-    Like PIL and torchvision's 8-bit resize behind the CLIP image processor, it runs as two passes, width then
-    height, each clamped to [0, 1]: a single 2-D interpolation keeps the first pass's overshoot at sharp edges and
-    differs from the processor by up to 20/255 when upscaling. What remains is the processor's 8-bit rounding.
-    """
-    import torch.nn.functional as F
-
+    transformers computes it), antialiased in PIL's two clamped passes (``base.resize_like_pil``)."""
     height, width = images.shape[-2:]
     if height <= width:
         new_height, new_width = size, int(size * width / height)
     else:
         new_height, new_width = int(size * height / width), size
-    if new_width != width:
-        images = F.interpolate(images, size=(height, new_width), mode=mode, align_corners=False, antialias=True)
-        images = images.clamp(0.0, 1.0)
-    if new_height != height:
-        images = F.interpolate(images, size=(new_height, new_width), mode=mode, align_corners=False, antialias=True)
-        images = images.clamp(0.0, 1.0)
-    return images
+    return resize_like_pil(images, new_height, new_width, mode)
 
 
 def center_crop(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
