@@ -141,6 +141,26 @@ def write_tiny_reward(hps_dir: Path, seed: int = 0) -> tuple[int, int]:
     return sum(f.size for f in hps_files), sum(f.size for f in clip_files)
 
 
+def _fresh_subfolders(*subs: Path) -> None:
+    """Empty subfolders of a reward part to write into, refusing any that holds non-tiny weights."""
+    for sub in subs:
+        _refuse_unless_tiny_or_empty(sub, (MANIFEST_NAME,), None, "--hps-dir")
+    for sub in subs:
+        if sub.exists():
+            shutil.rmtree(sub)  # an earlier tiny folder: start clean so no stale file survives
+        sub.mkdir(parents=True)
+
+
+def _manifest_each(part: str, *subs: Path) -> int:
+    """A tiny manifest in each subfolder, written last; the bytes they list."""
+    total = 0
+    for sub in subs:
+        files = describe_files(sub, _relative_files(sub, {MANIFEST_NAME}))
+        write_manifest(sub, Manifest(part=part, source=TINY_SOURCE, files=files), MANIFEST_NAME)
+        total += sum(f.size for f in files)
+    return total
+
+
 def write_tiny_pickscore(folder: Path, seed: int = 0) -> int:
     """Write a tiny PickScore (``model/`` + ``processor/``) into ``folder`` with a manifest in each; returns bytes.
 
@@ -153,12 +173,7 @@ def write_tiny_pickscore(folder: Path, seed: int = 0) -> int:
 
     folder = Path(folder)
     model_dir, processor_dir = folder / PICKSCORE_MODEL_DIR, folder / PICKSCORE_PROCESSOR_DIR
-    for sub in (model_dir, processor_dir):
-        _refuse_unless_tiny_or_empty(sub, (MANIFEST_NAME,), None, "--hps-dir")
-    for sub in (model_dir, processor_dir):
-        if sub.exists():
-            shutil.rmtree(sub)  # an earlier tiny folder: start clean so no stale file survives
-
+    _fresh_subfolders(model_dir, processor_dir)
     build_tiny_pickscore_model(seed).save_pretrained(model_dir)
     tokenizer = build_tiny_clip_tokenizer()
     tokenizer.save_pretrained(processor_dir)
@@ -167,12 +182,7 @@ def write_tiny_pickscore(folder: Path, seed: int = 0) -> int:
     (processor_dir / PICKSCORE_BPE_FILES[0]).write_text(json.dumps(tokenizer.get_vocab(), ensure_ascii=False) + "\n")
     (processor_dir / PICKSCORE_BPE_FILES[1]).write_text("#version: 0.2\n")
     CLIPImageProcessor(**PICKSCORE_PROCESSOR_CONFIG).save_pretrained(processor_dir)
-    total = 0
-    for sub in (model_dir, processor_dir):
-        files = describe_files(sub, _relative_files(sub, {MANIFEST_NAME}))
-        write_manifest(sub, Manifest(part="pickscore", source=TINY_SOURCE, files=files), MANIFEST_NAME)
-        total += sum(f.size for f in files)
-    return total
+    return _manifest_each("pickscore", model_dir, processor_dir)
 
 
 def write_tiny_imagereward(folder: Path, seed: int = 0) -> int:
@@ -189,23 +199,13 @@ def write_tiny_imagereward(folder: Path, seed: int = 0) -> int:
 
     folder = Path(folder)
     model_dir, tokenizer_dir = folder / IMAGEREWARD_MODEL_DIR, folder / IMAGEREWARD_TOKENIZER_DIR
-    for sub in (model_dir, tokenizer_dir):
-        _refuse_unless_tiny_or_empty(sub, (MANIFEST_NAME,), None, "--hps-dir")
-    for sub in (model_dir, tokenizer_dir):
-        if sub.exists():
-            shutil.rmtree(sub)  # an earlier tiny folder: start clean so no stale file survives
-        sub.mkdir(parents=True)
+    _fresh_subfolders(model_dir, tokenizer_dir)
     torch.save(build_tiny_imagereward_state(seed), model_dir / IMAGEREWARD_CHECKPOINT)
     (model_dir / IMAGEREWARD_MED_CONFIG).write_text(json.dumps(tiny_imagereward_med_config(), indent=2) + "\n")
     (model_dir / IMAGEREWARD_VISION_ARCH_FILE).write_text(json.dumps(TINY_IMAGEREWARD_VISION, indent=2) + "\n")
     (tokenizer_dir / "vocab.txt").write_text("\n".join(tiny_bert_vocab()) + "\n")
     (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True, "model_max_length": 512}))
-    total = 0
-    for sub in (model_dir, tokenizer_dir):
-        files = describe_files(sub, _relative_files(sub, {MANIFEST_NAME}))
-        write_manifest(sub, Manifest(part="imagereward", source=TINY_SOURCE, files=files), MANIFEST_NAME)
-        total += sum(f.size for f in files)
-    return total
+    return _manifest_each("imagereward", model_dir, tokenizer_dir)
 
 
 def write_tiny_hpsv3(folder: Path, seed: int = 0) -> int:
@@ -217,22 +217,12 @@ def write_tiny_hpsv3(folder: Path, seed: int = 0) -> int:
 
     folder = Path(folder)
     model_dir, base_dir = folder / HPSV3_MODEL_DIR, folder / HPSV3_BASE_DIR
-    for sub in (model_dir, base_dir):
-        _refuse_unless_tiny_or_empty(sub, (MANIFEST_NAME,), None, "--hps-dir")
-    for sub in (model_dir, base_dir):
-        if sub.exists():
-            shutil.rmtree(sub)  # an earlier tiny folder: start clean so no stale file survives
-        sub.mkdir(parents=True)
+    _fresh_subfolders(model_dir, base_dir)
     tokenizer = build_tiny_qwen2_tokenizer()
     save_file(build_tiny_hpsv3_state(tokenizer, seed), model_dir / HPSV3_CHECKPOINT, metadata={"format": "pt"})
     tokenizer.save_pretrained(base_dir)
     (base_dir / "config.json").write_text(json.dumps(tiny_hpsv3_base_config(tokenizer), indent=2) + "\n")
-    total = 0
-    for sub in (model_dir, base_dir):
-        files = describe_files(sub, _relative_files(sub, {MANIFEST_NAME}))
-        write_manifest(sub, Manifest(part="hpsv3", source=TINY_SOURCE, files=files), MANIFEST_NAME)
-        total += sum(f.size for f in files)
-    return total
+    return _manifest_each("hpsv3", model_dir, base_dir)
 
 
 def write_tiny_weights(
