@@ -482,7 +482,7 @@ def test_trains_on_hpsv3_and_evaluates_with_it_as_score_does(tiny_weights, tiny_
         eval_rewards="brightness",
     )
     records = run(cfg)
-    trained = [r for r in records if "reward_mean" in r][0]
+    trained = next(r for r in records if "reward_mean" in r)
     assert math.isfinite(trained["reward_mean"]) and trained["reward_std"] > 0
     assert trained["first_abs_log_ratio"] < 1e-4  # the ratio is 1 before the first update
     evals = {r["iteration"]: r for r in read_metrics(tmp_path / "out") if "eval_hpsv3_mean" in r}
