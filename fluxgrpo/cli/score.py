@@ -1,4 +1,4 @@
-"""``fluxgrpo score``: HPSv2 (or another reward) scores of saved images, per image, per prompt, overall."""
+"""``fluxgrpo score``: HPSv2 (or other rewards, side by side) scores of saved images, per image, per prompt, overall."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def command(
         bool,
         typer.Option(
             "--json",
-            help='Print one JSON object with stable keys; with several rewards {"rewards": [one object per reward]}.',
+            help='Print one JSON object with stable keys; with several rewards {"rewards": [...]}, one per reward.',
         ),
     ] = False,
     out: Annotated[
@@ -67,10 +67,10 @@ def command(
       fluxgrpo score --images my_images --prompts my_prompts.txt --json
       fluxgrpo score --index data/outputs/samples/base/index.json --reward hpsv2,imagereward,hpsv3
 
-    Several rewards (comma-separated) score the same images one after another and are shown side by side: a
-    column per reward in each table; --json prints {"rewards": [...]}, each entry exactly the object --reward
-    NAME alone prints; the --out CSV has score_<reward> columns (with --compare also other_score_<reward> and
-    difference_<reward>).
+    Several rewards (--reward hpsv2,imagereward,hpsv3) score the same images one after another, side by side:
+    a column per reward in each table. --json then prints {"rewards": [...]}: one object per reward, in order,
+    each exactly what --reward NAME alone prints. The --out CSV has a score_<reward> column per reward
+    (with --compare also other_score_<reward> and difference_<reward>).
     """
     from fluxgrpo.score import ScoreRequest, check_csv_destination, score_rewards, write_csv
 
