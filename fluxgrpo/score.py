@@ -20,17 +20,23 @@ prompts and seeds. Per prompt it reports both means and ``difference = this − 
 ``mean_difference = mean(this) − mean(other)`` over all paired images (equal to the mean per-image difference),
 and ``improved_fraction``: the share of prompts whose mean went up (difference > 0).
 
+Several rewards (``--reward hpsv2,imagereward,hpsv3``, ``score_rewards``): the inputs are read and checked once
+(index, files, image headers, the --compare pairing), then each reward in turn is loaded, scores every image (and
+the other run's), and is freed before the next loads, so no two reward models are in memory at once (HPSv3 alone is
+a 7B model). Each reward's report is exactly the one ``--reward NAME`` alone gives, bit for bit.
+
 Nothing is written until every image is scored; the CSV is written to a temp file and renamed.
 """
 
 from __future__ import annotations
 
 import csv
+import gc
 import io
 import math
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -148,13 +154,32 @@ class ScoreReport:
 
 
 @dataclass(frozen=True)
+class MultiScoreReport:
+    """One ``ScoreReport`` per reward, for the same images (same order) and, with --compare, the same pairs."""
+
+    reports: list[ScoreReport]  # in the order --reward lists the rewards
+
+    @property
+    def rewards(self) -> list[str]:
+        return [report.reward for report in self.reports]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The --json document. One reward: that reward's document (``ScoreReport.to_dict``), unchanged. Several:
+        ``{"rewards": [one such document per reward, in --reward order]}``; each entry is exactly what
+        ``--reward NAME --json`` alone prints."""
+        if len(self.reports) == 1:
+            return self.reports[0].to_dict()
+        return {"rewards": [report.to_dict() for report in self.reports]}
+
+
+@dataclass(frozen=True)
 class ScoreRequest:
     """A scoring job; exactly one of ``index`` or (``images_dir`` and ``prompts_file``)."""
 
     index: str | None = None
     images_dir: str | None = None
     prompts_file: str | None = None
-    reward: str = "hpsv2"
+    reward: str = "hpsv2"  # one reward name, or several separated by commas (scored one after another)
     hps_dir: str = DEFAULT_HPS_DIR
     batch_size: int = DEFAULT_SCORE_BATCH
     device: str = "auto"
@@ -171,7 +196,37 @@ class ScoreRequest:
             raise UsageError("--compare needs --index: images are paired by the prompt and image indexes of both runs")
         if self.batch_size < 1:
             raise UsageError(f"--batch-size must be at least 1 (got {self.batch_size})")
+        problems = reward_list_problems(self.reward)
+        if problems:
+            raise UsageError("; ".join(problems))
         return self
+
+    def reward_list(self) -> list[str]:
+        """The reward names ``reward`` lists, in order (``validate`` checks them)."""
+        return [name.strip() for name in self.reward.split(",")]
+
+
+def reward_list_problems(spec: str) -> list[str]:
+    """Every problem with a ``--reward`` list of names (empty when it is valid): blank, unknown or repeated names."""
+    from fluxgrpo.rewards import reward_names
+
+    valid = reward_names()
+    choices = f"use one or more of {', '.join(valid)}, separated by commas"
+    names = [name.strip() for name in spec.split(",")]
+    if not all(names):
+        return [f"--reward {spec!r} has an empty name: {choices}"]
+    problems = []
+    unknown = [name for name in names if name not in valid]
+    if unknown:
+        weights = " (score takes names only; name:weight is for `fluxgrpo train --reward`)"
+        problems.append(
+            f"--reward: unknown reward {', '.join(map(repr, unknown))}: {choices}"
+            + (weights if any(":" in name for name in unknown) else "")
+        )
+    repeated = [name for name in dict.fromkeys(names) if names.count(name) > 1]
+    if repeated:
+        problems.append(f"--reward lists {', '.join(repeated)} more than once: give each reward once")
+    return problems
 
 
 class _Pairable(Protocol):  # read-only members, so frozen dataclasses match
@@ -426,20 +481,17 @@ def score_items(
     return scored
 
 
-def score(request: ScoreRequest, progress: Any = None) -> ScoreReport:
-    """Score the images ``request`` names (and, with ``compare``, the other run's) and summarise them.
+@dataclass(frozen=True)
+class ScoreInputs:
+    """What a request scores, read and checked once for every reward."""
 
-    ``progress(n)`` is called after every batch of n images. Every input is checked (index, files, image headers,
-    pairing for --compare) before the reward model loads.
+    items: list[ImageToScore]  # ordered by (prompt_index, image_index)
+    other_items: list[ImageToScore]  # the --compare run's; [] without it
+    source: dict[str, str]
 
-    Raises:
-        UsageError: inconsistent flags.
-        FluxgrpoError: a missing, moved or unreadable input, a prompt count that does not match the images, two
-            runs that cannot be compared; nothing is written in any of these cases.
-    """
-    from fluxgrpo.runtime import device as rt_device
 
-    request.validate()
+def read_inputs(request: ScoreRequest) -> ScoreInputs:
+    """The request's images (and the --compare run's), every one checked: index, files, image headers, pairing."""
     if request.index is not None:
         items = images_from_index(request.index)
         source = {"index": str(request.index)}
@@ -453,23 +505,70 @@ def score(request: ScoreRequest, progress: Any = None) -> ScoreReport:
         other_items = images_from_index(request.compare)
         match_runs(items, other_items, str(request.index), str(request.compare))
     check_images_readable([*items, *other_items])
+    return ScoreInputs(items, other_items, source)
 
-    device_type = rt_device.resolve_device_type(request.device)
-    device = rt_device.device_for_local_rank(device_type, 0)
-    scorer = load_scorer(request.reward, request.hps_dir, device)
-    images = score_items(items, scorer, request.batch_size, device, progress)
+
+def score_with(name: str, inputs: ScoreInputs, request: ScoreRequest, device: Any, progress: Any = None) -> ScoreReport:
+    """Load reward ``name``, score ``inputs`` with it and summarise; the model is dropped when this returns."""
+    scorer = load_scorer(name, request.hps_dir, device)
+    images = score_items(inputs.items, scorer, request.batch_size, device, progress)
     comparison = None
     if request.compare is not None:
-        others = score_items(other_items, scorer, request.batch_size, device, progress)
+        others = score_items(inputs.other_items, scorer, request.batch_size, device, progress)
         comparison = compare_runs(images, others, str(request.compare), str(request.index))
     return ScoreReport(
-        reward=request.reward,
-        source=source,
+        reward=name,
+        source=inputs.source,
         images=images,
         prompts=per_prompt(images),
         overall=overall(images),
         comparison=comparison,
     )
+
+
+def score_rewards(
+    request: ScoreRequest, progress: Any = None, on_reward: Callable[[str, int, int], None] | None = None
+) -> MultiScoreReport:
+    """Score the images ``request`` names with every reward it lists, one reward model in memory at a time.
+
+    Every input is checked (flags and reward names, index, files, image headers, pairing for --compare) once,
+    before the first reward model loads. ``on_reward(name, position, count)`` is called before reward ``name``
+    (position counted from 1) loads; ``progress(n)`` after every batch of n images. Each reward's model is freed
+    (garbage-collected, the device's cache emptied) before the next one loads.
+
+    Raises:
+        UsageError: inconsistent flags, unknown or repeated reward names.
+        FluxgrpoError: a missing, moved or unreadable input, a prompt count that does not match the images, two
+            runs that cannot be compared; nothing is written in any of these cases.
+    """
+    from fluxgrpo.runtime import device as rt_device
+
+    names = request.validate().reward_list()
+    inputs = read_inputs(request)
+    device = rt_device.device_for_local_rank(rt_device.resolve_device_type(request.device), 0)
+    reports = []
+    for position, name in enumerate(names, start=1):
+        if on_reward is not None:
+            on_reward(name, position, len(names))
+        reports.append(score_with(name, inputs, request, device, progress))
+        gc.collect()  # the scorer is unreachable now; collect any cycles it sat in before the next model loads
+        rt_device.empty_cache(device)
+    return MultiScoreReport(reports)
+
+
+def score(request: ScoreRequest, progress: Any = None) -> ScoreReport:
+    """Score the images ``request`` names (and, with ``compare``, the other run's) with its one reward.
+
+    ``progress(n)`` is called after every batch of n images. Every input is checked (index, files, image headers,
+    pairing for --compare) before the reward model loads. For several rewards use ``score_rewards``.
+
+    Raises:
+        UsageError: inconsistent flags, an unknown reward, or more than one reward.
+        FluxgrpoError: as ``score_rewards``.
+    """
+    if len(request.validate().reward_list()) != 1:
+        raise UsageError(f"score() takes one reward (got --reward {request.reward}): use score_rewards for several")
+    return score_rewards(request, progress).reports[0]
 
 
 # --------------------------------------------------------------------------------------------- CSV
@@ -514,11 +613,38 @@ def csv_text(report: ScoreReport) -> str:
     return buffer.getvalue()
 
 
-def write_csv(report: ScoreReport, path: str | Path) -> Path:
+def multi_csv_text(report: MultiScoreReport) -> str:
+    """One row per image. One reward: ``csv_text``'s columns. Several: ``score_<reward>`` per reward instead of
+    ``score``; with a comparison also ``other_file``, ``other_score_<reward>`` and ``difference_<reward>``."""
+    if len(report.reports) == 1:
+        return csv_text(report.reports[0])
+    names = report.rewards
+    compared = report.reports[0].comparison is not None
+    header = [*CSV_COLUMNS[:-1], *(f"score_{name}" for name in names)]
+    if compared:
+        header += ["other_file", *(f"other_score_{name}" for name in names)]
+        header += [f"difference_{name}" for name in names]
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(header)
+    for row_index, image in enumerate(report.reports[0].images):
+        scores = [r.images[row_index].score for r in report.reports]
+        row = [image.file, image.prompt_index, image.image_index, "" if image.seed is None else image.seed]
+        row += [image.prompt, *map(repr, scores)]
+        if compared:
+            others = [r.comparison.other_images[row_index] for r in report.reports if r.comparison is not None]
+            row += [others[0].file, *(repr(other.score) for other in others)]
+            row += [repr(mine - other.score) for mine, other in zip(scores, others, strict=True)]
+        writer.writerow(row)
+    return buffer.getvalue()
+
+
+def write_csv(report: ScoreReport | MultiScoreReport, path: str | Path) -> Path:
     """Write the CSV to a temp file beside ``path`` and rename it: a reader never sees half a file."""
     path = check_csv_destination(path)
+    text = multi_csv_text(report) if isinstance(report, MultiScoreReport) else csv_text(report)
     try:
-        write_atomic(path, csv_text(report), durable=True)
+        write_atomic(path, text, durable=True)
     except OSError as exc:
         raise FluxgrpoError(f"cannot write {path} ({exc.strerror or exc}): choose another --out") from None
     return path

@@ -336,3 +336,146 @@ def test_sample_then_score_hpsv2_by_index_equals_by_folder(tiny_weights, tmp_pat
     assert [i.score for i in by_index.images] == pytest.approx([i.score for i in by_folder.images], abs=1e-6)
     assert len({round(i.score, 6) for i in by_index.images}) > 1  # scores depend on the image and prompt
     assert by_index.images[0].seed is not None and by_folder.images[0].seed is None
+
+
+# --- several rewards ------------------------------------------------------------------------------------------------
+
+
+def _compared_runs(tmp_path: Path) -> tuple[Path, Path]:
+    """Two hand-made runs (see test_cli_compare_on_hand_made_indexes for their brightness arithmetic)."""
+    prompts, seeds = ["p0", "p1"], [[11, 12], [21, 22]]
+    this = hand_made_index(tmp_path / "this", prompts, [[51, 102], [153, 153]], seeds)
+    other = hand_made_index(tmp_path / "other", prompts, [[51, 51], [204, 204]], seeds)
+    return this, other
+
+
+def test_several_rewards_equal_each_reward_alone_bit_for_bit(tiny_weights, tmp_path):
+    this, other = _compared_runs(tmp_path)
+    names = ["brightness", "hpsv2", "clipscore"]
+    common = ["score", "--index", str(this), "--compare", str(other), "--hps-dir", str(tiny_weights.hps_dir)]
+    common += ["--device", "cpu", "--batch-size", "3"]
+
+    def run(reward: str, csv_path: Path) -> dict:
+        result = runner.invoke(app, [*common, "--reward", reward, "--json", "--out", str(csv_path)])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    alone = [run(name, tmp_path / f"{name}.csv") for name in names]
+    together = run(",".join(names), tmp_path / "all.csv")
+    # JSON floats round-trip exactly, so == is bitwise equality of every score, mean, std and difference.
+    assert together == {"rewards": alone}
+    assert [document["reward"] for document in together["rewards"]] == names
+    assert len({document["overall"]["mean"] for document in alone}) == 3  # three different rewards really ran
+
+    rows = list(csv.DictReader((tmp_path / "all.csv").open()))
+    assert list(rows[0]) == [
+        "file",
+        "prompt_index",
+        "image_index",
+        "seed",
+        "prompt",
+        *(f"score_{name}" for name in names),
+        "other_file",
+        *(f"other_score_{name}" for name in names),
+        *(f"difference_{name}" for name in names),
+    ]
+    for name in names:
+        single = list(csv.DictReader((tmp_path / f"{name}.csv").open()))
+        assert [row["file"] for row in rows] == [row["file"] for row in single]
+        assert [row["seed"] for row in rows] == [row["seed"] for row in single]
+        assert [row[f"score_{name}"] for row in rows] == [row["score"] for row in single]  # repr: every bit
+        assert [row[f"other_score_{name}"] for row in rows] == [row["other_score"] for row in single]
+        assert [row[f"difference_{name}"] for row in rows] == [row["difference"] for row in single]
+
+    # The tables: a column per reward, mean ± std per prompt and overall, this / other / Δ per reward.
+    table = runner.invoke(app, [*common, "--reward", ",".join(names)], env={"COLUMNS": "80"})
+    assert table.exit_code == 0, table.output
+    assert "scoring with hpsv2 (2 of 3)" in table.stderr
+    lines = table.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    header = next(line for line in lines if "brightness" in line)
+    assert header.index("brightness") < header.index("hpsv2") < header.index("clipscore")
+    overall_row = next(i for i, line in enumerate(lines) if "overall" in line and "paired" not in line)
+    assert "0.45000" in lines[overall_row] and "± 0.16583" in lines[overall_row + 1]  # sqrt(0.0275) = 0.16583
+    assert "0.30000" in table.stdout and "± 0.10000" in table.stdout
+    paired_row = next(i for i, line in enumerate(lines) if "overall (4 paired images)" in line)
+    assert "0.45000" in lines[paired_row] and "0.50000" in lines[paired_row + 1] and "-0.05000" in lines[paired_row + 2]
+    assert "prompts improved" in table.stdout and "1 of 2" in table.stdout
+
+
+def test_one_reward_model_in_memory_at_a_time_after_every_input_is_checked(tiny_weights, tmp_path, monkeypatch):
+    import weakref
+
+    import fluxgrpo.score as score_module
+    from fluxgrpo.score import score_rewards
+
+    this, other = _compared_runs(tmp_path)
+    events: list[str] = []
+    loaded: list[weakref.ref] = []
+    real_load, real_check = score_module.load_scorer, score_module.check_images_readable
+
+    def load_scorer(name, hps_dir, device):
+        import gc
+
+        gc.collect()  # only what is still referenced survives
+        events.append(f"load {name} ({sum(ref() is not None for ref in loaded)} loaded)")
+        scorer = real_load(name, hps_dir, device)
+        loaded.append(weakref.ref(scorer))
+        return scorer
+
+    def check_images_readable(items):
+        events.append(f"check {len(list(items))} images")
+        real_check(items)
+
+    monkeypatch.setattr(score_module, "load_scorer", load_scorer)
+    monkeypatch.setattr(score_module, "check_images_readable", check_images_readable)
+    request = ScoreRequest(
+        index=str(this),
+        compare=str(other),
+        reward="hpsv2,clipscore,brightness",
+        hps_dir=str(tiny_weights.hps_dir),
+        device="cpu",
+    )
+    report = score_rewards(request)
+    assert events == [
+        "check 8 images",  # both runs' images, once, before any model
+        "load hpsv2 (0 loaded)",
+        "load clipscore (0 loaded)",
+        "load brightness (0 loaded)",
+    ]
+    assert report.rewards == ["hpsv2", "clipscore", "brightness"]
+    assert all(ref() is None for ref in loaded)  # the last one is freed too
+
+    # An unreadable image stops the run before any model loads.
+    events.clear()
+    (tmp_path / "other" / "0001_01.png").write_bytes(b"no png")
+    with pytest.raises(FluxgrpoError, match=r"cannot read image .*0001_01\.png"):
+        score_rewards(ScoreRequest(index=str(this), compare=str(other), reward="brightness,hpsv2", device="cpu"))
+    assert events == ["check 8 images"]
+
+
+def test_reward_names_are_checked_before_anything_is_read(tmp_path, monkeypatch):
+    import fluxgrpo.score as score_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("nothing may be read or loaded for a bad --reward")
+
+    monkeypatch.setattr(score_module, "load_scorer", never)
+    monkeypatch.setattr(score_module, "images_from_index", never)
+    missing = str(tmp_path / "no-such" / "index.json")  # not read: the names fail first
+
+    def usage_error(reward: str) -> str:
+        result = runner.invoke(app, ["score", "--index", missing, "--reward", reward, "--device", "cpu"])
+        assert result.exit_code == 2, result.output
+        return " ".join(result.stderr.split())  # unwrapped
+
+    unknown = usage_error("hpsv2,nope,imagerewrd")
+    assert "--reward: unknown reward 'nope', 'imagerewrd'" in unknown
+    assert "hpsv2, pickscore, clipscore, imagereward, hpsv3, brightness" in unknown
+    assert "--reward lists hpsv2 more than once" in usage_error("hpsv2,brightness,hpsv2")
+    assert "has an empty name" in usage_error("hpsv2,,brightness")
+    assert "name:weight is for `fluxgrpo train --reward`" in usage_error("hpsv2:1,brightness")
+    both = usage_error("nope,brightness,brightness")  # every problem at once
+    assert "unknown reward 'nope'" in both and "brightness more than once" in both
+    with pytest.raises(UsageError, match="use score_rewards for several"):
+        score(ScoreRequest(index=missing, reward="hpsv2,brightness"))

@@ -1,4 +1,4 @@
-"""``fluxgrpo score``: HPSv2 (or another reward) scores of saved images, per image, per prompt, overall."""
+"""``fluxgrpo score``: HPSv2 (or other rewards, side by side) scores of saved images, per image, per prompt, overall."""
 
 from __future__ import annotations
 
@@ -26,7 +26,12 @@ def command(
         typer.Option("--prompts", help="With --images: one prompt line per image, in the images' name order."),
     ] = None,
     reward: Annotated[
-        str, typer.Option("--reward", help=f"Reward model: {', '.join(reward_names())} (brightness: a smoke test).")
+        str,
+        typer.Option(
+            "--reward",
+            help=f"Reward model: {', '.join(reward_names())} (brightness: a smoke test); several separated by "
+            "commas are scored side by side, one model in memory at a time.",
+        ),
     ] = "hpsv2",
     hps_dir: Annotated[
         str, typer.Option("--hps-dir", help="Folder of HPS_v2.1_compressed.pt and open_clip_pytorch_model.bin.")
@@ -35,9 +40,18 @@ def command(
     device: Annotated[
         str, typer.Option("--device", help=f"auto (the best found), or one of {', '.join(DEVICE_TYPES)}.")
     ] = "auto",
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
+    json_output: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help='Print one JSON object with stable keys; with several rewards {"rewards": [...]}, one per reward.',
+        ),
+    ] = False,
     out: Annotated[
-        str | None, typer.Option("--out", help="Also write one CSV row per image to this file (atomically).")
+        str | None,
+        typer.Option(
+            "--out", help="Also write one CSV row per image to this file (atomically); a score column per reward."
+        ),
     ] = None,
     compare: Annotated[
         str | None,
@@ -51,8 +65,14 @@ def command(
       fluxgrpo score --index data/outputs/samples/grpo-checkpoint-300/index.json \\
           --compare data/outputs/samples/base/index.json
       fluxgrpo score --images my_images --prompts my_prompts.txt --json
+      fluxgrpo score --index data/outputs/samples/base/index.json --reward hpsv2,imagereward,hpsv3
+
+    Several rewards (--reward hpsv2,imagereward,hpsv3) score the same images one after another, side by side:
+    a column per reward in each table. --json then prints {"rewards": [...]}: one object per reward, in order,
+    each exactly what --reward NAME alone prints. The --out CSV has a score_<reward> column per reward
+    (with --compare also other_score_<reward> and difference_<reward>).
     """
-    from fluxgrpo.score import ScoreRequest, check_csv_destination, score, write_csv
+    from fluxgrpo.score import ScoreRequest, check_csv_destination, score_rewards, write_csv
 
     request = ScoreRequest(
         index=index,
@@ -66,14 +86,22 @@ def command(
     ).validate()
     if out is not None:
         check_csv_destination(out)  # before hours of scoring, not after
-    report = score(request, progress=_progress_printer())
+    several = len(request.reward_list()) > 1
+    report = score_rewards(request, progress=_progress_printer(), on_reward=_announce_reward if several else None)
     if out is not None:
         write_csv(report, out)
         log(f"wrote {out}")
     if json_output:
         print_json(report.to_dict())
         return
-    _print_tables(report)
+    if several:
+        _print_reward_tables(report)
+    else:
+        _print_tables(report.reports[0])
+
+
+def _announce_reward(name: str, position: int, count: int) -> None:
+    log(f"scoring with {name} ({position} of {count})")
 
 
 def _progress_printer():
@@ -137,3 +165,68 @@ def _print_tables(report) -> None:
         f"({comparison.mean:.5f} vs {comparison.other_mean:.5f}); improved prompts: {comparison.improved_prompts} of "
         f"{comparison.prompt_count} ({comparison.improved_fraction:.0%})"
     )
+
+
+def _mean_std(mean: float, std: float) -> str:
+    return f"{mean:.5f}\n± {std:.5f}"  # two lines: three rewards' columns fit 80 columns beside the prompt
+
+
+def _difference(value: float) -> str:
+    style = "green" if value > 0 else "red" if value < 0 else ""
+    return f"[{style}]{value:+.5f}[/]" if style else f"{value:+.5f}"
+
+
+def _print_reward_tables(multi) -> None:
+    """Several rewards side by side: a column per reward in the per-image, per-prompt and --compare tables."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    reports = multi.reports
+    first = reports[0]
+    images = Table(title="scores per image", title_justify="left")
+    images.add_column("file")
+    images.add_column("prompt", overflow="fold")
+    for name in multi.rewards:
+        images.add_column(name, justify="right")
+    for row, image in enumerate(first.images):
+        images.add_row(escape(image.file), escape(image.prompt), *(f"{r.images[row].score:.5f}" for r in reports))
+    out_console.print(images)
+
+    prompts = Table(title="mean ± std per prompt", title_justify="left", show_lines=True)
+    prompts.add_column("#", justify="right")
+    prompts.add_column("prompt", overflow="fold")
+    prompts.add_column("n", justify="right")
+    for name in multi.rewards:
+        prompts.add_column(name, justify="right")
+    for row, stats in enumerate(first.prompts):
+        cells = [_mean_std(r.prompts[row].mean, r.prompts[row].std) for r in reports]
+        prompts.add_row(str(stats.prompt_index), escape(stats.prompt), str(stats.count), *cells)
+    cells = [_mean_std(r.overall.mean, r.overall.std) for r in reports]
+    prompts.add_row("", "[bold]overall[/]", str(first.overall.count), *cells)
+    out_console.print(prompts)
+
+    if first.comparison is None:
+        return
+    comparisons = [r.comparison for r in reports if r.comparison is not None]
+    table = Table(
+        title=f"compared with {escape(first.comparison.other)} (Δ = this − other)",
+        title_justify="left",
+        show_lines=True,
+    )
+    table.add_column("#", justify="right")
+    table.add_column("prompt", overflow="fold")
+    table.add_column("run")
+    for name in multi.rewards:
+        table.add_column(name, justify="right")
+    runs = "this\nother\nΔ"
+    for row, compared in enumerate(first.comparison.prompts):
+        cells = [
+            f"{c.prompts[row].mean:.5f}\n{c.prompts[row].other_mean:.5f}\n{_difference(c.prompts[row].difference)}"
+            for c in comparisons
+        ]
+        table.add_row(str(compared.prompt_index), escape(compared.prompt), runs, *cells)
+    cells = [f"{c.mean:.5f}\n{c.other_mean:.5f}\n{_difference(c.mean_difference)}" for c in comparisons]
+    table.add_row("", f"[bold]overall[/] ({first.comparison.count} paired images)", runs, *cells)
+    cells = [f"{c.improved_prompts} of {c.prompt_count}\n({c.improved_fraction:.0%})" for c in comparisons]
+    table.add_row("", "prompts improved", "", *cells)
+    out_console.print(table)
