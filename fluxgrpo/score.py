@@ -526,13 +526,25 @@ def score_with(name: str, inputs: ScoreInputs, request: ScoreRequest, device: An
     )
 
 
+def check_reward_weights(names: list[str], hps_dir: str | Path) -> None:
+    """Refuse, naming the fetch command, when any listed reward's weights are incomplete: before the first model
+    loads, not after an hour of scoring with the others."""
+    from fluxgrpo.errors import not_usable
+    from fluxgrpo.rewards import reward_weights_status
+
+    for name in names:
+        for part in reward_weights_status(name, hps_dir):
+            if not part.complete:
+                raise not_usable(f"--reward {name}'s weights in {part.path}", part.problems, part.fix)
+
+
 def score_rewards(
     request: ScoreRequest, progress: Any = None, on_reward: Callable[[str, int, int], None] | None = None
 ) -> MultiScoreReport:
     """Score the images ``request`` names with every reward it lists, one reward model in memory at a time.
 
-    Every input is checked (flags and reward names, index, files, image headers, pairing for --compare) once,
-    before the first reward model loads. ``on_reward(name, position, count)`` is called before reward ``name``
+    Every input is checked (flags and reward names, index, files, image headers, pairing for --compare, every
+    listed reward's weights) once, before the first reward model loads. ``on_reward(name, position, count)`` is called before reward ``name``
     (position counted from 1) loads; ``progress(n)`` after every batch of n images. Each reward's model is freed
     (garbage-collected, the device's cache emptied) before the next one loads.
 
@@ -545,6 +557,7 @@ def score_rewards(
 
     names = request.validate().reward_list()
     inputs = read_inputs(request)
+    check_reward_weights(names, request.hps_dir)
     device = rt_device.device_for_local_rank(rt_device.resolve_device_type(request.device), 0)
     reports = []
     for position, name in enumerate(names, start=1):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -452,6 +453,17 @@ def test_one_reward_model_in_memory_at_a_time_after_every_input_is_checked(tiny_
     with pytest.raises(FluxgrpoError, match=r"cannot read image .*0001_01\.png"):
         score_rewards(ScoreRequest(index=str(this), compare=str(other), reward="brightness,hpsv2", device="cpu"))
     assert events == ["check 8 images"]
+
+    # So do a listed reward's missing weights, whatever its place in the list.
+    events.clear()
+    (tmp_path / "other" / "0001_01.png").unlink()
+    hps_dir = tmp_path / "hps_without_imagereward"
+    shutil.copytree(tiny_weights.hps_dir, hps_dir, ignore=shutil.ignore_patterns("imagereward"))
+    with pytest.raises(FluxgrpoError, match=r"--reward imagereward's weights .*fetch-weights --only imagereward"):
+        score_rewards(
+            ScoreRequest(index=str(this), reward="brightness,imagereward", hps_dir=str(hps_dir), device="cpu")
+        )
+    assert not any(event.startswith("load") for event in events)
 
 
 def test_reward_names_are_checked_before_anything_is_read(tmp_path, monkeypatch):
