@@ -1,11 +1,12 @@
 """Learning efficiency: what each training algorithm buys per second of training, trained for real, side by side.
 
 ``fluxgrpo bench --algorithms dance,dance-t2 --iterations 30 --repeats 3`` trains each named algorithm ``--repeats``
-times with the real loop (``grpo.trainer.train``), in this process, from the same start: the same tiny weights (written once, seeded by
-``--seed``), the same prompt embeddings (the bundled prompts, encoded once by the tiny text encoders), the same
-training config (``--config``, tiny-cpu by default: its reward, resolution, steps and batch sizes) and so the same
-prompts and initial noise at every iteration. An algorithm is a name for a set of ``TrainConfig`` overrides
-(``ALGORITHMS``); ``dance`` overrides nothing and is the baseline every ratio is taken against.
+times with the real loop (``grpo.trainer.train``), in this process, from the same start: the same tiny weights
+(written once, seeded by ``--seed``), the same prompt embeddings (the bundled prompts, encoded once by the tiny text
+encoders), the same training config (``--config``, tiny-cpu by default: its reward, resolution, steps and batch
+sizes) and so the same prompts and initial noise at every iteration. An algorithm is a name for a set of
+``TrainConfig`` overrides (``ALGORITHMS``); ``dance`` overrides nothing and is the baseline every ratio is taken
+against.
 
 The runs go in interleaved rounds: each round trains every algorithm once, in the given order on rounds 1, 3, …
 and in the reverse order on rounds 2, 4, … (``training_rounds``). A machine that slowly gets busier or quieter
