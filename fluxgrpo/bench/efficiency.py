@@ -1,23 +1,34 @@
 """Learning efficiency: what each training algorithm buys per second of training, trained for real, side by side.
 
-``fluxgrpo bench --algorithms dance,dance-t2 --iterations 30`` trains each named algorithm in turn with the real
-loop (``grpo.trainer.train``), in this process, from the same start: the same tiny weights (written once, seeded by
-``--seed``), the same prompt embeddings (the bundled prompts, encoded once by the tiny text encoders), the same
-training config (``--config``, tiny-cpu by default: its reward, resolution, steps and batch sizes) and so the same
-prompts and initial noise at every iteration. An algorithm is a name for a set of ``TrainConfig`` overrides
-(``ALGORITHMS``); ``dance`` overrides nothing and is the baseline every ratio is taken against.
+``fluxgrpo bench --algorithms dance,dance-t2 --iterations 30 --repeats 3`` trains each named algorithm ``--repeats``
+times with the real loop (``grpo.trainer.train``), in this process, from the same start: the same tiny weights
+(written once, seeded by ``--seed``), the same prompt embeddings (the bundled prompts, encoded once by the tiny text
+encoders), the same training config (``--config``, tiny-cpu by default: its reward, resolution, steps and batch
+sizes) and so the same prompts and initial noise at every iteration. An algorithm is a name for a set of
+``TrainConfig`` overrides (``ALGORITHMS``); ``dance`` overrides nothing and is the baseline every ratio is taken
+against.
+
+The runs go in interleaved rounds: each round trains every algorithm once, in the given order on rounds 1, 3, …
+and in the reverse order on rounds 2, 4, … (``training_rounds``). A machine that slowly gets busier or quieter
+then weighs on every algorithm alike: over any two consecutive rounds each algorithm's mean place in the queue is the
+same, where running one algorithm's repeats back to back would hand the whole drift to whichever ran last.
 
 For each algorithm:
 
-- **seconds per iteration**: the median over the iterations of rollout + decode/reward + update, as the trainer's
-  own phase clock measured them (the median keeps the first iteration's one-time costs and a busy machine's
-  spikes out);
+- **seconds per iteration**: per run, the median over the iterations of rollout + decode/reward + update, as the
+  trainer's own phase clock measured them (the median keeps the first iteration's one-time costs and a busy
+  machine's spikes out); then the median over the repeats of those, with their **spread** (min–max over the
+  repeats) so the noise is on the page. An algorithm whose spread overlaps ``dance``'s is **within noise** of it
+  in time, whatever its ratio says (``time_verdict``); with one repeat there is no spread to judge by;
 - **reward gain**: the rise of the least-squares line through the iterations' mean rewards over the run,
   slope × (iterations − 1). Each algorithm's rewards are of its own rollouts, so a sampler that starts higher or
   lower does not count as learning; the fit uses every iteration instead of two noisy ends;
 - **reward gain per second**: the gain over the training time, median seconds per iteration × iterations;
 
 and each as a ratio to ``dance``'s (None where ``dance``'s value is not positive: a ratio to nothing is no ratio).
+The rewards come from seeded generators only, so every repeat of an algorithm must reproduce them bitwise; the
+bench checks that, and where a repeat differs (training not deterministic on this device) it says so in the row,
+the log and the table, listing every repeat's gain and showing their median, instead of quietly averaging.
 """
 
 from __future__ import annotations
@@ -138,6 +149,9 @@ class EfficiencyConfig:
     text_tokens: int = 512  # T5 tokens per prompt, as `fluxgrpo preprocess` pads to by default
     seed: int = 0  # of the tiny weights (`fetch-weights --source tiny` uses 0)
     device: str | None = None  # None: the config's
+    # Training runs per algorithm, in interleaved rounds. 3: the fewest whose median outvotes one disturbed run
+    # (and whose min–max shows it), at 3× the time of one; the phase bench's --repeats default is 3 as well.
+    repeats: int = 3
     base_overrides: dict[str, Any] = field(default_factory=dict)
 
     def problems(self) -> list[str]:
@@ -151,6 +165,8 @@ class EfficiencyConfig:
             out.append(f"--iterations {self.iterations}: at least 2 (a reward gain needs two iterations)")
         if self.text_tokens < 1:
             out.append(f"--text-tokens {self.text_tokens} must be at least 1")
+        if self.repeats < 1:
+            out.append(f"--repeats {self.repeats}: at least 1 (training runs per algorithm)")
         return out
 
     def validate(self) -> EfficiencyConfig:
@@ -163,6 +179,19 @@ class EfficiencyConfig:
     def runs(self) -> tuple[str, ...]:
         """The algorithms in the order they train: the baseline first (added when not asked for)."""
         return (BASELINE, *(name for name in self.algorithms if name != BASELINE))
+
+    @property
+    def rounds(self) -> tuple[tuple[str, ...], ...]:
+        return training_rounds(self.runs, self.repeats)
+
+
+def training_rounds(runs: tuple[str, ...], repeats: int) -> tuple[tuple[str, ...], ...]:
+    """``repeats`` rounds of every algorithm once: ``runs`` in order, then reversed, then in order again, …
+
+    Reversing (rather than rotating) balances a steady drift after every second round whatever the number of
+    algorithms: the places i and n − 1 − i average to (n − 1)/2 for every algorithm. A rotation balances only after n
+    rounds, and with fewer it can keep one algorithm at the end of every round."""
+    return tuple(runs if index % 2 == 0 else runs[::-1] for index in range(repeats))
 
 
 def parse_algorithms(text: str) -> tuple[str, ...]:
@@ -221,10 +250,12 @@ def base_training_config(cfg: EfficiencyConfig, workspace: Workspace) -> TrainCo
     )
 
 
-def algorithm_config(base: TrainConfig, name: str) -> TrainConfig:
-    """The base config with the algorithm's overrides, in a run folder of its own; validated."""
+def algorithm_config(base: TrainConfig, name: str, repeat: int = 1) -> TrainConfig:
+    """The base config with the algorithm's overrides, in a run folder of its own (one per repeat, so no run sees
+    another's checkpoint or metrics); validated."""
     overrides = ALGORITHMS[name].overrides(base)
-    return dataclasses.replace(base, output_dir=str(Path(base.output_dir, name)), **overrides).validate()
+    output_dir = Path(base.output_dir, name, f"repeat-{repeat}")
+    return dataclasses.replace(base, output_dir=str(output_dir), **overrides).validate()
 
 
 # Where the runs' inputs and outputs were: a temporary folder, gone when the bench ends.
@@ -240,29 +271,53 @@ def reward_gain(rewards: list[float]) -> float:
     return covariance / variance * (count - 1)
 
 
-def summarize_run(
-    name: str, overrides: dict[str, Any], train_cfg: TrainConfig, records: list[dict[str, Any]]
+def run_seconds(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's clock: the median over its iterations of the iteration's seconds and of each phase's."""
+    return {
+        "seconds_per_iteration": statistics.median(sum(float(r[key]) for key in PHASE_SECONDS) for r in records),
+        "phase_seconds": {
+            key.removeprefix("seconds_"): statistics.median(float(r[key]) for r in records) for key in PHASE_SECONDS
+        },
+    }
+
+
+def summarize_algorithm(
+    name: str, overrides: dict[str, Any], train_cfg: TrainConfig, runs: list[list[dict[str, Any]]]
 ) -> dict[str, Any]:
-    """One algorithm's row (before ratios) from its config and its metrics records."""
-    rewards = [float(record["reward_mean"]) for record in records]
-    seconds = [sum(float(record[key]) for key in PHASE_SECONDS) for record in records]
-    per_iteration = statistics.median(seconds)
-    gain = reward_gain(rewards)
+    """One algorithm's row (before ratios) from its config and every repeat's metrics records, in round order.
+
+    Times: the median over the repeats of each run's median, and their spread. Rewards: the first run's, which every
+    repeat must reproduce (``rewards_identical``); where one does not, ``reward_gain`` is the median of the
+    repeats' gains, each of them in ``reward_gain_runs``."""
+    clocks = [run_seconds(records) for records in runs]
+    per_run = [clock["seconds_per_iteration"] for clock in clocks]
+    per_iteration = statistics.median(per_run)
+    rewards = [[float(record["reward_mean"]) for record in records] for records in runs]
+    gains = [reward_gain(run_rewards) for run_rewards in rewards]
+    identical = all(run_rewards == rewards[0] for run_rewards in rewards)
+    gain = gains[0] if identical else statistics.median(gains)
+    iterations = len(runs[0])
     return {
         "algorithm": name,
         "overrides": overrides,
-        "iterations": len(records),
+        "iterations": iterations,
         "trained_timesteps": train_cfg.train_timesteps,
         "rollout_model_calls": train_cfg.rollout_model_calls,
+        "repeats": len(runs),
         "seconds_per_iteration": per_iteration,
+        "seconds_per_iteration_runs": per_run,
+        "seconds_per_iteration_spread": [min(per_run), max(per_run)],
         "phase_seconds": {
-            key.removeprefix("seconds_"): statistics.median(r[key] for r in records) for key in PHASE_SECONDS
+            phase: statistics.median(clock["phase_seconds"][phase] for clock in clocks)
+            for phase in clocks[0]["phase_seconds"]
         },
-        "reward_first": rewards[0],
-        "reward_last": rewards[-1],
+        "reward_first": rewards[0][0],
+        "reward_last": rewards[0][-1],
         "reward_gain": gain,
-        "reward_gain_per_second": gain / (per_iteration * len(records)),
-        "rewards": rewards,
+        "reward_gain_runs": gains,
+        "rewards_identical": identical,
+        "reward_gain_per_second": gain / (per_iteration * iterations),
+        "rewards": rewards[0],
     }
 
 
@@ -283,27 +338,79 @@ def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def time_verdict(row: dict[str, Any], baseline: dict[str, Any]) -> str | None:
+    """How the row's time compares with the baseline's: faster or slower where the two spreads of seconds per
+    iteration do not overlap (every run beat, or lost to, every run of the baseline), within noise where they do;
+    None for the baseline itself and for single runs (no spread to judge by)."""
+    if row["algorithm"] == baseline["algorithm"] or min(row["repeats"], baseline["repeats"]) < 2:
+        return None
+    low, high = row["seconds_per_iteration_spread"]
+    baseline_low, baseline_high = baseline["seconds_per_iteration_spread"]
+    if high < baseline_low:
+        return "faster"
+    if low > baseline_high:
+        return "slower"
+    return "within noise"
+
+
+def with_time_verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    baseline = next(row for row in rows if row["algorithm"] == BASELINE)
+    return [{**row, "time_verdict": time_verdict(row, baseline)} for row in rows]
+
+
+def compare(
+    cfg: EfficiencyConfig,
+    base: TrainConfig,
+    train: Callable[[TrainConfig], list[dict[str, Any]]],
+    log: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Train the algorithms of ``cfg`` round by round with ``train`` (the real loop, or a stand-in in tests);
+    returns their rows with ratios and time verdicts, in ``cfg.runs`` order."""
+    runs: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in cfg.runs}
+    for index, order in enumerate(cfg.rounds, start=1):
+        if cfg.repeats > 1:
+            log(f"round {index} of {cfg.repeats}: {', '.join(order)}")
+        for name in order:
+            what = ALGORITHMS[name].description if index == 1 else f"repeat {index}"
+            log(f"training {name} for {cfg.iterations} iterations: {what}")
+            records = train(algorithm_config(base, name, repeat=index))
+            clock = run_seconds(records)
+            gain = reward_gain([float(record["reward_mean"]) for record in records])
+            log(f"  {name}: {clock['seconds_per_iteration']:.3g} s per iteration, reward gain {gain:.4g}")
+            runs[name].append(records)
+    rows = []
+    for name in cfg.runs:
+        row = summarize_algorithm(name, ALGORITHMS[name].overrides(base), algorithm_config(base, name), runs[name])
+        if not row["rewards_identical"]:
+            gains = ", ".join(f"{gain:.6g}" for gain in row["reward_gain_runs"])
+            log(
+                f"warning: {name}'s rewards differ between its repeats (gains {gains}): training is not "
+                "deterministic on this machine, so its gain is their median (the JSON lists each); its times stand"
+            )
+        rows.append(row)
+    return with_time_verdicts(with_ratios(rows))
+
+
 def run_efficiency(
     cfg: EfficiencyConfig,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> dict[str, Any]:
-    """Train every algorithm of ``cfg`` in turn (baseline first) and compare them; returns one JSON-ready document:
-    ``{"config": ..., "algorithms": [row, ...]}`` with the rows in training order."""
+    """Train every algorithm of ``cfg`` ``cfg.repeats`` times in interleaved rounds and compare them; returns one
+    JSON-ready document: ``{"config": ..., "algorithms": [row, ...]}`` with the rows in ``cfg.runs`` order."""
     from fluxgrpo.grpo.trainer import train
 
     cfg.validate()
-    rows = []
     with tempfile.TemporaryDirectory(prefix="fluxgrpo-bench-efficiency-") as folder:
         workspace = prepare_workspace(Path(folder), cfg.seed, cfg.text_tokens, log)
         base = base_training_config(cfg, workspace)
-        for name in cfg.runs:
-            train_cfg = algorithm_config(base, name)
-            log(f"training {name} for {cfg.iterations} iterations: {ALGORITHMS[name].description}")
-            row = summarize_run(name, ALGORITHMS[name].overrides(base), train_cfg, train(train_cfg))
-            log(f"  {name}: {row['seconds_per_iteration']:.3g} s per iteration, reward gain {row['reward_gain']:.4g}")
-            rows.append(row)
+        rows = compare(cfg, base, train, log)
     shared = {key: value for key, value in base.to_dict().items() if key not in WORKSPACE_FIELDS}
     return {
-        "config": {**dataclasses.asdict(cfg), "runs": list(cfg.runs), "training": shared},
-        "algorithms": with_ratios(rows),
+        "config": {
+            **dataclasses.asdict(cfg),
+            "runs": list(cfg.runs),
+            "rounds": [list(order) for order in cfg.rounds],
+            "training": shared,
+        },
+        "algorithms": rows,
     }

@@ -75,7 +75,14 @@ def command(
         float | None,
         _option("--peak-tflops", "Dense peak TFLOPS of one device for MFU (default: from the device table)."),
     ] = None,
-    repeats: Annotated[int, _option("--repeats", "Timed runs per configuration (the median is shown).")] = 3,
+    repeats: Annotated[
+        int,
+        _option(
+            "--repeats",
+            "Timed runs per configuration (the median is shown); with --algorithms, training runs per algorithm, "
+            "in interleaved rounds (median and min-max shown).",
+        ),
+    ] = 3,
     warmup: Annotated[int, _option("--warmup", "Untimed runs before them.")] = 1,
     reward: Annotated[
         str,
@@ -114,7 +121,7 @@ def command(
     Examples:
       fluxgrpo bench --model tiny --steps 2
       fluxgrpo bench --model flux-dev-shaped --blocks 8,16 --resolution 720 --steps 16 --json > bench.jsonl
-      fluxgrpo bench --algorithms dance,dance-t2 --iterations 30
+      fluxgrpo bench --algorithms dance,dance-t2 --iterations 30 --repeats 3
     """
     arguments = locals()
     import json
@@ -122,7 +129,7 @@ def command(
 
     if algorithms is not None:
         _refuse_flags(arguments, EFFICIENCY_FLAGS | SHARED_FLAGS, "the phase bench only: drop it, or drop --algorithms")
-        _run_efficiency(algorithms, iterations, config, text_tokens, seed, device, json_output)
+        _run_efficiency(algorithms, iterations, repeats, config, text_tokens, seed, device, json_output)
         return
     _refuse_flags(arguments, PHASE_FLAGS | SHARED_FLAGS, "--algorithms only: add --algorithms, or drop it")
     from fluxgrpo.bench.config import build_bench_config
@@ -163,7 +170,7 @@ def command(
 
 
 # Flags that mean the same in both benches; the others belong to one of them.
-SHARED_FLAGS = frozenset({"text_tokens", "seed", "device", "json_output"})
+SHARED_FLAGS = frozenset({"text_tokens", "seed", "device", "repeats", "json_output"})
 EFFICIENCY_FLAGS = frozenset({"algorithms", "iterations", "config"})
 PHASE_FLAGS = frozenset(inspect.signature(command).parameters) - SHARED_FLAGS - EFFICIENCY_FLAGS
 
@@ -188,13 +195,21 @@ def _flag(name: str) -> str:
 
 
 def _run_efficiency(
-    algorithms: str, iterations: int, config: str, text_tokens: int, seed: int, device: str, json_output: bool
+    algorithms: str,
+    iterations: int,
+    repeats: int,
+    config: str,
+    text_tokens: int,
+    seed: int,
+    device: str,
+    json_output: bool,
 ) -> None:
     from fluxgrpo.bench.efficiency import EfficiencyConfig, parse_algorithms, run_efficiency
 
     cfg = EfficiencyConfig(
         algorithms=parse_algorithms(algorithms),
         iterations=iterations,
+        repeats=repeats,
         config=config,
         text_tokens=text_tokens,
         seed=seed,
@@ -214,50 +229,65 @@ def _render_efficiency(document: dict[str, Any]) -> None:
 
     console = out_console if out_console.is_terminal else Console(width=160)
     settings = document["config"]["training"]
+    repeats = document["config"]["repeats"]
+    runs = "1 run" if repeats == 1 else f"{repeats} runs in interleaved rounds"
     console.print(
-        f"[bold]fluxgrpo bench --algorithms[/]: {document['config']['iterations']} iterations each, "
+        f"[bold]fluxgrpo bench --algorithms[/]: {document['config']['iterations']} iterations each, {runs}, "
         f"--config {escape(document['config']['config'])} ({settings['height']}x{settings['width']}, "
         f"{settings['sampling_steps']} steps, G {settings['num_generations']}, reward {escape(settings['reward'])}, "
-        f"{document['config']['text_tokens']} text tokens) on {settings['device']}; × = ratio to dance",
+        f"{document['config']['text_tokens']} text tokens) on {settings['device']}; × = ratio to {BASELINE}",
         highlight=False,
     )
+    # (header, cell); the spread and the verdict need repeats: with one run the table is the single-run one.
+    columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("algorithm", lambda row: row["algorithm"]),
+        ("trained", lambda row: str(row["trained_timesteps"])),
+        ("calls", lambda row: str(row["rollout_model_calls"])),
+        ("s/iter", lambda row: f"{row['seconds_per_iteration']:.3g}"),
+        ("min–max", _spread),
+        ("×", lambda row: _ratio(row["seconds_per_iteration_ratio"])),
+        (f"vs {BASELINE}", lambda row: row["time_verdict"] or "-"),
+        ("rollout s", lambda row: f"{row['phase_seconds']['rollout']:.3g}"),
+        ("update s", lambda row: f"{row['phase_seconds']['update']:.3g}"),
+        ("reward first→last", lambda row: f"{row['reward_first']:.4f}→{row['reward_last']:.4f}"),
+        ("gain", lambda row: f"{row['reward_gain']:.3g}" + ("" if row["rewards_identical"] else " [red]![/]")),
+        ("×", lambda row: _ratio(row["reward_gain_ratio"])),
+        ("gain/s", lambda row: f"{row['reward_gain_per_second']:.3g}"),
+        ("×", lambda row: _ratio(row["reward_gain_per_second_ratio"])),
+    ]
+    rows = document["algorithms"]
+    keep = [column for column in columns if repeats > 1 or column[0] not in ("min–max", f"vs {BASELINE}")]
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    headers = (
-        "algorithm",
-        "trained",
-        "calls",
-        "s/iter",
-        "×",
-        "rollout s",
-        "update s",
-        "reward first→last",
-        "gain",
-        "×",
-    )
-    for index, header in enumerate((*headers, "gain/s", "×")):
+    for index, (header, _) in enumerate(keep):
         table.add_column(header, justify="left" if index == 0 else "right", no_wrap=True)
-    for row in document["algorithms"]:
-        table.add_row(
-            row["algorithm"],
-            str(row["trained_timesteps"]),
-            str(row["rollout_model_calls"]),
-            f"{row['seconds_per_iteration']:.3g}",
-            _ratio(row["seconds_per_iteration_ratio"]),
-            f"{row['phase_seconds']['rollout']:.3g}",
-            f"{row['phase_seconds']['update']:.3g}",
-            f"{row['reward_first']:.4f}→{row['reward_last']:.4f}",
-            f"{row['reward_gain']:.3g}",
-            _ratio(row["reward_gain_ratio"]),
-            f"{row['reward_gain_per_second']:.3g}",
-            _ratio(row["reward_gain_per_second_ratio"]),
-        )
+    for row in rows:
+        table.add_row(*(cell(row) for _, cell in keep))
     console.print(table)
+    median = "median of rollout + decode/reward + update"
+    if repeats > 1:
+        median += (
+            f" per run, then the median over the {repeats} runs; min–max: over the runs; vs {BASELINE}: faster or "
+            f"slower where every run was faster or slower than every run of {BASELINE}, else within noise"
+        )
     console.print(
         "trained: transitions trained per trajectory; calls: transformer forwards per trajectory in a rollout; "
-        "s/iter: median of rollout + decode/reward + update; gain: rise of the least-squares line through the "
-        "iterations' mean rewards; gain/s: gain over s/iter × iterations",
+        f"s/iter: {median}; gain: rise of the least-squares line through the iterations' mean rewards; gain/s: "
+        "gain over s/iter × iterations",
         highlight=False,
     )
+    for row in rows:
+        if not row["rewards_identical"]:
+            gains = ", ".join(f"{gain:.4g}" for gain in row["reward_gain_runs"])
+            console.print(
+                f"[red]![/] {escape(row['algorithm'])}: the rewards differ between its runs (gains {gains}): training "
+                "was not deterministic, so its gain is their median",
+                highlight=False,
+            )
+
+
+def _spread(row: dict[str, Any]) -> str:
+    low, high = row["seconds_per_iteration_spread"]
+    return f"{low:.3g}–{high:.3g}"
 
 
 def _seconds(value: float | None) -> str:
