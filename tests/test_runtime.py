@@ -319,6 +319,7 @@ def test_a_worker_under_the_launcher_leaves_its_error_line_to_the_launcher(echo_
 
     payload = tmp_path / "payload.json"
     payload.write_text(json.dumps({"fail_rank": 0}))
+    monkeypatch.setattr(worker, "die_with_parent", lambda sig: None)  # not for pytest itself
     monkeypatch.delenv("FLUXGRPO_DEBUG", raising=False)
     monkeypatch.delenv(launch.ERROR_DIR_ENV, raising=False)
     assert worker.main([echo_module, "--payload", str(payload)]) == 1
