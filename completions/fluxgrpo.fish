@@ -40,6 +40,7 @@ complete -c fluxgrpo -n '__fish_seen_subcommand_from env-check' -l flux-dir -r -
 complete -c fluxgrpo -n '__fish_seen_subcommand_from env-check' -l hps-dir -r -F -d 'Folder of the HPS and open_clip weights.'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from env-check' -l embeddings -r -F -d 'Embeddings folder written by `fluxgrpo preprocess`.'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from env-check' -l device -r -F -d 'auto, or a device type to check for.'
+complete -c fluxgrpo -n '__fish_seen_subcommand_from env-check' -l reward -r -F -d 'The reward(s) of the run to check for, as train --reward takes them; other rewards without weights only warn.'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from env-check' -l help -d 'Show the help and exit.'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from export' -l checkpoint -r -F -d 'A checkpoint-<k> folder, or a training --output-dir (its latest complete checkpoint).'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from export' -l out -r -F -d 'New (or empty) folder to write.'

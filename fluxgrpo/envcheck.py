@@ -3,6 +3,11 @@
 The report is one dict with stable keys (printed as JSON with ``--json``); ``checks`` lists each condition
 with status ``ok`` / ``warn`` / ``fail`` and, when not ok, the command or flag that fixes it. Training
 could start exactly when no check fails.
+
+Reward weights come from the reward registry (``rewards.reward_names`` / ``reward_weights_status``), so a new reward
+is reported with no change here. Each weights part is checked once, however many rewards read it (``clip`` serves
+hpsv2 and clipscore), and says which rewards need it. Parts the run's ``--reward`` needs fail when missing; the
+other rewards' parts only warn.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from fluxgrpo import __version__
+from fluxgrpo import __version__, rewards
+from fluxgrpo.config import TrainConfig
 from fluxgrpo.paths import DEFAULT_EMBEDDINGS_DIR, DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR, EMBEDDINGS_INDEX
-from fluxgrpo.weights.layout import check_flux_dir, check_hps_dir, check_pickscore_dir, pickscore_dir
+from fluxgrpo.rewards.reward_set import reward_spec_names
+from fluxgrpo.weights.layout import PartStatus, check_flux_dir
 
 # torchrun workers exchange tensors through shared memory; containers often default to 64 MiB.
 MIN_SHM_BYTES = 1 << 30
@@ -78,6 +85,69 @@ def embeddings_status(embeddings_dir: str | Path) -> dict[str, Any]:
     return status
 
 
+@dataclass
+class WeightsPart:
+    """One weights part as env-check reports it: its status, which rewards read it, and whether the run needs it."""
+
+    status: PartStatus
+    used_by: list[str]  # reward names, in registry order; [] for flux
+    run_uses: list[str]  # those of ``used_by`` that the run's --reward names
+    always_needed: bool = False  # flux: every run needs it
+
+    @property
+    def required(self) -> bool:
+        return self.always_needed or bool(self.run_uses)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self.status), "used_by": self.used_by, "required": self.required}
+
+    def check(self) -> Check:
+        part, name = self.status, f"weights: {self.status.name}"
+        if part.complete:
+            detail = f"{part.path} ({part.source or 'placed by hand'})"
+            return Check(name, "ok", f"{detail}; read by {', '.join(self.used_by)}" if self.used_by else detail)
+        problems = "; ".join(part.problems)
+        if self.always_needed:
+            return Check(name, "fail", problems, part.fix)
+        if self.run_uses:
+            return Check(name, "fail", f"{problems}; this run's reward {', '.join(self.run_uses)} needs it", part.fix)
+        # Another reward's weights: this run can start without them.
+        return Check(name, "warn", f"{problems}; only {_reward_flags(self.used_by)} needs it", part.fix)
+
+
+def _reward_flags(names: list[str]) -> str:
+    return " or ".join(f"--reward {name}" for name in names)
+
+
+def weights_parts(flux_dir: str | Path, hps_dir: str | Path, run_rewards: list[str]) -> list[WeightsPart]:
+    """FLUX, then every reward's weights parts in registry order, each part once however many rewards read it."""
+    parts = [WeightsPart(check_flux_dir(flux_dir), [], [], always_needed=True)]
+    by_name: dict[str, WeightsPart] = {}
+    for reward in rewards.reward_names():
+        for status in rewards.reward_weights_status(reward, hps_dir):
+            part = by_name.get(status.name)
+            if part is None:
+                part = by_name[status.name] = WeightsPart(status, [], [])
+                parts.append(part)
+            part.used_by.append(reward)
+            if reward in run_rewards:
+                part.run_uses.append(reward)
+    return parts
+
+
+def rewards_report(parts: list[WeightsPart], run_rewards: list[str]) -> dict[str, dict[str, Any]]:
+    """reward → the weights parts it reads, whether they are all in place, and whether this run uses it."""
+    report = {}
+    for reward in rewards.reward_names():
+        reads = [part.status for part in parts if reward in part.used_by]
+        report[reward] = {
+            "weights": [status.name for status in reads],
+            "ready": all(status.complete for status in reads),
+            "in_run": reward in run_rewards,
+        }
+    return report
+
+
 def _disk(path: Path) -> dict[str, Any]:
     probe = path
     while not probe.exists() and probe != probe.parent:
@@ -103,14 +173,18 @@ def collect_report(
     embeddings_dir: str | Path = DEFAULT_EMBEDDINGS_DIR,
     data_dir: str | Path = "data",
     requested_device: str | None = None,
+    reward: str = TrainConfig.reward,
 ) -> dict[str, Any]:
-    """Everything env-check shows, as a JSON-able dict with stable keys."""
+    """Everything env-check shows, as a JSON-able dict with stable keys.
+
+    ``reward`` is the run's ``--reward`` spec: the weights of the rewards it names must be in place (a failing
+    check), the other rewards' are reported as warnings. A spec that does not parse is a UsageError.
+    """
     from fluxgrpo.runtime.report import accelerator_env_report, device_report, package_versions, stack_warnings
 
+    run_rewards = reward_spec_names(reward)
     dev = device_report(requested_device)
-    flux = check_flux_dir(flux_dir)
-    hps, clip = check_hps_dir(hps_dir)
-    pick = check_pickscore_dir(pickscore_dir(hps_dir))
+    parts = weights_parts(flux_dir, hps_dir, run_rewards)
     emb = embeddings_status(embeddings_dir)
     report: dict[str, Any] = {
         "fluxgrpo_version": __version__,
@@ -119,29 +193,16 @@ def collect_report(
         "packages": package_versions(),
         "device": dev,
         "accelerator_env": accelerator_env_report(),
-        "weights": {p.name: asdict(p) for p in (flux, hps, clip, pick)},
+        "reward": reward,
+        "weights": {part.status.name: part.to_dict() for part in parts},
+        "rewards": rewards_report(parts, run_rewards),
         "embeddings": emb,
         "disk": _disk(Path(data_dir)),
         "shm": _shm(),
     }
     checks = [
         _device_check(dev),
-        *[
-            Check(
-                f"weights: {p.name}",
-                "ok" if p.complete else "fail",
-                f"{p.path} ({p.source or 'placed by hand'})" if p.complete else "; ".join(p.problems),
-                p.fix,
-            )
-            for p in (flux, hps, clip)
-        ],
-        # Only `--reward pickscore` needs these weights, so their absence is a warning.
-        Check(
-            "weights: pickscore",
-            "ok" if pick.complete else "warn",
-            f"{pick.path} ({pick.source or 'placed by hand'})" if pick.complete else "; ".join(pick.problems),
-            pick.fix,
-        ),
+        *[part.check() for part in parts],
         Check(
             "embeddings",
             "ok" if emb["complete"] else "fail",

@@ -95,3 +95,96 @@ def test_env_check_table(tmp_path):
     assert result.exit_code == 1
     assert "weights: flux" in result.stdout and "fetch-weights" in result.stdout
     assert "not ready" in result.stdout
+
+
+def env_check_json(tmp_path, *extra):
+    result = runner.invoke(
+        app,
+        [
+            "env-check",
+            "--json",
+            "--flux-dir",
+            str(tmp_path / "flux"),
+            "--hps-dir",
+            str(tmp_path / "hps"),
+            "--embeddings",
+            str(tmp_path / "emb"),
+            *extra,
+        ],
+    )
+    return result, json.loads(result.stdout) if result.stdout.strip() else None
+
+
+def test_env_check_reports_every_rewards_weights_once_and_only_the_runs_fail(tmp_path):
+    from fluxgrpo.rewards import reward_names, reward_weights_status
+
+    result, report = env_check_json(tmp_path)
+    parts = {"flux"} | {part.name for name in reward_names() for part in reward_weights_status(name, tmp_path)}
+    assert {"imagereward", "pickscore", "clip", "hps"} <= parts
+    assert set(report["weights"]) == parts
+    weight_checks = [c["name"] for c in report["checks"] if c["name"].startswith("weights: ")]
+    assert sorted(weight_checks) == sorted(f"weights: {part}" for part in parts)  # each part once
+    assert report["weights"]["clip"]["used_by"] == ["hpsv2", "clipscore"]
+    statuses = {c["name"]: c["status"] for c in report["checks"]}
+    # the default --reward hpsv2 needs hps and clip; the other rewards' missing weights only warn
+    assert statuses["weights: hps"] == statuses["weights: clip"] == "fail"
+    assert statuses["weights: pickscore"] == statuses["weights: imagereward"] == "warn"
+    assert report["reward"] == "hpsv2" and report["rewards"]["brightness"] == {
+        "weights": [],
+        "ready": True,
+        "in_run": False,
+    }
+    assert result.exit_code == 1
+
+    _, report = env_check_json(tmp_path, "--reward", "imagereward:1,brightness:0.5")
+    statuses = {c["name"]: c for c in report["checks"]}
+    assert statuses["weights: imagereward"]["status"] == "fail"
+    assert "imagereward needs it" in statuses["weights: imagereward"]["detail"]
+    assert statuses["weights: hps"]["status"] == statuses["weights: clip"]["status"] == "warn"
+    assert "--reward hpsv2 or --reward clipscore" in statuses["weights: clip"]["detail"]
+
+
+def test_env_check_refuses_a_reward_that_is_not_one():
+    result = runner.invoke(app, ["env-check", "--reward", "hpsv9"])
+    assert result.exit_code == 2
+    assert "unknown reward 'hpsv9'" in result.stderr
+
+
+def test_a_reward_added_to_the_registry_shows_in_env_check_with_no_change_there(tmp_path, monkeypatch):
+    import fluxgrpo.rewards as rewards
+    from fluxgrpo.weights.layout import PartStatus
+
+    registry_status = rewards.reward_weights_status
+
+    def with_future(name, hps_dir):
+        if name == "future":  # reads the shared clip weights and one part of its own
+            return [*registry_status("clipscore", hps_dir), PartStatus("future", str(hps_dir), complete=False)]
+        return registry_status(name, hps_dir)
+
+    monkeypatch.setitem(rewards.REWARDS, "future", rewards.REWARDS["brightness"])
+    monkeypatch.setattr(rewards, "reward_weights_status", with_future)
+    _, report = env_check_json(tmp_path)
+    assert report["weights"]["clip"]["used_by"] == ["hpsv2", "clipscore", "future"]
+    assert report["rewards"]["future"] == {"weights": ["clip", "future"], "ready": False, "in_run": False}
+    assert [c["status"] for c in report["checks"] if c["name"] == "weights: future"] == ["warn"]
+
+
+def test_env_check_with_every_weight_in_place_is_ready(tiny_weights, tiny_embeddings):
+    result = runner.invoke(
+        app,
+        [
+            "env-check",
+            "--flux-dir",
+            str(tiny_weights.flux_dir),
+            "--hps-dir",
+            str(tiny_weights.hps_dir),
+            "--embeddings",
+            str(tiny_embeddings.out_dir),
+            "--reward",
+            "hpsv2,pickscore,clipscore,imagereward",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("weights: clip") == 1
+    assert "weights: imagereward" in result.stdout and "weights missing" not in result.stdout
+    assert "ready to train (--reward hpsv2,pickscore,clipscore,imagereward)" in " ".join(result.stdout.split())

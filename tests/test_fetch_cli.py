@@ -290,6 +290,12 @@ def test_tiny_writes_every_part_including_pickscore(tmp_path):
         ],
     )
     assert result.exit_code == 0, result.output
+    assert "Writing model shards" not in result.stderr  # save_pretrained's bars: our progress is the only one
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    # silenced for the writing only: other code in this process keeps the libraries' bars
+    assert diffusers_logging.is_progress_bar_enabled() and transformers_logging.is_progress_bar_enabled()
     rows = json.loads(result.stdout)["parts"]
     assert [row["part"] for row in rows] == ["flux", "hps", "clip", "pickscore", "imagereward", "hpsv3"]
     assert all(row["complete"] and row["source"] == "tiny" and row["bytes"] > 0 for row in rows)

@@ -176,7 +176,16 @@ def test_a_killed_worker_stops_the_run_and_is_named(start_run):
     os.kill(workers[1], signal.SIGKILL)
     assert run.wait_exit() == 1
     stderr = run.stderr()
-    assert "rank 1 was killed by signal 9 (SIGKILL)" in stderr
+    cause = "rank 1 was killed by signal 9 (SIGKILL)"
+    lines = stderr.splitlines()
+    launched = next(i for i, line in enumerate(lines) if line.startswith("launching: "))
+    after_progress = [line for line in lines[launched + 1 :] if line.strip() and not line.startswith("iteration ")]
+    # The cause is the one line after the progress. Rank 0's own "connection reset" from gloo is only a consequence:
+    # logs/errors.txt keeps it after the cause, marked so (when rank 0 got to record it before torchrun stopped it).
+    assert len(after_progress) == 1 and after_progress[0].startswith(f"error: {cause}"), stderr
+    errors = (run.out / "logs" / "errors.txt").read_text()
+    assert errors.startswith(f"cause: {cause}"), errors
+    assert "rank 0 failed" not in errors or "rank 0 failed after the cause" in errors, errors
     assert "Traceback" not in stderr and "ChildFailedError" not in stderr
     assert "iteration 1/" in stderr and "[default0]" not in stderr  # rank 0's lines as it wrote them
     run.assert_all_gone()

@@ -229,6 +229,47 @@ def test_run_torchrun_names_first_failing_rank():
     launch.run_torchrun(["x"], runner=lambda argv, env: 0)
 
 
+def test_a_killed_rank_is_the_cause_and_its_peers_errors_follow_it_in_the_errors_file(tmp_path):
+    gloo = "RuntimeError: [../gloo/transport/tcp/pair.cc:545] Read error: Connection reset by peer"
+
+    def runner(argv, env):
+        error_dir = Path(env[launch.ERROR_DIR_ENV])
+        # rank 0 lost its connection and recorded that before the agent noticed rank 1's SIGKILL
+        record = {"rank": 0, "error": gloo, "time": 1.0, "expected": False, "traceback": "Traceback: in all_reduce"}
+        (error_dir / "rank0.json").write_text(json.dumps(record))
+        failures = [{"rank": 1, "exitcode": -9, "time": 2.0}, {"rank": 0, "exitcode": 1, "time": 2.5}]
+        (error_dir / "agent.json").write_text(json.dumps({"failures": failures}))
+        return 1
+
+    errors_file = tmp_path / "logs" / "errors.txt"
+    with pytest.raises(FluxgrpoError) as caught:
+        launch.run_torchrun(["x"], runner=runner, errors_file=errors_file)
+    assert str(caught.value).startswith("rank 1 was killed by signal 9 (SIGKILL)")
+    assert "Connection reset" not in str(caught.value)
+    report = errors_file.read_text().splitlines()
+    assert report[0] == f"cause: {caught.value}"
+    assert report[2:4] == [f"rank 0 failed after the cause, as a consequence: {gloo}", "Traceback: in all_reduce"]
+    launch.run_torchrun(["x"], runner=lambda argv, env: 0, errors_file=errors_file)
+    assert not errors_file.exists()  # a later run that succeeds leaves no stale errors behind
+
+
+def test_the_first_recorded_error_is_the_cause_and_a_bug_points_at_its_traceback(tmp_path):
+    for rank, error, time_, expected in ((1, "ValueError: bad shape", 1.0, False), (0, "peer gone", 2.0, True)):
+        record = {"rank": rank, "error": error, "time": time_, "expected": expected, "traceback": f"tb {rank}"}
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(record))
+    message = launch.failure_message(tmp_path, 1)
+    assert message == "rank 1 failed: ValueError: bad shape (FLUXGRPO_DEBUG=1 shows the traceback)"
+    assert launch.errors_report(tmp_path, 1).splitlines() == [
+        f"cause: {message}",
+        "",
+        "rank 1 failed (the cause): ValueError: bad shape",
+        "tb 1",
+        "",
+        "rank 0 failed after the cause, as a consequence: peer gone",
+        "tb 0",
+    ]
+
+
 def test_worker_errors_records_and_reraises(tmp_path, monkeypatch):
     monkeypatch.setenv(launch.ERROR_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("RANK", "2")
@@ -241,6 +282,7 @@ def test_worker_errors_records_and_reraises(tmp_path, monkeypatch):
         worker()
     record = json.loads((tmp_path / "rank2.json").read_text())
     assert record["rank"] == 2 and record["error"] == "ValueError: bad shape" and "Traceback" in record["traceback"]
+    assert record["expected"] is False  # not a FluxgrpoError: the launcher points at the traceback
 
 
 ECHO_WORKER = """
@@ -270,6 +312,25 @@ def echo_module(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     yield "fluxgrpo_echo_worker"
     sys.modules.pop("fluxgrpo_echo_worker", None)
+
+
+def test_a_worker_under_the_launcher_leaves_its_error_line_to_the_launcher(echo_module, tmp_path, monkeypatch, capsys):
+    from fluxgrpo.runtime import worker
+
+    payload = tmp_path / "payload.json"
+    payload.write_text(json.dumps({"fail_rank": 0}))
+    monkeypatch.setattr(worker, "die_with_parent", lambda sig: None)  # not for pytest itself
+    monkeypatch.delenv("FLUXGRPO_DEBUG", raising=False)
+    monkeypatch.delenv(launch.ERROR_DIR_ENV, raising=False)
+    assert worker.main([echo_module, "--payload", str(payload)]) == 1
+    assert capsys.readouterr().err == "error: rank 0 cannot go on\n"  # torchrun run by hand: nobody else says it
+
+    error_dir = tmp_path / "errors"
+    error_dir.mkdir()
+    monkeypatch.setenv(launch.ERROR_DIR_ENV, str(error_dir))
+    assert worker.main([echo_module, "--payload", str(payload)]) == 1
+    assert capsys.readouterr().err == ""  # it might be a peer's consequence: the launcher names the cause
+    assert launch.failure_message(error_dir, 1) == "rank 0 failed: rank 0 cannot go on"
 
 
 def test_one_worker_runs_in_this_process_and_returns_the_json_form(echo_module):

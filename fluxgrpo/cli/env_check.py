@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from fluxgrpo.cli.common import escape, handle_errors, out_console, print_json
+from fluxgrpo.config import TrainConfig
 from fluxgrpo.paths import DEFAULT_EMBEDDINGS_DIR, DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR
 
 _STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
@@ -27,16 +28,24 @@ def command(
         str, typer.Option("--embeddings", help="Embeddings folder written by `fluxgrpo preprocess`.")
     ] = DEFAULT_EMBEDDINGS_DIR,
     device: Annotated[str, typer.Option("--device", help="auto, or a device type to check for.")] = "auto",
+    reward: Annotated[
+        str,
+        typer.Option(
+            "--reward",
+            help="The reward(s) of the run to check for, as train --reward takes them; other rewards without weights only warn.",
+        ),
+    ] = TrainConfig.reward,
 ) -> None:
     """Report devices, versions, accelerator variables, weights and embeddings; exit 0 only if training could start.
 
     Examples:
       fluxgrpo env-check
+      fluxgrpo env-check --reward hpsv2:1,pickscore:0.5
       fluxgrpo env-check --json > env.json
     """
     from fluxgrpo.envcheck import collect_report
 
-    report = collect_report(flux_dir, hps_dir, embeddings_dir, requested_device=device)
+    report = collect_report(flux_dir, hps_dir, embeddings_dir, requested_device=device, reward=reward)
     if json_output:
         print_json(report)
     else:
@@ -89,5 +98,17 @@ def _render(report: dict) -> None:
         status = f"[{_STYLE[c['status']]}]{c['status']}[/]"
         checks.add_row(c["name"], status, escape(c["detail"]), escape(c["fix"] or ""))
     out_console.print(checks)
-    verdict = "[green]ready to train[/]" if report["ready"] else "[bold red]not ready: fix the failing checks above[/]"
+    rewards = report["rewards"]
+    usable = [name for name, reward in rewards.items() if reward["ready"]]
+    lacking = [name for name, reward in rewards.items() if not reward["ready"]]
+    line = f"rewards with their weights in place: {', '.join(usable) or 'none'}"
+    if lacking:
+        line += f"; weights missing for: {', '.join(lacking)}"
+    out_console.print(escape(line))
+    run = f"--reward {escape(report['reward'])}"
+    verdict = (
+        f"[green]ready to train ({run})[/]"
+        if report["ready"]
+        else f"[bold red]not ready ({run}): fix the failing checks above[/]"
+    )
     out_console.print(verdict)

@@ -165,6 +165,7 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
     from fluxgrpo.errors import FluxgrpoError
     from fluxgrpo.models.tiny_weights import TINY_PARTS, write_tiny_weights
     from fluxgrpo.paths import ensure_writable_dir, give_default_mode
+    from fluxgrpo.runtime.worker import quiet_library_progress
     from fluxgrpo.weights.layout import (
         check_flux_dir,
         check_hps_dir,
@@ -183,7 +184,8 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
         ensure_writable_dir(hps_dir, "reward weights", "--hps-dir")
     log(f"writing tiny random weights (seed {seed}) to {flux_dir} and {hps_dir}")
     try:
-        summary = write_tiny_weights(Path(flux_dir), Path(hps_dir), seed=seed, parts=selected)
+        with quiet_library_progress():  # save_pretrained's "Writing model shards" bars: ours is the one progress
+            summary = write_tiny_weights(Path(flux_dir), Path(hps_dir), seed=seed, parts=selected)
     except OSError as exc:  # e.g. a full disk, or a sub-folder that is read-only
         where = exc.filename or f"{flux_dir} / {hps_dir}"
         raise FluxgrpoError(

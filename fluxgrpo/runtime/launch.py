@@ -18,7 +18,11 @@ way in both cases (through JSON), so a command has no in-process branch of its o
 The torchrun command is built as data (``build_torchrun_argv``, a pure, tested function). Workers record an
 uncaught exception in ``$FLUXGRPO_ERROR_DIR/rank<R>.json`` (``worker_errors``) so the launching command can name
 the rank that failed first and its error in one line, instead of leaving the user to dig through interleaved
-tracebacks. torchrun itself stops every other worker when one fails.
+tracebacks. torchrun itself stops every other worker when one fails. A worker started this way prints no error
+line of its own (``launcher_reports_errors``): a rank that only lost its connection to a failed peer fails first
+often enough, and its gloo/HCCL "connection reset" would reach the console ahead of the cause. With a log folder,
+every rank's error and traceback are kept in ``errors.txt`` there, the cause first and the rest marked as what
+followed from it.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from fluxgrpo.runtime.npu_env import NPU_ENV_DEFAULTS
 AGENT_MODULE = "fluxgrpo.runtime.agent"
 AGENT_STOP_SECONDS = 60  # after Ctrl-C: time for the agent to stop its workers before it is killed
 WORKER_MODULE = "fluxgrpo.runtime.worker"
+ERRORS_FILE = "errors.txt"  # in the log folder: every rank's error and traceback after a failed run
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,7 @@ def run_torchrun(
     *,
     env: Mapping[str, str] | None = None,
     runner: Callable[..., int] | None = None,
+    errors_file: Path | None = None,
 ) -> None:
     """Run a torchrun command; on failure raise FluxgrpoError saying in one line which rank failed and how.
 
@@ -134,14 +140,21 @@ def run_torchrun(
         argv: from ``build_torchrun_argv``.
         env: extra environment variables for the workers (merged over os.environ).
         runner: injectable for tests; called as ``runner(argv, env=full_env)`` and returns the exit code.
+        errors_file: on failure, write every rank's recorded error and traceback there (``errors_report``).
 
     Raises:
         KeyboardInterrupt: Ctrl-C, after the agent has stopped the workers.
     """
+    if errors_file is not None:
+        errors_file.unlink(missing_ok=True)  # what it says is always about the last run
     with tempfile.TemporaryDirectory(prefix="fluxgrpo-errors-") as error_dir:
         full_env = {**os.environ, **(env or {}), ERROR_DIR_ENV: error_dir, PARENT_PID_ENV: str(os.getpid())}
         code = (runner or _run_agent)(argv, env=full_env)
         if code != 0:
+            if errors_file is not None:
+                with contextlib.suppress(OSError):  # the one-line message below matters more than the file
+                    errors_file.parent.mkdir(parents=True, exist_ok=True)
+                    errors_file.write_text(errors_report(Path(error_dir), code))
             raise FluxgrpoError(failure_message(Path(error_dir), code))
 
 
@@ -163,6 +176,18 @@ def _run_agent(argv: Sequence[str], env: Mapping[str, str]) -> int:
         raise
 
 
+def _agent_failures(error_dir: Path) -> list[dict[str, Any]]:
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        return json.loads((error_dir / AGENT_RECORD).read_text())["failures"]
+    return []
+
+
+def _killed_from_outside(agent_failures: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first rank killed by a signal other than SIGTERM (the one torchrun stops the other workers with)."""
+    killed = [f for f in agent_failures if f["exitcode"] < 0 and -f["exitcode"] != signal.SIGTERM]
+    return min(killed, key=lambda f: f["time"]) if killed else None
+
+
 def failure_message(error_dir: Path, code: int) -> str:
     """One line for a failed run, from what the workers and the agent recorded in ``error_dir``.
 
@@ -170,19 +195,18 @@ def failure_message(error_dir: Path, code: int) -> str:
     outside, by the kernel's OOM killer or a user: that is the cause, and its peers' errors are only the
     connection they lost. Otherwise the error recorded first is the cause.
     """
-    agent_failures: list[dict[str, Any]] = []
-    with contextlib.suppress(OSError, ValueError):
-        agent_failures = json.loads((error_dir / AGENT_RECORD).read_text())["failures"]
-    killed = [f for f in agent_failures if f["exitcode"] < 0 and -f["exitcode"] != signal.SIGTERM]
-    if killed:
-        first = min(killed, key=lambda f: f["time"])
+    agent_failures = _agent_failures(error_dir)
+    killed = _killed_from_outside(agent_failures)
+    if killed is not None:
         return (
-            f"rank {first['rank']} {describe_exit(first['exitcode'])}: it was killed from outside (out of host "
+            f"rank {killed['rank']} {describe_exit(killed['exitcode'])}: it was killed from outside (out of host "
             "memory? the kernel's OOM killer sends SIGKILL; see `dmesg`), and the other workers were stopped"
         )
     recorded = first_worker_error(error_dir)
     if recorded is not None:
-        return f"rank {recorded['rank']} failed: {recorded['error']}"
+        # A FluxgrpoError says what to do; anything else is a bug or a library failure, and its traceback helps.
+        hint = " (FLUXGRPO_DEBUG=1 shows the traceback)" if recorded.get("expected") is False else ""
+        return f"rank {recorded['rank']} failed: {recorded['error']}{hint}"
     if agent_failures:
         first = min(agent_failures, key=lambda f: f["time"])
         return f"rank {first['rank']} {describe_exit(first['exitcode'])} without recording an error: see its output"
@@ -192,17 +216,42 @@ def failure_message(error_dir: Path, code: int) -> str:
     return f"the workers exited with code {code} and recorded no error: see their output above"
 
 
-def first_worker_error(error_dir: Path) -> dict[str, Any] | None:
-    """The earliest error recorded by any rank, or None."""
+def errors_report(error_dir: Path, code: int) -> str:
+    """Every error the ranks recorded, with its traceback: the cause (``failure_message``) first, then, in the
+    order they happened, the errors that followed from it (a peer's lost connection, torchrun's SIGTERM)."""
+    lines = [f"cause: {failure_message(error_dir, code)}"]
+    records = worker_records(error_dir)
+    cause_recorded = _killed_from_outside(_agent_failures(error_dir)) is None
+    for index, record in enumerate(records):
+        if index == 0 and cause_recorded:
+            heading = f"rank {record['rank']} failed (the cause): {record['error']}"
+        else:
+            heading = f"rank {record['rank']} failed after the cause, as a consequence: {record['error']}"
+        lines += ["", heading, record.get("traceback", "").rstrip()]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def worker_records(error_dir: Path) -> list[dict[str, Any]]:
+    """The errors the ranks recorded in ``error_dir``, earliest first."""
     records = []
     for path in error_dir.glob("rank*.json"):
         try:
             records.append(json.loads(path.read_text()))
         except ValueError:
             continue
-    if not records:
-        return None
-    return min(records, key=lambda r: r["time"])
+    return sorted(records, key=lambda r: r["time"])
+
+
+def first_worker_error(error_dir: Path) -> dict[str, Any] | None:
+    """The earliest error recorded by any rank, or None."""
+    records = worker_records(error_dir)
+    return records[0] if records else None
+
+
+def launcher_reports_errors() -> bool:
+    """True in a worker started by ``run_torchrun``: the launching command says what failed, so the worker must
+    not print its own error line (it would reach the console first, even when it only follows a peer's failure)."""
+    return bool(os.environ.get(ERROR_DIR_ENV))
 
 
 def record_worker_error(exc: BaseException) -> None:
@@ -218,9 +267,11 @@ def record_worker_error(exc: BaseException) -> None:
     path = Path(error_dir, f"rank{rank}.json")
     if path.exists():  # recorded already, where it happened
         return
-    message = str(exc) if isinstance(exc, FluxgrpoError) else f"{type(exc).__name__}: {exc}"
+    expected = isinstance(exc, FluxgrpoError)
+    message = str(exc) if expected else f"{type(exc).__name__}: {exc}"
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    path.write_text(json.dumps({"rank": int(rank), "error": message, "time": time.time(), "traceback": tb}))
+    record = {"rank": int(rank), "error": message, "time": time.time(), "expected": expected, "traceback": tb}
+    path.write_text(json.dumps(record))
 
 
 def worker_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -279,7 +330,7 @@ def run_workers(
         argv = build_torchrun_argv(WORKER_MODULE, args, spec, log_dir=log_dir)
         if log is not None:
             log("launching: " + " ".join(argv))
-        run_torchrun(argv, env=worker_env)
+        run_torchrun(argv, env=worker_env, errors_file=None if log_dir is None else Path(log_dir, ERRORS_FILE))
         return json.loads(summary_path.read_text()) if summary_path.is_file() else None
 
 

@@ -15,7 +15,9 @@ bench), in a torchrun worker or in the launching process for one worker:
 
 ``python -m fluxgrpo.runtime.worker MODULE --payload P.json [--summary S.json]`` is what ``launch.run_workers``
 starts under torchrun: it calls ``MODULE.worker_entry(payload)`` on every rank, records an uncaught exception for
-the launcher (``launch.worker_errors``), and rank 0 writes the entry's return value as JSON to ``S.json``.
+the launcher (``launch.worker_errors``), which says it (the worker prints no error line of its own, so the cause
+of a failure is what reaches the console, not a peer's lost connection), and rank 0 writes the entry's return
+value as JSON to ``S.json``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime.agent import die_with_parent
-from fluxgrpo.runtime.launch import record_worker_error, worker_errors
+from fluxgrpo.runtime.launch import launcher_reports_errors, record_worker_error, worker_errors
 
 ENTRY_NAME = "worker_entry"
 FSDP_VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
@@ -105,12 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = worker_errors(lambda: entry_point(args.module)(json.loads(args.payload.read_text())))()
     except FluxgrpoError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if not launcher_reports_errors():
+            print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
     except Exception as exc:  # recorded with its traceback; the launching command reports it in one line
         if os.environ.get("FLUXGRPO_DEBUG"):
             raise
-        print(f"error: {type(exc).__name__}: {exc} (FLUXGRPO_DEBUG=1 shows the traceback)", file=sys.stderr)
+        if not launcher_reports_errors():
+            print(f"error: {type(exc).__name__}: {exc} (FLUXGRPO_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 1
     if args.summary is not None and int(os.environ.get("RANK", "0")) == 0:
         args.summary.write_text(json.dumps(as_summary(result), indent=2) + "\n")
