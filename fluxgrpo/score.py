@@ -546,9 +546,9 @@ def score_rewards(
     """Score the images ``request`` names with every reward it lists, one reward model in memory at a time.
 
     Every input is checked (flags and reward names, index, files, image headers, pairing for --compare, every
-    listed reward's weights) once, before the first reward model loads. ``on_reward(name, position, count)`` is called before reward ``name``
-    (position counted from 1) loads; ``progress(n)`` after every batch of n images. Each reward's model is freed
-    (garbage-collected, the device's cache emptied) before the next one loads.
+    listed reward's weights) once, before the first reward model loads. ``on_reward(name, position, count)`` is
+    called before reward ``name`` (position counted from 1) loads; ``progress(n)`` after every batch of n images.
+    Each reward's model is freed (garbage-collected, the device's cache emptied) before the next one loads.
 
     Raises:
         UsageError: inconsistent flags, unknown or repeated reward names.
