@@ -508,7 +508,9 @@ def read_inputs(request: ScoreRequest) -> ScoreInputs:
     return ScoreInputs(items, other_items, source)
 
 
-def score_with(name: str, inputs: ScoreInputs, request: ScoreRequest, device: Any, progress: Any = None) -> ScoreReport:
+def score_with_reward(
+    name: str, inputs: ScoreInputs, request: ScoreRequest, device: Any, progress: Any = None
+) -> ScoreReport:
     """Load reward ``name``, score ``inputs`` with it and summarise; the model is dropped when this returns."""
     scorer = load_scorer(name, request.hps_dir, device)
     images = score_items(inputs.items, scorer, request.batch_size, device, progress)
@@ -544,9 +546,9 @@ def score_rewards(
     """Score the images ``request`` names with every reward it lists, one reward model in memory at a time.
 
     Every input is checked (flags and reward names, index, files, image headers, pairing for --compare, every
-    listed reward's weights) once, before the first reward model loads. ``on_reward(name, position, count)`` is called before reward ``name``
-    (position counted from 1) loads; ``progress(n)`` after every batch of n images. Each reward's model is freed
-    (garbage-collected, the device's cache emptied) before the next one loads.
+    listed reward's weights) once, before the first reward model loads. ``on_reward(name, position, count)`` is
+    called before reward ``name`` (position counted from 1) loads; ``progress(n)`` after every batch of n images.
+    Each reward's model is freed (garbage-collected, the device's cache emptied) before the next one loads.
 
     Raises:
         UsageError: inconsistent flags, unknown or repeated reward names.
@@ -563,7 +565,7 @@ def score_rewards(
     for position, name in enumerate(names, start=1):
         if on_reward is not None:
             on_reward(name, position, len(names))
-        reports.append(score_with(name, inputs, request, device, progress))
+        reports.append(score_with_reward(name, inputs, request, device, progress))
         gc.collect()  # the scorer is unreachable now; collect any cycles it sat in before the next model loads
         rt_device.empty_cache(device)
     return MultiScoreReport(reports)
