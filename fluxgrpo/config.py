@@ -55,7 +55,10 @@ class TrainConfig:
 
     # --- data and weights -----------------------------------------------------------------------------
     model: str = _opt(DEFAULT_FLUX_DIR, "FLUX diffusers folder (from `fluxgrpo fetch-weights`).")
-    hps_dir: str = _opt(DEFAULT_HPS_DIR, "Folder of HPS_v2.1_compressed.pt and open_clip_pytorch_model.bin.")
+    hps_dir: str = _opt(
+        DEFAULT_HPS_DIR,
+        "Folder of the reward weights (`fetch-weights --hps-dir`): the HPS and open_clip files, pickscore/, imagereward/, hpsv3/.",
+    )
     data_json_path: str = _opt(
         f"{DEFAULT_EMBEDDINGS_DIR}/{EMBEDDINGS_INDEX}", "Embeddings index written by `fluxgrpo preprocess`."
     )

@@ -90,7 +90,13 @@ def command(
             "--reward", "auto, tiny-clip, vit-h-14 (random weights), brightness, or hpsv2 (weights from --hps-dir)."
         ),
     ] = "auto",
-    hps_dir: Annotated[str, _option("--hps-dir", "HPS weights for --reward hpsv2.")] = DEFAULT_HPS_DIR,
+    hps_dir: Annotated[
+        str,
+        _option(
+            "--hps-dir",
+            "Folder of the reward weights (`fetch-weights --hps-dir`): the HPS and open_clip files, pickscore/, imagereward/, hpsv3/.",
+        ),
+    ] = DEFAULT_HPS_DIR,
     compile_model: Annotated[bool, _option("--compile", "torch.compile the transformer (opt-in).")] = False,
     seed: Annotated[int, _option("--seed", "Seed for the weights (and the phase bench's conditioning and noise).")] = 0,
     algorithms: Annotated[

@@ -22,7 +22,11 @@ def command(
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
     flux_dir: Annotated[str, typer.Option("--flux-dir", help="FLUX diffusers folder.")] = DEFAULT_FLUX_DIR,
     hps_dir: Annotated[
-        str, typer.Option("--hps-dir", help="Folder of the HPS and open_clip weights.")
+        str,
+        typer.Option(
+            "--hps-dir",
+            help="Folder of the reward weights (`fetch-weights --hps-dir`): the HPS and open_clip files, pickscore/, imagereward/, hpsv3/.",
+        ),
     ] = DEFAULT_HPS_DIR,
     embeddings_dir: Annotated[
         str, typer.Option("--embeddings", help="Embeddings folder written by `fluxgrpo preprocess`.")

@@ -34,7 +34,11 @@ def command(
         ),
     ] = "hpsv2",
     hps_dir: Annotated[
-        str, typer.Option("--hps-dir", help="Folder of HPS_v2.1_compressed.pt and open_clip_pytorch_model.bin.")
+        str,
+        typer.Option(
+            "--hps-dir",
+            help="Folder of the reward weights (`fetch-weights --hps-dir`): the HPS and open_clip files, pickscore/, imagereward/, hpsv3/.",
+        ),
     ] = DEFAULT_HPS_DIR,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Images per reward forward pass.")] = 16,
     device: Annotated[
