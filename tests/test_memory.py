@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -214,8 +215,20 @@ def test_a_config_that_cannot_fit_is_refused_naming_the_knobs(tmp_path, monkeypa
     assert "exceeds the 64.0 GiB" in message
     for knob in ("--dies 8", "--gradient-checkpointing", "--cpu-offload"):
         assert knob in message
+    assert "--reward-dtype" not in message  # HPSv2 keeps fp32 weights under bf16 autocast: no saving to offer
     monkeypatch.setenv("FLUXGRPO_IGNORE_MEMORY_ESTIMATE", "1")
     assert plan_memory(too_big, 4, "npu").peak > 64 * GiB
+    monkeypatch.delenv("FLUXGRPO_IGNORE_MEMORY_ESTIMATE")
+
+    # HPSv3 (7.7 B parameters on every die) in fp32 does not fit 40 GiB devices beside the 16-die run; in bf16, its
+    # authors' dtype, it does, and the refusal says so.
+    small = [DeviceMemory(i, "A100-SXM4-40GB", 40 * GiB, None) for i in range(16)]
+    monkeypatch.setattr(rt_device, "describe_devices", lambda device_type: small)
+    with_hpsv3 = {"model": str(model_dir), "reward": "hpsv3"}
+    with pytest.raises(UsageError) as refused:
+        plan_memory(build_config("a3-16die", with_hpsv3), 16, "cuda")
+    assert re.search(r"--reward-dtype bf16: [\d.]+ GiB \(fits\)", str(refused.value)), str(refused.value)
+    assert plan_memory(build_config("a3-16die", {**with_hpsv3, "reward_dtype": "bf16"}), 16, "cuda").peak < 40 * GiB
 
 
 def test_shipped_configs_state_the_estimate_in_their_header(tmp_path):
