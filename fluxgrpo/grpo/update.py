@@ -224,9 +224,9 @@ def _check_update_inputs(
 class _TrainingTrajectories:
     """What the update reads of a rollout, on the computation device: the stored trajectories and their scores."""
 
-    latents: torch.Tensor  # [B, N+1, L, C] z_0 … z_N
+    latents: torch.Tensor  # [B, K, L, C] the stored z_0 … z_{K−1} (``Rollout.latents``)
     old_log_probs: torch.Tensor  # [B, N] log π_old of each transition
-    old_means: torch.Tensor | None  # [B, N, L, C] μ_old of each transition (GRPO-Guard only)
+    old_means: torch.Tensor | None  # [B, K−1, L, C] μ_old of each SDE step (GRPO-Guard only), else None
     advantages: torch.Tensor  # [B] fp32
     sigmas: torch.Tensor  # [N+1] fp32 σ table
     fed_timesteps: torch.Tensor  # [N+1] the timesteps the transformer is fed for each σ
