@@ -81,10 +81,12 @@ class SampleSettings:
 
     def validate(self) -> SampleSettings:
         """Raise UsageError naming the flag for the first bad value."""
-        from fluxgrpo.grpo.latents import latent_shape
+        from fluxgrpo.grpo.latents import image_size_problem
         from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 
-        latent_shape(self.height, self.width)  # multiples of 16, named --height/--width
+        size_problem = image_size_problem(self.height, self.width)
+        if size_problem is not None:
+            raise UsageError(f"{size_problem}: set --height and --width to multiples of 16, e.g. 720 or 1024")
         for flag, value in (
             ("--steps", self.steps),
             ("--images-per-prompt", self.images_per_prompt),

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from fluxgrpo.config import TrainConfig
-from fluxgrpo.errors import UsageError
 from fluxgrpo.grpo import (
     clipped_policy_loss,
     group_advantages,
@@ -99,7 +98,14 @@ def test_image_id_grid():
 
 
 def test_image_size_must_be_multiple_of_16():
-    with pytest.raises(UsageError, match="--height and --width"):
+    from fluxgrpo.grpo.latents import image_size_problem
+
+    assert image_size_problem(720, 1024) is None and image_size_problem(16, 16) is None
+    for height, width in ((720, 712), (0, 720), (-16, 720), (720, 8)):
+        problem = image_size_problem(height, width)
+        assert problem is not None and f"image size {height}×{width} is not a positive multiple of 16" in problem
+        assert "--" not in problem  # a library message: each command names its own flags
+    with pytest.raises(ValueError, match=r"image size 720×712 is not a positive multiple of 16"):
         latent_shape(720, 712)
 
 

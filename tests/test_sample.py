@@ -92,8 +92,12 @@ def test_grid_tiles_shrink_with_the_grid_and_never_enlarge():
 
 
 def test_settings_are_validated_with_the_flag_name():
-    with pytest.raises(UsageError, match="--height"):
+    with pytest.raises(UsageError) as bad_size:
         SampleSettings(height=40).validate()
+    assert str(bad_size.value) == (
+        "image size 40×720 is not a positive multiple of 16 (the VAE's 8× downsampling times FLUX's 2×2 packing): "
+        "set --height and --width to multiples of 16, e.g. 720 or 1024"
+    )
     with pytest.raises(UsageError, match="--images-per-prompt"):
         SampleSettings(images_per_prompt=0).validate()
     with pytest.raises(UsageError, match="--attention"):
@@ -342,7 +346,8 @@ def test_cli_json_summary_and_exit_codes(tiny_weights, tmp_path):
     assert runner.invoke(app, base).exit_code == 2  # no prompts
     assert runner.invoke(app, [*base, "--prompt", "a", "--prompts", str(prompts)]).exit_code == 2
     assert runner.invoke(app, [*base, "--prompt", "a", "--ema"]).exit_code == 2
-    assert runner.invoke(app, [*base, "--prompt", "a", "--height", "40"]).exit_code == 2
+    bad_size = runner.invoke(app, [*base, "--prompt", "a", "--height", "40"])
+    assert bad_size.exit_code == 2 and "image size 40×" in bad_size.stderr and "--height and --width" in bad_size.stderr
     assert runner.invoke(app, [*base, "--prompt", "a", "--dies", "0"]).exit_code == 2
     missing = runner.invoke(app, [*base, "--prompts", str(tmp_path / "none.txt")])
     assert missing.exit_code == 1 and "none.txt" in missing.stderr

@@ -10,8 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from fluxgrpo.errors import UsageError
-
 VAE_SCALE_FACTOR = 8  # the FLUX VAE downsamples by 8
 LATENT_CHANNELS = 16
 PATCH = 2  # 2×2 packing, so pixels must be a multiple of 8·2 = 16
@@ -38,18 +36,28 @@ class LatentShape:
         return (self.num_tokens, self.token_dim)
 
 
-def _check_image_size(height: int, width: int) -> None:
+def image_size_problem(height: int, width: int) -> str | None:
+    """Why ``height``×``width`` pixels cannot be a FLUX image, or None when they can (positive multiples of 16).
+
+    The text names no flag: a command adds how to fix it in its own terms."""
     multiple = VAE_SCALE_FACTOR * PATCH
     if height <= 0 or width <= 0 or height % multiple or width % multiple:
-        raise UsageError(
+        return (
             f"image size {height}×{width} is not a positive multiple of {multiple} (the VAE's 8× downsampling "
-            f"times FLUX's 2×2 packing): set --height and --width to multiples of {multiple}, e.g. 720 or 1024"
+            f"times FLUX's 2×2 packing)"
         )
+    return None
 
 
 def latent_shape(height: int, width: int) -> LatentShape:
-    """Latent and token sizes for an image of ``height``×``width`` pixels (multiples of 16)."""
-    _check_image_size(height, width)
+    """Latent and token sizes for an image of ``height``×``width`` pixels (multiples of 16).
+
+    Raises:
+        ValueError: the size is not a positive multiple of 16 (``image_size_problem``).
+    """
+    problem = image_size_problem(height, width)
+    if problem is not None:
+        raise ValueError(problem)
     latent_height, latent_width = height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR
     return LatentShape(
         channels=LATENT_CHANNELS,
