@@ -50,21 +50,8 @@ def test_python_dash_m_entry_point():
 
 
 def test_env_check_json_on_a_machine_without_weights(tmp_path):
-    result = runner.invoke(
-        app,
-        [
-            "env-check",
-            "--json",
-            "--flux-dir",
-            str(tmp_path / "flux"),
-            "--hps-dir",
-            str(tmp_path / "hps"),
-            "--embeddings",
-            str(tmp_path / "emb"),
-        ],
-    )
+    result, report = env_check_json(tmp_path)
     assert result.exit_code == 1  # training could not start
-    report = json.loads(result.stdout)
     for key in (
         "fluxgrpo_version",
         "platform",
