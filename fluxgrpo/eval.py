@@ -171,11 +171,14 @@ class Evaluator:
         )
         values: dict[str, float] = {}
         if ctx.is_main:
-            values = self._finish(out, request, images, iteration, ema, rt_device.compute_dtype(ctx.device_type))
+            dtype = rt_device.compute_dtype(ctx.device_type)
+            values = self._finish(out, request, images, iteration, ema, dtype, parts.reward_fn)
         rt_dist.barrier(ctx)
         return values
 
-    def _finish(self, out: Path, request: Any, images: list[Any], iteration: int, ema: bool, dtype: Any) -> dict:
+    def _finish(
+        self, out: Path, request: Any, images: list[Any], iteration: int, ema: bool, dtype: Any, training_rewards: Any
+    ) -> dict:
         """Rank 0: grid, scores, index.json (last), image and histograms to the trackers; the metrics values."""
         import numpy as np
         from PIL import Image
@@ -183,7 +186,7 @@ class Evaluator:
         from fluxgrpo.sample import write_grid, write_index
 
         grid = write_grid(out, images, len(self.prompts), self.settings)
-        scores = {name: self._score(name, out, images) for name in self.rewards}
+        scores = {name: self._score(self._scorer(name, training_rewards), out, images) for name in self.rewards}
         run = {
             "world_size": self.ctx.world_size,
             "device_type": self.ctx.device_type,
@@ -208,12 +211,22 @@ class Evaluator:
             logged[f"{prefix}{name}_std"] = std
         return logged
 
-    def _score(self, name: str, out: Path, images: list[Any]) -> list[float]:
-        """Per-image scores, in (prompt, image) order, computed as ``fluxgrpo score --index`` computes them."""
-        from fluxgrpo.score import DEFAULT_SCORE_BATCH, ImageToScore, load_scorer, score_items
+    def _scorer(self, name: str, training: Any) -> Any:
+        """The float32 reward model ``fluxgrpo score`` would load, kept for the run; the training reward's own model
+        when that is the same one (``--reward-dtype fp32``), so rank 0 holds no second copy (HPSv3 is 31 GB)."""
+        from fluxgrpo.score import load_scorer
 
-        if name not in self._scorers:
-            self._scorers[name] = load_scorer(name, self.cfg.hps_dir, self.ctx.device)
+        if name not in self._scorers:  # ``training``: the run's RewardSet
+            if self.cfg.reward_dtype == "fp32" and name in training.names:
+                self._scorers[name] = training.rewards[training.names.index(name)]
+            else:
+                self._scorers[name] = load_scorer(name, self.cfg.hps_dir, self.ctx.device)
+        return self._scorers[name]
+
+    def _score(self, scorer: Any, out: Path, images: list[Any]) -> list[float]:
+        """Per-image scores, in (prompt, image) order, computed as ``fluxgrpo score --index`` computes them."""
+        from fluxgrpo.score import DEFAULT_SCORE_BATCH, ImageToScore, score_items
+
         items = [
             ImageToScore(
                 path=out / image.file,
@@ -225,7 +238,7 @@ class Evaluator:
             )
             for image in images
         ]
-        scored = score_items(items, self._scorers[name], DEFAULT_SCORE_BATCH, self.ctx.device)
+        scored = score_items(items, scorer, DEFAULT_SCORE_BATCH, self.ctx.device)
         return [image.score for image in scored]
 
     # ----------------------------------------------------------------------------------------- set-up

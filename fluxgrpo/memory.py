@@ -162,6 +162,8 @@ class RunShape:
     text_tokens: int = DEFAULT_TEXT_TOKENS
     adapter_shapes: tuple[tuple[int, ...], ...] = ()  # LoRA A/B matrices; () trains every weight
     frozen_reference: bool = False  # --kl-beta > 0 with full fine-tuning: a second, frozen, sharded base model
+    # Reward models the held-out evaluation loads on rank 0 besides the training ones (float32, kept for the run).
+    eval_rewards: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, dies: int, compute_bytes: int = 2, **extra: Any) -> RunShape:
@@ -180,8 +182,21 @@ class RunShape:
             frozen_reference=cfg.kl_beta > 0 and cfg.lora_rank == 0,
             reward_bytes=2 if cfg.reward_dtype == "bf16" else 4,
             compute_bytes=compute_bytes,
+            eval_rewards=_eval_only_reward_models(cfg),
             **extra,
         )
+
+
+def _eval_only_reward_models(cfg: TrainConfig) -> tuple[str, ...]:
+    """The reward models evaluation loads on rank 0 (float32, as `fluxgrpo score`): every eval reward except a
+    training reward already in float32, whose model it shares (``eval.Evaluator._scorer``)."""
+    if cfg.eval_every <= 0:
+        return ()
+    from fluxgrpo.eval import eval_reward_names
+    from fluxgrpo.rewards.reward_set import reward_spec_names
+
+    shared = set(reward_spec_names(cfg.reward)) if cfg.reward_dtype == "fp32" else set()
+    return tuple(name for name in eval_reward_names(cfg) if name not in shared)
 
 
 @dataclass
@@ -268,6 +283,7 @@ def estimate(model: TransformerShape, vae: VaeShape, run: RunShape) -> MemoryEst
             (run.reward_bytes if name in REWARDS_CAST_TO_REWARD_DTYPE else 4) * REWARD_PARAMETERS.get(name, 0)
             for name in reward_spec_names(run.reward)
         ),
+        "eval rewards (rank 0)": 4 * sum(REWARD_PARAMETERS.get(name, 0) for name in run.eval_rewards),
         "vae": cb * vae.parameters,
         "rollout": trajectories * (run.sampling_steps + 2) * latent_tokens * LATENT_CHANNELS * 4
         + trajectories * 3 * run.height * run.width * 4,

@@ -456,15 +456,26 @@ def test_parameter_count_is_the_published_checkpoints_and_the_memory_models():
 # -- training, evaluation and `fluxgrpo score` -------------------------------------------------------------------------
 
 
-def test_trains_on_hpsv3_and_evaluates_with_it_as_score_does(tiny_weights, tiny_embeddings, tmp_path):
+def test_trains_on_hpsv3_and_evaluates_with_it_as_score_does(tiny_weights, tiny_embeddings, tmp_path, monkeypatch):
     """One iteration with HPSv3 as the training reward and, beside it, as an eval reward; the eval's logged score is
-    what `fluxgrpo score` (the PIL path) gives the saved images."""
+    what `fluxgrpo score` (the PIL path) gives the saved images, computed by the training model itself (fp32: the
+    same model `score` loads), not by a second copy on rank 0."""
     import math
 
     from training_helpers import run, tiny_config
 
+    import fluxgrpo.score as score_module
     from fluxgrpo.metrics import read_metrics
     from fluxgrpo.score import ScoreRequest, score
+
+    loaded: list[str] = []
+    real_load_scorer = score_module.load_scorer
+
+    def load_scorer(name, hps_dir, device):
+        loaded.append(name)
+        return real_load_scorer(name, hps_dir, device)
+
+    monkeypatch.setattr(score_module, "load_scorer", load_scorer)
 
     prompts = tmp_path / "eval_prompts.txt"
     prompts.write_text("a lighthouse in a storm, oil painting\na cat on a windowsill, photo\n")
@@ -482,6 +493,7 @@ def test_trains_on_hpsv3_and_evaluates_with_it_as_score_does(tiny_weights, tiny_
         eval_rewards="brightness",
     )
     records = run(cfg)
+    assert loaded == ["brightness"]  # the eval-only reward; HPSv3 is the training model
     trained = next(r for r in records if "reward_mean" in r)
     assert math.isfinite(trained["reward_mean"]) and trained["reward_std"] > 0
     assert trained["first_abs_log_ratio"] < 1e-4  # the ratio is 1 before the first update

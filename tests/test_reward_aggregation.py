@@ -210,6 +210,27 @@ def test_the_memory_estimate_counts_every_listed_reward():
     )
 
 
+def test_the_memory_estimate_counts_the_eval_reward_models_rank_0_keeps():
+    from fluxgrpo.config import build_config
+    from fluxgrpo.memory import REWARD_PARAMETERS, RunShape, VaeShape, estimate, transformer_shape
+    from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG
+
+    model = transformer_shape(dict(TINY_TRANSFORMER_CONFIG))
+
+    def eval_term(**overrides):
+        run = RunShape.from_config(build_config("tiny-cpu", overrides), 1)
+        return estimate(model, VaeShape(0, 0), run).persistent["eval rewards (rank 0)"]
+
+    assert eval_term(reward="hpsv2", eval_rewards="hpsv3") == 0  # no evaluation: nothing loaded
+    # The fp32 training reward is shared with the evaluation; the others are float32 copies on rank 0.
+    assert eval_term(reward="hpsv2", eval_rewards="hpsv3,imagereward", eval_every=10) == 4 * (
+        REWARD_PARAMETERS["hpsv3"] + REWARD_PARAMETERS["imagereward"]
+    )
+    # A bf16 training reward is not what `fluxgrpo score` loads: the evaluation keeps its own float32 copy.
+    assert eval_term(reward="hpsv3", reward_dtype="bf16", eval_every=10) == 4 * REWARD_PARAMETERS["hpsv3"]
+    assert eval_term(reward="hpsv3", eval_every=10) == 0
+
+
 def test_imagereward_parameter_count_is_the_real_architectures():
     from fluxgrpo.memory import REWARD_PARAMETERS
     from fluxgrpo.rewards.imagereward import VIT_LARGE, build_imagereward_modules
