@@ -8,6 +8,7 @@ Qwen2 tokenizer with Qwen2-VL's special tokens.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -129,13 +130,16 @@ def authors_model(tiny_weights):
         torch.nn.Linear(16, 2),
     )
     rm_head.load_state_dict({k[len("rm_head.") :]: v for k, v in state.items() if k.startswith("rm_head.")})
-    return model.float().eval(), rm_head.float().eval()
+    # The authors' create_model_and_processor: model.to(torch.bfloat16), which rounds the rotary tables (buffers)
+    # too; computed in float32 here, as our default scores.
+    return model.to(torch.bfloat16).float().eval(), rm_head.float().eval()
 
 
-def authors_mu(authors_model, reward, batch, multimodal_positions: bool = False) -> torch.Tensor:
+def authors_mu(authors_model, reward, batch, multimodal_positions: bool = False, head: bool = True) -> torch.Tensor:
     """Qwen2VLRewardModelBT.forward: embed, splice the image features in, the decoder with position_ids=None (plain
     positions), rm_head in float32 at <|Reward|>, column 0. ``multimodal_positions`` runs Qwen2-VL's own forward
-    instead (M-RoPE image positions), which the authors' override bypasses."""
+    instead (M-RoPE image positions), which the authors' override bypasses. ``head=False``: the decoder's output
+    at <|Reward|> instead."""
     model, rm_head = authors_model
     with torch.no_grad():
         if multimodal_positions:
@@ -150,6 +154,8 @@ def authors_mu(authors_model, reward, batch, multimodal_positions: bool = False)
                 inputs_embeds=embeds, attention_mask=batch["attention_mask"], position_ids=None
             ).last_hidden_state
         reward_id = reward.tokenizer.convert_tokens_to_ids("<|Reward|>")
+        if not head:
+            return hidden[batch["input_ids"] == reward_id]
         logits = rm_head(hidden.float())[batch["input_ids"] == reward_id]
     return logits.view(batch["input_ids"].shape[0], -1)[:, 0]
 
@@ -227,6 +233,17 @@ def test_scores_equal_the_authors_forward(reward, authors_model):
     # The authors' plain positions matter: Qwen2-VL's own multimodal positions give other scores.
     multimodal = authors_mu(authors_model, reward, batch, multimodal_positions=True)
     assert (multimodal - expected).abs().max() > 1e-4
+    # So do their bfloat16-rounded rotary tables: exact float32 ones give other scores too.
+    exact_tables = copy.deepcopy(authors_model)
+    fresh = {
+        name: b for name, b in type(authors_model[0])(authors_model[0].config).named_buffers() if "inv_freq" in name
+    }
+    for name, table in fresh.items():
+        owner = exact_tables[0].get_submodule(name.rsplit(".", 1)[0])
+        owner.register_buffer(name.rsplit(".", 1)[1], table, persistent=False)
+    at_reward = authors_mu(authors_model, reward, batch, head=False)
+    changed = (authors_mu(exact_tables, reward, batch, head=False) - at_reward).abs().max() / at_reward.abs().max()
+    assert changed > 1e-2  # the decoder's output at <|Reward|> moves by about 4 % on the tiny model
     # From tensors: the preprocessing differs by 8-bit rounding only.
     from torchvision.transforms.functional import to_tensor
 

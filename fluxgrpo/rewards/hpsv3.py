@@ -15,13 +15,16 @@ computation (``HPSv3RewardInferencer.reward`` with ``HPSv3_7B.yaml``), reproduce
   embedding row); right padding;
 - model: the vision tower's merged patch features replace the image pads' embeddings, and the text decoder runs with
   plain sequential positions 0..L−1 on all three rotary sections. The authors' forward calls the decoder directly and
-  so never uses Qwen2-VL's multimodal (M-RoPE) image positions; HPSv3 was trained that way, so it is kept;
+  so never uses Qwen2-VL's multimodal (M-RoPE) image positions; HPSv3 was trained that way, so it is kept. The
+  rotary inverse frequencies are rounded to bfloat16, as the authors' ``model.to(torch.bfloat16)`` left them in
+  training and inference (``round_rotary_tables_as_trained``);
 - score: ``rm_head`` (Linear 3584→1024, ReLU, Dropout, Linear 1024→16, ReLU, Linear 16→2) in float32 on the final
   hidden state at ``<|Reward|>``; it gives (μ, σ) and the score is μ, as the authors' README and DanceGRPO take it.
 
-Deliberate differences: float32 by default (``--reward-dtype bf16`` casts the model to bfloat16 with the head in
-float32, which is how the authors run it); PyTorch's SDPA attention where the authors use FlashAttention-2 when it is
-installed; ``lm_head`` is not loaded (the score never reads it). In training the image is resized on tensors (bicubic,
+Deliberate differences: float32 activations by default (``--reward-dtype bf16`` casts the model to bfloat16 with
+the head in float32, which is how the authors run it; transformers 4.45 also rounded the vision tower's rotary angles
+and their cosines to bfloat16 there, current transformers computes them in float32); PyTorch's SDPA attention where
+the authors use FlashAttention-2 when it is installed; ``lm_head`` is not loaded (the score never reads it). In training the image is resized on tensors (bicubic,
 antialiased, width then height, each pass clamped like PIL's 8-bit resize but without its rounding to 1/255).
 """
 
@@ -298,10 +301,28 @@ def load_hpsv3(folder: str | Path, device: Any, dtype: torch.dtype) -> tuple[Any
 
     modules = build_hpsv3_modules(config, empty=True)
     load_hpsv3_weights(modules, checkpoint, device, dtype, fix)
-    # Buffers (rotary frequencies) follow the weights, as the authors' model.to(bfloat16) casts them too.
     modules.to(device=device, dtype=dtype)
+    round_rotary_tables_as_trained(modules)
     modules["rm_head"].float()
     return modules.eval().requires_grad_(False), tokenizer, config
+
+
+def round_rotary_tables_as_trained(modules: Any) -> None:
+    """Give every rotary embedding the inverse frequencies HPSv3 was trained and run with: bfloat16-rounded.
+
+    The authors' ``create_model_and_processor`` calls ``model.to(torch.bfloat16)``, which casts the rotary
+    ``inv_freq`` buffers too; their code then computes the angles from those rounded frequencies (in float32 for
+    the decoder). The rounding is up to 2⁻⁹ relative, which at the ~800 positions of an HPSv3 sequence turns some
+    decoder angles by most of a radian: it is part of the function the model learned, so float32 scoring keeps it
+    (stored in float32, as the rotary code reads it either way).
+    """
+    import torch
+
+    for module in modules.modules():
+        for name in ("inv_freq", "original_inv_freq"):
+            table = getattr(module, name, None)
+            if isinstance(table, torch.Tensor):
+                module.register_buffer(name, table.to(torch.bfloat16).to(torch.float32), persistent=False)
 
 
 class HpsV3Reward:

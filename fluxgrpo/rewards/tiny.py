@@ -253,12 +253,18 @@ def tiny_hpsv3_base_config(tokenizer: Any) -> dict[str, Any]:
     }
 
 
+# The decoder's query and key weights: random weights of the usual 0.02 make attention nearly uniform, so the tiny
+# model would not tell rotary positions apart (what the plain-positions and rounded-tables tests check); much larger
+# ones make it chaotic, so that the 8-bit rounding of the PIL path moves its scores more than their spread.
+TINY_HPSV3_ATTENTION_STD = 0.35
+
+
 def build_tiny_hpsv3_state(tokenizer: Any, seed: int = 0) -> dict[str, Any]:
     """A random tiny HPSv3's weights under the authors' checkpoint keys (transformers 4.45 names, ``lm_head`` kept),
     all bfloat16 as in the real file; seeded, global RNG untouched.
 
     The embeddings have one row per token with ``<|Reward|>`` added; the head gets weights of std 1.5/√fan_in so
-    scores vary visibly with the image.
+    scores vary visibly with the image, the decoder's query and key projections ``TINY_HPSV3_ATTENTION_STD``.
     """
     import torch
 
@@ -273,6 +279,9 @@ def build_tiny_hpsv3_state(tokenizer: Any, seed: int = 0) -> dict[str, Any]:
             if isinstance(layer, torch.nn.Linear):
                 torch.nn.init.normal_(layer.weight, std=1.5 / layer.in_features**0.5)
                 torch.nn.init.normal_(layer.bias, std=0.1)
+        for layer in modules["language_model"].layers:  # attention sharp enough that positions matter
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                torch.nn.init.normal_(projection.weight, std=TINY_HPSV3_ATTENTION_STD)
         lm_head = torch.randn(rows, config.text_config.hidden_size) * 0.02
     state = {authors_key(key): value for key, value in modules.state_dict().items()}
     state["lm_head.weight"] = lm_head
