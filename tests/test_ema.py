@@ -226,4 +226,9 @@ def _worker() -> None:
 
 
 if __name__ == "__main__":
+    from fluxgrpo.runtime.worker import exit_now
+
     _worker()
+    # Leave as the product's workers do (runtime.worker.exit_now): the interpreter's C++ teardown can abort a
+    # finished rank now and then ("terminate called without an active exception").
+    exit_now(0)
