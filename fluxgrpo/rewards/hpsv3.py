@@ -24,8 +24,9 @@ computation (``HPSv3RewardInferencer.reward`` with ``HPSv3_7B.yaml``), reproduce
 Deliberate differences: float32 activations by default (``--reward-dtype bf16`` casts the model to bfloat16 with
 the head in float32, which is how the authors run it; transformers 4.45 also rounded the vision tower's rotary angles
 and their cosines to bfloat16 there, current transformers computes them in float32); PyTorch's SDPA attention where
-the authors use FlashAttention-2 when it is installed; ``lm_head`` is not loaded (the score never reads it). In training the image is resized on tensors (bicubic,
-antialiased, width then height, each pass clamped like PIL's 8-bit resize but without its rounding to 1/255).
+the authors use FlashAttention-2 when it is installed; ``lm_head`` is not loaded (the score never reads it). In
+training the image is resized on tensors (bicubic, antialiased, width then height, each pass clamped like PIL's 8-bit
+resize but without its rounding to 1/255).
 """
 
 from __future__ import annotations
