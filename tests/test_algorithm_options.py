@@ -8,14 +8,14 @@ import copy
 import pytest
 import torch
 from torch import nn
+from training_helpers import POOLED_DIM, TEXT_DIM, make_batch
 
-from fluxgrpo.grpo import Conditioning, UpdateSettings, generate_rollout, image_ids, policy_update, sigma_schedule
+from fluxgrpo.grpo import UpdateSettings, generate_rollout, image_ids, policy_update, sigma_schedule
 from fluxgrpo.grpo.ratio import guard_log_ratio
 from fluxgrpo.grpo.reference import FrozenReference
 from fluxgrpo.grpo.samplers import sampler_step
 from fluxgrpo.grpo.step_plan import PlanSettings, StepPlan, plan_for_iteration, tail_schedule, window_start
 
-TEXT_TOKENS, TEXT_DIM, POOLED_DIM = 8, 32, 32
 NUM_STEPS, ETA, GUIDANCE = 6, 0.3, 3.5
 
 
@@ -41,16 +41,6 @@ class CallCounter(nn.Module):
     def forward(self, **kwargs):
         self.calls += 1
         return self.inner(**kwargs)
-
-
-def make_batch(num_trajectories: int, seed: int = 0) -> tuple[Conditioning, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    cond = Conditioning(
-        prompt_embeds=torch.randn(num_trajectories, TEXT_TOKENS, TEXT_DIM, generator=generator),
-        pooled=torch.randn(num_trajectories, POOLED_DIM, generator=generator),
-        text_ids=torch.zeros(TEXT_TOKENS, 3),
-    )
-    return cond, torch.randn(num_trajectories, 16, 64, generator=generator)
 
 
 def rollout_of(transformer, cond, noise, seed=1, eta=ETA, **options):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_helpers import run, tiny_config
+from training_helpers import TOY_REWARD_RUN, run, tiny_config
 
 from fluxgrpo.metrics import read_metrics, reward_trend
 
@@ -73,12 +73,7 @@ def test_each_option_raises_the_toy_reward(tiny_weights, tiny_embeddings, tmp_pa
         tiny_weights,
         tiny_embeddings,
         tmp_path / "out",
-        max_train_steps=16,
-        checkpointing_steps=16,
-        num_generations=8,
-        rollout_batch_size=8,
-        train_micro_batch_size=4,
-        sampling_steps=8,
+        **TOY_REWARD_RUN,
         **OPTIONS[option],
     )
     trend = reward_trend(run(cfg), window=4)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from training_helpers import run
+from training_helpers import run, tiny_config
 
 from fluxgrpo.config import build_config
 from fluxgrpo.metrics import WANDB_ID_FILE, read_metrics
@@ -25,16 +25,6 @@ NOT_TIMING = ("seconds_", "images_per_second", "peak_memory")
 
 def eval_config(tiny_weights, tiny_embeddings, output_dir: Path, prompts_file: Path, **overrides):
     values = {
-        "model": str(tiny_weights.flux_dir),
-        "hps_dir": str(tiny_weights.hps_dir),
-        "data_json_path": str(tiny_embeddings.index_path),
-        "output_dir": str(output_dir),
-        "max_train_steps": 4,
-        "checkpointing_steps": 2,
-        "save_images_every": 0,
-        "num_generations": 4,
-        "rollout_batch_size": 4,
-        "train_micro_batch_size": 2,
         "sampling_steps": 4,
         "use_ema": True,
         "ema_decay": 0.9,
@@ -43,9 +33,9 @@ def eval_config(tiny_weights, tiny_embeddings, output_dir: Path, prompts_file: P
         "eval_images_per_prompt": 2,
         "eval_steps": 2,
         "eval_rewards": "hpsv2",
+        **overrides,
     }
-    values.update(overrides)
-    return build_config("tiny-cpu", values)
+    return tiny_config(tiny_weights, tiny_embeddings, output_dir, **values)
 
 
 def pixels(path: Path) -> np.ndarray:

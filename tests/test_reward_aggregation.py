@@ -111,26 +111,10 @@ def test_reward_set_scores_one_column_per_reward_with_normalised_weights(tiny_we
 
 
 def _train(tiny_weights, tiny_embeddings, output_dir, **overrides):
-    from fluxgrpo.config import build_config
-    from fluxgrpo.runtime.launch import LaunchSpec
-    from fluxgrpo.train_launch import launch_training, plan_training
+    from training_helpers import run, tiny_config
 
-    values = {
-        "model": str(tiny_weights.flux_dir),
-        "hps_dir": str(tiny_weights.hps_dir),
-        "data_json_path": str(tiny_embeddings.index_path),
-        "output_dir": str(output_dir),
-        "max_train_steps": 2,
-        "checkpointing_steps": 2,
-        "save_images_every": 0,
-        "num_generations": 4,
-        "rollout_batch_size": 4,
-        "train_micro_batch_size": 2,
-        "sampling_steps": 4,
-        **overrides,
-    }
-    cfg = build_config("tiny-cpu", values)
-    return launch_training(plan_training(cfg, LaunchSpec(nproc_per_node=1), None), log=lambda _: None)
+    values = {"max_train_steps": 2, "checkpointing_steps": 2, "sampling_steps": 4, **overrides}
+    return run(tiny_config(tiny_weights, tiny_embeddings, output_dir, **values))
 
 
 def _weights(checkpoint):

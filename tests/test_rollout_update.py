@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 from torch import nn
+from training_helpers import POOLED_DIM, TEXT_DIM, make_batch
 
 from fluxgrpo.grpo import (
-    Conditioning,
     UpdateSettings,
     generate_rollout,
     group_advantages,
@@ -21,7 +21,6 @@ from fluxgrpo.grpo import (
     sigma_schedule,
 )
 
-TEXT_TOKENS, TEXT_DIM, POOLED_DIM = 8, 32, 32
 NUM_STEPS = 6  # N
 NUM_TRAIN = 3  # T_train = int(5·0.6), DanceGRPO's fraction 0.6
 ETA, GUIDANCE = 0.3, 3.5
@@ -43,16 +42,6 @@ def base_transformer() -> nn.Module:
             "pooled_projection_dim": POOLED_DIM,
         }
     )
-
-
-def make_batch(num_trajectories: int, seed: int = 0) -> tuple[Conditioning, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    cond = Conditioning(
-        prompt_embeds=torch.randn(num_trajectories, TEXT_TOKENS, TEXT_DIM, generator=generator),
-        pooled=torch.randn(num_trajectories, POOLED_DIM, generator=generator),
-        text_ids=torch.zeros(TEXT_TOKENS, 3),
-    )
-    return cond, torch.randn(num_trajectories, 16, 64, generator=generator)
 
 
 def rollout_of(transformer, cond, noise, rollout_batch_size=2, seed=1):

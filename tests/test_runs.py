@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from training_helpers import tiny_train_argv
 from typer.testing import CliRunner
 
 from fluxgrpo.cli.app import app
@@ -77,17 +78,7 @@ class Run:
             sys.executable,
             "-m",
             "fluxgrpo",
-            "train",
-            "--config",
-            "tiny-cpu",
-            "--dies",
-            str(dies),
-            "--model",
-            str(tiny_weights.flux_dir),
-            "--hps-dir",
-            str(tiny_weights.hps_dir),
-            "--data-json-path",
-            str(tiny_embeddings.index_path),
+            *tiny_train_argv(tiny_weights, tiny_embeddings, "--dies", str(dies)),
             "--output-dir",
             str(self.out),
             "--max-train-steps",
@@ -264,16 +255,9 @@ def test_a_second_run_on_a_locked_folder_is_refused_naming_the_holder_and_a_dead
 
 
 def train_args(tiny_weights, tiny_embeddings, out: Path, *extra: str) -> list[str]:
-    return [
-        "train",
-        "--config",
-        "tiny-cpu",
-        "--model",
-        str(tiny_weights.flux_dir),
-        "--hps-dir",
-        str(tiny_weights.hps_dir),
-        "--data-json-path",
-        str(tiny_embeddings.index_path),
+    return tiny_train_argv(
+        tiny_weights,
+        tiny_embeddings,
         "--output-dir",
         str(out),
         "--max-train-steps",
@@ -291,7 +275,7 @@ def train_args(tiny_weights, tiny_embeddings, out: Path, *extra: str) -> list[st
         "--sampling-steps",
         "3",
         *extra,
-    ]
+    )
 
 
 def test_train_refuses_a_folder_in_use(tiny_weights, tiny_embeddings, tmp_path):

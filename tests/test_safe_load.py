@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from training_helpers import tiny_train_argv
 
 from fluxgrpo.checkpoint import load_checkpoint, save_checkpoint
 from fluxgrpo.errors import FluxgrpoError
@@ -243,15 +244,7 @@ def test_train_resume_from_a_code_running_checkpoint_is_one_line_and_runs_nothin
 
     out = tmp_path / "out"
     command = [
-        "train",
-        "--config",
-        "tiny-cpu",
-        "--model",
-        str(tiny_weights.flux_dir),
-        "--hps-dir",
-        str(tiny_weights.hps_dir),
-        "--data-json-path",
-        str(tiny_embeddings.index_path),
+        *tiny_train_argv(tiny_weights, tiny_embeddings),
         "--output-dir",
         str(out),
         "--num-generations",

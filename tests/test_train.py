@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from training_helpers import run, tiny_config
+from training_helpers import TOY_REWARD_RUN, run, tiny_config, tiny_train_argv
 from typer.testing import CliRunner
 
 from fluxgrpo.cli.app import app
@@ -113,12 +113,7 @@ def test_reward_rises_on_a_fixed_seed(tiny_weights, tiny_embeddings, tmp_path):
         tiny_weights,
         tiny_embeddings,
         tmp_path / "out",
-        max_train_steps=16,
-        checkpointing_steps=16,
-        num_generations=8,
-        rollout_batch_size=8,
-        train_micro_batch_size=4,
-        sampling_steps=8,
+        **TOY_REWARD_RUN,
     )
     records = run(cfg)
     trend = reward_trend(records, window=4)
@@ -156,18 +151,7 @@ def test_two_workers_every_parameter_changes(tiny_weights, tiny_embeddings, tmp_
     result = runner.invoke(
         app,
         [
-            "train",
-            "--config",
-            "tiny-cpu",
-            "--dies",
-            "2",
-            "--json",
-            "--model",
-            str(tiny_weights.flux_dir),
-            "--hps-dir",
-            str(tiny_weights.hps_dir),
-            "--data-json-path",
-            str(tiny_embeddings.index_path),
+            *tiny_train_argv(tiny_weights, tiny_embeddings, "--dies", "2", "--json"),
             "--output-dir",
             str(tmp_path / "out"),
             "--max-train-steps",
@@ -286,18 +270,7 @@ def test_cli_dry_run_and_usage_errors(tiny_weights, tiny_embeddings, tmp_path):
     result = runner.invoke(
         app,
         [
-            "train",
-            "--config",
-            "tiny-cpu",
-            "--dies",
-            "2",
-            "--dry-run",
-            "--model",
-            str(tiny_weights.flux_dir),
-            "--hps-dir",
-            str(tiny_weights.hps_dir),
-            "--data-json-path",
-            str(tiny_embeddings.index_path),
+            *tiny_train_argv(tiny_weights, tiny_embeddings, "--dies", "2", "--dry-run"),
             "--output-dir",
             str(tmp_path / "out"),
         ],
@@ -334,18 +307,7 @@ def test_resume_refuses_changed_algorithm_settings_before_loading_anything(tiny_
 
 
 def test_cli_resume_flags_and_dry_run_checks_inputs(tiny_weights, tiny_embeddings, tmp_path):
-    common = [
-        "train",
-        "--config",
-        "tiny-cpu",
-        "--model",
-        str(tiny_weights.flux_dir),
-        "--hps-dir",
-        str(tiny_weights.hps_dir),
-        "--data-json-path",
-        str(tiny_embeddings.index_path),
-        "--dry-run",
-    ]
+    common = tiny_train_argv(tiny_weights, tiny_embeddings, "--dry-run")
     fresh = runner.invoke(app, [*common, "--output-dir", str(tmp_path / "new"), "--resume"])
     assert fresh.exit_code == 0, fresh.output
     assert json.loads(fresh.stdout)["resume_from"] is None  # --resume with nothing to resume starts fresh
