@@ -289,7 +289,7 @@ class Evaluator:
         import torch
 
         from fluxgrpo.runtime.device import autocast
-        from fluxgrpo.sample import initial_latents
+        from fluxgrpo.sample import denoise
 
         if not self.ctx.distributed:
             return
@@ -300,17 +300,7 @@ class Evaluator:
         embeds, pooled = next(iter(encoded.values()))
         for _ in range(calls - done):
             with torch.no_grad(), autocast(self.ctx.device_type):
-                pipe(
-                    prompt_embeds=embeds,
-                    pooled_prompt_embeds=pooled,
-                    latents=initial_latents([EVAL_SEED], settings.height, settings.width),
-                    height=settings.height,
-                    width=settings.width,
-                    num_inference_steps=settings.steps,
-                    guidance_scale=settings.guidance,
-                    max_sequence_length=settings.max_sequence_length,
-                    output_type="latent",
-                )
+                denoise(pipe, settings, embeds, pooled, [EVAL_SEED], output_type="latent")
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:

@@ -381,6 +381,22 @@ def load_pipeline(request: SampleRequest, ctx: Any) -> Any:
     return pipe
 
 
+def denoise(pipe: Any, settings: SampleSettings, embeds: Any, pooled: Any, seeds: list[int], output_type: str) -> Any:
+    """One FluxPipeline call with ``settings`` from each seed's initial noise: the forward `sample` makes per batch
+    (and the evaluation's padding forwards repeat, so every rank runs the same sharded steps)."""
+    return pipe(
+        prompt_embeds=embeds,
+        pooled_prompt_embeds=pooled,
+        latents=initial_latents(seeds, settings.height, settings.width),
+        height=settings.height,
+        width=settings.width,
+        num_inference_steps=settings.steps,
+        guidance_scale=settings.guidance,
+        max_sequence_length=settings.max_sequence_length,
+        output_type=output_type,
+    )
+
+
 def initial_latents(seeds: list[int], height: int, width: int) -> Any:
     """[B, L, 64] packed float32 cpu noise, row b drawn from a generator seeded ``seeds[b]``."""
     import torch
@@ -490,17 +506,9 @@ def generate_images(
                         encoded[i] = encode_prompt(pipe, request.prompts[i], ctx, settings.max_sequence_length)
             with torch.no_grad(), autocast(ctx.device_type):
                 seeds = [image_seed(settings.seed, i, j) for i, j in batch]
-                images = pipe(
-                    prompt_embeds=torch.cat([encoded[i][0] for i, _ in batch]),
-                    pooled_prompt_embeds=torch.cat([encoded[i][1] for i, _ in batch]),
-                    latents=initial_latents(seeds, settings.height, settings.width),
-                    height=settings.height,
-                    width=settings.width,
-                    num_inference_steps=settings.steps,
-                    guidance_scale=settings.guidance,
-                    max_sequence_length=settings.max_sequence_length,
-                    output_type="pil",
-                ).images
+                embeds = torch.cat([encoded[i][0] for i, _ in batch])
+                pooled = torch.cat([encoded[i][1] for i, _ in batch])
+                images = denoise(pipe, settings, embeds, pooled, seeds, output_type="pil").images
             for (i, j), seed, image in zip(batch, seeds, images, strict=True):
                 name = image_filename(i, j)
                 _save_png(image, out / name, request.prompts[i], seed)
