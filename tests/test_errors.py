@@ -209,7 +209,7 @@ def test_embedding_index_entries_missing_keys_are_malformed_not_missing(tiny_emb
 
 def test_a_truncated_embedding_file_is_found_at_preflight(tiny_weights, tiny_embeddings, tmp_path):
     from fluxgrpo.runtime.launch import LaunchSpec
-    from fluxgrpo.train_launch import plan_training
+    from fluxgrpo.training.launch_plan import plan_training
 
     emb = tmp_path / "emb"
     shutil.copytree(tiny_embeddings.out_dir, emb)

@@ -17,7 +17,7 @@ from training_helpers import run, tiny_config
 from fluxgrpo.config import build_config
 from fluxgrpo.metrics import WANDB_ID_FILE, read_metrics
 from fluxgrpo.runtime.launch import LaunchSpec
-from fluxgrpo.train_launch import launch_training, plan_training
+from fluxgrpo.training.launch_plan import launch_training, plan_training
 
 EVAL_PROMPTS = ["a lighthouse in a storm, oil painting", "a cat on a windowsill, photo", "a castle, anime style"]
 NOT_TIMING = ("seconds_", "images_per_second", "peak_memory")
@@ -268,7 +268,7 @@ def test_eval_settings_are_validated_together():
 
 def test_shipped_eval_prompts_are_held_out_and_cover_the_four_styles():
     from fluxgrpo.data.prompts import bundled_prompts_path, read_prompts
-    from fluxgrpo.eval import shipped_eval_prompts_path
+    from fluxgrpo.training.eval import shipped_eval_prompts_path
 
     held_out = read_prompts(shipped_eval_prompts_path())
     assert 32 <= len(held_out) <= 64
@@ -285,7 +285,7 @@ def derived_config(cfg, **changes):
 
 def test_is_due_marks_zero_every_k_and_the_last_iteration():
     from fluxgrpo.config import TrainConfig
-    from fluxgrpo.eval import is_due
+    from fluxgrpo.training.eval import is_due
 
     cfg = TrainConfig(eval_every=3, max_train_steps=7)
     assert [k for k in range(8) if is_due(cfg, k)] == [0, 3, 6, 7]

@@ -455,8 +455,8 @@ PUBLISHED_CHECKPOINT_BYTES, PUBLISHED_TENSORS = 16_584_387_300, 736
 
 
 def test_parameter_count_is_the_published_checkpoints_and_the_memory_models():
-    from fluxgrpo.memory import REWARD_PARAMETERS
     from fluxgrpo.rewards.hpsv3 import build_hpsv3_modules, read_base_config_values
+    from fluxgrpo.training.memory import REWARD_PARAMETERS
 
     rows = 151_657 + 1  # Qwen2-VL's tokenizer with <|Reward|>
     modules = build_hpsv3_modules(read_base_config_values(dict(QWEN2_VL_7B_CONFIG), rows), empty=True)

@@ -45,7 +45,7 @@ def test_only_adapters_train_and_the_adapter_file_reproduces_the_model_in_a_pipe
     from diffusers.optimization import get_scheduler
 
     from fluxgrpo.checkpoint import save_checkpoint
-    from fluxgrpo.grpo.trainer import build_transformer
+    from fluxgrpo.training.parts import build_transformer
 
     cfg = lora_config(tiny_weights, tiny_embeddings, tmp_path / "out")
     model = build_transformer(cfg, SINGLE)

@@ -16,7 +16,7 @@ import torch
 
 from fluxgrpo.config import build_config
 from fluxgrpo.errors import UsageError
-from fluxgrpo.memory import (
+from fluxgrpo.training.memory import (
     DOUBLE_BLOCK_ACTIVATION_BYTES,
     SINGLE_BLOCK_ACTIVATION_BYTES,
     GiB,

@@ -157,7 +157,7 @@ def test_several_rewards_log_each_ones_statistics(tiny_weights, tiny_embeddings,
 def test_preflight_names_the_fetch_command_of_every_listed_reward(tiny_weights, tiny_embeddings, tmp_path):
     from fluxgrpo.config import build_config
     from fluxgrpo.errors import FluxgrpoError
-    from fluxgrpo.train_launch import preflight
+    from fluxgrpo.training.launch_plan import preflight
 
     hps_dir = tmp_path / "hps_ckpt"
     shutil.copytree(tiny_weights.hps_dir, hps_dir, ignore=shutil.ignore_patterns("imagereward"))
@@ -174,8 +174,8 @@ def test_preflight_names_the_fetch_command_of_every_listed_reward(tiny_weights, 
 
 def test_the_memory_estimate_counts_every_listed_reward():
     from fluxgrpo.config import build_config
-    from fluxgrpo.memory import REWARD_PARAMETERS, RunShape, VaeShape, estimate, transformer_shape
     from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG
+    from fluxgrpo.training.memory import REWARD_PARAMETERS, RunShape, VaeShape, estimate, transformer_shape
 
     model = transformer_shape(dict(TINY_TRANSFORMER_CONFIG))
 
@@ -196,8 +196,8 @@ def test_the_memory_estimate_counts_every_listed_reward():
 
 def test_the_memory_estimate_counts_the_eval_reward_models_rank_0_keeps():
     from fluxgrpo.config import build_config
-    from fluxgrpo.memory import REWARD_PARAMETERS, RunShape, VaeShape, estimate, transformer_shape
     from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG
+    from fluxgrpo.training.memory import REWARD_PARAMETERS, RunShape, VaeShape, estimate, transformer_shape
 
     model = transformer_shape(dict(TINY_TRANSFORMER_CONFIG))
 
@@ -216,8 +216,8 @@ def test_the_memory_estimate_counts_the_eval_reward_models_rank_0_keeps():
 
 
 def test_imagereward_parameter_count_is_the_real_architectures():
-    from fluxgrpo.memory import REWARD_PARAMETERS
     from fluxgrpo.rewards.imagereward import VIT_LARGE, build_imagereward_modules
+    from fluxgrpo.training.memory import REWARD_PARAMETERS
 
     med_config = {  # THUDM/ImageReward's med_config.json (BLIP's BERT-base)
         "hidden_size": 768,

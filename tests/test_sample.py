@@ -202,8 +202,8 @@ def test_output_folder_with_other_files_is_refused(tiny_weights, tmp_path):
 def trained_run(tiny_weights, tiny_embeddings, tmp_path_factory):
     """A 2-iteration tiny-cpu training run with EMA (decay 0.5, so the EMA differs clearly from both weights)."""
     from fluxgrpo.config import build_config
-    from fluxgrpo.grpo.trainer import train
-    from fluxgrpo.train_launch import preflight
+    from fluxgrpo.training.launch_plan import preflight
+    from fluxgrpo.training.loop import train
 
     output_dir = tmp_path_factory.mktemp("trained") / "grpo"
     cfg = build_config(

@@ -17,7 +17,7 @@ from fluxgrpo.cli.app import app
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.metrics import read_metrics, reward_trend
 from fluxgrpo.runtime.launch import LaunchSpec
-from fluxgrpo.train_launch import plan_training
+from fluxgrpo.training.launch_plan import plan_training
 
 runner = CliRunner()
 
@@ -321,8 +321,8 @@ def test_cli_resume_flags_and_dry_run_checks_inputs(tiny_weights, tiny_embedding
 
 
 def test_reward_statistics_by_hand():
-    from fluxgrpo.grpo.trainer import reward_statistics
     from fluxgrpo.runtime.dist import DistContext
+    from fluxgrpo.training.stats import reward_statistics
 
     ctx = DistContext(0, 0, 1, "cpu", torch.device("cpu"), "gloo")
     # Groups of 2: [1, 3] and [2, NaN]. Finite rewards 1, 3, 2: mean 2, unbiased std √((1+1+0)/2) = 1.

@@ -10,7 +10,7 @@ import torch
 from fluxgrpo.config import TrainConfig, build_config
 from fluxgrpo.grpo import Conditioning
 from fluxgrpo.runtime.launch import LaunchSpec
-from fluxgrpo.train_launch import launch_training, plan_training
+from fluxgrpo.training.launch_plan import launch_training, plan_training
 
 # The conditioning shapes of the one-block tiny transformers the rollout/update tests build.
 TEXT_TOKENS, TEXT_DIM, POOLED_DIM = 8, 32, 32

@@ -1,7 +1,7 @@
 """Learning efficiency: what each training algorithm buys per second of training, trained for real, side by side.
 
 ``fluxgrpo bench --algorithms dance,dance-t2 --iterations 30 --repeats 3`` trains each named algorithm ``--repeats``
-times with the real loop (``grpo.trainer.train``), in this process, from the same start: the same tiny weights
+times with the real loop (``training.loop.train``), in this process, from the same start: the same tiny weights
 (written once, seeded by ``--seed``), the same prompt embeddings (the bundled prompts, encoded once by the tiny text
 encoders), the same training config (``--config``, tiny-cpu by default: its reward, resolution, steps and batch
 sizes) and so the same prompts and initial noise at every iteration. An algorithm is a name for a set of
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 BASELINE = "dance"
 DEFAULT_CONFIG = "tiny-cpu"
-# The loop's phase clock (``trainer.PhaseClock``): their sum is one iteration's training time.
+# The loop's phase clock (``training.stats.PhaseClock``): their sum is one iteration's training time.
 PHASE_SECONDS = ("seconds_rollout", "seconds_decode_reward", "seconds_update")
 
 
@@ -397,7 +397,7 @@ def run_efficiency(
 ) -> dict[str, Any]:
     """Train every algorithm of ``cfg`` ``cfg.repeats`` times in interleaved rounds and compare them; returns one
     JSON-ready document: ``{"config": ..., "algorithms": [row, ...]}`` with the rows in ``cfg.runs`` order."""
-    from fluxgrpo.grpo.trainer import train
+    from fluxgrpo.training.loop import train
 
     cfg.validate()
     with tempfile.TemporaryDirectory(prefix="fluxgrpo-bench-efficiency-") as folder:

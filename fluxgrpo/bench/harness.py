@@ -311,7 +311,7 @@ class _Sweep:
 
     def decode_and_reward(self, rollout: Rollout, inputs: _Inputs, resolution: str) -> None:
         """Decode rows, then reward rows, both in chunks of each rollout batch size, by the trainer's own stages."""
-        from fluxgrpo.grpo.trainer import decode_images, score_images
+        from fluxgrpo.training.stages import decode_images, score_images
 
         count = self.cfg.num_trajectories
         captions = inputs.cond.captions or ()

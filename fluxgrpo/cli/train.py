@@ -83,7 +83,7 @@ def _train(
     from fluxgrpo.config import build_config
     from fluxgrpo.metrics import reward_trend
     from fluxgrpo.runtime.launch import LaunchSpec
-    from fluxgrpo.train_launch import launch_training, plan_training
+    from fluxgrpo.training.launch_plan import launch_training, plan_training
 
     cfg = build_config(config, hyperparameters)
     spec = LaunchSpec(

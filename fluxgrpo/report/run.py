@@ -5,7 +5,7 @@ A training ``--output-dir`` holds (all optional except ``metrics.jsonl``):
     metrics.jsonl                   one record per iteration (``fluxgrpo.metrics``), eval records at iteration k
     config.yaml                     the resolved config, with the derived numbers in its comment header
     run_info.json                   versions and hardware of the run (``fluxgrpo.metrics.write_run_info``)
-    eval/iteration-<k>[-ema]/       held-out evaluation images + ``index.json`` (``fluxgrpo.eval``)
+    eval/iteration-<k>[-ema]/       held-out evaluation images + ``index.json`` (``fluxgrpo.training.eval``)
 """
 
 from __future__ import annotations

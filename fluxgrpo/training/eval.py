@@ -42,7 +42,7 @@ EVAL_PROMPTS_FILE = "eval_prompts.txt"
 def shipped_eval_prompts_path() -> Path:
     """48 held-out prompts across HPSv2's four styles (anime, concept art, paintings, photos), none of them in
     the shipped training prompts."""
-    return Path(__file__).parent / "data" / EVAL_PROMPTS_FILE
+    return Path(__file__).parent.parent / "data" / EVAL_PROMPTS_FILE
 
 
 def eval_folder(output_dir: str | Path, iteration: int, ema: bool = False) -> Path:

@@ -192,8 +192,8 @@ def _eval_only_reward_models(cfg: TrainConfig) -> tuple[str, ...]:
     training reward already in float32, whose model it shares (``eval.Evaluator._scorer``)."""
     if cfg.eval_every <= 0:
         return ()
-    from fluxgrpo.eval import eval_reward_names
     from fluxgrpo.rewards.reward_set import reward_spec_names
+    from fluxgrpo.training.eval import eval_reward_names
 
     shared = set(reward_spec_names(cfg.reward)) if cfg.reward_dtype == "fp32" else set()
     return tuple(name for name in eval_reward_names(cfg) if name not in shared)

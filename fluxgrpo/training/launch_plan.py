@@ -1,9 +1,9 @@
 """Before ``fluxgrpo train`` starts the loop: check everything a worker would trip over, save the resolved config,
-then launch the workers (the loop itself is ``fluxgrpo/grpo/trainer.py``).
+then launch the workers (the loop itself is ``fluxgrpo/training/loop.py``).
 
 Nothing heavy starts before the checks pass: weights and embeddings exist and agree with each other, the batch
 arithmetic is consistent, and the output directory is writable. ``runtime.launch.run_workers`` then runs
-``fluxgrpo.grpo.trainer.worker_entry`` in this process (``--dies 1`` on one node) or on torchrun workers.
+``fluxgrpo.training.loop.worker_entry`` in this process (``--dies 1`` on one node) or on torchrun workers.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from fluxgrpo.runtime.launch import LaunchSpec, check_dies_fit, run_workers
 from fluxgrpo.weights.layout import check_flux_dir
 
 RESOLVED_CONFIG = "config.yaml"
-WORKER_MODULE = "fluxgrpo.grpo.trainer"
+WORKER_MODULE = "fluxgrpo.training.loop"
 
 
 @dataclass
@@ -35,7 +35,7 @@ class TrainPlan:
     worker_env: dict[str, str]
     resolved_path: Path
     resume_checkpoint: str | None  # the exact checkpoint folder, resolved once here so every rank agrees
-    memory: Any = None  # fluxgrpo.memory.MemoryEstimate per die
+    memory: Any = None  # fluxgrpo.training.memory.MemoryEstimate per die
     overwrite: bool = False  # move an earlier run in the output directory aside (``run_folder.move_previous_run``)
 
 
@@ -46,7 +46,7 @@ def preflight(cfg: TrainConfig) -> None:
     flux = check_flux_dir(cfg.model)
     if not flux.complete:
         raise not_usable(f"FLUX weights in {cfg.model}", flux.problems, flux.fix)
-    from fluxgrpo.eval import eval_reward_names
+    from fluxgrpo.training.eval import eval_reward_names
 
     # --eval-rewards load at the first evaluation (iteration 0), so their weights are checked with the training's
     for reward in eval_reward_names(cfg) if cfg.eval_every else reward_spec_names(cfg.reward):
@@ -177,9 +177,9 @@ def plan_training(
     import importlib.util
 
     from fluxgrpo.checkpoint import resolve_resume
-    from fluxgrpo.memory import plan_memory
     from fluxgrpo.runtime import device as rt_device
     from fluxgrpo.runtime.launch import worker_env_defaults
+    from fluxgrpo.training.memory import plan_memory
 
     cfg.validate()
     spec.validate()

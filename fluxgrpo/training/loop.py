@@ -1,0 +1,193 @@
+"""The GRPO training loop that runs on every rank (DanceGRPO's FLUX recipe, without its bugs).
+
+Each iteration, on each rank:
+
+1. draw ``train_batch_size`` prompts (a seeded distributed sampler whose epoch advances) and repeat each G times;
+2. rollout: SDE sampling with per-step log-probs (every step, or a window with ODE elsewhere: ``step_plan.py``),
+   in chunks of ``rollout_batch_size`` (``rollout.py``);
+3. decode the final x̂0 with the VAE and score the images with the reward model, batched, on the device;
+4. group advantages (unbiased std + 1e-8, clipped), rewards gathered across ranks for logging;
+5. policy update on a random subset of timesteps per trajectory, PPO-clip, gradient accumulation (``update.py``);
+6. metrics (rank 0) and, every ``checkpointing_steps`` iterations and after the last, a checkpoint.
+
+Deviations from DanceGRPO, each deliberate: initial noise is shared within a group only (not across the
+prompts on a rank); rollout and update are batched; rewards are computed from tensors in float32 (no PNG
+round trip, no fp16 autocast); leftover gradients at the end of an iteration are stepped, not dropped; the
+sampler's epoch advances; a checkpoint holds the state *after* its iteration and everything needed for an
+exact resume. All randomness in an iteration comes from generators seeded by (seed, rank, iteration), so a
+resumed run draws exactly what an uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fluxgrpo.config import TrainConfig
+from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.runtime.dist import DistContext
+from fluxgrpo.training.parts import TrainingParts, build_parts
+from fluxgrpo.training.stages import decode_and_score, draw_prompts, initial_noise, save_sample_images
+from fluxgrpo.training.stats import PhaseClock, any_finite_reward, iteration_record, progress_line
+
+
+def derive_seed(seed: int, rank: int, iteration: int, stream: int) -> int:
+    """A distinct 63-bit seed per (run seed, rank, iteration, random stream)."""
+    mixed = (seed * 1_000_003 + rank) * 1_000_033 + iteration
+    return (mixed * 31 + stream) % (2**63 - 1)
+
+
+NOISE_STREAM, TIMESTEP_STREAM, WINDOW_STREAM = 1, 2, 3
+
+
+def save_training_checkpoint(ctx: DistContext, cfg: TrainConfig, parts: TrainingParts, iteration: int) -> Path:
+    """The state after ``iteration``: weights, optimizer, scheduler, EMA, RNGs and every rank's sampler position."""
+    from fluxgrpo.checkpoint import save_checkpoint
+
+    samplers = rt_dist.all_gather_object(ctx, parts.sampler.state_dict())
+    trainer_state = {
+        "iteration": iteration,
+        "sampler": {str(rank): state for rank, state in enumerate(samplers)},
+        "config": cfg.to_dict(),
+    }
+    return save_checkpoint(
+        Path(cfg.output_dir),
+        iteration,
+        ctx,
+        parts.transformer,
+        parts.optimizer,
+        parts.lr_scheduler,
+        ema=parts.ema,
+        trainer_state=trainer_state,
+        keep_last=cfg.keep_last or None,
+    )
+
+
+def restore(ctx: DistContext, parts: TrainingParts, checkpoint: Path | None) -> int:
+    """Load a checkpoint into ``parts``; returns the iterations it had completed (0 without one)."""
+    from fluxgrpo.checkpoint import load_checkpoint
+
+    if checkpoint is None:
+        return 0
+    loaded = load_checkpoint(checkpoint, ctx, parts.transformer, parts.optimizer, parts.lr_scheduler, ema=parts.ema)
+    parts.sampler.load_state_dict(loaded.trainer_state["sampler"][str(ctx.rank)])
+    rt_dist.rank0_print(ctx, f"resumed from {checkpoint} after iteration {loaded.iteration}")
+    return loaded.iteration
+
+
+def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
+    """Run the GRPO loop on this rank; returns rank 0's metrics records (empty on other ranks)."""
+    from fluxgrpo.checkpoint import resolve_resume
+    from fluxgrpo.grpo.latents import image_ids
+    from fluxgrpo.grpo.reward_aggregation import aggregate_rewards
+    from fluxgrpo.grpo.rollout import generate_rollout
+    from fluxgrpo.grpo.schedule import sigma_schedule
+    from fluxgrpo.grpo.step_plan import PlanSettings, plan_for_iteration
+    from fluxgrpo.grpo.update import UpdateSettings, policy_update, skipped_update
+    from fluxgrpo.metrics import MetricsLogger, run_info
+    from fluxgrpo.runtime.worker import worker_session
+    from fluxgrpo.training.eval import Evaluator
+
+    with worker_session(cfg.device) as ctx:
+        rt_device.seed_everything(cfg.seed + ctx.rank)
+        output_dir = Path(cfg.output_dir)
+        parts = build_parts(cfg, ctx)
+        start = restore(ctx, parts, resolve_resume(output_dir, resume) if resume is not None else None)
+        metrics = MetricsLogger(
+            output_dir,
+            enabled=ctx.is_main,
+            tensorboard=cfg.tensorboard,
+            wandb=cfg.wandb,
+            config=cfg.to_dict(),
+            resume_after=start,
+            ctx=ctx,
+            wandb_project=cfg.wandb_project,
+            wandb_name=cfg.wandb_name,
+            wandb_mode=cfg.wandb_mode,
+            run_info=run_info(ctx) if ctx.is_main else None,
+        )
+        evaluator = Evaluator(cfg, ctx, metrics)
+        sigmas = sigma_schedule(cfg.sampling_steps, cfg.shift).to(ctx.device)  # [N+1]
+        img_ids = image_ids(cfg.height, cfg.width).to(ctx.device)  # [L, 3]
+        update_settings = UpdateSettings.from_config(cfg)
+        plan_settings = PlanSettings.from_config(cfg)
+        records = []
+        evaluator.before_training(start, parts)  # the base model at iteration 0: every eval curve starts there
+        for iteration in range(start + 1, cfg.max_train_steps + 1):
+            rt_device.reset_peak_memory(ctx.device)
+            clock = PhaseClock(ctx.device)
+            noise_gen = torch.Generator(device=ctx.device).manual_seed(
+                derive_seed(cfg.seed, ctx.rank, iteration, NOISE_STREAM)
+            )
+            timestep_gen = torch.Generator().manual_seed(derive_seed(cfg.seed, ctx.rank, iteration, TIMESTEP_STREAM))
+
+            # Which steps are SDE (and trained): all (DanceGRPO) or a window; the same on every rank.
+            window_gen = torch.Generator().manual_seed(derive_seed(cfg.seed, 0, iteration, WINDOW_STREAM))
+            plan = plan_for_iteration(plan_settings, sigmas, iteration, window_gen)
+
+            cond = draw_prompts(parts, cfg)  # [B = prompts × G] rows, groups contiguous
+            noise = initial_noise(cfg, cfg.train_batch_size, noise_gen, ctx.device)  # [B, L, C]
+            rollout = generate_rollout(
+                parts.transformer,
+                cond,
+                noise,
+                sigmas,
+                eta=cfg.eta,
+                guidance=cfg.guidance,
+                img_ids=img_ids,
+                rollout_batch_size=cfg.rollout_batch_size,
+                device_type=ctx.device_type,
+                generator=noise_gen,
+                sampler=cfg.sampler,
+                plan=plan,
+                keep_means=cfg.ratio_normalization == "grpo-guard",
+            )
+            clock.lap("rollout")
+
+            images, scores = decode_and_score(parts, cfg, rollout.final_x0, cond.captions)  # [B,3,H,W], [B, K]
+            clock.lap("decode_reward")
+
+            rewards, adv = aggregate_rewards(  # [B] Σ w·r, [B] advantages
+                scores, parts.reward_fn.weights, cfg.advantage_aggregation, cfg.num_generations, cfg.adv_clip_max
+            ).as_tuple()
+            if any_finite_reward(ctx, rewards):
+                update = policy_update(
+                    parts.transformer,
+                    rollout,
+                    cond,
+                    adv.advantages,
+                    update_settings,
+                    parts.optimizer,
+                    parts.lr_scheduler,
+                    device_type=ctx.device_type,
+                    generator_cpu=timestep_gen,
+                    reference=parts.reference,
+                )
+                if parts.ema is not None and update.optimizer_steps:
+                    parts.ema.update(parts.transformer)  # once per iteration, as DanceGRPO
+            else:  # nothing to learn from: not even weight decay or Adam's step count may move
+                update = skipped_update(rollout, update_settings)
+            clock.lap("update")
+
+            record = iteration_record(ctx, cfg, parts, iteration, scores, rewards, adv.advantages, update, clock)
+            if cfg.sde_window:
+                record["sde_window_start"] = plan.sde_start
+            metrics.log(record, histograms={"reward": rewards})
+            records.append(record)
+            rt_dist.rank0_print(ctx, progress_line(record, cfg.max_train_steps))
+            if cfg.save_images_every and iteration % cfg.save_images_every == 0:
+                save_sample_images(images, output_dir, ctx.rank, cfg.images_per_save)
+            evaluator.maybe_run(iteration, parts)  # before the checkpoint: a saved iteration has its evaluation
+            if iteration % cfg.checkpointing_steps == 0 or iteration == cfg.max_train_steps:
+                path = save_training_checkpoint(ctx, cfg, parts, iteration)
+                rt_dist.rank0_print(ctx, f"saved {path}")
+        metrics.close()
+    return records if ctx.is_main else []
+
+
+def worker_entry(payload: dict[str, Any]) -> None:
+    """Every rank's part of ``fluxgrpo train`` (``runtime.launch.run_workers``): ``{"config", "resume"}``."""
+    train(TrainConfig(**payload["config"]).validate(), payload.get("resume"))

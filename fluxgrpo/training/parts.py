@@ -1,0 +1,114 @@
+"""Building what a rank holds for training: the sharded policy (and LoRA adapters), the KL reference, the VAE,
+the rewards, the optimizer and scheduler, EMA, the prompt data and its distributed sampler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fluxgrpo.config import TrainConfig
+from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.runtime.dist import DistContext, shard_transformer
+
+
+@dataclass
+class TrainingParts:
+    """Everything a rank holds for training."""
+
+    ctx: DistContext
+    transformer: torch.nn.Module
+    vae: torch.nn.Module
+    reward_fn: Any  # a RewardSet: images, prompts → scores [B, K], one column per --reward entry
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Any
+    ema: Any
+    dataset: Any
+    sampler: Any
+    reference: Any = None  # the KL's reference model (``--kl-beta`` > 0)
+
+
+def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
+    from diffusers.optimization import get_scheduler
+
+    from fluxgrpo.data.embeddings import EmbeddingDataset
+    from fluxgrpo.data.sampler import PromptSampler
+    from fluxgrpo.grpo.ema import ShardedEMA
+    from fluxgrpo.models.flux import load_vae
+    from fluxgrpo.rewards.reward_set import load_reward_set
+
+    dataset = EmbeddingDataset(cfg.data_json_path)
+    transformer = build_transformer(cfg, ctx)
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.learning_rate, betas=(0.9, 0.999), eps=1e-8, weight_decay=cfg.weight_decay
+    )
+    total_steps = cfg.derived(ctx.world_size)["total_optimizer_steps"]
+    lr_scheduler = get_scheduler(
+        cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.lr_warmup_steps, num_training_steps=max(total_steps, 1)
+    )
+    ema = ShardedEMA(transformer, cfg.ema_decay) if cfg.use_ema else None
+    vae = load_vae(cfg.model, dtype=rt_device.compute_dtype(ctx.device_type), device=ctx.device)
+    vae.requires_grad_(False).eval()
+    reward_fn = load_reward_set(cfg.reward, cfg.hps_dir, ctx.device, cfg.reward_dtype)
+    sampler = PromptSampler(
+        len(dataset), rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.train_batch_size, seed=cfg.seed
+    )
+    reference = build_reference(cfg, ctx, transformer) if cfg.kl_beta > 0 else None
+    return TrainingParts(ctx, transformer, vae, reward_fn, optimizer, lr_scheduler, ema, dataset, sampler, reference)
+
+
+def build_reference(cfg: TrainConfig, ctx: DistContext, transformer: torch.nn.Module):
+    """The KL's reference, the base model: for a LoRA run the policy with its adapters disabled; for full
+    fine-tuning the base weights again, frozen, in the compute dtype (a forward is all it does), built and sharded
+    like the policy (meta device, each rank reading its own shards). Built from ``cfg.model``, so a resumed run gets
+    the same reference."""
+    from fluxgrpo.grpo.reference import AdapterDisabledReference, FrozenReference
+    from fluxgrpo.lora import is_lora_model
+    from fluxgrpo.models.shard_loading import empty_transformer, fill_transformer
+
+    if is_lora_model(transformer):
+        return AdapterDisabledReference(transformer)
+    compute_dtype = rt_device.compute_dtype(ctx.device_type)
+    base = empty_transformer(cfg.model).to(compute_dtype)
+    adapt_for_device(base, cfg, ctx)
+    if ctx.distributed:
+        shard_transformer(base, cfg.cpu_offload, compute_dtype)
+    fill_transformer(base, cfg.model, "cpu" if cfg.cpu_offload else ctx.device)
+    return FrozenReference(base)
+
+
+def build_transformer(cfg: TrainConfig, ctx: DistContext) -> torch.nn.Module:
+    """The transformer to train, sharded, with its weights (and LoRA adapters, with --lora-rank) in place.
+
+    Built on the meta device and sharded before any weight exists; each rank then reads only its own shards from
+    the safetensors, so the job holds one copy of the weights in host memory, not one per rank.
+    """
+    from fluxgrpo.lora import LoraSpec, add_lora, base_weight_name, init_adapters
+    from fluxgrpo.models.shard_loading import empty_transformer, fill_transformer
+
+    compute_dtype = rt_device.compute_dtype(ctx.device_type)
+    lora = LoraSpec.from_config(cfg)
+    transformer = empty_transformer(cfg.model)
+    if lora is not None:
+        add_lora(transformer, lora, compute_dtype)
+    adapt_for_device(transformer, cfg, ctx)
+    if cfg.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    if ctx.distributed:
+        shard_transformer(transformer, cfg.cpu_offload, compute_dtype)
+    device = "cpu" if cfg.cpu_offload else ctx.device
+    fill_transformer(transformer, cfg.model, device, stored_name=base_weight_name)
+    if lora is not None:
+        init_adapters(transformer, cfg.seed)
+    return transformer
+
+
+def adapt_for_device(transformer: torch.nn.Module, cfg: TrainConfig, ctx: DistContext) -> None:
+    """Accelerator-specific kernels (fused RMSNorm, float32 RoPE, fused attention), decided by the runtime."""
+    from fluxgrpo.runtime.adapt import adapt_transformer
+
+    adapt_transformer(
+        transformer, ctx.device_type, attention=cfg.attention, compute_dtype=rt_device.compute_dtype(ctx.device_type)
+    )

@@ -1,0 +1,101 @@
+"""The loop's stages that are not algorithm: the prompts a rank draws, the initial noise, decoding and scoring,
+the sample images it saves. Shared with the evaluation and the bench."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fluxgrpo.config import TrainConfig
+from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.training.parts import TrainingParts
+
+
+def draw_prompts(parts: TrainingParts, cfg: TrainConfig):
+    """Conditioning for this rank's prompts, each row repeated G times (groups contiguous)."""
+    from fluxgrpo.grpo.types import Conditioning
+
+    indices = parts.sampler.next_batch()
+    items = [parts.dataset[i] for i in indices]
+    device = parts.ctx.device
+    cond = Conditioning(
+        prompt_embeds=torch.stack([it.prompt_embeds for it in items]).to(device, torch.float32),
+        pooled=torch.stack([it.pooled for it in items]).to(device, torch.float32),
+        text_ids=items[0].text_ids.to(device, torch.float32),
+        captions=tuple(it.caption for it in items),
+    )
+    return cond.repeat_interleave(cfg.num_generations)
+
+
+def initial_noise(cfg: TrainConfig, num_prompts: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """[B, L, C] packed Gaussian noise; shared by the G members of a group when ``init_same_noise``."""
+    from fluxgrpo.grpo.latents import latent_shape, pack_latents
+
+    shape = latent_shape(cfg.height, cfg.width)
+    draws = num_prompts if cfg.init_same_noise else num_prompts * cfg.num_generations
+    noise = torch.randn(
+        (draws, shape.channels, shape.latent_height, shape.latent_width),
+        generator=generator,
+        device=device,
+        dtype=torch.float32,
+    )
+    packed = pack_latents(noise)
+    return packed.repeat_interleave(cfg.num_generations, dim=0) if cfg.init_same_noise else packed
+
+
+def decode_images(
+    vae: torch.nn.Module,
+    final_x0: torch.Tensor,
+    height: int,
+    width: int,
+    chunk: int,
+    device_type: str,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Images [B,3,H,W] in [0,1], fp32: the final x̂0 [B,L,C] decoded by the VAE, ``chunk`` at a time, under the
+    device's autocast (``compute_dtype``: the runtime's choice when None)."""
+    from fluxgrpo.grpo.latents import unpack_latents
+    from fluxgrpo.models.flux import decode_latents
+
+    images = []
+    with torch.no_grad():
+        for start in range(0, final_x0.shape[0], chunk):
+            latents = unpack_latents(final_x0[start : start + chunk], height, width)
+            with rt_device.autocast(device_type, compute_dtype):
+                batch = decode_latents(vae, latents.to(next(vae.parameters()).dtype))
+            images.append(batch.float())
+    return torch.cat(images)
+
+
+def score_images(reward_fn: Any, images: torch.Tensor, captions, chunk: int) -> torch.Tensor:
+    """Rewards [B] (one reward) or [B, K] (a RewardSet) fp32 of images [B,3,H,W] and their captions, ``chunk`` at a
+    time."""
+    with torch.no_grad():
+        return torch.cat(
+            [
+                reward_fn(images[start : start + chunk], list(captions[start : start + chunk])).float()
+                for start in range(0, images.shape[0], chunk)
+            ]
+        )
+
+
+def decode_and_score(
+    parts: TrainingParts, cfg: TrainConfig, final_x0: torch.Tensor, captions
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images [B,3,H,W] in [0,1] and scores [B, K] fp32 (one column per reward), in chunks of rollout_batch_size."""
+    chunk = cfg.rollout_batch_size
+    images = decode_images(parts.vae, final_x0, cfg.height, cfg.width, chunk, parts.ctx.device_type)
+    return images, score_images(parts.reward_fn, images, captions, chunk)
+
+
+def save_sample_images(images: torch.Tensor, output_dir: Path, rank: int, count: int) -> None:
+    """``images/flux_{rank}_{idx}.png`` for the first ``count`` trajectories (overwritten each time)."""
+    from PIL import Image
+
+    folder = output_dir / "images"
+    folder.mkdir(parents=True, exist_ok=True)
+    pixels = (images[:count].clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    for idx, array in enumerate(pixels):
+        Image.fromarray(array).save(folder / f"flux_{rank}_{idx}.png")

@@ -1,0 +1,193 @@
+"""What one iteration reports: reward, advantage and update statistics reduced over ranks, the per-step ratio
+means, the phase clock, the metrics.jsonl record and the progress line."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from fluxgrpo.config import TrainConfig
+from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.runtime.dist import DistContext
+from fluxgrpo.training.parts import TrainingParts
+
+
+def reward_statistics(ctx: DistContext, rewards: torch.Tensor, group_size: int) -> dict[str, float]:
+    """Global reward statistics over every rank's trajectories: one gather, one host sync.
+
+    Non-finite rewards are left out (and counted); a group's spread is the unbiased std of its finite rewards,
+    0 when fewer than two are finite. ``zero_std_group_fraction`` counts the groups whose advantages are all 0
+    because their rewards are equal (``flat_groups``, the same rule ``group_advantages`` applies).
+    """
+    from fluxgrpo.grpo.advantages import flat_groups
+
+    gathered = rt_dist.all_gather_tensor(ctx, rewards.detach().float())
+    finite = torch.isfinite(gathered)
+    values = torch.where(finite, gathered, torch.zeros_like(gathered))
+    count = finite.sum().float()
+    mean = values.sum() / count.clamp(min=1)
+    spread = torch.where(finite, gathered - mean, torch.zeros_like(gathered))
+    std = (spread.pow(2).sum() / (count - 1).clamp(min=1)).sqrt()
+    low = torch.where(finite, gathered, torch.full_like(gathered, float("inf"))).min()
+    high = torch.where(finite, gathered, torch.full_like(gathered, float("-inf"))).max()
+
+    grouped, group_finite = values.reshape(-1, group_size), finite.reshape(-1, group_size)
+    group_count = group_finite.sum(dim=1).float()
+    group_mean = grouped.sum(dim=1) / group_count.clamp(min=1)
+    group_spread = torch.where(group_finite, grouped - group_mean[:, None], torch.zeros_like(grouped))
+    group_std = (group_spread.pow(2).sum(dim=1) / (group_count - 1).clamp(min=1)).sqrt()
+    group_std = torch.where(group_count > 1, group_std, torch.zeros_like(group_std))
+
+    stats = torch.stack(
+        [
+            mean,
+            std,
+            low,
+            high,
+            group_std.mean(),
+            flat_groups(gathered.reshape(-1, group_size), group_finite).float().mean(),
+            (~finite).sum().float(),
+            count,
+        ]
+    ).tolist()
+    names = (
+        "reward_mean",
+        "reward_std",
+        "reward_min",
+        "reward_max",
+        "group_std_mean",
+        "zero_std_group_fraction",
+        "nonfinite_rewards",
+    )
+    out = dict(zip(names, stats[:-1], strict=True))
+    if stats[-1] == 0:
+        out.update(reward_mean=math.nan, reward_std=math.nan, reward_min=math.nan, reward_max=math.nan)
+    return out
+
+
+def any_finite_reward(ctx: DistContext, rewards: torch.Tensor) -> bool:
+    """Whether any rank has a finite reward this iteration (one all-reduce; every rank gets the same answer)."""
+    count = torch.isfinite(rewards).sum().to(torch.float32).reshape(1)
+    rt_dist.all_reduce_sum(ctx, count)
+    return bool(count.item() > 0)
+
+
+def per_reward_statistics(ctx: DistContext, scores: torch.Tensor, names: list[str]) -> dict[str, float]:
+    """reward_<name>_mean / _std over every rank's finite scores of each reward; nothing for a single reward
+    (its statistics are reward_mean / reward_std)."""
+    if len(names) < 2:
+        return {}
+    gathered = rt_dist.all_gather_tensor(ctx, scores.detach().float())  # [B·world, K]
+    finite = torch.isfinite(gathered)
+    values = torch.where(finite, gathered, torch.zeros_like(gathered))
+    count = finite.sum(dim=0).float()
+    mean = values.sum(dim=0) / count.clamp(min=1)
+    spread = torch.where(finite, gathered - mean, torch.zeros_like(gathered))
+    std = (spread.pow(2).sum(dim=0) / (count - 1).clamp(min=1)).sqrt()
+    out = {}
+    for name, m, s, n in zip(names, mean.tolist(), std.tolist(), count.tolist(), strict=True):
+        out[f"reward_{name}_mean"], out[f"reward_{name}_std"] = (m, s) if n else (math.nan, math.nan)
+    return out
+
+
+def reduce_update_stats(ctx: DistContext, stats: dict[str, float]) -> dict[str, float]:
+    """Mean over ranks of the averages, min of mins, max of maxes (device tensors: collectives need them)."""
+    mean_keys = ("loss", "ratio_mean", "clip_fraction", "grad_norm_mean", "kl")
+    means = torch.tensor([stats[k] for k in mean_keys], dtype=torch.float32, device=ctx.device)
+    rt_dist.all_reduce_sum(ctx, means)
+    # min(x) = −max(−x), so one MAX reduction covers both ends
+    extremes = torch.tensor(
+        [-stats["ratio_min"], stats["ratio_max"], stats["first_abs_log_ratio"], stats["grad_norm_max"]],
+        dtype=torch.float32,
+        device=ctx.device,
+    )
+    rt_dist.all_reduce_max(ctx, extremes)
+    out = dict(zip(mean_keys, (means / ctx.world_size).tolist(), strict=True))
+    low, out["ratio_max"], out["first_abs_log_ratio"], out["grad_norm_max"] = extremes.tolist()
+    out["ratio_min"] = -low
+    out["optimizer_steps"] = stats["optimizer_steps"]
+    out["skipped_steps"] = stats["skipped_steps"]
+    out["update_skipped"] = stats["update_skipped"]  # the same on every rank (decided from a global count)
+    return out
+
+
+def ratio_means_per_step(ctx: DistContext, update: Any) -> list[float | None]:
+    """Mean ρ of each σ-table step over every rank's trained samples (None: not trained this iteration): the
+    drift of the ratio across steps that GRPO-Guard corrects."""
+    packed = torch.stack([update.ratio_sum_per_step, update.count_per_step])
+    rt_dist.all_reduce_sum(ctx, packed)
+    sums, counts = packed.tolist()
+    means = [total / count if count else None for total, count in zip(sums, counts, strict=True)]
+    return [mean if mean is not None and math.isfinite(mean) else None for mean in means]
+
+
+def advantage_statistics(ctx: DistContext, advantages: torch.Tensor) -> dict[str, float]:
+    gathered = rt_dist.all_gather_tensor(ctx, advantages.detach().float())
+    abs_mean, low, high = torch.stack([gathered.abs().mean(), gathered.min(), gathered.max()]).tolist()
+    return {"advantage_abs_mean": abs_mean, "advantage_min": low, "advantage_max": high}
+
+
+def progress_line(record: dict[str, Any], total: int) -> str:
+    """One console line per iteration on rank 0 (the full record is in metrics.jsonl)."""
+    seconds = record["seconds_rollout"] + record["seconds_decode_reward"] + record["seconds_update"]
+    skipped = f" · skipped steps {record['skipped_steps']:.0f}" if record["skipped_steps"] else ""
+    if record["update_skipped"]:
+        skipped = " · update skipped: no finite reward"
+    bad = f" · non-finite rewards {record['nonfinite_rewards']:.0f}" if record["nonfinite_rewards"] else ""
+    return (
+        f"iteration {record['iteration']}/{total} · reward {record['reward_mean']:.4f} ± {record['reward_std']:.4f} "
+        f"· ratio {record['ratio_mean']:.4f} [{record['ratio_min']:.4f}, {record['ratio_max']:.4f}] "
+        f"· clip {record['clip_fraction']:.2f} · loss {record['loss']:.3g} · grad {record['grad_norm_mean']:.3g} "
+        f"· lr {record['lr']:.2g} · {seconds:.1f} s ({record['images_per_second']:.2f} img/s){skipped}{bad}"
+    )
+
+
+class PhaseClock:
+    """Wall time of each phase of an iteration, measured between device synchronisations."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        rt_device.synchronize(device)
+        self._last = self._start = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        rt_device.synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[f"seconds_{phase}"] = now - self._last
+        self._last = now
+
+    @property
+    def total(self) -> float:
+        return self._last - self._start
+
+
+def iteration_record(
+    ctx: DistContext,
+    cfg: TrainConfig,
+    parts: TrainingParts,
+    iteration: int,
+    scores: torch.Tensor,
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    update: Any,
+    clock: PhaseClock,
+) -> dict[str, Any]:
+    """Everything metrics.jsonl holds for one iteration, reduced over ranks."""
+    peak = rt_device.peak_memory_bytes(ctx.device)
+    return {
+        "iteration": iteration,
+        **reward_statistics(ctx, rewards, cfg.num_generations),
+        **per_reward_statistics(ctx, scores, parts.reward_fn.names),
+        **advantage_statistics(ctx, advantages),
+        **reduce_update_stats(ctx, update.as_floats()),
+        "ratio_mean_per_step": ratio_means_per_step(ctx, update),
+        "lr": parts.lr_scheduler.get_last_lr()[0],
+        **clock.seconds,
+        "images_per_second": ctx.world_size * cfg.trajectories_per_rank / clock.total,
+        "peak_memory_gib": None if peak is None else peak / 2**30,
+    }
