@@ -43,6 +43,10 @@ SAMPLERS = ("dance", "flow-grpo", "cps")
 WINDOW_POLICIES = ("sliding", "random")
 ODE_SOLVERS = ("euler", "dpm2")
 RATIO_NORMALIZATIONS = ("none", "grpo-guard")
+OBJECTIVES = ("grpo", "nft", "awm")
+NFT_DECAY_TYPES = (0, 1, 2)
+AWM_WEIGHTINGS = ("uniform", "t", "t2", "ghuber", "huber")
+AWM_TIME_FRACTION = 0.9  # AWM trains at the sampler-grid indices 1 … int(0.9·N)−1
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
@@ -105,6 +109,19 @@ class TrainConfig:
     lora_targets: str = _opt(LORA_DEFAULT_TARGETS, "Comma-separated module names that get LoRA adapters.")
     lora_dropout: float = _opt(0.0, "Dropout on the LoRA adapters' input.")
     # --- algorithm options (the peers' methods; the defaults are DanceGRPO's) ---------------------------
+    objective: str = _opt(
+        "grpo",
+        "Training objective: grpo (PPO-clip on the SDE's per-step log-probs), nft (DiffusionNFT) or awm "
+        "(Advantage-Weighted Matching); nft and awm roll out with the DPM-Solver++(2M) ODE and train on final samples.",
+    )
+    nft_beta: float = _opt(1.0, "DiffusionNFT's β: the step of its implicit positive/negative policies.")
+    nft_decay_type: int = _opt(
+        1,
+        "DiffusionNFT's old-policy decay: 1 min(0.001·s, 0.5), 2 (0 for 75 steps, then 0.0075/step up to 0.999), 0 none.",
+    )
+    awm_weighting: str = _opt("ghuber", f"AWM's weighting of the flow-matching error: {', '.join(AWM_WEIGHTINGS)}.")
+    awm_ghuber_power: float = _opt(0.25, "AWM's ghuber power p.")
+    awm_ema_beta: float = _opt(1.0, "Weight of AWM's pull towards its EMA policy (0: off, no EMA copy).")
     sampler: str = _opt(
         "dance",
         "SDE of the rollout and its log-prob: dance (η at every step), flow-grpo (Flow-GRPO's σ-dependent noise) "
@@ -166,7 +183,11 @@ class TrainConfig:
     @property
     def trainable_timesteps(self) -> int:
         """The transitions a trajectory may train on: the SDE window, or N−1 (the last one cannot change the
-        reward, so it never trains)."""
+        reward, so it never trains). nft: the N sampler timesteps; awm: the grid indices 1 … int(0.9·N)−1."""
+        if self.objective == "nft":
+            return self.sampling_steps
+        if self.objective == "awm":
+            return max(int(self.sampling_steps * AWM_TIME_FRACTION) - 1, 0)
         return self.sde_window or self.sampling_steps - 1
 
     @property
@@ -313,8 +334,45 @@ class TrainConfig:
             out.append(f"--wandb-mode {self.wandb_mode!r}: use one of {', '.join(WANDB_MODES)}, or leave it empty")
         return out
 
-    def _algorithm_problems(self) -> list[str]:
+    def _objective_problems(self) -> list[str]:
         out = []
+        if self.objective not in OBJECTIVES:
+            out.append(f"--objective {self.objective!r}: use one of {', '.join(OBJECTIVES)}")
+            return out
+        if self.objective != "grpo":
+            grpo_only = [
+                flag
+                for flag, used in (
+                    ("--sde-window", self.sde_window != 0),
+                    ("--ratio-normalization grpo-guard", self.ratio_normalization != "none"),
+                    ("--ode-solver dpm2", self.ode_solver != "euler"),
+                )
+                if used
+            ]
+            if grpo_only:
+                out.append(
+                    f"{', '.join(grpo_only)}: only --objective grpo has per-step log-probs; --objective "
+                    f"{self.objective} rolls out with the ODE (leave these at their defaults)"
+                )
+        if not self.nft_beta > 0:
+            out.append(f"--nft-beta {self.nft_beta} must be positive")
+        if self.nft_decay_type not in NFT_DECAY_TYPES:
+            out.append(f"--nft-decay-type {self.nft_decay_type}: use one of {', '.join(map(str, NFT_DECAY_TYPES))}")
+        if self.awm_weighting not in AWM_WEIGHTINGS:
+            out.append(f"--awm-weighting {self.awm_weighting!r}: use one of {', '.join(AWM_WEIGHTINGS)}")
+        if not self.awm_ghuber_power > 0:
+            out.append(f"--awm-ghuber-power {self.awm_ghuber_power} must be positive")
+        if not self.awm_ema_beta >= 0:
+            out.append(f"--awm-ema-beta {self.awm_ema_beta} cannot be negative (0 turns the EMA term off)")
+        if self.objective == "awm" and self.sampling_steps >= 1 and self.trainable_timesteps < 1:
+            out.append(
+                f"--objective awm trains at grid indices 1 … int(0.9·N)−1, none with --sampling-steps "
+                f"{self.sampling_steps}: use at least 3"
+            )
+        return out
+
+    def _algorithm_problems(self) -> list[str]:
+        out = self._objective_problems()
         for name, allowed in (
             ("sampler", SAMPLERS),
             ("sde_window_policy", WINDOW_POLICIES),

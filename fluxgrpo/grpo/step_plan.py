@@ -100,7 +100,7 @@ def window_start(
 
 @dataclass(frozen=True)
 class PlanSettings:
-    """The step-plan options of ``TrainConfig`` (its names)."""
+    """The step-plan options (``TrainConfig``'s names; ``training.settings.plan_settings`` builds them)."""
 
     sde_window: int  # 0: DanceGRPO, every step SDE
     sde_window_policy: str
@@ -110,19 +110,6 @@ class PlanSettings:
     ode_solver: str
     ode_compress_ratio: float
     shift: float
-
-    @classmethod
-    def from_config(cls, cfg) -> PlanSettings:
-        return cls(
-            sde_window=cfg.sde_window,
-            sde_window_policy=cfg.sde_window_policy,
-            sde_window_shift_every=cfg.sde_window_shift_every,
-            sde_window_stride=cfg.sde_window_stride,
-            sde_window_wrap=cfg.sde_window_wrap,
-            ode_solver=cfg.ode_solver,
-            ode_compress_ratio=cfg.ode_compress_ratio,
-            shift=cfg.shift,
-        )
 
 
 def plan_for_iteration(

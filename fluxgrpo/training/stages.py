@@ -99,3 +99,36 @@ def save_sample_images(images: torch.Tensor, output_dir: Path, rank: int, count:
     pixels = (images[:count].clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     for idx, array in enumerate(pixels):
         Image.fromarray(array).save(folder / f"flux_{rank}_{idx}.png")
+
+
+def rollout_stage(
+    parts: TrainingParts,
+    cfg: TrainConfig,
+    objective: Any,
+    cond: Any,
+    noise: torch.Tensor,
+    sigmas: torch.Tensor,
+    img_ids: torch.Tensor,
+    plan: Any,
+    generator: torch.Generator,
+) -> Any:
+    """What the objective trains on: the SDE trajectory with its log-probs (``Rollout``), or the ODE's final
+    latents (``FinalSamples``) sampled with the objective's rollout policy (NFT: θ_old) swapped in."""
+    import contextlib
+
+    from fluxgrpo.grpo.rollout import sample_final_latents, sample_trajectories
+    from fluxgrpo.training.settings import rollout_settings
+
+    device_type = parts.ctx.device_type
+    if objective.keeps_trajectory:
+        return sample_trajectories(
+            parts.transformer, cond, noise, sigmas, rollout_settings(cfg, sigmas), img_ids=img_ids,
+            device_type=device_type, generator=generator, plan=plan,
+        )  # fmt: skip
+    policy = objective.rollout_policy()
+    swapped = policy.swapped_in(parts.transformer) if policy is not None else contextlib.nullcontext()
+    with swapped:
+        return sample_final_latents(
+            parts.transformer, cond, noise, sigmas, guidance=cfg.guidance, rollout_batch_size=cfg.rollout_batch_size,
+            img_ids=img_ids, device_type=device_type,
+        )  # fmt: skip
