@@ -82,7 +82,11 @@ class TrainConfig:
     guidance: float = _opt(3.5, "FLUX-dev distilled guidance value.")
     num_generations: int = _opt(12, "Trajectories per prompt G (the group size).")
     train_batch_size: int = _opt(1, "Prompts per rank per iteration.")
-    init_same_noise: bool = _opt(True, "Share the initial noise within each group (not across prompts).")
+    init_same_noise: bool = _opt(
+        True,
+        "Share the initial noise within each group (not across prompts); --objective grpo only: the ODE rollouts of "
+        "nft and awm need a noise per image, or a group's images would all be the same.",
+    )
     rollout_batch_size: int = _opt(4, "Trajectories per transformer forward during rollout.")
     # --- policy update --------------------------------------------------------------------------------
     timestep_fraction: float = _opt(
@@ -179,6 +183,11 @@ class TrainConfig:
     @property
     def trajectories_per_rank(self) -> int:
         return self.train_batch_size * self.num_generations
+
+    @property
+    def shares_group_noise(self) -> bool:
+        """Whether a group's trajectories start from one noise: with the SDE only (an ODE would repeat the image)."""
+        return self.init_same_noise and self.objective == "grpo"
 
     @property
     def trainable_timesteps(self) -> int:

@@ -30,11 +30,11 @@ def draw_prompts(parts: TrainingParts, cfg: TrainConfig):
 
 
 def initial_noise(cfg: TrainConfig, num_prompts: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """[B, L, C] packed Gaussian noise; shared by the G members of a group when ``init_same_noise``."""
+    """[B, L, C] packed Gaussian noise; shared by the G members of a group when ``shares_group_noise``."""
     from fluxgrpo.grpo.latents import latent_shape, pack_latents
 
     shape = latent_shape(cfg.height, cfg.width)
-    draws = num_prompts if cfg.init_same_noise else num_prompts * cfg.num_generations
+    draws = num_prompts if cfg.shares_group_noise else num_prompts * cfg.num_generations
     noise = torch.randn(
         (draws, shape.channels, shape.latent_height, shape.latent_width),
         generator=generator,
@@ -42,7 +42,7 @@ def initial_noise(cfg: TrainConfig, num_prompts: int, generator: torch.Generator
         dtype=torch.float32,
     )
     packed = pack_latents(noise)
-    return packed.repeat_interleave(cfg.num_generations, dim=0) if cfg.init_same_noise else packed
+    return packed.repeat_interleave(cfg.num_generations, dim=0) if cfg.shares_group_noise else packed
 
 
 def decode_images(
