@@ -92,14 +92,9 @@ def test_metrics_are_reduced_as_each_declares():
     tally = MetricTally(specs, torch.device("cpu"), num_steps=3)
     for values, steps in (([1.0, 3.0], [0, 2]), ([5.0], [2])):
         value = torch.tensor(values)
-        tally.add(
-            StepResult(
-                loss=torch.tensor(0.0),
-                metrics={"total": value.sum(), "average": value.sum(), "top": value.max(), "bottom": value.min(),
-                         "per_step": (torch.tensor(steps), value)},  # fmt: skip
-                num_samples=len(values),
-            )
-        )
+        metrics = {"total": value.sum(), "average": value.sum(), "top": value.max(), "bottom": value.min()}
+        metrics["per_step"] = (torch.tensor(steps), value)
+        tally.add(StepResult(loss=torch.tensor(0.0), metrics=metrics, num_samples=len(values)))
     out = tally.result()
     assert out["total"].item() == 9.0 and out["average"].item() == 3.0
     assert out["top"].item() == 5.0 and out["bottom"].item() == 1.0
