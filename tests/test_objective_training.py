@@ -21,7 +21,7 @@ RUNS = {
     # the authors' setting: LoRA, the old policy as a second set of adapters, the KL's reference = adapters off
     "nft-lora": {"objective": "nft", "kl_beta": 0.01, **LORA},
     # full fine-tuning: the old policy is a second copy of the weights; the reference a frozen base
-    "nft-full": {"objective": "nft", "nft_beta": 0.1, "kl_beta": 0.01},
+    "nft-full": {"objective": "nft", "nft_beta": 0.1},
     "awm-full": {"objective": "awm", "awm_ema_beta": 1.0, "kl_beta": 0.01, "clip_range": 1.0},
     "awm-lora": {"objective": "awm", "awm_weighting": "t", **LORA},
 }
@@ -34,7 +34,7 @@ def exported(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("name", ["nft-lora", "nft-full", "awm-full"])
+@pytest.mark.parametrize("name", ["nft-lora", "awm-full"])
 def test_exact_resume_restores_the_policy_copies(tiny_weights, tiny_embeddings, tmp_path, name):
     options = RUNS[name]
     straight = run(tiny_config(tiny_weights, tiny_embeddings, tmp_path / "straight", **options))
