@@ -293,3 +293,12 @@ def test_awm_pulls_towards_its_ema_policy(base_transformer):
     step = work.loss(0, 0)
     assert step.metrics["ema_deviation"].item() > 0
     assert ema_policy_decay(0) == 0.0 and ema_policy_decay(100) == 0.1 and ema_policy_decay(10_000) == 0.3
+
+
+def test_an_objectives_own_metrics_reach_the_report_without_naming_them_there(tmp_path):
+    from fluxgrpo.report.figures import panels_for
+    from fluxgrpo.report.run import RunData
+
+    records = [{"iteration": i, "reward_mean": 0.5, "loss": 1.0, "policy_loss": 2.0 - i, "fm_mse": 0.3} for i in (1, 2)]
+    keys = {line.key for panel in panels_for([RunData(tmp_path, "nft", records, [])]) for line in panel.lines}
+    assert {"policy_loss", "fm_mse"} <= keys
