@@ -69,7 +69,7 @@ class TrainConfig:
     output_dir: str = _opt(DEFAULT_OUTPUT_DIR, "Checkpoints, metrics.jsonl, sample images and the resolved config.")
     reward: str = _opt(
         "hpsv2",
-        f"Reward model(s): {', '.join(REWARDS)} (brightness: a smoke test for tiny models); several as "
+        f"Reward model(s): {', '.join(REWARDS)} (brightness, structure: smoke tests for tiny models); several as "
         "name:weight,... (e.g. hpsv2:1,pickscore:0.5; weights normalised to sum 1).",
     )
     reward_dtype: str = _opt("fp32", "Dtype the reward encoders run in: fp32 or bf16 (scores are fp32 either way).")

@@ -302,3 +302,19 @@ def test_an_objectives_own_metrics_reach_the_report_without_naming_them_there(tm
     records = [{"iteration": i, "reward_mean": 0.5, "loss": 1.0, "policy_loss": 2.0 - i, "fm_mse": 0.3} for i in (1, 2)]
     keys = {line.key for panel in panels_for([RunData(tmp_path, "nft", records, [])]) for line in panel.lines}
     assert {"policy_loss", "fm_mse"} <= keys
+
+
+def test_the_structure_toy_reward_needs_the_targets_layout():
+    from fluxgrpo.rewards import load_reward
+    from fluxgrpo.rewards.structure import SIZE
+
+    reward = load_reward("structure", "unused")
+    target = reward.target_image  # type: ignore[attr-defined]
+    images = torch.stack([target, target.flip(-1), torch.full_like(target, 0.5), torch.full_like(target, 0.9)])
+    scores = reward(images, ["a"] * 4)
+    assert scores[0].item() == pytest.approx(1.0, abs=1e-6)  # the target itself
+    assert scores[1] < 0.99 and scores[3] < 0.99  # mirrored layout, or a uniform brightness change, is not it
+    assert scores[2].item() == 0.0  # flat grey has no features
+    upscaled = torch.nn.functional.interpolate(target[None], size=(2 * SIZE, 2 * SIZE), mode="bilinear")
+    assert reward(upscaled, ["a"]).item() > 0.99  # resolution-independent
+    assert torch.equal(load_reward("structure", "unused")(images, ["a"] * 4), scores)  # fixed seed: deterministic

@@ -108,6 +108,14 @@ def command(
         ),
     ] = None,
     iterations: Annotated[int, _option("--iterations", "With --algorithms: iterations each algorithm trains.")] = 30,
+    vary_seed: Annotated[
+        bool,
+        _option(
+            "--vary-seed",
+            "With --algorithms: repeat k trains with --seed + k − 1, so the spread of the reward gain is measured "
+            "(else every repeat reproduces the first's rewards and only time varies).",
+        ),
+    ] = False,
     config: Annotated[
         str,
         _option("--config", "With --algorithms: the training settings (a shipped config or a YAML file)."),
@@ -135,7 +143,7 @@ def command(
 
     if algorithms is not None:
         _refuse_flags(arguments, EFFICIENCY_FLAGS | SHARED_FLAGS, "the phase bench only: drop it, or drop --algorithms")
-        _run_efficiency(algorithms, iterations, repeats, config, text_tokens, seed, device, json_output)
+        _run_efficiency(algorithms, iterations, repeats, config, text_tokens, seed, device, json_output, vary_seed)
         return
     _refuse_flags(arguments, PHASE_FLAGS | SHARED_FLAGS, "--algorithms only: add --algorithms, or drop it")
     from fluxgrpo.bench.config import build_bench_config
@@ -177,7 +185,7 @@ def command(
 
 # Flags that mean the same in both benches; the others belong to one of them.
 SHARED_FLAGS = frozenset({"text_tokens", "seed", "device", "repeats", "json_output"})
-EFFICIENCY_FLAGS = frozenset({"algorithms", "iterations", "config"})
+EFFICIENCY_FLAGS = frozenset({"algorithms", "iterations", "config", "vary_seed"})
 PHASE_FLAGS = frozenset(inspect.signature(command).parameters) - SHARED_FLAGS - EFFICIENCY_FLAGS
 
 
@@ -209,6 +217,7 @@ def _run_efficiency(
     seed: int,
     device: str,
     json_output: bool,
+    vary_seed: bool = False,
 ) -> None:
     from fluxgrpo.bench.efficiency import EfficiencyConfig, parse_algorithms, run_efficiency
 
@@ -220,6 +229,7 @@ def _run_efficiency(
         text_tokens=text_tokens,
         seed=seed,
         device=None if device == "auto" else device,
+        vary_seed=vary_seed,
     ).validate()
     document = run_efficiency(cfg, log=lambda line: err_console.print(line, highlight=False, markup=False))
     if json_output:
@@ -257,12 +267,18 @@ def _render_efficiency(document: dict[str, Any]) -> None:
         ("update s", lambda row: f"{row['phase_seconds']['update']:.3g}"),
         ("reward first→last", lambda row: f"{row['reward_first']:.4f}→{row['reward_last']:.4f}"),
         ("gain", lambda row: f"{row['reward_gain']:.3g}" + ("" if row["rewards_identical"] else " [red]![/]")),
+        ("gain min–max", lambda row: "{:.3g}–{:.3g}".format(*row["reward_gain_spread"])),
         ("×", lambda row: _ratio(row["reward_gain_ratio"])),
         ("gain/s", lambda row: f"{row['reward_gain_per_second']:.3g}"),
         ("×", lambda row: _ratio(row["reward_gain_per_second_ratio"])),
     ]
     rows = document["algorithms"]
-    keep = [column for column in columns if repeats > 1 or column[0] not in ("min–max", f"vs {BASELINE}")]
+    varied = document["config"].get("vary_seed", False)
+    keep = [
+        column
+        for column in columns
+        if (repeats > 1 or column[0] not in ("min–max", f"vs {BASELINE}")) and (varied or column[0] != "gain min–max")
+    ]
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for index, (header, _) in enumerate(keep):
         table.add_column(header, justify="left" if index == 0 else "right", no_wrap=True)
