@@ -40,7 +40,8 @@ LORA_DEFAULT_TARGETS = (
 WANDB_MODES = ("online", "offline", "disabled")
 # The algorithm options' choices (fluxgrpo/grpo implements each; listed here so validation needs no torch).
 SAMPLERS = ("dance", "flow-grpo", "cps")
-WINDOW_POLICIES = ("sliding", "random")
+WINDOW_POLICIES = ("sliding", "random", "random-early")
+DECODE_SAMPLES = ("x0", "final")
 ODE_SOLVERS = ("euler", "dpm2")
 RATIO_NORMALIZATIONS = ("none", "grpo-guard")
 OBJECTIVES = ("grpo", "nft", "awm")
@@ -135,7 +136,9 @@ class TrainConfig:
         0, "Only this many consecutive steps are SDE and trained, ODE elsewhere (MixGRPO); 0: every step is SDE."
     )
     sde_window_policy: str = _opt(
-        "sliding", "Window placement: sliding (from the noisy end, see --sde-window-shift-every) or random."
+        "sliding",
+        "Window placement: sliding (from the noisy end, see --sde-window-shift-every), random (anywhere), or "
+        "random-early (starts in 0…N/2−W, Flow-GRPO-Fast's range).",
     )
     sde_window_shift_every: int = _opt(0, "Move the sliding window every this many iterations (0: it stays).")
     sde_window_stride: int = _opt(1, "Steps the sliding window moves towards the data each time.")
@@ -144,6 +147,11 @@ class TrainConfig:
         "euler", "ODE outside the window: euler, or dpm2 (DPM-Solver++ 2M on fewer steps after the window)."
     )
     ode_compress_ratio: float = _opt(0.4, "With --ode-solver dpm2: the fraction of the steps after the window kept.")
+    decode_sample: str = _opt(
+        "x0",
+        "What the VAE decodes for the reward: x0 (the last model call's x̂0, DanceGRPO's) or final (the rollout's final "
+        "latent, with the last SDE step's noise: Flow-GRPO's plain sampler). nft and awm end on σ = 0, where both agree.",
+    )
     kl_beta: float = _opt(0.0, "Weight of Flow-GRPO's KL to the frozen base model on the SDE means (0: off).")
     ratio_normalization: str = _opt(
         "none", "PPO ratio: none, or grpo-guard (GRPO-Guard's normalised log-ratio and 1/|dt| step weights)."
@@ -385,6 +393,7 @@ class TrainConfig:
         for name, allowed in (
             ("sampler", SAMPLERS),
             ("sde_window_policy", WINDOW_POLICIES),
+            ("decode_sample", DECODE_SAMPLES),
             ("ode_solver", ODE_SOLVERS),
             ("ratio_normalization", RATIO_NORMALIZATIONS),
         ):
@@ -394,6 +403,11 @@ class TrainConfig:
             out.append(
                 f"--sde-window {self.sde_window} must be between 0 (off) and the {self.sampling_steps - 1} trainable "
                 f"steps of --sampling-steps {self.sampling_steps}"
+            )
+        if self.sde_window_policy == "random-early" and self.sde_window > self.sampling_steps // 2:
+            out.append(
+                f"--sde-window-policy random-early starts the window in 0…N/2−W: --sde-window {self.sde_window} is "
+                f"more than half of --sampling-steps {self.sampling_steps}"
             )
         if self.sde_window_shift_every < 0 or self.sde_window_stride < 0:
             out.append("--sde-window-shift-every and --sde-window-stride cannot be negative")

@@ -245,6 +245,7 @@ def sample_trajectories(
         captions=cond.captions,
         sde_steps=(plan.sde_start, plan.sde_stop),
         means=means,
+        final_latent=store.current if store.current is not None else store.latents[:, -1],
     )
 
 

@@ -84,11 +84,14 @@ def window_start(
     ``sliding`` (MixGRPO's "progressive"): starts at 0 and moves ``stride`` steps towards the data every
     ``shift_every`` iterations (0: never moves). Past the last position it holds there, or with ``wrap`` starts over
     at 0 (MixGRPO's --roll_back). MixGRPO's own last position is an empty window (a crash); here the window always
-    holds W steps. ``random``: uniform over all positions each iteration, drawn from ``generator``.
+    holds W steps. ``random``: uniform over all positions each iteration, drawn from ``generator``; ``random-early``:
+    uniform over the starts 0 … N/2 − W (Flow-GRPO-Fast's window range (0, N/2)).
     """
     last = num_steps - 1 - window
     if policy == "random":
         return int(torch.randint(0, last + 1, (1,), generator=generator))
+    if policy == "random-early":  # Flow-GRPO-Fast's SD3/Qwen configs: starts in 0 … N/2 − W only
+        return int(torch.randint(0, min(num_steps // 2 - window, last) + 1, (1,), generator=generator))
     moves = (iteration - 1) // shift_every if shift_every > 0 else 0
     if stride == 0 or moves == 0:
         return 0

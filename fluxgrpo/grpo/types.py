@@ -84,7 +84,7 @@ class Rollout:
 
     latents: torch.Tensor  # [B, K, L, C] fp32, z_0 (initial noise) … z_{K−1}: K = N+1, or sde_stop+1 with a window
     log_probs: torch.Tensor  # [B, N] fp32, log p(z_{i+1} | z_i) as a per-element mean; NaN for ODE steps
-    final_x0: torch.Tensor  # [B, L, C] fp32, x̂0 predicted at step N−1: what the VAE decodes
+    final_x0: torch.Tensor  # [B, L, C] fp32, x̂0 predicted at step N−1: what the VAE decodes (``--decode-sample x0``)
     sigmas: torch.Tensor  # [N+1] fp32, the exact σ table (1 → 0)
     img_ids: torch.Tensor  # [L, 3] image position ids used for every forward
     guidance: float  # FLUX distilled-guidance value (3.5 for FLUX.1-dev)
@@ -92,6 +92,7 @@ class Rollout:
     captions: tuple[str, ...] | None = None  # [B], copied from the conditioning
     sde_steps: tuple[int, int] | None = None  # [start, stop): the SDE (trainable) transitions; None: 0…N−2
     means: torch.Tensor | None = None  # [B, K−1, L, C] fp32, μ of each SDE step (GRPO-Guard), else None
+    final_latent: torch.Tensor | None = None  # [B, L, C] fp32, z_N, the last step's result (``--decode-sample final``)
 
     @property
     def num_trajectories(self) -> int:
@@ -117,6 +118,11 @@ class FinalSamples:
     img_ids: torch.Tensor  # [L, 3]
     guidance: float
     captions: tuple[str, ...] | None = None
+
+    @property
+    def final_latent(self) -> torch.Tensor:
+        """The ODE's last step lands on σ = 0: the final latent is x0."""
+        return self.final_x0
 
     @property
     def num_trajectories(self) -> int:

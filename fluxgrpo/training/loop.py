@@ -151,7 +151,8 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
             rollout = rollout_stage(parts, cfg, objective, cond, noise, sigmas, img_ids, plan, noise_gen)
             clock.lap("rollout")
 
-            images, scores = decode_and_score(parts, cfg, rollout.final_x0, cond.captions)  # [B,3,H,W], [B, K]
+            decoded = rollout.final_x0 if cfg.decode_sample == "x0" else rollout.final_latent
+            images, scores = decode_and_score(parts, cfg, decoded, cond.captions)  # [B,3,H,W], [B, K]
             clock.lap("decode_reward")
 
             rewards, adv = aggregate_rewards(  # [B] Σ w·r, [B] advantages
