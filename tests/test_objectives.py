@@ -4,6 +4,7 @@ FluxTransformer2DModel (CPU, fp32, 16 tokens): DiffusionNFT's and AWM's tests, t
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -318,3 +319,41 @@ def test_the_structure_toy_reward_needs_the_targets_layout():
     upscaled = torch.nn.functional.interpolate(target[None], size=(2 * SIZE, 2 * SIZE), mode="bilinear")
     assert reward(upscaled, ["a"]).item() > 0.99  # resolution-independent
     assert torch.equal(load_reward("structure", "unused")(images, ["a"] * 4), scores)  # fixed seed: deterministic
+
+
+# --------------------------------------------------------------------------------------------- the authors' losses
+
+CASES = torch.load(Path(__file__).with_name("fixtures") / "objective_cases.pt", weights_only=True)
+AUTHORS_WEIGHTINGS = {"Uniform": "uniform", "t": "t", "t**2": "t2", "huber": "huber", "ghuber": "ghuber"}
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if case["kind"] == "nft"], ids=lambda case: str(case["beta"]))
+def test_nft_loss_and_gradient_match_the_authors_recorded_cases(case):
+    from fluxgrpo.grpo.objectives.nft import optimality_probability
+
+    velocity = case["velocity"].clone().requires_grad_(True)
+    r = optimality_probability(case["advantages"], case["adv_clip_max"])
+    policy = nft_policy_loss(
+        velocity, case["old_velocity"], case["x_t"], case["x0"], case["t"], r, case["beta"], case["adv_clip_max"]
+    )
+    kl = ((velocity - case["reference_velocity"]) ** 2).mean(dim=(1, 2))
+    loss = policy.mean() + case["kl_beta"] * kl.mean()
+    loss.backward()
+    assert torch.allclose(loss.detach(), case["loss"], rtol=1e-6, atol=0)
+    assert torch.allclose(velocity.grad, case["gradient"], rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if case["kind"] == "awm"], ids=lambda case: case["weighting"])
+def test_awm_loss_and_gradient_match_the_authors_recorded_cases(case):
+    from fluxgrpo.grpo.objectives.awm import awm_policy_loss, flow_matching_mse
+
+    velocity = case["velocity"].clone().requires_grad_(True)
+    mse = flow_matching_mse(velocity, case["noise"], case["x0"])
+    log_prob = weighted_log_prob(mse, case["t"], AUTHORS_WEIGHTINGS[case["weighting"]], case["ghuber_power"])
+    clipped = case["advantages"].clamp(-case["adv_clip_max"], case["adv_clip_max"]) / case["adv_clip_max"]
+    policy, _ = awm_policy_loss(log_prob, case["old_log_prob"], clipped, case["clip_range"])
+    loss = policy.mean()
+    loss.backward()
+    assert torch.equal(log_prob.detach(), case["log_prob"])  # the same float64 operations, bit for bit
+    assert torch.allclose(loss.detach(), case["loss"], rtol=1e-12, atol=0)
+    assert torch.allclose(velocity.grad, case["gradient"], rtol=1e-6, atol=1e-12)

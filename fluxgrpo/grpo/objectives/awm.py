@@ -63,8 +63,8 @@ def stratified_indices(num_steps: int, count: int, generator: torch.Generator) -
 
 
 def weighted_log_prob(mse: torch.Tensor, t: torch.Tensor, weighting: str, power: float) -> torch.Tensor:
-    """AWM's "log-prob" of the flow-matching error ``mse`` [B] at times ``t`` [B] (fp64)."""
-    t = t.to(mse.dtype)
+    """AWM's "log-prob" of the flow-matching error ``mse`` [B] (fp64) at times ``t`` [B]; t's powers are taken in t's
+    own dtype, as the authors' (fp32 t² then promoted)."""
     if weighting == "uniform":
         return -mse
     if weighting == "t":
@@ -76,6 +76,22 @@ def weighted_log_prob(mse: torch.Tensor, t: torch.Tensor, weighting: str, power:
     if weighting == "huber":
         return -(torch.sqrt(mse + 1e-10) - 1e-5) * t
     raise ValueError(f"unknown AWM weighting {weighting!r}: one of {', '.join(WEIGHTINGS)}")
+
+
+def flow_matching_mse(velocity: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    """[B] mean_d((v − (ε − x0))²) in float64, the authors' precision."""
+    error = velocity.double() - (noise.double() - x0.double())
+    return (error**2).mean(dim=tuple(range(1, error.ndim)))
+
+
+def awm_policy_loss(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B] max(−A'·ρ, −A'·clip(ρ, 1±ε)), [B] ρ) with ρ = exp(lp − lp_old) and A' = ``advantages`` (already A/c)."""
+    ratio = torch.exp(log_prob - old_log_prob)
+    advantages = advantages.to(ratio.dtype)
+    clipped = torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    return torch.maximum(-advantages * ratio, -advantages * clipped), ratio
 
 
 @dataclass(frozen=True)
@@ -183,9 +199,7 @@ class AwmWork:
     def _log_prob(self, velocity: torch.Tensor, rows: slice, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(lp [m], mse [m]) in fp64 for the rows' samples at their slot-th timestep."""
         settings = self.objective.settings
-        x0 = self.batch.x0[rows]
-        target = self.batch.noise[rows, slot] - x0
-        mse = ((velocity.double() - target.double()) ** 2).mean(dim=tuple(range(1, x0.ndim)))
+        mse = flow_matching_mse(velocity, self.batch.noise[rows, slot], self.batch.x0[rows])
         return weighted_log_prob(mse, self.batch.t[rows, slot], settings.weighting, settings.ghuber_power), mse
 
     def loss(self, micro_index: int, slot: int) -> StepResult:
@@ -208,10 +222,7 @@ class AwmWork:
             old_log_prob = log_prob.detach()  # on-policy: ρ = 1, the gradient is −A'·∇lp
         else:
             old_log_prob = self.old_log_probs[start:stop, slot]
-        ratio = torch.exp(log_prob - old_log_prob)
-        advantages = self.advantages[start:stop].to(ratio.dtype)
-        clipped = torch.clamp(ratio, 1.0 - settings.clip_range, 1.0 + settings.clip_range)
-        policy = torch.maximum(-advantages * ratio, -advantages * clipped)  # [m]
+        policy, ratio = awm_policy_loss(log_prob, old_log_prob, self.advantages[start:stop], settings.clip_range)
         loss = policy.mean()
         axes = tuple(range(1, velocity.ndim))
         metrics: dict[str, object] = {}
