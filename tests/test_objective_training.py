@@ -63,9 +63,10 @@ def test_exact_resume_restores_the_policy_copies(tiny_weights, tiny_embeddings, 
 @pytest.mark.parametrize("name", ["nft-full", "awm-lora"])
 def test_each_objective_raises_the_toy_reward(tiny_weights, tiny_embeddings, tmp_path, name):
     options = {key: value for key, value in RUNS[name].items() if key != "kl_beta"}
-    cfg = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", **TOY_REWARD_RUN, **options)
-    trend = reward_trend(run(cfg), window=4)
-    assert trend is not None and trend["last"] > trend["first"] + 0.005, trend
+    short = {**TOY_REWARD_RUN, "max_train_steps": 10, "checkpointing_steps": 10}  # both rise steadily from the start
+    cfg = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out", **short, **options)
+    trend = reward_trend(run(cfg), window=3)
+    assert trend is not None and trend["last"] > trend["first"] + 0.002, trend
 
 
 def test_dry_run_counts_the_policy_copies(tiny_weights, tiny_embeddings, tmp_path):
