@@ -23,7 +23,7 @@ from fluxgrpo.paths import (
     DEFAULT_OUTPUT_DIR,
     EMBEDDINGS_INDEX,
 )
-from fluxgrpo.rewards import REWARDS
+from fluxgrpo.rewards import reward_names
 from fluxgrpo.rewards.base import REWARD_DTYPES
 from fluxgrpo.rewards.reward_set import AGGREGATIONS, reward_spec_problems
 from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
@@ -65,7 +65,7 @@ class TrainConfig:
     output_dir: str = _opt(DEFAULT_OUTPUT_DIR, "Checkpoints, metrics.jsonl, sample images and the resolved config.")
     reward: str = _opt(
         "hpsv2",
-        f"Reward model(s): {', '.join(REWARDS)} (brightness: a smoke test for tiny models); several as "
+        f"Reward model(s): {', '.join(reward_names())} (brightness: a smoke test for tiny models); several as "
         "name:weight,... (e.g. hpsv2:1,pickscore:0.5; weights normalised to sum 1).",
     )
     reward_dtype: str = _opt("fp32", "Dtype the reward encoders run in: fp32 or bf16 (scores are fp32 either way).")
@@ -294,8 +294,6 @@ class TrainConfig:
 
     def _logging_problems(self) -> list[str]:
         """Held-out evaluation and experiment-tracker settings."""
-        from fluxgrpo.rewards import reward_names
-
         out = []
         if self.eval_every < 0:
             out.append(f"--eval-every must be 0 (off) or a number of iterations (got {self.eval_every})")

@@ -37,33 +37,34 @@ from fluxgrpo.weights.layout import (
     PICKSCORE_MODEL_DIR,
     PICKSCORE_PROCESSOR_DIR,
     REWARD_ARCH_FILE,
-    hpsv3_dir,
-    imagereward_dir,
-    pickscore_dir,
 )
 from fluxgrpo.weights.manifest import MANIFEST_NAME, Manifest, describe_files, read_manifest, write_manifest
 
 TINY_SOURCE = "tiny"
 _REWARD_FILES = (HPS_CHECKPOINT, OPEN_CLIP_WEIGHTS, REWARD_ARCH_FILE, HPS_MANIFEST, CLIP_MANIFEST)
-# What --only can name for --source tiny. hps and clip are one pair (the HPS checkpoint and the initial weights
-# it was fine-tuned from), written together.
-TINY_PARTS = ("flux", "hps", "clip", "pickscore", "imagereward", "hpsv3")
+
+
+def tiny_parts() -> tuple[str, ...]:
+    """What --only can name for --source tiny: flux, then every reward weights part with a tiny writer (its record's
+    ``write_tiny``), in registry order. A reward's parts are written together (hps and clip: the HPS checkpoint
+    and the initial weights it was fine-tuned from)."""
+    from fluxgrpo.rewards.registry import reward_records
+
+    return ("flux", *(part.name for record in reward_records() if record.write_tiny for part in record.parts))
 
 
 @dataclass(frozen=True)
 class TinyWeightsSummary:
-    """What ``write_tiny_weights`` wrote."""
+    """What ``write_tiny_weights`` wrote: the bytes of each part (manifests excluded), in ``tiny_parts()`` order."""
 
     flux_dir: Path
     hps_dir: Path
     seed: int
-    flux_bytes: int
-    hps_bytes: int
-    clip_bytes: int
-    pickscore_bytes: int = 0
-    imagereward_bytes: int = 0
-    hpsv3_bytes: int = 0
-    parts: tuple[str, ...] = TINY_PARTS  # the parts written, in TINY_PARTS order
+    part_bytes: dict[str, int]
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return tuple(self.part_bytes)
 
 
 def _refuse_unless_tiny_or_empty(
@@ -141,7 +142,7 @@ def write_tiny_reward(hps_dir: Path, seed: int = 0) -> tuple[int, int]:
     return sum(f.size for f in hps_files), sum(f.size for f in clip_files)
 
 
-def _fresh_subfolders(*subs: Path) -> None:
+def fresh_subfolders(*subs: Path) -> None:
     """Empty subfolders of a reward part to write into, refusing any that holds non-tiny weights."""
     for sub in subs:
         _refuse_unless_tiny_or_empty(sub, (MANIFEST_NAME,), None, "--hps-dir")
@@ -151,7 +152,7 @@ def _fresh_subfolders(*subs: Path) -> None:
         sub.mkdir(parents=True)
 
 
-def _manifest_each(part: str, *subs: Path) -> int:
+def write_subfolder_manifests(part: str, *subs: Path) -> int:
     """A tiny manifest in each subfolder, written last; the bytes they list."""
     total = 0
     for sub in subs:
@@ -173,7 +174,7 @@ def write_tiny_pickscore(folder: Path, seed: int = 0) -> int:
 
     folder = Path(folder)
     model_dir, processor_dir = folder / PICKSCORE_MODEL_DIR, folder / PICKSCORE_PROCESSOR_DIR
-    _fresh_subfolders(model_dir, processor_dir)
+    fresh_subfolders(model_dir, processor_dir)
     build_tiny_pickscore_model(seed).save_pretrained(model_dir)
     tokenizer = build_tiny_clip_tokenizer()
     tokenizer.save_pretrained(processor_dir)
@@ -182,7 +183,7 @@ def write_tiny_pickscore(folder: Path, seed: int = 0) -> int:
     (processor_dir / PICKSCORE_BPE_FILES[0]).write_text(json.dumps(tokenizer.get_vocab(), ensure_ascii=False) + "\n")
     (processor_dir / PICKSCORE_BPE_FILES[1]).write_text("#version: 0.2\n")
     CLIPImageProcessor(**PICKSCORE_PROCESSOR_CONFIG).save_pretrained(processor_dir)
-    return _manifest_each("pickscore", model_dir, processor_dir)
+    return write_subfolder_manifests("pickscore", model_dir, processor_dir)
 
 
 def write_tiny_imagereward(folder: Path, seed: int = 0) -> int:
@@ -199,13 +200,13 @@ def write_tiny_imagereward(folder: Path, seed: int = 0) -> int:
 
     folder = Path(folder)
     model_dir, tokenizer_dir = folder / IMAGEREWARD_MODEL_DIR, folder / IMAGEREWARD_TOKENIZER_DIR
-    _fresh_subfolders(model_dir, tokenizer_dir)
+    fresh_subfolders(model_dir, tokenizer_dir)
     torch.save(build_tiny_imagereward_state(seed), model_dir / IMAGEREWARD_CHECKPOINT)
     (model_dir / IMAGEREWARD_MED_CONFIG).write_text(json.dumps(tiny_imagereward_med_config(), indent=2) + "\n")
     (model_dir / IMAGEREWARD_VISION_ARCH_FILE).write_text(json.dumps(TINY_IMAGEREWARD_VISION, indent=2) + "\n")
     (tokenizer_dir / "vocab.txt").write_text("\n".join(tiny_bert_vocab()) + "\n")
     (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True, "model_max_length": 512}))
-    return _manifest_each("imagereward", model_dir, tokenizer_dir)
+    return write_subfolder_manifests("imagereward", model_dir, tokenizer_dir)
 
 
 def write_tiny_hpsv3(folder: Path, seed: int = 0) -> int:
@@ -217,46 +218,41 @@ def write_tiny_hpsv3(folder: Path, seed: int = 0) -> int:
 
     folder = Path(folder)
     model_dir, base_dir = folder / HPSV3_MODEL_DIR, folder / HPSV3_BASE_DIR
-    _fresh_subfolders(model_dir, base_dir)
+    fresh_subfolders(model_dir, base_dir)
     tokenizer = build_tiny_qwen2_tokenizer()
     save_file(build_tiny_hpsv3_state(tokenizer, seed), model_dir / HPSV3_CHECKPOINT, metadata={"format": "pt"})
     tokenizer.save_pretrained(base_dir)
     (base_dir / "config.json").write_text(json.dumps(tiny_hpsv3_base_config(tokenizer), indent=2) + "\n")
-    return _manifest_each("hpsv3", model_dir, base_dir)
+    return write_subfolder_manifests("hpsv3", model_dir, base_dir)
 
 
 def write_tiny_weights(
-    flux_dir: Path, hps_dir: Path, seed: int = 0, parts: Sequence[str] = TINY_PARTS
+    flux_dir: Path, hps_dir: Path, seed: int = 0, parts: Sequence[str] | None = None
 ) -> TinyWeightsSummary:
     """Write tiny random FLUX (``flux_dir``) and reward (``hps_dir``) weights, offline, in the real layout.
 
-    ``parts`` selects from ``TINY_PARTS`` ("hps" and "clip" are written together). Afterwards the layout checks
-    (``check_flux_dir``, ``check_hps_dir``, ``check_pickscore_dir``, ...) report complete for what was written. The same seed gives the same weights. A folder holding non-tiny weights
-    (another source's manifest, or files without one) is never overwritten: FluxgrpoError names the flag to change.
+    ``parts`` selects from ``tiny_parts()`` (default all; a reward's parts are written together). Afterwards the
+    layout checks (``check_flux_dir``, each part's record check) report complete for what was written. The same seed
+    gives the same weights. A folder holding non-tiny weights (another source's manifest, or files without one) is
+    never overwritten: FluxgrpoError names the flag to change.
     """
-    unknown = [part for part in parts if part not in TINY_PARTS]
+    from fluxgrpo.rewards.registry import reward_records
+
+    choices = tiny_parts()
+    parts = choices if parts is None else parts
+    unknown = [part for part in parts if part not in choices]
     if unknown or not parts:
         raise UsageError(
             f"{'unknown part ' + repr(unknown[0]) if unknown else 'no part selected'} for --source tiny: choose from "
-            f"{', '.join(TINY_PARTS)} (--only)"
+            f"{', '.join(choices)} (--only)"
         )
-    written = set(parts)
-    if written & {"hps", "clip"}:
-        written |= {"hps", "clip"}
-    flux_bytes = write_tiny_flux(Path(flux_dir), seed) if "flux" in written else 0
-    hps_bytes, clip_bytes = write_tiny_reward(Path(hps_dir), seed) if "hps" in written else (0, 0)
-    pickscore_bytes = write_tiny_pickscore(pickscore_dir(hps_dir), seed) if "pickscore" in written else 0
-    imagereward_bytes = write_tiny_imagereward(imagereward_dir(hps_dir), seed) if "imagereward" in written else 0
-    hpsv3_bytes = write_tiny_hpsv3(hpsv3_dir(hps_dir), seed) if "hpsv3" in written else 0
+    written: dict[str, int] = {}
+    if "flux" in parts:
+        written["flux"] = write_tiny_flux(Path(flux_dir), seed)
+    for record in reward_records():
+        owned = [part.name for part in record.parts]
+        if record.write_tiny is not None and set(owned) & set(parts):
+            written.update(record.write_tiny(Path(hps_dir), seed))
     return TinyWeightsSummary(
-        Path(flux_dir),
-        Path(hps_dir),
-        seed,
-        flux_bytes,
-        hps_bytes,
-        clip_bytes,
-        pickscore_bytes,
-        imagereward_bytes,
-        hpsv3_bytes,
-        tuple(part for part in TINY_PARTS if part in written),
+        Path(flux_dir), Path(hps_dir), seed, {part: written[part] for part in choices if part in written}
     )

@@ -15,7 +15,17 @@ from typing import TYPE_CHECKING, Any
 from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import check_batch, check_pil_batch, normalize_clip, pil_to_tensor, read_state_dict
 from fluxgrpo.rewards.open_clip_model import OpenClipCosine, create_empty_open_clip, reward_model_name
-from fluxgrpo.weights.layout import HPS_CHECKPOINT, OPEN_CLIP_WEIGHTS, check_hps_dir
+from fluxgrpo.rewards.registry import RewardRecord, WeightsPart
+from fluxgrpo.weights.hub_parts import CLIP_MIRROR_REPO, CLIP_REPO, HubPart
+from fluxgrpo.weights.layout import (
+    CLIP_MANIFEST,
+    HPS_CHECKPOINT,
+    HPS_MANIFEST,
+    OPEN_CLIP_WEIGHTS,
+    REWARD_ARCH_FILE,
+    check_clip_part,
+    check_hps_dir,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -117,3 +127,55 @@ class HpsV2Reward(OpenClipCosine):
             ]
         )
         return self.cosine(normalize_clip(pixels), prompts)
+
+
+def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> HpsV2Reward:
+    return HpsV2Reward(hps_dir, device, compute_dtype=dtype)
+
+
+def _write_tiny(hps_dir: Path, seed: int) -> dict[str, int]:
+    from fluxgrpo.models.tiny_weights import write_tiny_reward
+
+    hps_bytes, clip_bytes = write_tiny_reward(hps_dir, seed)  # the pair: a checkpoint and its initial weights
+    return {"hps": hps_bytes, "clip": clip_bytes}
+
+
+RECORD = RewardRecord(
+    "hpsv2",
+    _load,
+    parts=(
+        WeightsPart(
+            "hps",
+            lambda hps_dir: check_hps_dir(hps_dir)[0],
+            hub=(
+                HubPart(
+                    "hps",
+                    {"hf": ("xswu/HPSv2",), "modelscope": ("AI-ModelScope/HPSv2",)},
+                    allow=(HPS_CHECKPOINT,),
+                    root="hps",
+                    manifest_name=HPS_MANIFEST,
+                    # The tiny reward's architecture file would make the loader build the tiny model around real
+                    # weights.
+                    replaces=(REWARD_ARCH_FILE,),
+                ),
+            ),
+        ),
+        WeightsPart(
+            "clip",
+            check_clip_part,
+            hub=(
+                HubPart(
+                    "clip",
+                    # ModelScope's copy under the laion id has only one source; AI-ModelScope's is the known fallback.
+                    {"hf": (CLIP_REPO,), "modelscope": (CLIP_REPO, CLIP_MIRROR_REPO)},
+                    allow=(OPEN_CLIP_WEIGHTS,),
+                    root="hps",
+                    manifest_name=CLIP_MANIFEST,
+                ),
+            ),
+        ),
+    ),
+    write_tiny=_write_tiny,
+    # open_clip ViT-H-14 (counted on a meta-device build, as for every reward's count).
+    parameters=986_109_440,
+)

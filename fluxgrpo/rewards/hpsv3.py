@@ -40,7 +40,18 @@ from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import check_batch, check_pil_batch, load_pretrained, normalize_clip, resize_like_pil
-from fluxgrpo.weights.layout import HPSV3_BASE_DIR, HPSV3_CHECKPOINT, HPSV3_MODEL_DIR, check_hpsv3_dir
+from fluxgrpo.rewards.registry import RewardRecord, WeightsPart
+from fluxgrpo.weights.hub_parts import HubPart
+from fluxgrpo.weights.layout import (
+    HPSV3_BASE_DIR,
+    HPSV3_BASE_FILES,
+    HPSV3_CHECKPOINT,
+    HPSV3_DIR,
+    HPSV3_MODEL_DIR,
+    check_hpsv3_dir,
+    hpsv3_dir,
+)
+from fluxgrpo.weights.manifest import MANIFEST_NAME
 
 if TYPE_CHECKING:
     import torch
@@ -470,3 +481,50 @@ class HpsV3Reward:
         while len(self._tokens) > self._text_cache_size:
             self._tokens.popitem(last=False)
         return ids
+
+
+def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> HpsV3Reward:
+    return HpsV3Reward(hpsv3_dir(hps_dir), device, compute_dtype=dtype)
+
+
+def _write_tiny(hps_dir: Path, seed: int) -> dict[str, int]:
+    from fluxgrpo.models.tiny_weights import write_tiny_hpsv3
+
+    return {"hpsv3": write_tiny_hpsv3(hpsv3_dir(hps_dir), seed)}
+
+
+RECORD = RewardRecord(
+    "hpsv3",
+    _load,
+    parts=(
+        WeightsPart(
+            "hpsv3",
+            lambda hps_dir: check_hpsv3_dir(hpsv3_dir(hps_dir)),
+            hub=(
+                HubPart(
+                    "hpsv3-model",
+                    # The authors' inference code downloads HPSv3.safetensors from MizzenAI/HPSv3 on Hugging Face;
+                    # DiffSynth-Studio and VideoX-Fun point at the same id on ModelScope.
+                    {"hf": ("MizzenAI/HPSv3",), "modelscope": ("MizzenAI/HPSv3",)},
+                    allow=(HPSV3_CHECKPOINT,),
+                    root="hps",
+                    manifest_name=MANIFEST_NAME,
+                    subdir=f"{HPSV3_DIR}/{HPSV3_MODEL_DIR}",
+                ),
+                HubPart(
+                    "hpsv3-base",
+                    # Only the config and tokenizer of the base model: HPSv3.safetensors holds every weight (16 GB
+                    # saved).
+                    {"hf": ("Qwen/Qwen2-VL-7B-Instruct",), "modelscope": ("Qwen/Qwen2-VL-7B-Instruct",)},
+                    allow=HPSV3_BASE_FILES,
+                    root="hps",
+                    manifest_name=MANIFEST_NAME,
+                    subdir=f"{HPSV3_DIR}/{HPSV3_BASE_DIR}",
+                ),
+            ),
+        ),
+    ),
+    write_tiny=_write_tiny,
+    parameters=7_748_610_610,  # Qwen2-VL-7B without lm_head, + the rm_head
+    casts_weights=True,
+)

@@ -29,14 +29,20 @@ from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import check_batch, check_pil_batch, load_pretrained, normalize_clip, read_state_dict
 from fluxgrpo.rewards.clipscore import center_crop_rounded
 from fluxgrpo.rewards.pickscore import resize_shortest_edge
+from fluxgrpo.rewards.registry import RewardRecord, WeightsPart
+from fluxgrpo.weights.hub_parts import HubPart
 from fluxgrpo.weights.layout import (
     IMAGEREWARD_CHECKPOINT,
+    IMAGEREWARD_DIR,
     IMAGEREWARD_MED_CONFIG,
     IMAGEREWARD_MODEL_DIR,
     IMAGEREWARD_TOKENIZER_DIR,
+    IMAGEREWARD_TOKENIZER_FILES,
     IMAGEREWARD_VISION_ARCH_FILE,
     check_imagereward_dir,
+    imagereward_dir,
 )
+from fluxgrpo.weights.manifest import MANIFEST_NAME
 
 if TYPE_CHECKING:
     import torch
@@ -307,3 +313,49 @@ class ImageRewardReward:
             prompts, padding="max_length", truncation=True, max_length=IMAGEREWARD_MAX_LENGTH, return_tensors="pt"
         )
         return torch.stack([encoded["input_ids"], encoded["attention_mask"]], dim=1).to(self.device)
+
+
+def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> ImageRewardReward:
+    return ImageRewardReward(imagereward_dir(hps_dir), device, compute_dtype=dtype)
+
+
+def _write_tiny(hps_dir: Path, seed: int) -> dict[str, int]:
+    from fluxgrpo.models.tiny_weights import write_tiny_imagereward
+
+    return {"imagereward": write_tiny_imagereward(imagereward_dir(hps_dir), seed)}
+
+
+RECORD = RewardRecord(
+    "imagereward",
+    _load,
+    parts=(
+        WeightsPart(
+            "imagereward",
+            lambda hps_dir: check_imagereward_dir(imagereward_dir(hps_dir)),
+            hub=(
+                HubPart(
+                    "imagereward-model",
+                    # No ModelScope copy of THUDM/ImageReward was found (DiffSynth-Studio's QualityMetric repo holds
+                    # a safetensors conversion in another layout), so this part is Hugging Face only.
+                    {"hf": ("THUDM/ImageReward",), "modelscope": ()},
+                    allow=(IMAGEREWARD_CHECKPOINT, IMAGEREWARD_MED_CONFIG),
+                    root="hps",
+                    manifest_name=MANIFEST_NAME,
+                    subdir=f"{IMAGEREWARD_DIR}/{IMAGEREWARD_MODEL_DIR}",
+                    replaces=(IMAGEREWARD_VISION_ARCH_FILE,),  # the tiny vision shape would misbuild the real ViT-L
+                ),
+                HubPart(
+                    "imagereward-tokenizer",
+                    # What BLIP's init_tokenizer loads ('bert-base-uncased'); a ModelScope copy was not verified.
+                    {"hf": ("google-bert/bert-base-uncased",), "modelscope": ()},
+                    allow=IMAGEREWARD_TOKENIZER_FILES,
+                    root="hps",
+                    manifest_name=MANIFEST_NAME,
+                    subdir=f"{IMAGEREWARD_DIR}/{IMAGEREWARD_TOKENIZER_DIR}",
+                ),
+            ),
+        ),
+    ),
+    write_tiny=_write_tiny,
+    parameters=446_206_689,  # BLIP ViT-L + BERT-base with cross-attention + the MLP head
+)

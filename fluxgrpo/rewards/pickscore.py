@@ -16,7 +16,19 @@ from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import TextFeatureCache, check_batch, check_pil_batch, load_pretrained, resize_like_pil
-from fluxgrpo.weights.layout import PICKSCORE_MODEL_DIR, PICKSCORE_PROCESSOR_DIR, check_pickscore_dir
+from fluxgrpo.rewards.registry import RewardRecord, WeightsPart
+from fluxgrpo.weights.hub_parts import CLIP_MIRROR_REPO, CLIP_REPO, HubPart
+from fluxgrpo.weights.layout import (
+    PICKSCORE_BPE_FILES,
+    PICKSCORE_DIR,
+    PICKSCORE_MODEL_DIR,
+    PICKSCORE_PROCESSOR_DIR,
+    PICKSCORE_TOKENIZER_JSON,
+    PICKSCORE_WEIGHTS,
+    check_pickscore_dir,
+    pickscore_dir,
+)
+from fluxgrpo.weights.manifest import MANIFEST_NAME
 
 if TYPE_CHECKING:
     import torch
@@ -209,3 +221,54 @@ class PickScoreReward:
                 input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]
             )
         return F.normalize(_projected(output).float(), dim=-1)
+
+
+def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> PickScoreReward:
+    return PickScoreReward(pickscore_dir(hps_dir), device, compute_dtype=dtype)
+
+
+def _write_tiny(hps_dir: Path, seed: int) -> dict[str, int]:
+    from fluxgrpo.models.tiny_weights import write_tiny_pickscore
+
+    return {"pickscore": write_tiny_pickscore(pickscore_dir(hps_dir), seed)}
+
+
+RECORD = RewardRecord(
+    "pickscore",
+    _load,
+    parts=(
+        WeightsPart(
+            "pickscore",
+            lambda hps_dir: check_pickscore_dir(pickscore_dir(hps_dir)),
+            hub=(
+                HubPart(
+                    "pickscore-model",
+                    # AI-ModelScope/PickScore_v1 is the copy DiffSynth-Studio's PickScore metric downloads.
+                    {"hf": ("yuvalkirstain/PickScore_v1",), "modelscope": ("AI-ModelScope/PickScore_v1",)},
+                    allow=("config.json", PICKSCORE_WEIGHTS),
+                    root="hps",
+                    manifest_name=MANIFEST_NAME,
+                    subdir=f"{PICKSCORE_DIR}/{PICKSCORE_MODEL_DIR}",
+                ),
+                HubPart(
+                    "pickscore-processor",
+                    # PickScore was trained with laion's CLIP-H processor; the AI-ModelScope copy is the one
+                    # DiffSynth-Studio loads it from, the laion id on ModelScope is the fallback.
+                    {"hf": (CLIP_REPO,), "modelscope": (CLIP_MIRROR_REPO, CLIP_REPO)},
+                    # The tokenizer in either form is required; whichever other files of it the repo has come along.
+                    allow=(
+                        "preprocessor_config.json",
+                        "tokenizer_config.json",
+                        (PICKSCORE_TOKENIZER_JSON, PICKSCORE_BPE_FILES[0]),
+                    ),
+                    optional=(PICKSCORE_TOKENIZER_JSON, *PICKSCORE_BPE_FILES, "special_tokens_map.json"),
+                    root="hps",
+                    manifest_name=MANIFEST_NAME,
+                    subdir=f"{PICKSCORE_DIR}/{PICKSCORE_PROCESSOR_DIR}",
+                ),
+            ),
+        ),
+    ),
+    write_tiny=_write_tiny,
+    parameters=986_109_440,  # CLIP ViT-H-14
+)

@@ -32,8 +32,9 @@ class RewardTerm:
 
 
 def _parse(spec: str) -> tuple[list[RewardTerm], list[str]]:
-    from fluxgrpo.rewards import REWARDS
+    from fluxgrpo.rewards.registry import reward_names
 
+    known = reward_names()
     terms: list[RewardTerm] = []
     problems: list[str] = []
     entries = [entry.strip() for entry in spec.split(",")]
@@ -44,8 +45,8 @@ def _parse(spec: str) -> tuple[list[RewardTerm], list[str]]:
     for entry in entries:
         name, _, weight_text = entry.partition(":")
         name = name.strip()
-        if name not in REWARDS:
-            problems.append(f"--reward: unknown reward {name!r}; use one of {', '.join(REWARDS)}")
+        if name not in known:
+            problems.append(f"--reward: unknown reward {name!r}; use one of {', '.join(known)}")
             continue
         try:
             weight = float(weight_text) if weight_text.strip() else 1.0
