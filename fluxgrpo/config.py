@@ -25,7 +25,7 @@ from fluxgrpo.paths import (
 )
 from fluxgrpo.rewards import reward_names
 from fluxgrpo.rewards.base import REWARD_DTYPES
-from fluxgrpo.rewards.reward_set import AGGREGATIONS, reward_spec_problems
+from fluxgrpo.rewards.reward_set import AGGREGATIONS, parse_reward_list, reward_spec_problems
 from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 from fluxgrpo.runtime.device import DEVICE_TYPES
 
@@ -304,9 +304,7 @@ class TrainConfig:
             out.append(
                 f"--eval-prompts {self.eval_prompts}: no such file (one prompt per line; empty for the shipped set)"
             )
-        unknown = [name for name in split_names(self.eval_rewards) if name not in reward_names()]
-        if unknown:
-            out.append(f"--eval-rewards {', '.join(unknown)}: not a reward; use names from {', '.join(reward_names())}")
+        out.extend(parse_reward_list(self.eval_rewards, "--eval-rewards", weights=False, empty_ok=True)[1])
         if self.wandb_mode and self.wandb_mode not in WANDB_MODES:
             out.append(f"--wandb-mode {self.wandb_mode!r}: use one of {', '.join(WANDB_MODES)}, or leave it empty")
         return out
@@ -351,12 +349,6 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def split_names(spec: str) -> list[str]:
-    """The reward names in a comma-separated list (a ``name:weight`` entry gives ``name``), first occurrence kept."""
-    names = [part.split(":")[0].split("=")[0].strip() for part in spec.split(",")]
-    return list(dict.fromkeys(name for name in names if name))
 
 
 def _flag(name: str) -> str:

@@ -32,7 +32,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from fluxgrpo.config import TrainConfig, split_names
+from fluxgrpo.config import TrainConfig
+from fluxgrpo.rewards.reward_set import eval_reward_names
 
 EVAL_DIR = "eval"
 EVAL_SEED = 0  # `fluxgrpo sample`'s default --seed: evaluations of different runs start from the same noise
@@ -47,11 +48,6 @@ def shipped_eval_prompts_path() -> Path:
 
 def eval_folder(output_dir: str | Path, iteration: int, ema: bool = False) -> Path:
     return Path(output_dir) / EVAL_DIR / f"iteration-{iteration}{'-ema' if ema else ''}"
-
-
-def eval_reward_names(cfg: TrainConfig) -> list[str]:
-    """The training reward(s) first, then ``--eval-rewards``, each once."""
-    return list(dict.fromkeys([*split_names(cfg.reward), *split_names(cfg.eval_rewards)]))
 
 
 def is_due(cfg: TrainConfig, iteration: int) -> bool:
@@ -75,7 +71,7 @@ class Evaluator:
         from fluxgrpo.sample import SampleSettings
 
         self.prompts = read_prompts(cfg.eval_prompts or shipped_eval_prompts_path())
-        self.rewards = eval_reward_names(cfg)
+        self.rewards = eval_reward_names(cfg.reward, cfg.eval_rewards)
         self.settings = SampleSettings(
             height=cfg.height,
             width=cfg.width,

@@ -178,11 +178,10 @@ def _eval_only_reward_models(cfg: TrainConfig) -> tuple[str, ...]:
     training reward already in float32, whose model it shares (``eval.Evaluator._scorer``)."""
     if cfg.eval_every <= 0:
         return ()
-    from fluxgrpo.rewards.reward_set import reward_spec_names
-    from fluxgrpo.training.eval import eval_reward_names
+    from fluxgrpo.rewards.reward_set import eval_reward_names, reward_spec_names
 
     shared = set(reward_spec_names(cfg.reward)) if cfg.reward_dtype == "fp32" else set()
-    return tuple(name for name in eval_reward_names(cfg) if name not in shared)
+    return tuple(name for name in eval_reward_names(cfg.reward, cfg.eval_rewards) if name not in shared)
 
 
 @dataclass
