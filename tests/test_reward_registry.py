@@ -13,10 +13,10 @@ from training_helpers import tiny_train_argv
 from typer.testing import CliRunner
 
 from fluxgrpo.cli.app import app
-from fluxgrpo.models.tiny_weights import fresh_subfolders, write_subfolder_manifests
 from fluxgrpo.rewards.registry import RewardRecord, WeightsPart, register_reward, unregister_reward
 from fluxgrpo.weights.layout import PartStatus, check_subfolders_part
 from fluxgrpo.weights.manifest import read_manifest
+from fluxgrpo.weights.tiny_writing import fresh_subfolders, write_subfolder_manifests
 
 runner = CliRunner()
 TOY_PARAMETERS = 123_456_789

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from fluxgrpo.cli.common import escape, handle_errors, log, out_console, print_json
 from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR
+
+if TYPE_CHECKING:
+    from fluxgrpo.weights.hub import FetchSummary
 
 SOURCES = ("tiny", "hf", "modelscope")
 HUB_HELP = "Hub sources (hf, modelscope)"
@@ -256,7 +259,7 @@ def _short(revision: str) -> str:
     return revision[:12] if len(revision) == 40 else revision
 
 
-def _print_plan(summary: Any) -> None:
+def _print_plan(summary: FetchSummary) -> None:
     from rich.table import Table
 
     from fluxgrpo.weights.hub_progress import format_bytes
@@ -281,7 +284,7 @@ def _print_plan(summary: Any) -> None:
     )
 
 
-def _print_summary(summary: Any) -> None:
+def _print_summary(summary: FetchSummary) -> None:
     from rich.table import Table
 
     from fluxgrpo.weights.hub_progress import format_bytes

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import torch
 
     from fluxgrpo.rewards.base import RewardFn
-    from fluxgrpo.weights.hub_parts import HubPart
+    from fluxgrpo.weights.hub_part import HubPart
     from fluxgrpo.weights.layout import PartStatus
 
 # A loader builds one reward: (hps_dir, device, encoder dtype) → RewardFn.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.config import TrainConfig, save_resolved
 from fluxgrpo.errors import FluxgrpoError, UsageError, not_usable
@@ -21,6 +21,9 @@ from fluxgrpo.rewards.reward_set import run_reward_names
 from fluxgrpo.run_folder import check_not_in_use, previous_run
 from fluxgrpo.runtime.launch import LaunchSpec, check_dies_fit, run_workers
 from fluxgrpo.weights.layout import check_flux_dir
+
+if TYPE_CHECKING:
+    from fluxgrpo.training.memory import MemoryEstimate
 
 RESOLVED_CONFIG = "config.yaml"
 WORKER_MODULE = "fluxgrpo.training.loop"
@@ -35,7 +38,7 @@ class TrainPlan:
     worker_env: dict[str, str]
     resolved_path: Path
     resume_checkpoint: str | None  # the exact checkpoint folder, resolved once here so every rank agrees
-    memory: Any = None  # fluxgrpo.training.memory.MemoryEstimate per die
+    memory: MemoryEstimate  # per die
     overwrite: bool = False  # move an earlier run in the output directory aside (``run_folder.move_previous_run``)
 
 
