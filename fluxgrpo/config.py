@@ -22,6 +22,7 @@ from fluxgrpo.paths import (
     DEFAULT_HPS_DIR,
     DEFAULT_OUTPUT_DIR,
     EMBEDDINGS_INDEX,
+    HPS_DIR_HELP,
 )
 from fluxgrpo.rewards import reward_names
 from fluxgrpo.rewards.base import REWARD_DTYPES
@@ -55,10 +56,7 @@ class TrainConfig:
 
     # --- data and weights -----------------------------------------------------------------------------
     model: str = _opt(DEFAULT_FLUX_DIR, "FLUX diffusers folder (from `fluxgrpo fetch-weights`).")
-    hps_dir: str = _opt(
-        DEFAULT_HPS_DIR,
-        "Folder of the reward weights (`fetch-weights --hps-dir`): the HPS and open_clip files, pickscore/, imagereward/, hpsv3/.",
-    )
+    hps_dir: str = _opt(DEFAULT_HPS_DIR, HPS_DIR_HELP)
     data_json_path: str = _opt(
         f"{DEFAULT_EMBEDDINGS_DIR}/{EMBEDDINGS_INDEX}", "Embeddings index written by `fluxgrpo preprocess`."
     )

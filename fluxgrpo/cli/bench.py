@@ -11,7 +11,7 @@ import typer
 
 from fluxgrpo.bench.efficiency import ALGORITHMS, BASELINE
 from fluxgrpo.cli.common import err_console, escape, handle_errors, out_console, print_json
-from fluxgrpo.paths import DEFAULT_HPS_DIR
+from fluxgrpo.paths import DEFAULT_HPS_DIR, HPS_DIR_HELP
 
 
 def _option(name: str, help: str) -> Any:
@@ -92,10 +92,7 @@ def command(
     ] = "auto",
     hps_dir: Annotated[
         str,
-        _option(
-            "--hps-dir",
-            "Folder of the reward weights (`fetch-weights --hps-dir`): the HPS and open_clip files, pickscore/, imagereward/, hpsv3/.",
-        ),
+        _option("--hps-dir", HPS_DIR_HELP),
     ] = DEFAULT_HPS_DIR,
     compile_model: Annotated[bool, _option("--compile", "torch.compile the transformer (opt-in).")] = False,
     seed: Annotated[int, _option("--seed", "Seed for the weights (and the phase bench's conditioning and noise).")] = 0,

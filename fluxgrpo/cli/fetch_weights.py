@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from fluxgrpo.cli.common import escape, handle_errors, log, out_console, print_json
+from fluxgrpo.cli.common import JsonOption, escape, handle_errors, log, out_console, print_json
 from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ def command(
             "--seed", help="Seed of the tiny random weights, --source tiny only (default 0).", show_default=False
         ),
     ] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
+    json_output: JsonOption = False,
 ) -> None:
     """Fetch FLUX.1-dev, HPSv2.1 and (on request) the other rewards' weights, or write tiny random ones for a CPU trial.
 
