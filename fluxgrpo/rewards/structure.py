@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.rewards.base import check_batch
+from fluxgrpo.rewards.registry import RewardRecord
 
 if TYPE_CHECKING:
     import torch
@@ -53,3 +55,10 @@ class StructureReward:
         check_batch(images, prompts)
         features = self._features(images)
         return F.cosine_similarity(features, self.target_features.to(features.device), dim=1)
+
+
+def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> StructureReward:
+    return StructureReward()
+
+
+RECORD = RewardRecord("structure", _load)  # no weights
