@@ -65,7 +65,7 @@ class TrainConfig:
     output_dir: str = _opt(DEFAULT_OUTPUT_DIR, "Checkpoints, metrics.jsonl, sample images and the resolved config.")
     reward: str = _opt(
         "hpsv2",
-        f"Reward model(s): {', '.join(REWARDS)} (brightness: a smoke test for tiny models); several as "
+        f"Reward model(s): {', '.join(REWARDS)} (brightness, exposure: smoke tests for tiny models); several as "
         "name:weight,... (e.g. hpsv2:1,pickscore:0.5; weights normalised to sum 1).",
     )
     reward_dtype: str = _opt("fp32", "Dtype the reward encoders run in: fp32 or bf16 (scores are fp32 either way).")
@@ -157,6 +157,15 @@ class TrainConfig:
     eval_images_per_prompt: int = _opt(1, "Images per held-out prompt (image j of prompt i always has the same seed).")
     eval_steps: int = _opt(28, "Denoising steps of the deterministic (ODE) evaluation sampler, as `fluxgrpo sample`.")
     eval_rewards: str = _opt("", "More rewards to score evaluations with, comma-separated (beside --reward).")
+    guard: str = _opt(
+        "",
+        "Rules checked at each evaluation, NAME:-X%|+X%|min=V|max=V comma-separated (NAME: an evaluated reward, diversity, "
+        "velocity_norm_ratio, group_spread; X% relative to the run's first value), e.g. clipscore:-3%,diversity:-15%.",
+    )
+    guard_action: str = _opt("warn", "When a --guard rule fires: warn (log, go on) or stop (checkpoint, exit 3).")
+    keep_best: str = _opt(
+        "", "Keep the best evaluation passing every guard by this metric (e.g. hpsv2) as <output-dir>/best/."
+    )
 
     # ---------------------------------------------------------------------------------------------------
     @property
@@ -293,8 +302,9 @@ class TrainConfig:
         return out
 
     def _logging_problems(self) -> list[str]:
-        """Held-out evaluation and experiment-tracker settings."""
+        """Held-out evaluation, guards and experiment-tracker settings."""
         from fluxgrpo.rewards import reward_names
+        from fluxgrpo.training.guards import guard_problems
 
         out = []
         if self.eval_every < 0:
@@ -309,6 +319,7 @@ class TrainConfig:
         unknown = [name for name in split_names(self.eval_rewards) if name not in reward_names()]
         if unknown:
             out.append(f"--eval-rewards {', '.join(unknown)}: not a reward; use names from {', '.join(reward_names())}")
+        out.extend(guard_problems(self))
         if self.wandb_mode and self.wandb_mode not in WANDB_MODES:
             out.append(f"--wandb-mode {self.wandb_mode!r}: use one of {', '.join(WANDB_MODES)}, or leave it empty")
         return out

@@ -63,6 +63,12 @@ def _brightness(hps_dir: Path, device: Any, dtype: torch.dtype) -> RewardFn:
     return BrightnessReward()
 
 
+def _exposure(hps_dir: Path, device: Any, dtype: torch.dtype) -> RewardFn:
+    from fluxgrpo.rewards.exposure import ExposureReward
+
+    return ExposureReward()
+
+
 # name → loader; the report helper's --eval-rewards and `score --reward` use the same mapping.
 REWARDS: dict[str, RewardLoader] = {
     "hpsv2": _hpsv2,
@@ -71,6 +77,7 @@ REWARDS: dict[str, RewardLoader] = {
     "imagereward": _imagereward,
     "hpsv3": _hpsv3,
     "brightness": _brightness,
+    "exposure": _exposure,
 }
 
 

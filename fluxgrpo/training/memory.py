@@ -57,6 +57,7 @@ REWARD_PARAMETERS = {
     "imagereward": 446_206_689,
     "hpsv3": 7_748_610_610,
     "brightness": 0,
+    "exposure": 0,
 }
 # Rewards whose weights --reward-dtype bf16 casts to bf16 (HPSv3, as its authors run it). The others keep float32
 # weights and run their encoders under bf16 autocast, so their weights cost 4 bytes a parameter either way.
