@@ -7,6 +7,7 @@ evaluation that falls beyond its limit, and ``best/`` keeps the evaluation befor
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -23,7 +24,7 @@ from typer.testing import CliRunner
 
 from fluxgrpo.checkpoint import BEST_DIR, is_best_checkpoint, latest_checkpoint, list_checkpoints, read_best
 from fluxgrpo.cli.app import app
-from fluxgrpo.config import build_config
+from fluxgrpo.config import TrainConfig, build_config
 from fluxgrpo.errors import UsageError
 from fluxgrpo.metrics import read_metrics
 from fluxgrpo.training.diversity import diversity
@@ -85,7 +86,9 @@ def stopped_run(tiny_weights, tiny_embeddings, prompts_file, tmp_path_factory):
 
 
 def test_guard_spec_parses_every_form_and_names_every_bad_entry():
-    rules = parse_guard_spec("clipscore:-3%, diversity:+10%,velocity_norm_ratio:max=1.05,group_spread:min=0.01", ["clipscore"])
+    rules = parse_guard_spec(
+        "clipscore:-3%, diversity:+10%,velocity_norm_ratio:max=1.05,group_spread:min=0.01", ["clipscore"]
+    )
     assert [(r.name, r.kind, r.bound, r.key) for r in rules] == [
         ("clipscore", "fall", 3.0, "eval_clipscore_mean"),
         ("diversity", "rise", 10.0, "eval_diversity"),
@@ -114,17 +117,8 @@ def test_relative_limits_scale_with_the_baseline_magnitude_and_nan_fires():
 
 
 def test_guard_settings_are_validated_with_the_evaluation():
-    problems = "\n".join(
-        build_config("tiny-cpu", {"eval_every": 2}).__class__(
-            **{
-                **build_config("tiny-cpu", {}).to_dict(),
-                "guard": "diversity:-15%",
-                "guard_action": "halt",
-                "keep_best": "pickscore",
-                "eval_every": 0,
-            }
-        ).problems()
-    )
+    settings = {"guard": "diversity:-15%", "guard_action": "halt", "keep_best": "pickscore", "eval_every": 0}
+    problems = "\n".join(TrainConfig(**{**build_config("tiny-cpu", {}).to_dict(), **settings}).problems())
     assert "--guard-action 'halt'" in problems and "set --eval-every K" in problems
     assert "--keep-best 'pickscore'" in problems
     assert "--eval-images-per-prompt 2 or more" in problems and "add clipscore or hpsv2 to --eval-rewards" in problems
@@ -144,7 +138,7 @@ def test_diversity_is_zero_for_identical_images_rises_with_spread_and_ignores_se
 
     assert diversity(features(0.0), prompts) == pytest.approx(0.0, abs=1e-12)
     values = [diversity(features(spread), prompts) for spread in (0.05, 0.2, 0.5, 2.0)]
-    assert all(a < b for a, b in zip(values, values[1:], strict=False))
+    assert all(a < b for a, b in itertools.pairwise(values))
     order = torch.randperm(12, generator=generator)
     assert diversity(features(0.5)[order], [prompts[i] for i in order]) == pytest.approx(values[2], abs=1e-12)
     # by hand: two orthogonal images of one prompt are 1 apart; a prompt with one image is left out
@@ -211,14 +205,18 @@ def test_warn_changes_no_training_number(stopped_run, tiny_weights, tiny_embeddi
     plain_records, warned_records = run(plain), run(warned)
     assert training_numbers(plain_records) == training_numbers(warned_records)
     assert [r["iteration"] for r in training_numbers(warned_records)] == list(range(1, 9))  # no stop with warn
-    fired = [r for r in read_metrics(tmp_path / "warn") if r.get("record") == GUARD_RECORD and r["guard_exposure_fired"]]
+    fired = [
+        r for r in read_metrics(tmp_path / "warn") if r.get("record") == GUARD_RECORD and r["guard_exposure_fired"]
+    ]
     assert fired and all(r["guard_stop"] == 0 for r in fired)
     # and a stopped run is the same run up to its stop
     stopped_numbers = training_numbers(read_metrics(stopped))
     assert stopped_numbers == training_numbers(warned_records)[: len(stopped_numbers)]
 
 
-def test_velocity_norm_ratio_is_exactly_one_before_the_first_update(stopped_run, tiny_weights, tiny_embeddings, tmp_path):
+def test_velocity_norm_ratio_is_exactly_one_before_the_first_update(
+    stopped_run, tiny_weights, tiny_embeddings, tmp_path
+):
     _, out = stopped_run
     first = [r for r in read_metrics(out) if "reward_mean" in r]
     assert first[0]["velocity_norm_ratio"] == 1.0  # full fine-tuning: the iteration-1 reference
@@ -254,7 +252,10 @@ def test_guard_baseline_survives_kill_9_and_resume(tiny_weights, tiny_embeddings
     argv = toy_argv(
         tiny_weights, tiny_embeddings, out, prompts_file, max_train_steps=400, checkpointing_steps=2, eval_every=2
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")]),
+    }
     process = subprocess.Popen([sys.executable, "-m", "fluxgrpo", *argv], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 240
@@ -268,9 +269,10 @@ def test_guard_baseline_survives_kill_9_and_resume(tiny_weights, tiny_embeddings
     killed_at = json.loads((latest_checkpoint(out) / "state" / "trainer_state.json").read_text())
     done = killed_at["iteration"]
     base = killed_at["guards"]["baselines"]["eval_exposure_mean"]
-    assert base == next(r for r in read_metrics(out) if r["iteration"] == 0 and "eval_exposure_mean" in r)[
-        "eval_exposure_mean"
-    ]
+    assert (
+        base
+        == next(r for r in read_metrics(out) if r["iteration"] == 0 and "eval_exposure_mean" in r)["eval_exposure_mean"]
+    )
     resumed = runner.invoke(app, [*argv, "--resume", "--max-train-steps", str(done + 2)])
     assert resumed.exit_code == 0, resumed.output
     records = read_metrics(out)

@@ -83,8 +83,8 @@ def _train(
     from fluxgrpo.checkpoint import read_best
     from fluxgrpo.config import build_config
     from fluxgrpo.metrics import reward_trend
-    from fluxgrpo.training.guards import GUARD_STOP_EXIT_CODE, guard_stop
     from fluxgrpo.runtime.launch import LaunchSpec
+    from fluxgrpo.training.guards import GUARD_STOP_EXIT_CODE, guard_stop
     from fluxgrpo.training.launch_plan import launch_training, plan_training
 
     cfg = build_config(config, hyperparameters)

@@ -88,9 +88,7 @@ def panels_for(runs: list[RunData]) -> list[Panel]:
             )
         )
     panels += [
-        Panel(
-            "Velocity-norm ratio, policy / reference (drift)", "ratio", [Line("velocity_norm_ratio", "‖v‖ ratio")]
-        ),
+        Panel("Velocity-norm ratio, policy / reference (drift)", "ratio", [Line("velocity_norm_ratio", "‖v‖ ratio")]),
         Panel("Within-group reward std", "std", [Line("group_std_mean", "group std mean")]),
         Panel("Groups with zero reward spread", "fraction", [Line("zero_std_group_fraction", "zero-std fraction")]),
         Panel(
@@ -150,9 +148,13 @@ def _draw_panel(ax: Any, panel: Panel, runs: list[RunData]) -> None:
             ax.plot(xs, ys, style, color=colour, label=label, marker=marker, markersize=4, linewidth=1.4)
             if line.guard_line and line.key.endswith("_value"):
                 fired_key = line.key.removesuffix("_value") + "_fired"
-                fired = [(r["iteration"], r[line.key]) for r in records if r.get(fired_key) and r.get(line.key) is not None]
+                fired = [
+                    (r["iteration"], r[line.key]) for r in records if r.get(fired_key) and r.get(line.key) is not None
+                ]
                 if fired:
-                    ax.plot(*zip(*fired), "x", color="#d62728", markersize=9, markeredgewidth=2, label="fired")
+                    ax.plot(
+                        *zip(*fired, strict=True), "x", color="#d62728", markersize=9, markeredgewidth=2, label="fired"
+                    )
             if line.band is not None:
                 _draw_band(ax, run, records, line, xs, ys, colour)
     from matplotlib.ticker import MaxNLocator

@@ -139,7 +139,9 @@ def summary_text(run: RunData) -> str:
     for record in run.guard_records:
         fired = [name for name in run.guard_names() if record.get(f"guard_{name}_fired")]
         if fired:
-            parts.append(f"Guard{'s' if len(fired) > 1 else ''} {', '.join(fired)} fired at iteration {record['iteration']}.")
+            parts.append(
+                f"Guard{'s' if len(fired) > 1 else ''} {', '.join(fired)} fired at iteration {record['iteration']}."
+            )
         if record.get("guard_stop"):
             parts.append(f"The run was stopped there by its guard ({record.get('guard_stop_message', '')}).")
     if run.best is not None:

@@ -117,9 +117,6 @@ class OpenClipCosine:
     def cosine(self, pixels: Any, prompts: list[str]) -> Any:
         """Normalised pixels [B, 3, S, S] → cosine(image features, text features) [B] float32."""
         import torch
-        import torch.nn.functional as F
-
-        from fluxgrpo.runtime.device import autocast
 
         text_features = self._text_features(prompts)
         scores = []

@@ -131,7 +131,9 @@ class Evaluator:
         rt_device.empty_cache(self.ctx.device)
         record["eval_seconds"] = time.perf_counter() - began
         self.metrics.log(record)
-        means = " · ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in record.items() if k.endswith(("_mean", "diversity")))
+        means = " · ".join(
+            f"{k.removeprefix('eval_')} {v:.4f}" for k, v in record.items() if k.endswith(("_mean", "diversity"))
+        )
         rt_dist.rank0_print(self.ctx, f"eval at iteration {iteration}: {means} ({record['eval_seconds']:.1f} s)")
         return record if self.ctx.is_main else {}
 

@@ -300,11 +300,12 @@ class RunMonitor:
         pending, self._pending_best = self._pending_best, None
         if self.ctx.is_main and pending is not None and pending["iteration"] == iteration:
             from fluxgrpo.checkpoint import publish_best
-
             from fluxgrpo.runtime import dist as rt_dist
 
             best = publish_best(path, pending)
-            rt_dist.rank0_print(self.ctx, f"best {pending['metric']} {pending['value']:.4g} at iteration {iteration}: {best}")
+            rt_dist.rank0_print(
+                self.ctx, f"best {pending['metric']} {pending['value']:.4g} at iteration {iteration}: {best}"
+            )
 
     # ----------------------------------------------------------------------------------------- rank 0
 

@@ -123,7 +123,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
         img_ids = image_ids(cfg.height, cfg.width).to(ctx.device)  # [L, 3]
         update_settings = UpdateSettings.from_config(cfg)
         plan_settings = PlanSettings.from_config(cfg)
-        records = []
+        records: list[dict[str, Any]] = []
         # the base model at iteration 0: every eval curve and every guard baseline starts there
         monitor.check(start, evaluator.before_training(start, parts), records)
         for iteration in range(start + 1, cfg.max_train_steps + 1):
