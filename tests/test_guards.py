@@ -280,3 +280,14 @@ def test_guard_baseline_survives_kill_9_and_resume(tiny_weights, tiny_embeddings
     last = [r for r in records if r.get("record") == GUARD_RECORD][-1]
     assert last["iteration"] == done + 2
     assert last["guard_exposure_limit"] == pytest.approx(base - abs(base) * FALL_PERCENT / 100)
+
+
+def test_the_drift_probe_changes_no_training_number(tiny_weights, tiny_embeddings, tmp_path, monkeypatch):
+    from fluxgrpo.training.drift import DriftProbe
+
+    probed = run(tiny_config(tiny_weights, tiny_embeddings, tmp_path / "probed", max_train_steps=3))
+    monkeypatch.setattr(DriftProbe, "measure", lambda self, *args, **kwargs: {})
+    unprobed = run(tiny_config(tiny_weights, tiny_embeddings, tmp_path / "unprobed", max_train_steps=3))
+    without_ratio = [{k: v for k, v in r.items() if k != "velocity_norm_ratio"} for r in training_numbers(probed)]
+    assert without_ratio == training_numbers(unprobed)
+    assert all(math.isfinite(r["velocity_norm_ratio"]) for r in probed)

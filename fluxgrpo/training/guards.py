@@ -268,6 +268,8 @@ class RunMonitor:
         self.state = GuardState.from_dict(saved)
         self.drift = DriftProbe(cfg, parts, self.state.drift)
         self._pending_best: dict[str, Any] | None = None
+        if self.ctx.is_main and self.best_key:
+            self._reconcile_best()
 
     def state_dict(self) -> dict[str, Any]:
         self.state.drift = self.drift.state_dict()
@@ -308,6 +310,30 @@ class RunMonitor:
             )
 
     # ----------------------------------------------------------------------------------------- rank 0
+
+    def _reconcile_best(self) -> None:
+        """Make ``best/`` the best this run's state knows: a run resumed from an earlier checkpoint than the dead
+        run's last may find a ``best/`` from iterations it is about to redo; it is put back to the checkpoint the
+        state names (when that checkpoint is still on disk), else removed."""
+        import shutil
+
+        from fluxgrpo.checkpoint import BEST_DIR, checkpoint_dir, is_complete_checkpoint, publish_best, read_best
+        from fluxgrpo.runtime import dist as rt_dist
+
+        output_dir = Path(self.cfg.output_dir)
+        on_disk = read_best(output_dir)
+        wanted = self.state.best
+        if on_disk is None or (wanted is not None and on_disk.get("iteration") == wanted["iteration"]):
+            return
+        source = checkpoint_dir(output_dir, wanted["iteration"]) if wanted is not None else None
+        if source is not None and is_complete_checkpoint(source):
+            publish_best(source, wanted)
+            rt_dist.rank0_print(self.ctx, f"best/ put back to iteration {wanted['iteration']}, the resumed state's")
+        else:
+            shutil.rmtree(output_dir / BEST_DIR)
+            rt_dist.rank0_print(
+                self.ctx, f"removed best/ (iteration {on_disk.get('iteration')}): the resumed run is before it"
+            )
 
     def _check(self, iteration: int, evaluation: dict[str, Any], records: list[dict[str, Any]]) -> Verdict:
         from fluxgrpo.runtime import dist as rt_dist
