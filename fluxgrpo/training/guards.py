@@ -326,7 +326,7 @@ class RunMonitor:
         if on_disk is None or (wanted is not None and on_disk.get("iteration") == wanted["iteration"]):
             return
         source = checkpoint_dir(output_dir, wanted["iteration"]) if wanted is not None else None
-        if source is not None and is_complete_checkpoint(source):
+        if wanted is not None and source is not None and is_complete_checkpoint(source):
             publish_best(source, wanted)
             rt_dist.rank0_print(self.ctx, f"best/ put back to iteration {wanted['iteration']}, the resumed state's")
         else:
