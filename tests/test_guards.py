@@ -273,13 +273,17 @@ def test_guard_baseline_survives_kill_9_and_resume(tiny_weights, tiny_embeddings
         base
         == next(r for r in read_metrics(out) if r["iteration"] == 0 and "eval_exposure_mean" in r)["eval_exposure_mean"]
     )
-    resumed = runner.invoke(app, [*argv, "--resume", "--max-train-steps", str(done + 2)])
+    # a rule added on resume takes its baseline from the iteration-0 evaluation too
+    added = f"exposure:-{FALL_PERCENT}%,hpsv2:-90%"
+    resumed = runner.invoke(app, [*argv, "--resume", "--max-train-steps", str(done + 2), "--guard", added])
     assert resumed.exit_code == 0, resumed.output
     records = read_metrics(out)
     assert len([r for r in records if r["iteration"] == 0 and "eval_exposure_mean" in r]) == 1  # not re-run
     last = [r for r in records if r.get("record") == GUARD_RECORD][-1]
     assert last["iteration"] == done + 2
     assert last["guard_exposure_limit"] == pytest.approx(base - abs(base) * FALL_PERCENT / 100)
+    hps_base = next(r for r in records if r["iteration"] == 0 and "eval_hpsv2_mean" in r)["eval_hpsv2_mean"]
+    assert last["guard_hpsv2_limit"] == pytest.approx(hps_base - abs(hps_base) * 0.9)
 
 
 def test_the_drift_probe_changes_no_training_number(tiny_weights, tiny_embeddings, tmp_path, monkeypatch):

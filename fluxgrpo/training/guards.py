@@ -268,8 +268,12 @@ class RunMonitor:
         self.state = GuardState.from_dict(saved)
         self.drift = DriftProbe(cfg, parts, self.state.drift)
         self._pending_best: dict[str, Any] | None = None
-        if self.ctx.is_main and self.best_key:
-            self._reconcile_best()
+        if self.state.best is not None and self.state.best["metric"] != self.best_key:
+            self.state.best = None  # --keep-best changed on resume: the best by the new metric starts over
+        if checkpoint is not None and self.ctx.is_main:
+            self._baselines_from_metrics()
+            if self.best_key:
+                self._reconcile_best()
 
     def state_dict(self) -> dict[str, Any]:
         self.state.drift = self.drift.state_dict()
@@ -311,6 +315,19 @@ class RunMonitor:
 
     # ----------------------------------------------------------------------------------------- rank 0
 
+    def _baselines_from_metrics(self) -> None:
+        """A rule added on resume has no saved baseline: an evaluation metric's is in metrics.jsonl at iteration 0."""
+        from fluxgrpo.metrics import read_metrics
+
+        missing = {r.key for r in self.rules if r.relative and not r.per_iteration} - set(self.state.baselines)
+        if not missing:
+            return
+        for record in read_metrics(Path(self.cfg.output_dir)):
+            if record.get("iteration") == 0:
+                for key in missing & set(record):
+                    if isinstance(record[key], int | float):
+                        self.state.baselines.setdefault(key, float(record[key]))
+
     def _reconcile_best(self) -> None:
         """Make ``best/`` the best this run's state knows: a run resumed from an earlier checkpoint than the dead
         run's last may find a ``best/`` from iterations it is about to redo; it is put back to the checkpoint the
@@ -323,7 +340,9 @@ class RunMonitor:
         output_dir = Path(self.cfg.output_dir)
         on_disk = read_best(output_dir)
         wanted = self.state.best
-        if on_disk is None or (wanted is not None and on_disk.get("iteration") == wanted["iteration"]):
+        if on_disk is None or on_disk.get("metric") != self.best_key:
+            return  # none yet, or the best by another metric: kept until a best by this one replaces it
+        if wanted is not None and on_disk.get("iteration") == wanted["iteration"]:
             return
         source = checkpoint_dir(output_dir, wanted["iteration"]) if wanted is not None else None
         if wanted is not None and source is not None and is_complete_checkpoint(source):
@@ -385,7 +404,7 @@ class RunMonitor:
             best = f"; best: iteration {state.best['iteration']} (best/)" if state.best else ""
             verdict.message = (
                 f"stopped by guard {rule.text} at iteration {iteration}: {rule.describe(value, baseline)}; "
-                f"checkpoint-{iteration} is written{best}"
+                f"the run ends with checkpoint-{iteration}{best}"
             )
             record["guard_stop_message"] = verdict.message
         if self.rules or self.best_key:
