@@ -22,7 +22,7 @@ samples of that step and every rank; ‖·‖ the L2 norm over a sample's latent
 Both are exactly 1.0 at the run's first iteration (each step's ratio is x / x; paired: the reference forward is the
 same computation on the same weights — on CPU bit for bit; on accelerators a full fine-tune's bf16 base copy can
 differ from the fp32 master weights by bf16 rounding). Nothing here touches a training RNG or the weights, so
-training numbers are the same with and without it.
+training numbers are the same with and without it. Its time counts in the iteration's ``seconds_rollout``.
 """
 
 from __future__ import annotations

@@ -155,8 +155,8 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
                 plan=plan,
                 keep_means=cfg.ratio_normalization == "grpo-guard",
             )
-            clock.lap("rollout")
             drift = monitor.measure_drift(iteration, rollout, cond, timestep_gen)  # no RNG drawn, no weight moved
+            clock.lap("rollout")
 
             images, scores = decode_and_score(parts, cfg, rollout.final_x0, cond.captions)  # [B,3,H,W], [B, K]
             clock.lap("decode_reward")
