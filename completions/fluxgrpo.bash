@@ -9,7 +9,7 @@ _fluxgrpo() {
         bench) opts="--model --blocks --resolution --steps --rollout-batch-sizes --micro-batch-sizes --activation-checkpointing --trajectories --train-timesteps --text-tokens --dies --device --dtype --attention --peak-tflops --repeats --warmup --reward --hps-dir --compile --seed --algorithms --iterations --config --json --help" ;;
         env-check) opts="--json --flux-dir --hps-dir --embeddings --device --reward --help" ;;
         export) opts="--checkpoint --out --merge --ema --model --json --help" ;;
-        fetch-weights) opts="--source --only --flux-dir --hps-dir --revision --token --endpoint --dry-run --max-workers --rehash --seed --json --help" ;;
+        fetch-weights) opts="--source --only --flux-dir --hps-dir --prompts-dir --revision --token --endpoint --dry-run --max-workers --rehash --seed --json --help" ;;
         preprocess) opts="--prompts --model --out --max-sequence-length --dies --device --json --help" ;;
         report) opts="--compare --png --out --json --help" ;;
         sample) opts="--model --checkpoint --ema --prompts --prompt --images-per-prompt --height --width --steps --guidance --seed --batch-size --dies --out --device --attention --max-sequence-length --json --help" ;;

@@ -152,7 +152,9 @@ class TrainConfig:
         0, "Evaluate on held-out prompts at iteration 0, every K iterations and after the last (0: off)."
     )
     eval_prompts: str = _opt(
-        "", "Held-out prompt file, one per line (empty: the 48 held-out prompts shipped with fluxgrpo)."
+        "",
+        "Held-out prompt file, one per line, or a benchmark set fetched with fetch-weights (hpdv2); empty: the 48 "
+        "held-out prompts shipped with fluxgrpo.",
     )
     eval_images_per_prompt: int = _opt(1, "Images per held-out prompt (image j of prompt i always has the same seed).")
     eval_steps: int = _opt(28, "Denoising steps of the deterministic (ODE) evaluation sampler, as `fluxgrpo sample`.")
@@ -303,6 +305,7 @@ class TrainConfig:
 
     def _logging_problems(self) -> list[str]:
         """Held-out evaluation, guards and experiment-tracker settings."""
+        from fluxgrpo.data.benchmarks import eval_prompts_problem
         from fluxgrpo.rewards import reward_names
         from fluxgrpo.training.guards import guard_problems
 
@@ -312,10 +315,8 @@ class TrainConfig:
         for name in ("eval_images_per_prompt", "eval_steps"):
             if getattr(self, name) < 1:
                 out.append(f"--{_flag(name)} must be at least 1 (got {getattr(self, name)})")
-        if self.eval_prompts and not Path(self.eval_prompts).is_file():
-            out.append(
-                f"--eval-prompts {self.eval_prompts}: no such file (one prompt per line; empty for the shipped set)"
-            )
+        if self.eval_prompts and (problem := eval_prompts_problem(self.eval_prompts)):
+            out.append(problem)
         unknown = [name for name in split_names(self.eval_rewards) if name not in reward_names()]
         if unknown:
             out.append(f"--eval-rewards {', '.join(unknown)}: not a reward; use names from {', '.join(reward_names())}")

@@ -2,6 +2,7 @@
 
 DEFAULT_FLUX_DIR = "data/flux"
 DEFAULT_HPS_DIR = "hps_ckpt"
+DEFAULT_PROMPTS_DIR = "data/eval_prompts"  # benchmark prompt sets (`fetch-weights --only hpdv2-prompts`)
 DEFAULT_EMBEDDINGS_DIR = "data/rl_embeddings"
 DEFAULT_OUTPUT_DIR = "data/outputs/grpo"
 EMBEDDINGS_INDEX = "videos2caption.json"

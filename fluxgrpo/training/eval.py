@@ -73,10 +73,13 @@ class Evaluator:
         self.enabled = cfg.eval_every > 0
         if not self.enabled:
             return
+        from fluxgrpo.data.benchmarks import eval_prompts_path
         from fluxgrpo.data.prompts import read_prompts
         from fluxgrpo.sample import SampleSettings
 
-        self.prompts = read_prompts(cfg.eval_prompts or shipped_eval_prompts_path())
+        self.prompts = read_prompts(
+            eval_prompts_path(cfg.eval_prompts) if cfg.eval_prompts else shipped_eval_prompts_path()
+        )
         self.rewards = eval_reward_names(cfg)
         self.settings = SampleSettings(
             height=cfg.height,

@@ -46,12 +46,13 @@ class HubPart:
     # Each entry must match at least one file: an fnmatch pattern over repo paths, or a tuple of alternative
     # patterns of which the first that matches anything is taken (e.g. safetensors, else the .bin).
     allow: tuple[str | tuple[str, ...], ...]
-    root: str  # "flux" → flux_dir, "hps" → hps_dir
+    root: str  # "flux" → flux_dir, "hps" → hps_dir, "prompts" → prompts_dir
     manifest_name: str
     subdir: str = ""  # below the root, for a part that must not mix with the others there
     optional: tuple[str, ...] = ()  # patterns fetched when the repo has them, not required
     # Files of another variant of this part that must go when it is fetched (they would change how it loads).
     replaces: tuple[str, ...] = ()
+    repo_type: str = "model"  # or "dataset" (the benchmark prompt sets)
 
 
 _CLIP_REPO = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
@@ -147,6 +148,17 @@ HUB_PARTS: dict[str, HubPart] = {
             root="hps",
             manifest_name=MANIFEST_NAME,
             subdir=f"{HPSV3_DIR}/{HPSV3_BASE_DIR}",
+        ),
+        HubPart(
+            "hpdv2-prompts",
+            # HPSv2's authors' dataset repo (Apache-2.0): test.json, the 400 test prompts of HPDv2 with their images'
+            # paths and human rankings. No ModelScope copy was verified, so this part is Hugging Face only.
+            {"hf": ("zhwang/HPDv2",), "modelscope": ()},
+            allow=("test.json",),
+            root="prompts",
+            manifest_name=MANIFEST_NAME,
+            subdir="hpdv2",
+            repo_type="dataset",
         ),
     )
 }
