@@ -13,7 +13,7 @@ from fluxgrpo.data.benchmarks import BENCHMARKS, benchmark_path
 from fluxgrpo.data.prompts import read_prompts
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.weights.hub import fetch_from_hub
-from fluxgrpo.weights.hub_parts import HUB_PARTS
+from fluxgrpo.weights.hub_parts import hub_parts
 
 PROMPTS = [f"prompt number {i}, a photo" for i in range(400)]
 
@@ -64,7 +64,7 @@ def test_missing_benchmark_names_the_fetch_command_and_modelscope_has_no_copy(tm
         build_config("tiny-cpu", {"eval_prompts": "hpdv2", "eval_every": 2})
     with pytest.raises(UsageError, match="nor a benchmark name"):
         build_config("tiny-cpu", {"eval_prompts": "geneval", "eval_every": 2})
-    assert HUB_PARTS["hpdv2-prompts"].repos["modelscope"] == ()
+    assert hub_parts()["hpdv2-prompts"].repos["modelscope"] == ()
     with pytest.raises(UsageError, match="no known repository on modelscope"):
         fetch_from_hub("modelscope", parts=["hpdv2-prompts"], prompts_dir=tmp_path / "p", progress=False)
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.rewards.base import check_batch
+from fluxgrpo.rewards.registry import RewardRecord
 
 if TYPE_CHECKING:
     import torch
@@ -25,3 +27,10 @@ class ExposureReward:
         check_batch(images, prompts)
         excess = (images.float() - 0.5).clamp(min=0.0)
         return 1.0 - 2.0 * excess.mean(dim=(1, 2, 3))
+
+
+def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> ExposureReward:
+    return ExposureReward()
+
+
+RECORD = RewardRecord("exposure", _load)  # no weights

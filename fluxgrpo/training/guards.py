@@ -168,7 +168,7 @@ def _parse(spec: str, evaluated: list[str]) -> tuple[list[GuardRule], list[str]]
 def parse_guard_spec(spec: str, evaluated: list[str]) -> list[GuardRule]:
     """``"clipscore:-3%,velocity_norm_ratio:max=1.05"`` → rules; UsageError naming every bad entry.
 
-    ``evaluated``: the rewards the held-out evaluation scores (``eval.eval_reward_names``).
+    ``evaluated``: the rewards the held-out evaluation scores (``reward_set.eval_reward_names``).
     """
     rules, problems = _parse(spec, evaluated)
     if problems:
@@ -178,10 +178,10 @@ def parse_guard_spec(spec: str, evaluated: list[str]) -> list[GuardRule]:
 
 def guard_problems(cfg: Any) -> list[str]:
     """Every problem with ``--guard``, ``--guard-action`` and ``--keep-best`` together with the evaluation settings."""
+    from fluxgrpo.rewards.reward_set import eval_reward_names
     from fluxgrpo.training.diversity import EMBEDDING_REWARDS, embedding_reward
-    from fluxgrpo.training.eval import eval_reward_names
 
-    evaluated = eval_reward_names(cfg)
+    evaluated = eval_reward_names(cfg.reward, cfg.eval_rewards)
     rules, out = _parse(cfg.guard, evaluated)
     if cfg.guard_action not in GUARD_ACTIONS:
         out.append(f"--guard-action {cfg.guard_action!r}: use one of {', '.join(GUARD_ACTIONS)}")
@@ -254,11 +254,11 @@ class RunMonitor:
     STATE_KEY = "guards"  # in trainer_state
 
     def __init__(self, cfg: Any, parts: Any, metrics: Any, checkpoint: Path | None) -> None:
+        from fluxgrpo.rewards.reward_set import eval_reward_names
         from fluxgrpo.training.drift import DriftProbe
-        from fluxgrpo.training.eval import eval_reward_names
 
         self.cfg, self.ctx, self.metrics = cfg, parts.ctx, metrics
-        self.rules = parse_guard_spec(cfg.guard, eval_reward_names(cfg))
+        self.rules = parse_guard_spec(cfg.guard, eval_reward_names(cfg.reward, cfg.eval_rewards))
         self.best_key = metric_key(cfg.keep_best.strip()) if cfg.keep_best.strip() else None
         saved: dict[str, Any] | None = None
         if checkpoint is not None:
