@@ -181,10 +181,15 @@ def guard_problems(cfg: Any) -> list[str]:
     from fluxgrpo.rewards.reward_set import eval_reward_names
     from fluxgrpo.training.diversity import EMBEDDING_REWARDS, embedding_reward
 
-    evaluated = eval_reward_names(cfg.reward, cfg.eval_rewards)
-    rules, out = _parse(cfg.guard, evaluated)
+    out = []
     if cfg.guard_action not in GUARD_ACTIONS:
         out.append(f"--guard-action {cfg.guard_action!r}: use one of {', '.join(GUARD_ACTIONS)}")
+    try:
+        evaluated = eval_reward_names(cfg.reward, cfg.eval_rewards)
+    except UsageError:
+        return out  # --reward / --eval-rewards report their own problems; the rules are checked once they are fixed
+    rules, problems = _parse(cfg.guard, evaluated)
+    out += problems
     best = cfg.keep_best.strip()
     if (rules or best) and cfg.eval_every <= 0:
         out.append("--guard and --keep-best act on the held-out evaluation: set --eval-every K too")
