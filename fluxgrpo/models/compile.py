@@ -177,18 +177,19 @@ _callbacks_lock = threading.Lock()
 
 
 def watch_compilations() -> None:
-    """Start counting compilations in this process (idempotent); ``compile_tally`` reads the count."""
+    """Count compilations in this process from now on (idempotent); ``compile_tally`` reads the count."""
     global _callbacks
-    with _callbacks_lock:
-        if _callbacks is not None:
-            return
-        # torch._dynamo.callback is the hook torch's own compile-time telemetry uses; it runs once per outermost
-        # compilation (nested ones are folded into it).
-        from torch._dynamo.callback import callback_handler
+    # torch._dynamo.callback is the hook torch's own compile-time telemetry uses; it runs once per outermost
+    # compilation (nested ones are folded into it). torch.compiler.reset() drops every callback, so registration
+    # is checked on each call, not assumed.
+    from torch._dynamo.callback import callback_handler
 
-        _callbacks = _CompileCallbacks()
-        callback_handler.register_start_callback(_callbacks.start)
-        callback_handler.register_end_callback(_callbacks.end)
+    with _callbacks_lock:
+        if _callbacks is None:
+            _callbacks = _CompileCallbacks()
+        if _callbacks.start not in callback_handler.start_callbacks:
+            callback_handler.register_start_callback(_callbacks.start)
+            callback_handler.register_end_callback(_callbacks.end)
 
 
 def compile_tally() -> CompileTally:
