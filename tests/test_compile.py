@@ -163,6 +163,8 @@ def test_compile_is_refused_on_ascend_in_one_line_before_anything_starts():
     assert compile_backend("cpu") == compile_backend("cuda") == "inductor"
 
 
+# The whole-model mode traces diffusers' gradient-checkpointing helper, which calls an lru_cache'd version check.
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 def test_bench_compile_reports_compile_cost_speedup_and_break_even(captured_graphs):
     result = runner.invoke(
         app,

@@ -160,7 +160,7 @@ def measure_compile_costs(
     for mode in COMPILE_MODES:
         seconds = statistics.median(timed[mode])
         saved = eager - seconds
-        compiled = mode != "eager"
+        is_compiled = mode != "eager"
         records.append(
             {
                 "record": "compile",
@@ -171,8 +171,8 @@ def measure_compile_costs(
                 "micro_batch_size": max(sweep.cfg.micro_batch_sizes),
                 "iteration_seconds": seconds,
                 "iteration_seconds_runs": timed[mode],
-                "speedup": eager / seconds if compiled else None,
-                "break_even_iterations": first[mode]["compile_seconds"] / saved if compiled and saved > 0 else None,
+                "speedup": eager / seconds if is_compiled else None,
+                "break_even_iterations": first[mode]["compile_seconds"] / saved if is_compiled and saved > 0 else None,
                 **first[mode],
             }
         )

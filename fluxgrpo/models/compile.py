@@ -107,7 +107,8 @@ def compile_repeated_blocks(model: nn.Module, backend: str = "inductor") -> int:
         forward = block.forward
         # One torch.compile per block, but TorchDynamo's cache is keyed on forward's code object, which every block
         # of a kind shares: the first block of each kind compiles, the others find its code.
-        block.forward = _RegionalForward(forward, torch.compile(forward, backend=backend))  # type: ignore[method-assign]  # an instance attribute shadows the class's forward, as nn.Module.compile does with _call_impl
+        # An instance attribute shadows the class's forward (as nn.Module.compile does with _call_impl).
+        block.forward = _RegionalForward(forward, torch.compile(forward, backend=backend))
     return len(blocks)
 
 
