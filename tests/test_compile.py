@@ -128,13 +128,13 @@ def test_compiled_lora_with_its_reference_and_evaluation_without_checkpointing(
         lora_rank=4,
         kl_beta=0.01,
         max_train_steps=2,
-        eval_every=1,
+        eval_every=2,
         eval_steps=2,
         eval_prompts=str(prompts),
     )
     records = run(cfg)
     trained = [record for record in records if "reward_mean" in record]
-    assert [record["iteration"] for record in records if "eval_seconds" in record] == [0, 1, 2]
+    assert [record["iteration"] for record in records if "eval_seconds" in record] == [0, 2]
     assert trained[0]["first_abs_log_ratio"] < 1e-5
     # the evaluation before iteration 1 and iteration 1 compiled every graph the run needs (the evaluation's
     # sampling with the rollout's; the reference's, with adapters off, its own)
@@ -181,7 +181,7 @@ def test_bench_compile_reports_compile_cost_speedup_and_break_even(captured_grap
             "--activation-checkpointing",
             "on",
             "--repeats",
-            "2",
+            "1",
             "--warmup",
             "0",
             "--compile",
@@ -196,7 +196,7 @@ def test_bench_compile_reports_compile_cost_speedup_and_break_even(captured_grap
     assert eager["speedup"] is None and eager["compiles"] == 0 and eager["max_abs_log_prob_difference"] == 0.0
     for mode in ("regional", "whole-model"):
         row = modes[mode]
-        assert row["compiles"] > 0 and row["compile_seconds"] > 0 and len(row["iteration_seconds_runs"]) == 2
+        assert row["compiles"] > 0 and row["compile_seconds"] > 0 and len(row["iteration_seconds_runs"]) == 1
         assert row["speedup"] == pytest.approx(eager["iteration_seconds"] / row["iteration_seconds"])
         saved = eager["iteration_seconds"] - row["iteration_seconds"]
         expected = row["compile_seconds"] / saved if saved > 0 else None

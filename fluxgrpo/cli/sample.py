@@ -67,7 +67,7 @@ def command(
         bool,
         typer.Option(
             "--compile",
-            help="torch.compile FLUX's repeated blocks (regional; cpu and cuda): pays off on long runs, "
+            help="torch.compile FLUX's repeated blocks (regional; CPUs and GPUs): pays off on long runs, "
             "images equal to rounding.",
         ),
     ] = False,

@@ -91,8 +91,8 @@ def _class_name(module: nn.Module) -> str:
 def compile_repeated_blocks(model: nn.Module, backend: str = "inductor") -> int:
     """Compile the forward of every repeated block of ``model`` in place; returns how many blocks now run compiled.
 
-    Idempotent: a block already compiled is left alone. ``backend`` is ``torch.compile``'s (inductor on cpu and
-    cuda). Raises ValueError when ``model`` has no FLUX blocks (nothing to compile is a caller's mistake).
+    Idempotent: a block already compiled is left alone. ``backend`` is ``torch.compile``'s (inductor on CPUs and
+    GPUs). Raises ValueError when ``model`` has no FLUX blocks (nothing to compile is a caller's mistake).
     """
     blocks = repeated_blocks(model)
     if not blocks:
