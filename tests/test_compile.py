@@ -193,7 +193,7 @@ def test_bench_compile_reports_compile_cost_speedup_and_break_even(captured_grap
     modes = {record["mode"]: record for record in records if record["record"] == "compile"}
     assert list(modes) == ["eager", "regional", "whole-model"]
     eager = modes["eager"]
-    assert eager["speedup"] is None and eager["compiles"] == 0 and eager["max_abs_log_prob_difference"] == 0.0
+    assert eager["speedup"] is None and eager["compiles"] == 0 and eager["max_relative_x0_difference"] == 0.0
     for mode in ("regional", "whole-model"):
         row = modes[mode]
         assert row["compiles"] > 0 and row["compile_seconds"] > 0 and len(row["iteration_seconds_runs"]) == 1
@@ -201,7 +201,7 @@ def test_bench_compile_reports_compile_cost_speedup_and_break_even(captured_grap
         saved = eager["iteration_seconds"] - row["iteration_seconds"]
         expected = row["compile_seconds"] / saved if saved > 0 else None
         assert row["break_even_iterations"] == (pytest.approx(expected) if expected else None)
-        assert row["max_abs_log_prob_difference"] < 1e-5 and row["max_abs_log_ratio"] < 1e-5
+        assert row["max_relative_x0_difference"] < 1e-5 and row["max_abs_log_ratio"] < 1e-5
     summary = next(record for record in records if record["record"] == "compile_summary")
     assert summary["recompiles_in_timed_rounds"] == 0
     assert summary["regional_over_whole_model_compile_seconds"] == pytest.approx(

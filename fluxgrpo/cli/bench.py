@@ -340,7 +340,7 @@ def _render_compile(console: Any, records: list[dict[str, Any]]) -> None:
         pad_edge=False,
     )
     for index, header in enumerate(
-        ("mode", "compile s", "graphs", "s/iter", "×", "break-even iter", "max |Δ log p|", "|log ρ|")
+        ("mode", "compile s", "graphs", "s/iter", "×", "break-even iter", "rel |Δ x̂0|", "|log ρ|")
     ):
         table.add_column(header, justify="left" if index == 0 else "right", no_wrap=True)
     for row in rows:
@@ -352,7 +352,7 @@ def _render_compile(console: Any, records: list[dict[str, Any]]) -> None:
             _seconds(row["iteration_seconds"]),
             _ratio(row["speedup"]),
             _ratio(row["break_even_iterations"], 1) if compiled else "-",
-            f"{row['max_abs_log_prob_difference']:.1e}" if compiled else "-",
+            f"{row['max_relative_x0_difference']:.1e}" if compiled else "-",
             f"{row['max_abs_log_ratio']:.0e}",
         )
     console.print(table)
