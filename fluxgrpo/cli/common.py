@@ -1,7 +1,8 @@
 """What every command shares: stderr console, error → exit-code mapping, JSON output.
 
 Results go to stdout (a rich table, or one JSON document with --json); logs, progress and errors go to
-stderr. Exit codes: 0 ok, 1 runtime failure, 2 usage error. ``FLUXGRPO_DEBUG=1`` shows tracebacks.
+stderr. Exit codes: 0 ok, 1 runtime failure, 2 usage error (and 3: `train` stopped by a guard, ``training/guards.py``).
+``FLUXGRPO_DEBUG=1`` shows tracebacks.
 
 Text from users and libraries (paths, prompts, error messages such as gloo's ``[/__w/.../pair.cc:561]``) is never
 rich markup: print it with ``log`` or through ``escape``, so brackets in it show as typed instead of vanishing
@@ -15,15 +16,25 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.paths import HPS_DIR_HELP
+from fluxgrpo.runtime.device import DEVICE_TYPES
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# The options several commands declare alike: one declaration each (a command whose option says something of its
+# own, e.g. `score --json`'s several-reward document, declares it itself).
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")]
+DeviceOption = Annotated[
+    str, typer.Option("--device", help=f"auto (the best found), or one of {', '.join(DEVICE_TYPES)}.")
+]
+HpsDirOption = Annotated[str, typer.Option("--hps-dir", help=HPS_DIR_HELP)]
 
 err_console = Console(stderr=True)
 out_console = Console()

@@ -6,10 +6,9 @@ from typing import Annotated
 
 import typer
 
-from fluxgrpo.cli.common import handle_errors, log, out_console, print_json
+from fluxgrpo.cli.common import DeviceOption, JsonOption, handle_errors, log, out_console, print_json
 from fluxgrpo.paths import DEFAULT_FLUX_DIR
 from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
-from fluxgrpo.runtime.device import DEVICE_TYPES
 
 
 @handle_errors
@@ -19,7 +18,8 @@ def command(
         str | None,
         typer.Option(
             "--checkpoint",
-            help="A checkpoint-<k> folder, or a training --output-dir (its latest complete checkpoint). "
+            help="A checkpoint-<k> folder, a run's best/ (--keep-best), or a training --output-dir (its latest complete "
+            "checkpoint). "
             "[default: none, the base model]",
             show_default=False,
         ),
@@ -54,9 +54,7 @@ def command(
             show_default=False,
         ),
     ] = None,
-    device: Annotated[
-        str, typer.Option("--device", help=f"auto (the best found), or one of {', '.join(DEVICE_TYPES)}.")
-    ] = "auto",
+    device: DeviceOption = "auto",
     attention: Annotated[
         str, typer.Option("--attention", help=f"Attention kernel: {' or '.join(ATTENTION_BACKENDS)}.")
     ] = "sdpa",
@@ -71,7 +69,7 @@ def command(
             "images equal to rounding.",
         ),
     ] = False,
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
+    json_output: JsonOption = False,
 ) -> None:
     """Generate images with the base model or a trained checkpoint, reproducibly (same seed, same images).
 

@@ -20,6 +20,7 @@ from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import check_batch, check_pil_batch, normalize_clip, read_state_dict
 from fluxgrpo.rewards.open_clip_model import OpenClipCosine, create_empty_open_clip, reward_model_name
 from fluxgrpo.rewards.pickscore import resize_shortest_edge
+from fluxgrpo.rewards.registry import RewardRecord
 from fluxgrpo.weights.layout import OPEN_CLIP_WEIGHTS, check_clip_part
 
 if TYPE_CHECKING:
@@ -86,14 +87,28 @@ class ClipScoreReward(OpenClipCosine):
 
     def score_pil(self, images: list[Image.Image], prompts: list[str]) -> torch.Tensor:
         """open_clip's own input path: its evaluation transform on RGB PIL images."""
+        check_pil_batch(images, prompts)
+        return self.score_pixels(self._pil_pixels(images), prompts)
+
+    def embed_pil(self, images: list[Image.Image]) -> torch.Tensor:
+        """[B, E] L2-normalised CLIP image features of PIL images, through ``score_pil``'s input path."""
+        return self.image_features(self._pil_pixels(images))
+
+    def _pil_pixels(self, images: list[Image.Image]) -> torch.Tensor:
         import open_clip
         import torch
 
-        check_pil_batch(images, prompts)
         transform = open_clip.image_transform(self.image_size, is_train=False)
-        pixels = torch.stack([transform(image.convert("RGB")) for image in images]).to(self.device)
-        return self.score_pixels(pixels, prompts)
+        return torch.stack([transform(image.convert("RGB")) for image in images]).to(self.device)
 
     def score_pixels(self, pixels: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         """Normalised pixels → max(100 · cos, 0) [B] float32."""
         return (CLIPSCORE_WEIGHT * self.cosine(pixels, prompts)).clamp(min=0.0)
+
+
+def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> ClipScoreReward:
+    return ClipScoreReward(hps_dir, device, compute_dtype=dtype)
+
+
+# LAION's open_clip ViT-H-14 weights, the part HPSv2 owns (HPSv2 was fine-tuned from them).
+RECORD = RewardRecord("clipscore", _load, reads=("clip",), parameters=986_109_440)

@@ -15,8 +15,9 @@ transformer forwards (the ones with fewer prompts run discarded padding batches)
 the image records, writes the grid, scores every image with every reward through ``fluxgrpo score``'s own code
 (the PNGs read back from disk, fp32 HPSv2), so ``fluxgrpo score --index eval/iteration-<k>`` reports the same
 numbers, writes ``index.json`` last (with the iteration and the scores), logs ``eval_<reward>_mean/std``
-(``eval_ema_…`` for the EMA) to metrics.jsonl at that iteration, and the grid and score histograms to
-TensorBoard / wandb.
+and, with two or more images per prompt, ``eval_diversity`` (``diversity.py``; ``eval_ema_…`` for the EMA) to
+metrics.jsonl at that iteration, and the grid and score histograms to TensorBoard / wandb. The loop hands the
+record to the guards (``guards.py``).
 
 Resume-safety: an evaluation at iteration k finishes before checkpoint k is written, so a run resumed from
 checkpoint k already has it (metrics.jsonl keeps records up to k) and does not repeat it; one resumed from an
@@ -30,9 +31,16 @@ import math
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fluxgrpo.config import TrainConfig, split_names
+from fluxgrpo.config import TrainConfig
+from fluxgrpo.rewards.reward_set import eval_reward_names
+from fluxgrpo.training.diversity import embedding_reward
+
+if TYPE_CHECKING:
+    from fluxgrpo.metrics import MetricsLogger
+    from fluxgrpo.runtime.dist import DistContext
+    from fluxgrpo.training.parts import TrainingParts
 
 EVAL_DIR = "eval"
 EVAL_SEED = 0  # `fluxgrpo sample`'s default --seed: evaluations of different runs start from the same noise
@@ -49,11 +57,6 @@ def eval_folder(output_dir: str | Path, iteration: int, ema: bool = False) -> Pa
     return Path(output_dir) / EVAL_DIR / f"iteration-{iteration}{'-ema' if ema else ''}"
 
 
-def eval_reward_names(cfg: TrainConfig) -> list[str]:
-    """The training reward(s) first, then ``--eval-rewards``, each once."""
-    return list(dict.fromkeys([*split_names(cfg.reward), *split_names(cfg.eval_rewards)]))
-
-
 def is_due(cfg: TrainConfig, iteration: int) -> bool:
     """Iteration 0, every ``eval_every``-th, and the last."""
     if cfg.eval_every <= 0:
@@ -64,18 +67,21 @@ def is_due(cfg: TrainConfig, iteration: int) -> bool:
 class Evaluator:
     """Runs the held-out evaluation when it is due; a no-op when ``--eval-every`` is 0. Call on every rank."""
 
-    def __init__(self, cfg: TrainConfig, ctx: Any, metrics: Any) -> None:
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, metrics: MetricsLogger) -> None:
         self.cfg = cfg
         self.ctx = ctx
         self.metrics = metrics
         self.enabled = cfg.eval_every > 0
         if not self.enabled:
             return
+        from fluxgrpo.data.benchmarks import eval_prompts_path
         from fluxgrpo.data.prompts import read_prompts
         from fluxgrpo.sample import SampleSettings
 
-        self.prompts = read_prompts(cfg.eval_prompts or shipped_eval_prompts_path())
-        self.rewards = eval_reward_names(cfg)
+        self.prompts = read_prompts(
+            eval_prompts_path(cfg.eval_prompts) if cfg.eval_prompts else shipped_eval_prompts_path()
+        )
+        self.rewards = eval_reward_names(cfg.reward, cfg.eval_rewards)
         self.settings = SampleSettings(
             height=cfg.height,
             width=cfg.width,
@@ -92,25 +98,28 @@ class Evaluator:
 
     # ----------------------------------------------------------------------------------------- entry points
 
-    def before_training(self, start: int, parts: Any) -> None:
-        """Evaluate the weights the loop starts from (the base model at 0), unless a resumed run already did."""
+    def before_training(self, start: int, parts: TrainingParts) -> dict[str, Any]:
+        """Evaluate the weights the loop starts from (the base model at 0), unless a resumed run already did;
+        returns the record (rank 0; ``{}`` elsewhere or when none ran)."""
         if not self.enabled or not is_due(self.cfg, start):
-            return
+            return {}
         from fluxgrpo.runtime import dist as rt_dist
 
         done = all(
             (eval_folder(self.cfg.output_dir, start, ema) / "index.json").is_file() for ema in self._variants(parts)
         )
         if start > 0 and rt_dist.broadcast_object(self.ctx, done):
-            return
-        self.run(start, parts)
+            return {}
+        return self.run(start, parts)
 
-    def maybe_run(self, iteration: int, parts: Any) -> None:
-        """Evaluate after ``iteration`` when it is due (call before that iteration's checkpoint is saved)."""
+    def maybe_run(self, iteration: int, parts: TrainingParts) -> dict[str, Any]:
+        """Evaluate after ``iteration`` when it is due (call before that iteration's checkpoint is saved); returns
+        the record (rank 0; ``{}`` elsewhere or when none was due)."""
         if self.enabled and is_due(self.cfg, iteration):
-            self.run(iteration, parts)
+            return self.run(iteration, parts)
+        return {}
 
-    def run(self, iteration: int, parts: Any) -> dict[str, Any]:
+    def run(self, iteration: int, parts: TrainingParts) -> dict[str, Any]:
         """Evaluate the current weights (and the EMA's); returns the metrics record (rank 0; ``{}`` elsewhere)."""
         from fluxgrpo.runtime import device as rt_device
         from fluxgrpo.runtime import dist as rt_dist
@@ -133,12 +142,14 @@ class Evaluator:
         rt_device.empty_cache(self.ctx.device)
         record["eval_seconds"] = time.perf_counter() - began
         self.metrics.log(record)
-        means = " · ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in record.items() if k.endswith("_mean"))
+        means = " · ".join(
+            f"{k.removeprefix('eval_')} {v:.4f}" for k, v in record.items() if k.endswith(("_mean", "diversity"))
+        )
         rt_dist.rank0_print(self.ctx, f"eval at iteration {iteration}: {means} ({record['eval_seconds']:.1f} s)")
         return record if self.ctx.is_main else {}
 
     @staticmethod
-    def _variants(parts: Any) -> tuple[bool, ...]:
+    def _variants(parts: TrainingParts) -> tuple[bool, ...]:
         return (False, True) if parts.ema is not None else (False,)
 
     # ----------------------------------------------------------------------------------------- one evaluation
@@ -216,6 +227,17 @@ class Evaluator:
         for name, (mean, std) in summary.items():
             logged[f"{prefix}{name}_mean"] = mean
             logged[f"{prefix}{name}_std"] = std
+        embedder = embedding_reward(self.rewards)
+        if embedder is not None and self.settings.images_per_prompt > 1:
+            from fluxgrpo.score import DEFAULT_SCORE_BATCH
+            from fluxgrpo.training.diversity import image_diversity
+
+            logged[f"{prefix}diversity"] = image_diversity(
+                self._scorer(embedder, training_rewards),
+                [out / image.file for image in images],
+                [image.prompt_index for image in images],
+                DEFAULT_SCORE_BATCH,
+            )
         return logged
 
     def _scorer(self, name: str, training: Any) -> Any:
@@ -250,7 +272,7 @@ class Evaluator:
 
     # ----------------------------------------------------------------------------------------- set-up
 
-    def _pipeline(self, parts: Any) -> Any:
+    def _pipeline(self, parts: TrainingParts) -> Any:
         """A FluxPipeline around the live transformer and the training VAE, without text encoders."""
         if self._pipe is None:
             from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline

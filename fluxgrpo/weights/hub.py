@@ -1,6 +1,6 @@
 """Real weights from Hugging Face or ModelScope into the standard layout: planned, resumable, verified.
 
-For each selected part (``hub_parts.HUB_PARTS``: flux, hps, clip by default; the other rewards on request):
+For each selected part (``hub_parts.hub_parts()``: flux, hps, clip by default; the other rewards on request):
 
 1. list the repo at a resolved revision and keep only the allow-listed files (FLUX.1-dev's diffusers
    folders, never the 23 GB single-file checkpoints beside them);
@@ -36,14 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR, ensure_writable_dir
+from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR, DEFAULT_PROMPTS_DIR, ensure_writable_dir
 from fluxgrpo.weights.hub_clients import (
     HubClient,
     RemoteFile,
     RepoNotFound,
     open_client,
 )
-from fluxgrpo.weights.hub_parts import DEFAULT_PARTS, HUB_PARTS, PART_GROUPS, HubPart, expand_parts
+from fluxgrpo.weights.hub_parts import DEFAULT_PARTS, HubPart, expand_parts, hub_parts, part_groups
 from fluxgrpo.weights.hub_progress import ProgressView, format_bytes
 from fluxgrpo.weights.manifest import (
     Manifest,
@@ -241,6 +241,7 @@ def plan_fetch(
     token: str | None = None,
     endpoint: str | None = None,
     verify: bool = False,
+    prompts_dir: str | Path = DEFAULT_PROMPTS_DIR,
 ) -> FetchPlan:
     """List the repos and compare with the disk; writes nothing.
 
@@ -251,7 +252,9 @@ def plan_fetch(
     client = open_client(source, token=token, endpoint=endpoint)
     view = ProgressView(enabled=False)
     plans = [
-        _plan_part(client, part, _part_root(part, flux_dir, hps_dir), revision, view, verify=verify, rehash=False)
+        _plan_part(
+            client, part, _part_root(part, flux_dir, hps_dir, prompts_dir), revision, view, verify=verify, rehash=False
+        )
         for part in selected
     ]
     return FetchPlan(source, client.endpoint, plans)
@@ -270,10 +273,11 @@ def fetch_from_hub(
     max_workers: int = 8,
     progress: bool = True,
     rehash: bool = False,
+    prompts_dir: str | Path = DEFAULT_PROMPTS_DIR,
 ) -> FetchSummary:
     """Fetch the selected parts from ``source`` ("hf" or "modelscope") into the standard layout.
 
-    ``parts`` are names from ``PART_CHOICES`` (a group such as "pickscore" stands for its parts). ``revision``
+    ``parts`` are names from ``hub_parts.part_choices()`` (a group such as "pickscore" stands for its parts). ``revision``
     (branch, tag or commit) pins the repo of a single selected part; ``token`` and ``endpoint`` default to the
     hub's own settings (HF_TOKEN / ``hf auth login``, HF_ENDPOINT; MODELSCOPE_API_TOKEN / ``modelscope login``,
     MODELSCOPE_ENDPOINT). ``dry_run`` only plans (see ``plan_fetch``). Progress and notes
@@ -285,14 +289,21 @@ def fetch_from_hub(
         raise UsageError(f"--max-workers must be at least 1, got {max_workers}")
     if dry_run:
         plan = plan_fetch(
-            source, parts=parts, flux_dir=flux_dir, hps_dir=hps_dir, revision=revision, token=token, endpoint=endpoint
+            source,
+            parts=parts,
+            flux_dir=flux_dir,
+            hps_dir=hps_dir,
+            revision=revision,
+            token=token,
+            endpoint=endpoint,
+            prompts_dir=prompts_dir,
         )
         results = [_result(p, manifest=None, downloaded=0, fetched_bytes=0) for p in plan.parts]
         return FetchSummary(source, plan.endpoint, True, time.monotonic() - started, results, plan)
 
     selected = _select_parts(parts, revision)
     client = open_client(source, token=token, endpoint=endpoint)
-    roots = {part.name: _part_root(part, flux_dir, hps_dir) for part in selected}
+    roots = {part.name: _part_root(part, flux_dir, hps_dir, prompts_dir) for part in selected}
     with ProgressView(progress) as view:
         note = client.token_note()
         if note:
@@ -303,7 +314,7 @@ def fetch_from_hub(
         for part in selected:
             sized = _classify(client, part, roots[part.name], *listings[part.name], view, verify=False, rehash=rehash)
             if sized.to_fetch:
-                client.preflight(sized.repo, sized.revision, sized.to_fetch[0].path)
+                client.preflight(sized.repo, sized.revision, sized.to_fetch[0].path, hub_parts()[sized.part].repo_type)
         with _hold(sorted(set(roots.values()))), client.quiet():
             for root in sorted(set(roots.values())):
                 freed = client.remove_orphans(root)
@@ -329,17 +340,18 @@ def fetch_from_hub(
 
 
 def _select_parts(parts: Sequence[str], revision: str | None) -> list[HubPart]:
-    selected = [HUB_PARTS[name] for name in expand_parts(parts)]
+    known = hub_parts()
+    selected = [known[name] for name in expand_parts(parts)]
     if revision is not None and len(selected) > 1:
         raise UsageError(
             "--revision pins one repository: pass it with a single part, e.g. `--only flux --revision <commit>` "
-            f"(pickscore is two repositories: {', '.join(PART_GROUPS['pickscore'])})"
+            f"(pickscore is two repositories: {', '.join(part_groups()['pickscore'])})"
         )
     return selected
 
 
-def _part_root(part: HubPart, flux_dir: str | Path, hps_dir: str | Path) -> Path:
-    base = {"flux": Path(flux_dir), "hps": Path(hps_dir)}[part.root]
+def _part_root(part: HubPart, flux_dir: str | Path, hps_dir: str | Path, prompts_dir: str | Path) -> Path:
+    base = {"flux": Path(flux_dir), "hps": Path(hps_dir), "prompts": Path(prompts_dir)}[part.root]
     return base / part.subdir if part.subdir else base
 
 
@@ -373,7 +385,7 @@ def _resolve_part(
     first_error: FluxgrpoError | None = None
     for repo in candidates:
         try:
-            resolved, listing = client.resolve(repo, revision)
+            resolved, listing = client.resolve(repo, revision, part.repo_type)
             return repo, resolved, _allowed_files(part, repo, resolved, listing, client.endpoint)
         except (RepoNotFound, MissingFiles) as exc:
             first_error = first_error or exc
@@ -528,7 +540,7 @@ def _hold(roots: list[Path]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for root in roots:
             lock_path = root / FETCH_LOCK
-            ensure_writable_dir(root, "weights", "--flux-dir / --hps-dir")
+            ensure_writable_dir(root, "weights", "--flux-dir / --hps-dir / --prompts-dir")
             try:
                 stack.enter_context(FileLock(str(lock_path), timeout=0))
             except Timeout:
@@ -574,7 +586,7 @@ def _check_disk_space(plans: list[PartPlan]) -> None:
 def _fetch_part(client: HubClient, plan: PartPlan, max_workers: int, view: ProgressView) -> PartResult:
     manifest_path = plan.root / plan.manifest_name
     manifest_path.unlink(missing_ok=True)  # stale until every file below is verified again
-    for name in HUB_PARTS[plan.part].replaces:
+    for name in hub_parts()[plan.part].replaces:
         superseded = plan.root / name
         if superseded.is_file():
             superseded.unlink()
@@ -616,7 +628,7 @@ def _fetch_file(client: HubClient, plan: PartPlan, item: PlannedFile, view: Prog
         client.discard(root, remote.path, keep_partial=attempt == 0)
         resumed_from = client.partial_bytes(root, remote.path)
         with view.file(remote.path, remote.size) as bar:
-            client.download(plan.repo, plan.revision, remote, root, bar.advance)
+            client.download(plan.repo, plan.revision, remote, root, bar.advance, hub_parts()[plan.part].repo_type)
         fetched += remote.size - resumed_from
         digest = _digest(root / remote.path, remote, lambda n: None)
         if _matches(remote, digest):
