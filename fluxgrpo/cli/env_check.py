@@ -39,6 +39,23 @@ def command(
             help="The reward(s) of the run to check for, as train --reward takes them; other rewards without weights only warn.",
         ),
     ] = TrainConfig.reward,
+    deep: Annotated[
+        bool,
+        typer.Option(
+            "--deep", help="Run short real checks on the device (kernels, on-policy start, memory, collectives, loading, rewards)."
+        ),
+    ] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="With --deep: the subset that runs in under 2 minutes.")] = False,
+    config: Annotated[
+        str | None,
+        typer.Option("--config", help="With --deep: the train config whose settings to check (name or YAML path)."),
+    ] = None,
+    dies: Annotated[
+        int | None, typer.Option("--dies", help="With --deep: workers for collectives and loading [default: all dies].")
+    ] = None,
+    report_file: Annotated[
+        str, typer.Option("--report-file", help="With --deep: where to write the JSON report.")
+    ] = "env-check-deep.json",
 ) -> None:
     """Report devices, versions, accelerator variables, weights and embeddings; exit 0 only if training could start.
 
@@ -46,7 +63,21 @@ def command(
       fluxgrpo env-check
       fluxgrpo env-check --reward hpsv2:1,pickscore:0.5
       fluxgrpo env-check --json > env.json
+      fluxgrpo env-check --deep --config a3-8die
+      fluxgrpo env-check --deep --quick --device cpu
     """
+    if deep:
+        from fluxgrpo.cli.env_check_deep import run_and_show
+        from fluxgrpo.deepcheck.run import DeepCheckSettings
+
+        settings = DeepCheckSettings(device, quick, config, flux_dir, hps_dir, reward, dies, report_file)
+        if not run_and_show(settings, json_output):
+            raise typer.Exit(1)
+        return
+    if quick or config is not None or dies is not None:
+        from fluxgrpo.errors import UsageError
+
+        raise UsageError("--quick, --config and --dies only apply to `fluxgrpo env-check --deep`: add --deep")
     from fluxgrpo.envcheck import collect_report
 
     report = collect_report(flux_dir, hps_dir, embeddings_dir, requested_device=device, reward=reward)
