@@ -42,10 +42,13 @@ def command(
     deep: Annotated[
         bool,
         typer.Option(
-            "--deep", help="Run short real checks on the device (kernels, on-policy start, memory, collectives, loading, rewards)."
+            "--deep",
+            help="Run short real checks on the device (kernels, on-policy start, memory, collectives, loading, rewards).",
         ),
     ] = False,
-    quick: Annotated[bool, typer.Option("--quick", help="With --deep: the subset that runs in under 2 minutes.")] = False,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="With --deep: the subset that runs in under 2 minutes.")
+    ] = False,
     config: Annotated[
         str | None,
         typer.Option("--config", help="With --deep: the train config whose settings to check (name or YAML path)."),

@@ -223,7 +223,9 @@ def run_iteration(
             figures = on_policy(sampler, rollout_dtype or compute_dtype, first=index == 0)
             reference = on_policy(sampler, reference_dtype, first=False)["first_abs_log_ratio"]
             results.append(
-                _on_policy_result(sampler, figures, reference, settings, dtype_name, rollout_dtype, time.perf_counter() - start)
+                _on_policy_result(
+                    sampler, figures, reference, settings, dtype_name, rollout_dtype, time.perf_counter() - start
+                )
             )
     results.append(_memory_result(settings, model, peaks.peaks, host.to_dict(), ctx.device_type, compute_dtype))
     return results
@@ -241,9 +243,8 @@ def _on_policy_result(
     ratio = figures["first_abs_log_ratio"]
     tolerance = reference / ROUNDING_FRACTION
     ok = math.isfinite(ratio) and ratio <= tolerance and not figures["skipped_steps"]
-    setup = (
-        f"{dtype_name}, rollout batch {settings.rollout_batch_size}, micro-batch {settings.micro_batch_size}"
-        + ("" if rollout_dtype is None else f", rollout in {str(rollout_dtype).removeprefix('torch.')}")
+    setup = f"{dtype_name}, rollout batch {settings.rollout_batch_size}, micro-batch {settings.micro_batch_size}" + (
+        "" if rollout_dtype is None else f", rollout in {str(rollout_dtype).removeprefix('torch.')}"
     )
     detail = (
         f"max |log ρ| {ratio:.2e} ≤ {tolerance:.2e} ({setup})"
@@ -350,4 +351,6 @@ def _memory_result(
         else f"estimate {estimate.peak / GiB:.2f} GiB is below the measured {measured / GiB:.2f} GiB ({source}): "
         "train --dry-run under-estimates; send env-check-deep.json with an issue"
     )
-    return CheckResult("memory model", PASSED if ok else FAILED, round(ratio, 3), "× estimate/measured", rule, detail, terms)
+    return CheckResult(
+        "memory model", PASSED if ok else FAILED, round(ratio, 3), "× estimate/measured", rule, detail, terms
+    )

@@ -35,7 +35,9 @@ def reference_images(size: int = 256) -> Any:
     import torch
 
     ramp = torch.linspace(0.0, 1.0, size)
-    gradient = torch.stack([1 - ramp[None, :].expand(size, size), ramp[:, None].expand(size, size), ramp[None, :].expand(size, size)])
+    gradient = torch.stack(
+        [1 - ramp[None, :].expand(size, size), ramp[:, None].expand(size, size), ramp[None, :].expand(size, size)]
+    )
     rows, cols = torch.meshgrid(torch.arange(size), torch.arange(size), indexing="ij")
     board = (((rows // (size // 8)) + (cols // (size // 8))) % 2).float()
     disc = ((rows - size / 2) ** 2 + (cols - size / 2) ** 2 < (size / 4) ** 2).float()

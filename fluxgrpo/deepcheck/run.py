@@ -89,7 +89,9 @@ def _iteration_settings(settings: DeepCheckSettings, cfg: Any, device_type: str)
     )
 
 
-def _environment(settings: DeepCheckSettings, cfg: Any, device_type: str, device_name: str, dies: int) -> dict[str, Any]:
+def _environment(
+    settings: DeepCheckSettings, cfg: Any, device_type: str, device_name: str, dies: int
+) -> dict[str, Any]:
     from fluxgrpo import __version__
     from fluxgrpo.runtime.peak import accelerator_stack
     from fluxgrpo.runtime.report import package_versions
@@ -135,7 +137,9 @@ def _collective_results(summary: dict[str, Any] | None, dies: int) -> CheckResul
     ranks = summary["ranks"]
     join = max(rank["join_seconds"] for rank in ranks)
     if dies == 1:
-        return skipped("collectives", rule, f"one process: nothing to exchange (process start {join:.2f} s); use --dies")
+        return skipped(
+            "collectives", rule, f"one process: nothing to exchange (process start {join:.2f} s); use --dies"
+        )
     worst = {
         name: min(rank["collectives"][name]["bus_gbps"] for rank in ranks) for name in ("all_reduce", "all_gather")
     }
@@ -190,7 +194,9 @@ def _load_result(summary: dict[str, Any] | None, reason: str | None) -> CheckRes
         "unknown" if node_rise is None else f"{node_rise / 2**30:.2f} GiB (allowed {allowed / 2**30:.2f})"
     )
     if not all(load["materialised"] and load["finite"] for load in loads):
-        return CheckResult("loading", FAILED, seconds, "s", rule, "parameters left unread or not finite: " + line, measured)
+        return CheckResult(
+            "loading", FAILED, seconds, "s", rule, "parameters left unread or not finite: " + line, measured
+        )
     if node_rise is not None and node_rise > allowed:
         return CheckResult(
             "loading", FAILED, seconds, "s", rule, "more host memory than one copy of the weights: " + line, measured

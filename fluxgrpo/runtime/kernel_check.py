@@ -133,7 +133,8 @@ def _rope(device: torch.device, device_type: str, ids: torch.Tensor, dtypes: tup
     patch_rope(holder, force=device_type != "npu")  # off the device, diffusers' own would run in float64
     reference = FluxPosEmbed(theta=FLUX_ROPE_THETA, axes_dim=list(FLUX_ROPE_AXES))
     with torch.no_grad():
-        cos, sin = holder.pos_embed(ids.to(device))
+        pos_embed: Any = holder.pos_embed  # replaced by patch_rope, so typed by what it returns
+        cos, sin = pos_embed(ids.to(device))
         ref_cos, ref_sin = reference(ids.double())  # float64 on the host
     table_error = max(_normwise(cos, ref_cos), _normwise(sin, ref_sin))
     table_problem = None
@@ -182,9 +183,9 @@ def _attention(device: torch.device, device_type: str, tokens: int, dtypes: tupl
     shape = f"q, k, v [1, {FLUX_HEADS}, {tokens}, {FLUX_HEAD_DIM}]"
     out = []
     for dtype in dtypes:
-        cast = [t.to(_DTYPES[dtype]) for t in (q, k, v)]
+        cq, ck, cv = (t.to(_DTYPES[dtype]) for t in (q, k, v))
         with torch.no_grad():
-            got = torch.nn.functional.scaled_dot_product_attention(*cast)
+            got = torch.nn.functional.scaled_dot_product_attention(cq, ck, cv)
         out.append(
             KernelComparison(
                 "attention (sdpa)",
