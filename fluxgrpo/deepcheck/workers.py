@@ -1,7 +1,7 @@
 """Checks 4 and 5, run on every die through the one launcher (``runtime.launch.run_workers``).
 
 **Collectives.** Time to join the process group, then all-reduce and all-gather of ``collective_bytes`` (fp32),
-timed over a few repeats after a warm-up, as bus bandwidth (nccl-tests' convention: all-reduce algbw·2(n−1)/n,
+timed over a few repeats after a warm-up, as bus bandwidth (the collective benchmarks' convention: all-reduce algbw·2(n−1)/n,
 all-gather algbw·(n−1)/n, algbw = bytes / seconds). Rule: every result is exact (a sum of rank numbers, each rank's
 shard in place) and, where the device's nominal figure is known (``runtime/interconnect.py``), the all-reduce
 reaches at least ``MIN_NOMINAL_FRACTION`` of it (a ring that falls back to PCIe or the host gets a tenth or less).
