@@ -139,3 +139,17 @@ def test_rollout_dtype_mismatch_and_low_estimate_fail(monkeypatch):
     assert dance.figure > dance.measured["tolerance"] and "rollout in bfloat16" in dance.detail
     memory = results[-1]
     assert memory.figure < 1 and memory.measured["estimate_peak_bytes"] < memory.measured["measured_peak_bytes"]
+
+
+def test_rewards_compare_the_reward_dtype_and_skip_missing_weights(tiny_weights, tmp_path):
+    from fluxgrpo.deepcheck.rewards import check_rewards, reference_images
+
+    images = reference_images(64)
+    assert images.shape == (2, 3, 64, 64) and 0 <= images.min() and images.max() <= 1
+    assert not torch.equal(images[0], images[1])
+    [bf16] = check_rewards(["hpsv2"], tiny_weights.hps_dir, torch.device("cpu"), "bf16")
+    assert bf16.status == PASSED, bf16.detail
+    assert len(bf16.measured["bf16_scores"]) == 2 and bf16.figure <= 1e-2
+    [missing] = check_rewards(["pickscore"], tmp_path, torch.device("cpu"), "fp32")
+    assert missing.status == SKIPPED and "fetch-weights" in missing.detail
+    assert check_rewards(["brightness"], tmp_path, torch.device("cpu"), "fp32") == []  # no model, nothing to check

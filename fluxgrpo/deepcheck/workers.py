@@ -70,6 +70,8 @@ def _load(ctx: Any, config: dict[str, Any]) -> dict[str, Any]:
     from fluxgrpo.training.parts import build_transformer
 
     cfg = TrainConfig(**config)
+    from diffusers import FluxTransformer2DModel  # noqa: F401  (imported now: its import is not the load's cost)
+
     # The biggest tensor in flight on one rank: its stored bytes read, plus their fp32 conversion.
     largest = max(
         stored.row_bytes * (stored.shape[0] if stored.shape else 1) * (1 + 4 // stored.dtype.itemsize)
