@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float as None, so the report is strict JSON (no NaN, which
+    ``json.dumps`` would write and most readers refuse); tuples become lists, as JSON reads them back."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(key): json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
 STATUSES = (PASSED, FAILED, SKIPPED)
 
 
@@ -33,7 +46,7 @@ class CheckResult:
             raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return json_safe(asdict(self))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CheckResult:
@@ -63,7 +76,7 @@ class DeepReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "environment": self.environment,
+            "environment": json_safe(self.environment),
             "checks": [check.to_dict() for check in self.checks],
             "seconds": self.seconds,
             "ok": self.ok,

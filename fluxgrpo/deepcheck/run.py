@@ -251,7 +251,7 @@ def run_deep_check(settings: DeepCheckSettings, log: Callable[[str], None] = lam
 
 
 def write_report(report: DeepReport, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(report.to_dict(), indent=2, default=str) + "\n", encoding="utf-8")
+    Path(path).write_text(json.dumps(report.to_dict(), indent=2, allow_nan=False) + "\n", encoding="utf-8")
 
 
 def read_report(path: str | Path) -> DeepReport:
