@@ -125,9 +125,10 @@ def test_rollout_dtype_mismatch_and_low_estimate_fail(monkeypatch):
 
     estimate = iteration.estimate_for_iteration
 
-    def too_low(*args, **kwargs):  # the planted fault: an estimate with only the rollout-phase terms
+    def too_low(*args, **kwargs):  # the planted fault: an estimate that forgets every term
         low = estimate(*args, **kwargs)
-        low.persistent = {name: 0 for name in low.persistent}
+        low.persistent = dict.fromkeys(low.persistent, 0)
+        low.phases = {phase: dict.fromkeys(terms, 0) for phase, terms in low.phases.items()}
         low.reserve = 0
         return low
 
@@ -148,7 +149,7 @@ def test_rewards_compare_the_reward_dtype_and_skip_missing_weights(tiny_weights,
     from fluxgrpo.deepcheck.rewards import check_rewards, reference_images
 
     images = reference_images(64)
-    assert images.shape == (2, 3, 64, 64) and 0 <= images.min() and images.max() <= 1
+    assert images.shape == (2, 3, 64, 64) and images.min() >= 0 and images.max() <= 1
     assert not torch.equal(images[0], images[1])
     [bf16] = check_rewards(["hpsv2"], tiny_weights.hps_dir, torch.device("cpu"), "bf16")
     assert bf16.status == PASSED, bf16.detail

@@ -59,6 +59,16 @@ def command(
     report_file: Annotated[
         str, typer.Option("--report-file", help="With --deep: where to write the JSON report.")
     ] = "env-check-deep.json",
+    nnodes: Annotated[
+        int, typer.Option("--nnodes", help="With --deep: nodes the collectives span (run the same command on each).")
+    ] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", help="With --deep: this node's index, 0 … nnodes−1.")] = 0,
+    master_addr: Annotated[
+        str | None, typer.Option("--master-addr", help="With --deep: address of node 0 (multi-node).")
+    ] = None,
+    master_port: Annotated[
+        int | None, typer.Option("--master-port", help="With --deep: rendezvous port on node 0.")
+    ] = None,
 ) -> None:
     """Report devices, versions, accelerator variables, weights and embeddings; exit 0 only if training could start.
 
@@ -73,14 +83,37 @@ def command(
         from fluxgrpo.cli.env_check_deep import run_and_show
         from fluxgrpo.deepcheck.run import DeepCheckSettings
 
-        settings = DeepCheckSettings(device, quick, config, flux_dir, hps_dir, reward, dies, report_file)
+        settings = DeepCheckSettings(
+            device,
+            quick,
+            config,
+            flux_dir,
+            hps_dir,
+            reward,
+            dies,
+            report_file,
+            nnodes,
+            node_rank,
+            master_addr,
+            master_port,
+        )
         if not run_and_show(settings, json_output):
             raise typer.Exit(1)
         return
-    if quick or config is not None or dies is not None:
+    deep_only = {
+        "--quick": quick,
+        "--config": config is not None,
+        "--dies": dies is not None,
+        "--nnodes": nnodes != 1,
+        "--node-rank": node_rank != 0,
+        "--master-addr": master_addr is not None,
+        "--master-port": master_port is not None,
+    }
+    if any(deep_only.values()):
         from fluxgrpo.errors import UsageError
 
-        raise UsageError("--quick, --config and --dies only apply to `fluxgrpo env-check --deep`: add --deep")
+        given = ", ".join(flag for flag, set_ in deep_only.items() if set_)
+        raise UsageError(f"{given} only apply to `fluxgrpo env-check --deep`: add --deep")
     from fluxgrpo.envcheck import collect_report
 
     report = collect_report(flux_dir, hps_dir, embeddings_dir, requested_device=device, reward=reward)

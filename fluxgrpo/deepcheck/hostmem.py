@@ -1,6 +1,7 @@
 """Host memory of this process: resident set now, and its peak since a reset (Linux ``/proc``).
 
-The peak is the kernel's own high-water mark (``VmHWM``), reset by writing 5 to ``/proc/self/clear_refs``, so a
+On entry the C heap's free pages are returned to the kernel first, so that what the block allocates shows as a
+rise even where it reuses memory freed earlier. The peak is the kernel's own high-water mark (``VmHWM``), reset by writing 5 to ``/proc/self/clear_refs``, so a
 short allocation between two reads is never missed. Where that reset is refused, a thread samples ``VmRSS`` every
 few milliseconds instead (``HostPeak.method`` says which). Both are None where ``/proc`` is missing (macOS).
 """
@@ -31,6 +32,21 @@ def rss_bytes() -> int | None:
     return _status_bytes("VmRSS")
 
 
+def _release_free_heap() -> None:
+    """Hand the C heap's free pages back to the kernel (glibc's ``malloc_trim``), so that memory freed before the
+    block and reused inside it counts in the block's rise instead of hiding in the resident set already."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl, macOS): the rise may under-count reused memory
+        return
+
+
 class HostPeak:
     """The peak resident set of this process while the ``with`` block runs, and its rise over the start.
 
@@ -46,6 +62,7 @@ class HostPeak:
         self._sampled = 0
 
     def __enter__(self) -> HostPeak:
+        _release_free_heap()
         self.start = rss_bytes()
         if self.start is None:
             return self

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fluxgrpo.deepcheck.result import FAILED, PASSED, CheckResult
+from fluxgrpo.deepcheck.result import FAILED, PASSED, SKIPPED, CheckResult
 
 if TYPE_CHECKING:
     import torch
@@ -341,8 +341,8 @@ def _memory_result(
             "reward_bytes": reward_bytes,
         },
     }
-    if not measured:
-        return CheckResult("memory model", "skipped", None, "×", rule, f"no measurement: {source}", terms)
+    if measured is None:
+        return CheckResult("memory model", SKIPPED, None, "×", rule, f"no measurement: {source}", terms)
     ratio = estimate.peak / measured
     ok = estimate.peak >= measured
     detail = (

@@ -19,6 +19,8 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [json_safe(item) for item in value]
     return value
+
+
 STATUSES = (PASSED, FAILED, SKIPPED)
 
 

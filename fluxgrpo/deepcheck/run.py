@@ -16,6 +16,7 @@ from fluxgrpo.deepcheck.result import FAILED, PASSED, CheckResult, DeepReport, s
 from fluxgrpo.errors import UsageError
 
 DEFAULT_REPORT_FILE = "env-check-deep.json"
+NOT_NODE_ZERO = "this node's workers took part; node 0 (--node-rank 0) reports every rank's figures"
 # The flux-dev-shaped model's (double, single) blocks: few enough for one die's memory beside a ViT-H-14 reward.
 SHAPED_BLOCKS = {"full": (4, 8), "quick": (1, 2)}
 QUICK_SAMPLING_STEPS = 4
@@ -36,6 +37,10 @@ class DeepCheckSettings:
     reward: str = "hpsv2"  # --quick checks these rewards; the full run every reward with weights
     dies: int | None = None  # None: every visible accelerator (2 workers on a cpu with 2 cores)
     report_file: str = DEFAULT_REPORT_FILE
+    nnodes: int = 1  # the collectives and loading span this many nodes (the same command on each)
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
 
     @property
     def mode(self) -> str:
@@ -105,6 +110,8 @@ def _environment(
         "device_type": device_type,
         "device_name": device_name,
         "dies": dies,
+        "nnodes": settings.nnodes,
+        "node_rank": settings.node_rank,
         "mode": settings.mode,
         "config": settings.config or ("tiny-cpu" if device_type == "cpu" else "defaults"),
         "flux_dir": settings.flux_dir,
@@ -127,16 +134,16 @@ def _load_payload(settings: DeepCheckSettings, cfg: Any) -> tuple[dict[str, Any]
     return cfg.to_dict() | {"lora_rank": 0}, None
 
 
-def _collective_results(summary: dict[str, Any] | None, dies: int) -> CheckResult:
+def _collective_results(summary: dict[str, Any] | None, world_size: int) -> CheckResult:
     from fluxgrpo.deepcheck.workers import MIN_NOMINAL_FRACTION
     from fluxgrpo.runtime.interconnect import nominal_bus_gbps
 
     rule = f"exact results; all-reduce ≥ {MIN_NOMINAL_FRACTION:.0%} of nominal where known"
     if summary is None:
-        return skipped("collectives", rule, "the workers returned nothing")
+        return skipped("collectives", rule, NOT_NODE_ZERO)
     ranks = summary["ranks"]
     join = max(rank["join_seconds"] for rank in ranks)
-    if dies == 1:
+    if world_size == 1:
         return skipped(
             "collectives", rule, f"one process: nothing to exchange (process start {join:.2f} s); use --dies"
         )
@@ -157,7 +164,7 @@ def _collective_results(summary: dict[str, Any] | None, dies: int) -> CheckResul
     fraction = None if nominal is None else worst["all_reduce"] / nominal
     measured["fraction_of_nominal"] = fraction
     line = (
-        f"{dies} ranks, {measured['bytes'] / 2**20:.0f} MiB: all-reduce {worst['all_reduce']:.2f} GB/s, all-gather "
+        f"{world_size} ranks, {measured['bytes'] / 2**20:.0f} MiB: all-reduce {worst['all_reduce']:.2f} GB/s, all-gather "
         f"{worst['all_gather']:.2f} GB/s bus; join {join:.2f} s, first barrier {measured['first_barrier_seconds']:.2f} s; "
         + (f"{fraction:.0%} of nominal" if fraction is not None else source)
     )
@@ -179,18 +186,22 @@ def _load_result(summary: dict[str, Any] | None, reason: str | None) -> CheckRes
     if reason is not None:
         return skipped("loading", rule, reason)
     if summary is None:
-        return skipped("loading", rule, "the workers returned nothing")
-    loads = [rank["load"] for rank in summary["ranks"]]
+        return skipped("loading", rule, NOT_NODE_ZERO)
+    loads = [rank["load"] | {"node": rank["node"]} for rank in summary["ranks"]]
     seconds = max(load["seconds"] for load in loads)
-    rises = [load["host"]["rise_bytes"] for load in loads]
-    node_rise = None if None in rises else sum(rises)
-    allowed = (
-        sum(load["host_resident_parameter_bytes"] for load in loads)
-        + sum(load["largest_tensor_bytes"] for load in loads)
-        + LOAD_SLACK_BYTES
-    )
+    # The busiest node's sum over its ranks, against what that node's ranks may hold.
+    node_rise, allowed = None, 0
+    for node in sorted({load["node"] for load in loads}):
+        on_node = [load for load in loads if load["node"] == node]
+        rises = [load["host"]["rise_bytes"] for load in on_node]
+        node_allowed = (
+            sum(load["host_resident_parameter_bytes"] + load["largest_tensor_bytes"] for load in on_node)
+            + LOAD_SLACK_BYTES
+        )
+        if None not in rises and (node_rise is None or sum(rises) - node_allowed > node_rise - allowed):
+            node_rise, allowed = sum(rises), node_allowed
     measured = {"seconds": seconds, "node_host_rise_bytes": node_rise, "allowed_bytes": allowed, "per_rank": loads}
-    line = f"{len(loads)} rank(s): {seconds:.2f} s, node host rise " + (
+    line = f"{len(loads)} rank(s): {seconds:.2f} s, busiest node's host rise " + (
         "unknown" if node_rise is None else f"{node_rise / 2**30:.2f} GiB (allowed {allowed / 2**30:.2f})"
     )
     if not all(load["materialised"] and load["finite"] for load in loads):
@@ -220,6 +231,14 @@ def run_deep_check(settings: DeepCheckSettings, log: Callable[[str], None] = lam
     device_type = rt_device.resolve_device_type(settings.device)
     cfg = _train_config(settings, device_type)
     dies = _dies(settings, device_type)
+    spec = LaunchSpec(
+        nproc_per_node=dies,
+        nnodes=settings.nnodes,
+        node_rank=settings.node_rank,
+        master_addr=settings.master_addr,
+        master_port=settings.master_port,
+    )
+    spec.validate()  # before any check runs
     reward_list = reward_spec_names(settings.reward) if settings.quick else reward_names()
     load_config, load_reason = _load_payload(settings, cfg)
     ctx = rt_dist.init_distributed(settings.device)
@@ -235,14 +254,14 @@ def run_deep_check(settings: DeepCheckSettings, log: Callable[[str], None] = lam
     log("rewards …")
     checks += check_rewards(reward_list, settings.hps_dir, ctx.device, cfg.reward_dtype)
     rt_device.empty_cache(ctx.device)
-    log(f"collectives and loading on {dies} worker(s) …")
+    log(f"collectives and loading on {spec.world_size} worker(s) …")
     payload = {
         "device": settings.device,
         "collective_bytes": COLLECTIVE_BYTES["cpu" if device_type == "cpu" else "accelerator"][settings.mode],
         "load": load_config,
     }
-    summary = run_workers("fluxgrpo.deepcheck.workers", payload, LaunchSpec(nproc_per_node=dies), settings.device)
-    checks.append(_collective_results(summary, dies))
+    summary = run_workers("fluxgrpo.deepcheck.workers", payload, spec, settings.device)
+    checks.append(_collective_results(summary, spec.world_size))
     checks.append(_load_result(summary, load_reason))
     environment["collectives_and_loading_raw"] = summary
     report = DeepReport(environment, checks, round(time.perf_counter() - started, 2))

@@ -17,6 +17,7 @@ rank) breaks it as soon as there are two ranks.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -108,7 +109,9 @@ def worker_entry(payload: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     with worker_session(payload["device"]) as ctx:
         joined = time.perf_counter() - start
-        figures: dict[str, Any] = {"rank": ctx.rank, "join_seconds": joined}
+        # torchrun numbers ranks node by node, so a rank's node is its rank over the workers per node
+        node = ctx.rank // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        figures: dict[str, Any] = {"rank": ctx.rank, "node": node, "join_seconds": joined}
         if ctx.distributed:
             first = time.perf_counter()
             rt_dist.barrier(ctx)  # the first collective builds the communicators
