@@ -157,3 +157,51 @@ def test_rewards_compare_the_reward_dtype_and_skip_missing_weights(tiny_weights,
     [missing] = check_rewards(["pickscore"], tmp_path, torch.device("cpu"), "fp32")
     assert missing.status == SKIPPED and "fetch-weights" in missing.detail
     assert check_rewards(["brightness"], tmp_path, torch.device("cpu"), "fp32") == []  # no model, nothing to check
+
+
+def _rank(rank: int, node: int, rise_gib: float, bus: float = 400.0, exact: bool = True) -> dict:
+    gib = 2**30
+    return {
+        "rank": rank,
+        "node": node,
+        "join_seconds": 1.0,
+        "first_barrier_seconds": 0.5,
+        "collectives": {
+            "bytes": 256 << 20,
+            "world_size": 4,
+            "all_reduce": {"seconds": 0.01, "bus_gbps": bus, "exact": exact},
+            "all_gather": {"seconds": 0.01, "bus_gbps": bus, "exact": True},
+        },
+        "load": {
+            "seconds": 3.0,
+            "host": {"start_bytes": gib, "peak_bytes": gib + int(rise_gib * gib), "rise_bytes": int(rise_gib * gib)},
+            "materialised": True,
+            "finite": True,
+            "local_parameter_bytes": 6 * gib,
+            "host_resident_parameter_bytes": 0,
+            "largest_tensor_bytes": gib // 4,
+        },
+    }
+
+
+def test_collective_and_loading_rules():
+    from fluxgrpo.deepcheck.run import NOT_NODE_ZERO, _collective_results, _load_result
+
+    def summary(ranks):
+        return {"device_type": "cuda", "device_name": "NVIDIA H200", "ranks": ranks}
+
+    # 4 ranks on 2 nodes at 400 GB/s of H200's nominal 450: passes (89 %).
+    good = summary([_rank(r, r // 2, 0.5) for r in range(4)])
+    collectives = _collective_results(good, 4)
+    assert collectives.status == PASSED and collectives.measured["fraction_of_nominal"] == pytest.approx(400 / 450)
+    assert _collective_results(summary([_rank(r, 0, 0.5, bus=100.0) for r in range(4)]), 4).status == FAILED  # 22 %
+    assert _collective_results(summary([_rank(r, 0, 0.5, exact=r != 2) for r in range(4)]), 4).status == FAILED
+    # Each node may rise by its ranks' in-flight tensors (2 × 0.25 GiB) + 1 GiB = 1.5 GiB.
+    assert _load_result(good, None).status == PASSED  # 2 × 0.5 = 1 GiB per node
+    per_rank_copy = summary([_rank(r, r // 2, 0.5 if r < 2 else 6.0) for r in range(4)])  # node 1: 12 GiB
+    loading = _load_result(per_rank_copy, None)
+    assert loading.status == FAILED and loading.measured["node_host_rise_bytes"] == 12 * 2**30
+    # A node other than 0 gets no figures back, and says where they are.
+    assert _collective_results(None, 4).status == SKIPPED and _collective_results(None, 4).detail == NOT_NODE_ZERO
+    assert _load_result(None, None).status == SKIPPED
+    assert _load_result(good, "no FLUX weights").detail == "no FLUX weights"
