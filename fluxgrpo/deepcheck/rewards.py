@@ -75,8 +75,11 @@ def check_rewards(names: list[str], hps_dir: str | Path, device: Any, reward_dty
             problems.append(f"fp32 scores not finite: {first.tolist()}")
         elif not bool((first == second).all()):
             problems.append(f"fp32 scores differ between two identical calls: {first.tolist()} vs {second.tolist()}")
-        figure = 0.0
+        # The figure: how far the configured dtype moves the scores, or with fp32 how far a repeat does.
+        figure = float((second - first).abs().max()) if bool(first.isfinite().all()) else float("nan")
+        unit = "Δ fp32 repeat"
         if reward_dtype != "fp32" and not problems:
+            unit = f"{reward_dtype} vs fp32"
             low = rewards.load_reward(name, hps_dir, device, reward_dtype)(images, CAPTIONS).float().cpu()
             measured[f"{reward_dtype}_scores"] = low.tolist()
             figure = float(((low - first).abs() / first.abs().clamp_min(1.0)).max())
@@ -92,7 +95,7 @@ def check_rewards(names: list[str], hps_dir: str | Path, device: Any, reward_dty
                 f"reward {name}",
                 FAILED if problems else PASSED,
                 figure,
-                f"{reward_dtype} vs fp32",
+                unit,
                 RULE,
                 problems[0] if problems else f"scores {scores} (fp32){dtype_note}",
                 measured,

@@ -176,7 +176,7 @@ def _collective_results(summary: dict[str, Any] | None, world_size: int) -> Chec
             f"all-reduce below {MIN_NOMINAL_FRACTION:.0%} of nominal (check the interconnect, its variables): " + line,
             measured,
         )  # fmt: skip
-    return CheckResult("collectives", PASSED, worst["all_reduce"], "GB/s", rule, line, measured)
+    return CheckResult("collectives", PASSED, worst["all_reduce"], "GB/s", rule, line, measured, round(join, 3))
 
 
 def _load_result(summary: dict[str, Any] | None, reason: str | None) -> CheckResult:
@@ -212,7 +212,7 @@ def _load_result(summary: dict[str, Any] | None, reason: str | None) -> CheckRes
         return CheckResult(
             "loading", FAILED, seconds, "s", rule, "more host memory than one copy of the weights: " + line, measured
         )
-    return CheckResult("loading", PASSED, seconds, "s", rule, line, measured)
+    return CheckResult("loading", PASSED, seconds, "s", rule, line, measured, round(seconds, 3))
 
 
 def run_deep_check(settings: DeepCheckSettings, log: Callable[[str], None] = lambda line: None) -> DeepReport:
