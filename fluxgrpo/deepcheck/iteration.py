@@ -72,6 +72,7 @@ class IterationSettings:
     max_grad_norm: float
     gradient_checkpointing: bool
     attention: str
+    timestep_fraction: float = 0.5
     seed: int = 0
 
     @property
@@ -80,7 +81,8 @@ class IterationSettings:
 
     @property
     def train_timesteps(self) -> int:
-        return max(1, (self.sampling_steps - 1) // 2)
+        """T trained per trajectory, as the trainer counts it (DanceGRPO's sampler: int((N−1)·fraction))."""
+        return max(1, int((self.sampling_steps - 1) * self.timestep_fraction))
 
 
 def _bench_config(settings: IterationSettings) -> Any:

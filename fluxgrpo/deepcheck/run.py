@@ -90,6 +90,7 @@ def _iteration_settings(settings: DeepCheckSettings, cfg: Any, device_type: str)
         max_grad_norm=cfg.max_grad_norm,
         gradient_checkpointing=cfg.gradient_checkpointing,
         attention=cfg.attention,
+        timestep_fraction=cfg.timestep_fraction,
         seed=cfg.seed,
     )
 
