@@ -39,9 +39,11 @@ def _collectives(ctx: Any, collective_bytes: int) -> dict[str, Any]:
     expected_sum = world * (world + 1) / 2
     shard = torch.full((elements // world,), float(ctx.rank + 1), device=ctx.device)
     gathered = torch.empty(elements, device=ctx.device)
+    # Newer torch names it all_gather_single (and warns on the old name); older torch has only the old one.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     for name, run, factor in (
         ("all_reduce", lambda: dist.all_reduce(value), 2 * (world - 1) / world),
-        ("all_gather", lambda: dist.all_gather_into_tensor(gathered, shard), (world - 1) / world),
+        ("all_gather", lambda: all_gather(gathered, shard), (world - 1) / world),
     ):
         seconds = []
         for repeat in range(WARMUP + REPEATS):
