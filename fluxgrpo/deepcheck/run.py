@@ -227,6 +227,7 @@ def run_deep_check(settings: DeepCheckSettings, log: Callable[[str], None] = lam
     from fluxgrpo.runtime import dist as rt_dist
     from fluxgrpo.runtime.launch import LaunchSpec, run_workers
     from fluxgrpo.runtime.peak import device_name
+    from fluxgrpo.runtime.worker import quiet_library_progress
 
     started = time.perf_counter()
     device_type = rt_device.resolve_device_type(settings.device)
@@ -253,7 +254,8 @@ def run_deep_check(settings: DeepCheckSettings, log: Callable[[str], None] = lam
     checks += run_iteration(_iteration_settings(settings, cfg, device_type), ctx)
     rt_device.empty_cache(ctx.device)
     log("rewards …")
-    checks += check_rewards(reward_list, settings.hps_dir, ctx.device, cfg.reward_dtype)
+    with quiet_library_progress():  # the table says what loaded; no per-file bars
+        checks += check_rewards(reward_list, settings.hps_dir, ctx.device, cfg.reward_dtype)
     rt_device.empty_cache(ctx.device)
     log(f"collectives and loading on {spec.world_size} worker(s) …")
     payload = {
