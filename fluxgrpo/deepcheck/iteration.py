@@ -74,6 +74,8 @@ class IterationSettings:
     gradient_checkpointing: bool
     attention: str
     timestep_fraction: float = 0.5
+    # bench's reward choice: "auto" (a random ViT-H-14, HPSv2's size, beside the shaped model; the tiny CLIP on cpu)
+    reward_model: str = "auto"
     seed: int = 0
 
     @property
@@ -99,6 +101,7 @@ def _bench_config(settings: IterationSettings) -> Any:
         trajectories=settings.trajectories,
         text_tokens=settings.text_tokens,
         attention=settings.attention,
+        reward=settings.reward_model,
         seed=settings.seed,
     ).validate()
 

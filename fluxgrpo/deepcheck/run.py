@@ -91,6 +91,8 @@ def _iteration_settings(settings: DeepCheckSettings, cfg: Any, device_type: str)
         gradient_checkpointing=cfg.gradient_checkpointing,
         attention=cfg.attention,
         timestep_fraction=cfg.timestep_fraction,
+        # --quick spares the minute a random ViT-H-14 takes to build; the memory estimate counts the reward loaded
+        reward_model="tiny-clip" if settings.quick else "auto",
         seed=cfg.seed,
     )
 
