@@ -14,6 +14,7 @@ from typing import Any
 
 from fluxgrpo.deepcheck.result import FAILED, PASSED, CheckResult, DeepReport, skipped
 from fluxgrpo.errors import UsageError
+from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR
 
 DEFAULT_REPORT_FILE = "env-check-deep.json"
 NOT_NODE_ZERO = "this node's workers took part; node 0 (--node-rank 0) reports every rank's figures"
@@ -32,8 +33,8 @@ class DeepCheckSettings:
     device: str = "auto"
     quick: bool = False
     config: str | None = None  # a train config (shipped name or YAML path); None: tiny-cpu on cpu, defaults else
-    flux_dir: str = "data/flux"
-    hps_dir: str = "hps_ckpt"
+    flux_dir: str = DEFAULT_FLUX_DIR
+    hps_dir: str = DEFAULT_HPS_DIR
     reward: str = "hpsv2"  # --quick checks these rewards; the full run every reward with weights
     dies: int | None = None  # None: every visible accelerator (2 workers on a cpu with 2 cores)
     report_file: str = DEFAULT_REPORT_FILE
@@ -51,7 +52,16 @@ def _train_config(settings: DeepCheckSettings, device_type: str) -> Any:
     from fluxgrpo.config import build_config
 
     name = settings.config or ("tiny-cpu" if device_type == "cpu" else None)
-    return build_config(name, {"model": settings.flux_dir, "hps_dir": settings.hps_dir})
+    # A folder left at its default does not override the one a --config names.
+    overrides = {
+        key: value
+        for key, value, default in (
+            ("model", settings.flux_dir, DEFAULT_FLUX_DIR),
+            ("hps_dir", settings.hps_dir, DEFAULT_HPS_DIR),
+        )
+        if settings.config is None or value != default
+    }
+    return build_config(name, overrides)
 
 
 def _dies(settings: DeepCheckSettings, device_type: str) -> int:
@@ -117,8 +127,8 @@ def _environment(
         "node_rank": settings.node_rank,
         "mode": settings.mode,
         "config": settings.config or ("tiny-cpu" if device_type == "cpu" else "defaults"),
-        "flux_dir": settings.flux_dir,
-        "hps_dir": settings.hps_dir,
+        "flux_dir": cfg.model,
+        "hps_dir": cfg.hps_dir,
         "reward_dtype": cfg.reward_dtype,
     }
 
@@ -128,10 +138,10 @@ def _load_payload(settings: DeepCheckSettings, cfg: Any) -> tuple[dict[str, Any]
     from fluxgrpo.models.shard_loading import transformer_weight_files
     from fluxgrpo.weights.layout import check_flux_dir
 
-    status = check_flux_dir(settings.flux_dir)
+    status = check_flux_dir(cfg.model)
     if not status.complete:
-        return None, f"no FLUX weights at {settings.flux_dir} ({'; '.join(status.problems)}); pass --flux-dir"
-    size = sum(path.stat().st_size for path in transformer_weight_files(settings.flux_dir))
+        return None, f"no FLUX weights at {cfg.model} ({'; '.join(status.problems)}); pass --flux-dir"
+    size = sum(path.stat().st_size for path in transformer_weight_files(cfg.model))
     if settings.quick and size > QUICK_LOAD_LIMIT_BYTES:
         return None, f"--quick does not read {size / 2**30:.1f} GiB of FLUX weights; the full run does"
     return cfg.to_dict() | {"lora_rank": 0}, None
@@ -257,7 +267,7 @@ def run_deep_check(settings: DeepCheckSettings, log: Callable[[str], None] = lam
     rt_device.empty_cache(ctx.device)
     log("rewards …")
     with quiet_library_progress():  # the table says what loaded; no per-file bars
-        checks += check_rewards(reward_list, settings.hps_dir, ctx.device, cfg.reward_dtype)
+        checks += check_rewards(reward_list, cfg.hps_dir, ctx.device, cfg.reward_dtype)
     rt_device.empty_cache(ctx.device)
     log(f"collectives and loading on {spec.world_size} worker(s) …")
     payload = {
