@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -66,6 +67,11 @@ def _quiet_torchelastic() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+def _max_nodes(nnodes: str) -> int:
+    """torchrun's ``--nnodes``: ``N`` or ``MIN:MAX``."""
+    return int(str(nnodes).rpartition(":")[2])
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_parent(signal.SIGTERM)  # torchrun stops its workers on SIGTERM
     os.environ[PARENT_PID_ENV] = str(os.getpid())  # the workers die with this agent
@@ -80,8 +86,18 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as exc:
         if os.environ.get("FLUXGRPO_DEBUG"):
             raise
+        multi_node = _max_nodes(args.nnodes) > 1
+        host = socket.gethostname()
         failures = [
-            {"rank": rank, "exitcode": failure.exitcode, "pid": failure.pid, "time": failure.timestamp}
+            {
+                "rank": rank,
+                "exitcode": failure.exitcode,
+                "pid": failure.pid,
+                "time": failure.timestamp,
+                # this node's index in the job: its workers' global ranks start at node × nproc-per-node
+                "node": (rank - failure.local_rank) // int(args.nproc_per_node) if multi_node else None,
+                "host": host,
+            }
             for rank, failure in exc.failures.items()
         ]
         if os.environ.get(ERROR_DIR_ENV):  # the launching command says what happened

@@ -36,6 +36,7 @@ from typing import Any
 
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.runtime import liveness
 from fluxgrpo.runtime.agent import die_with_parent
 from fluxgrpo.runtime.launch import launcher_reports_errors, record_worker_error, worker_errors
 
@@ -76,10 +77,33 @@ def worker_session(requested_device: str | None) -> Iterator[rt_dist.DistContext
         with quiet_library_progress():
             yield ctx
     except BaseException as exc:
-        record_worker_error(exc)
+        _report_failure(exc)
         rt_dist.teardown(failed=True)
         raise
     rt_dist.teardown()
+
+
+def _report_failure(exc: BaseException) -> None:
+    """Record a rank's failure for its launcher and tell its peers, naming the rank at fault.
+
+    An error of this rank's own (a FluxgrpoError, a bug) is published in the store for the peers, who see only a
+    closed connection. A library error in a distributed run is first checked against the peers: when another
+    rank published an error or stopped beating, that rank is the cause, and this rank records the line naming it.
+    """
+    watch = liveness.current()
+    if watch is None or isinstance(exc, KeyboardInterrupt | SystemExit):
+        record_worker_error(exc)
+        return
+    if isinstance(exc, liveness.PeerFailed):
+        record_worker_error(exc, caused_by_peer=str(exc))
+        return
+    if not isinstance(exc, FluxgrpoError):
+        why = watch.explain_failure(rt_dist.current_timeout_seconds())
+        if why is not None:
+            record_worker_error(exc, caused_by_peer=why)
+            return
+    watch.publish_failure(str(exc) if isinstance(exc, FluxgrpoError) else f"{type(exc).__name__}: {exc}")
+    record_worker_error(exc)
 
 
 def entry_point(module: str) -> Callable[[dict[str, Any]], Any]:

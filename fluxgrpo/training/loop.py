@@ -78,9 +78,21 @@ def restore(ctx: DistContext, parts: TrainingParts, checkpoint: Path | None) -> 
     return loaded.iteration
 
 
+def checkpoint_to_resume(ctx: DistContext, output_dir: Path, resume: str | None) -> Path | None:
+    """The checkpoint this start of the workers continues from: ``--resume``'s, or after an elastic restart
+    (``--max-restarts``) the newest complete one, with no flag (rank 0 looks, every rank loads the same)."""
+    from fluxgrpo.checkpoint import latest_checkpoint, resolve_resume
+    from fluxgrpo.runtime.nodes import restarted
+
+    if restarted(ctx):
+        newest = latest_checkpoint(output_dir) if ctx.is_main else None
+        found = rt_dist.broadcast_object(ctx, None if newest is None else str(newest))
+        return None if found is None else Path(found)
+    return resolve_resume(output_dir, resume) if resume is not None else None
+
+
 def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
     """Run the GRPO loop on this rank; returns rank 0's metrics records (empty on other ranks)."""
-    from fluxgrpo.checkpoint import resolve_resume
     from fluxgrpo.grpo.latents import image_ids
     from fluxgrpo.grpo.reward_aggregation import aggregate_rewards
     from fluxgrpo.grpo.rollout import generate_rollout
@@ -88,14 +100,16 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
     from fluxgrpo.grpo.step_plan import PlanSettings, plan_for_iteration
     from fluxgrpo.grpo.update import UpdateSettings, policy_update, skipped_update
     from fluxgrpo.metrics import MetricsLogger, run_info
+    from fluxgrpo.runtime.nodes import check_shared_folder
     from fluxgrpo.runtime.worker import worker_session
     from fluxgrpo.training.eval import Evaluator
 
     with worker_session(cfg.device) as ctx:
         rt_device.seed_everything(cfg.seed + ctx.rank)
         output_dir = Path(cfg.output_dir)
+        check_shared_folder(ctx, output_dir)  # several nodes: one folder that all of them see, or no resume
         parts = build_parts(cfg, ctx)
-        start = restore(ctx, parts, resolve_resume(output_dir, resume) if resume is not None else None)
+        start = restore(ctx, parts, checkpoint_to_resume(ctx, output_dir, resume))
         metrics = MetricsLogger(
             output_dir,
             enabled=ctx.is_main,
@@ -117,6 +131,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
         records = []
         evaluator.before_training(start, parts)  # the base model at iteration 0: every eval curve starts there
         for iteration in range(start + 1, cfg.max_train_steps + 1):
+            rt_dist.mark(f"iteration {iteration}")  # named if this rank stops or falls behind the others
             rt_device.reset_peak_memory(ctx.device)
             clock = PhaseClock(ctx.device)
             noise_gen = torch.Generator(device=ctx.device).manual_seed(
@@ -184,6 +199,8 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
             if iteration % cfg.checkpointing_steps == 0 or iteration == cfg.max_train_steps:
                 path = save_training_checkpoint(ctx, cfg, parts, iteration)
                 rt_dist.rank0_print(ctx, f"saved {path}")
+            if iteration == start + 1:  # loading, compiling and the first rollout are behind: the short timeout
+                rt_dist.steady_state(ctx)
         metrics.close()
     return records if ctx.is_main else []
 

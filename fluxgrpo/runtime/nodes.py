@@ -1,0 +1,168 @@
+"""What a run on several nodes needs to know about them: Slurm's description of the job, whether the output
+folder is shared, whether this start of the workers is an elastic restart, and the network interface variables.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fluxgrpo.errors import FluxgrpoError
+
+if TYPE_CHECKING:
+    from fluxgrpo.runtime.dist import DistContext
+
+SHARED_CHECK_FILE = ".fluxgrpo-shared-check"  # in the output folder: written by rank 0, read on every node
+SHARED_CHECK_SECONDS = 30.0  # how long a node waits to see it (an NFS client may cache "no such file" a while)
+INTERFACE_VARIABLES = ("HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+
+
+# --------------------------------------------------------------------------------------------- Slurm
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    nnodes: int
+    node_rank: int
+    first_host: str
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm's compressed host list (``a[01-03,07],b`` → ``a01 a02 a03 a07 b``), as ``scontrol show hostnames``."""
+    hosts: list[str] = []
+    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?(?:,|$)", nodelist.strip()):
+        prefix, ranges = match.group(1), match.group(2)
+        if not prefix and not ranges:
+            continue
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            low, _, high = part.partition("-")
+            if not high:
+                hosts.append(prefix + low)
+                continue
+            width = len(low)
+            hosts += [prefix + str(n).zfill(width) for n in range(int(low), int(high) + 1)]
+    return hosts
+
+
+def slurm_job(environ: Mapping[str, str] | None = None) -> SlurmJob | None:
+    """This node's place in a multi-node Slurm job step (``srun``, one task per node), or None outside one."""
+    environ = os.environ if environ is None else environ
+    nnodes, node_id = environ.get("SLURM_NNODES") or environ.get("SLURM_JOB_NUM_NODES"), environ.get("SLURM_NODEID")
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not (nnodes and node_id and nodelist) or not nnodes.isdigit() or not node_id.isdigit() or int(nnodes) < 2:
+        return None
+    hosts = expand_nodelist(nodelist)
+    if not hosts:
+        return None
+    return SlurmJob(int(nnodes), int(node_id), hosts[0])
+
+
+# --------------------------------------------------------------------------------------------- in the workers
+
+
+def multi_node() -> bool:
+    """Whether this worker's job spans several nodes (torchrun's ``GROUP_WORLD_SIZE``)."""
+    return int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
+
+
+def restarted(ctx: DistContext) -> bool:
+    """Whether torchrun's agent on any node restarted the workers after a failure (a node that was started again
+    brings fresh workers, its agent's count 0, so the ranks agree on the largest count)."""
+    from fluxgrpo.runtime import dist as rt_dist
+
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return max(rt_dist.all_gather_object(ctx, count)) > 0 if ctx.distributed else count > 0
+
+
+def check_shared_folder(ctx: DistContext, folder: Path, wait_s: float = SHARED_CHECK_SECONDS) -> None:
+    """Refuse an output folder that the nodes do not share: rank 0 writes a fresh token there and the first
+    rank of every node must read it back (a resume needs every rank's checkpoint files in one folder).
+
+    A no-op on one node. Raises FluxgrpoError on every rank, naming the nodes that do not see the file.
+    """
+    from fluxgrpo.runtime import dist as rt_dist
+
+    if not (ctx.distributed and multi_node()):
+        return
+    path = folder / SHARED_CHECK_FILE
+    token = uuid.uuid4().hex if ctx.is_main else None
+    if ctx.is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(token or "")
+    token = rt_dist.broadcast_object(ctx, token)
+    seen = True
+    if ctx.local_rank == 0:
+        deadline = time.monotonic() + wait_s
+        while not _holds(path, token) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        seen = _holds(path, token)
+    views: list[dict[str, Any]] = rt_dist.all_gather_object(
+        ctx, {"seen": seen, "node": os.environ.get("GROUP_RANK", "?"), "host": socket.gethostname()}
+    )
+    blind = [v for v in views if not v["seen"]]
+    if blind:
+        nodes = ", ".join(f"node {v['node']} (host {v['host']})" for v in blind)
+        raise FluxgrpoError(
+            f"--output-dir {folder} is not shared between the nodes: {nodes} cannot see the file node 0 wrote "
+            f"there within {wait_s:g} s. Checkpoints and resume need one folder that every node sees at the same "
+            "path: put --output-dir on the shared filesystem (NFS, Lustre, GPFS...)"
+        )
+
+
+def _holds(path: Path, token: str) -> bool:
+    try:
+        return path.read_text() == token
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------------------------- interfaces
+
+
+def interface_status(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """The interface variables the backends read (None where unset: the backend picks an interface itself)."""
+    environ = os.environ if environ is None else environ
+    return {name: environ.get(name) for name in INTERFACE_VARIABLES}
+
+
+def route_interface(host: str, port: int) -> tuple[str, str | None] | None:
+    """(local address, interface name) this machine uses to reach ``host:port``, or None when there is no route.
+
+    A UDP socket connected to the address picks the route without sending anything.
+    """
+    try:
+        family = socket.getaddrinfo(host, port, proto=socket.IPPROTO_UDP)[0]
+        with socket.socket(family[0], socket.SOCK_DGRAM) as probe:
+            probe.connect(family[4])
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    return local, _interface_of(local)
+
+
+def _interface_of(address: str) -> str | None:
+    """The interface holding ``address`` (Linux: from ``ip -o addr``; None when it cannot tell)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("ip") is None:
+        return None
+    try:
+        out = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, timeout=5, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) > 3 and fields[3].split("/")[0] == address:
+            return fields[1]
+    return None
