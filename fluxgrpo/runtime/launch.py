@@ -481,6 +481,11 @@ def run_workers(
         os.environ.update({k: v for k, v in worker_env.items() if k not in os.environ})
         return worker.as_summary(worker.entry_point(module)(payload))
     worker_env.update(collective_env(device_type, spec.collective_timeout, log_dir))
+    if spec.elastic:
+        # torch shares the rendezvous TCPStore with the workers and caches who hosts it from the first round: a
+        # node started again (fresh agent) then waits forever in the next round for an address that the others
+        # never publish again. Without the sharing every round publishes it (torch's own opt-out).
+        worker_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     address = spec.rendezvous_address()
     if address is not None and spec.node_rank > 0:  # node 0 hosts the rendezvous: the others must reach it
         timeouts = spec.collective_timeout or CollectiveTimeout()

@@ -139,36 +139,37 @@ class Liveness:
             rank: position for rank, (counter, position) in first.items() if last.get(rank, (counter,))[0] == counter
         }
 
-    def explain_failure(self, timeout_s: float | None) -> str | None:
-        """Why this rank's collective failed, when the cause is another rank: a published error, or the ranks
-        that stopped beating (killed, stopped, or their host lost). None when no peer is at fault (this rank's
-        own error is the cause) or the store cannot tell."""
+    def explain_failure(self, error: str, timeout_s: float | None) -> str | None:
+        """Why this rank's collective failed (``error``: what the backend said), when the cause is another rank:
+        a published error, or the ranks that stopped beating (killed, stopped, or their host lost). None when no
+        peer is at fault (this rank's own error is the cause) or the store cannot tell."""
         try:
             self._short_timeouts()
             failed = self.failures()
-            if failed:
-                rank = min(failed)
-                return f"{self.describe(rank)} failed: {failed[rank]}"
-            silent = self.silent_ranks()
-            failed = self.failures()  # it may have published its error while we watched
-            if failed:
-                rank = min(failed)
-                return f"{self.describe(rank)} failed: {failed[rank]}"
+            if not failed:
+                silent = self.silent_ranks()
+                failed = self.failures()  # it may have published its error while we watched
         except Exception:  # the store lives on node 0: if it is unreachable, node 0 is what was lost
             return None if self.me.node == 0 else self._store_lost()
+        if failed:
+            rank = min(failed)
+            return f"{self.describe(rank)} failed: {failed[rank]}"
         if not silent:
             return None
         rank = min(silent)
-        others = (
-            f" (and {len(silent) - 1} more rank(s): {', '.join(map(str, sorted(silent)[1:]))})"
-            if len(silent) > 1
-            else ""
-        )
-        waited = f" within {timeout_s:g} s" if timeout_s else ""
+        more = sorted(silent)[1:]
+        others = f" (so did rank(s) {', '.join(map(str, more))})" if more else ""
+        silence = f"no heartbeat for {SILENT_BEATS * HEARTBEAT_SECONDS:g} s, last seen at {silent[rank]!r}"
+        here = self._base
+        if "timed out" in error.lower() or "timeout" in error.lower():
+            waited = f" within {timeout_s:g} s" if timeout_s else ""
+            return (
+                f"{self.describe(rank)} did not reach the collective of {here}{waited}: it stopped responding"
+                f"{others} ({silence}; stopped, hung, or its host lost?)"
+            )
         return (
-            f"{self.describe(rank)} stopped responding{others}: no heartbeat for {SILENT_BEATS * HEARTBEAT_SECONDS:g} s, "
-            f"its last position was {silent[rank]!r}; this rank ({self.me.describe()}, at {self.position!r}) did "
-            f"not get its share of a collective{waited} (killed, stopped, or its host lost?)"
+            f"{self.describe(rank)} was lost at {here}: its connection closed and it stopped responding{others} "
+            f"({silence}; killed, or its host went down?)"
         )
 
     def _store_lost(self) -> str:

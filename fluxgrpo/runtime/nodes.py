@@ -75,13 +75,24 @@ def multi_node() -> bool:
     return int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
 
 
-def restarted(ctx: DistContext) -> bool:
-    """Whether torchrun's agent on any node restarted the workers after a failure (a node that was started again
-    brings fresh workers, its agent's count 0, so the ranks agree on the largest count)."""
+def restarted(ctx: DistContext, marker: Path | None) -> bool:
+    """Whether this start of the workers follows an earlier one of the same run (torchrun's agent restarted them
+    after a failure, or a node was started again to rejoin).
+
+    ``marker``: a file named after this node's ``fluxgrpo train`` process (``launch_token``); its first start of
+    the workers writes it, so a later start finds it. A node started again brings a new launcher and finds none,
+    but the nodes that stayed do, so the ranks agree on any. torchrun's restart count alone cannot tell: a
+    restart caused by a node rejoining is not counted.
+    """
     from fluxgrpo.runtime import dist as rt_dist
 
-    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    return max(rt_dist.all_gather_object(ctx, count)) > 0 if ctx.distributed else count > 0
+    again = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if marker is not None:
+        again = again or marker.is_file()
+        if ctx.local_rank == 0:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+    return any(rt_dist.all_gather_object(ctx, again)) if ctx.distributed else again
 
 
 def check_shared_folder(ctx: DistContext, folder: Path, wait_s: float = SHARED_CHECK_SECONDS) -> None:

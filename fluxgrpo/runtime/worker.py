@@ -98,7 +98,7 @@ def _report_failure(exc: BaseException) -> None:
         record_worker_error(exc, caused_by_peer=str(exc))
         return
     if not isinstance(exc, FluxgrpoError):
-        why = watch.explain_failure(rt_dist.current_timeout_seconds())
+        why = watch.explain_failure(str(exc), rt_dist.current_timeout_seconds())
         if why is not None:
             record_worker_error(exc, caused_by_peer=why)
             return

@@ -282,6 +282,10 @@ def launch_training(plan: TrainPlan, log=print) -> list[dict[str, Any]]:
         for key, value in plan.derived.items():
             log(f"  {key.replace('_', ' ')}: {value}")
         log(f"resolved config saved to {plan.resolved_path}")
-        payload = {"config": plan.cfg.to_dict(), "resume": plan.resume_checkpoint}
+        payload: dict[str, Any] = {"config": plan.cfg.to_dict(), "resume": plan.resume_checkpoint}
+        if plan.spec.max_restarts:  # restarted workers tell a restart from a first start by this token
+            import uuid
+
+            payload["launch_token"] = uuid.uuid4().hex
         run_workers(WORKER_MODULE, payload, plan.spec, plan.device_type, log_dir=output_dir / "logs", log=log)
     return read_metrics(output_dir)

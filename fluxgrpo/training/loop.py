@@ -78,20 +78,24 @@ def restore(ctx: DistContext, parts: TrainingParts, checkpoint: Path | None) -> 
     return loaded.iteration
 
 
-def checkpoint_to_resume(ctx: DistContext, output_dir: Path, resume: str | None) -> Path | None:
+def checkpoint_to_resume(
+    ctx: DistContext, output_dir: Path, resume: str | None, launch_token: str | None = None
+) -> Path | None:
     """The checkpoint this start of the workers continues from: ``--resume``'s, or after an elastic restart
     (``--max-restarts``) the newest complete one, with no flag (rank 0 looks, every rank loads the same)."""
     from fluxgrpo.checkpoint import latest_checkpoint, resolve_resume
     from fluxgrpo.runtime.nodes import restarted
 
-    if restarted(ctx):
+    marker = None if launch_token is None else output_dir / "logs" / f".started-{launch_token}"
+    if restarted(ctx, marker):
         newest = latest_checkpoint(output_dir) if ctx.is_main else None
         found = rt_dist.broadcast_object(ctx, None if newest is None else str(newest))
+        rt_dist.rank0_print(ctx, f"the workers started again (--max-restarts): continuing from {found or 'the start'}")
         return None if found is None else Path(found)
     return resolve_resume(output_dir, resume) if resume is not None else None
 
 
-def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
+def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None = None) -> list[dict[str, Any]]:
     """Run the GRPO loop on this rank; returns rank 0's metrics records (empty on other ranks)."""
     from fluxgrpo.grpo.latents import image_ids
     from fluxgrpo.grpo.reward_aggregation import aggregate_rewards
@@ -109,7 +113,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
         output_dir = Path(cfg.output_dir)
         check_shared_folder(ctx, output_dir)  # several nodes: one folder that all of them see, or no resume
         parts = build_parts(cfg, ctx)
-        start = restore(ctx, parts, checkpoint_to_resume(ctx, output_dir, resume))
+        start = restore(ctx, parts, checkpoint_to_resume(ctx, output_dir, resume, launch_token))
         metrics = MetricsLogger(
             output_dir,
             enabled=ctx.is_main,
@@ -206,5 +210,6 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
 
 
 def worker_entry(payload: dict[str, Any]) -> None:
-    """Every rank's part of ``fluxgrpo train`` (``runtime.launch.run_workers``): ``{"config", "resume"}``."""
-    train(TrainConfig(**payload["config"]).validate(), payload.get("resume"))
+    """Every rank's part of ``fluxgrpo train`` (``runtime.launch.run_workers``): ``{"config", "resume",
+    "launch_token"}`` (the token names this node's launcher in a restartable run: ``checkpoint_to_resume``)."""
+    train(TrainConfig(**payload["config"]).validate(), payload.get("resume"), payload.get("launch_token"))
