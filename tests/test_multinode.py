@@ -348,3 +348,22 @@ def test_a_restarted_node_rejoins_and_the_run_resumes_bitwise_as_one_node_uninte
     assert all(torch.equal(a[name], b[name]) for name in a), "the restarted run's weights differ"
     iterations = [json.loads(line)["iteration"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert iterations == list(range(1, steps + 1))  # metrics.jsonl reads as one run
+
+
+def test_env_check_rendezvous_and_interfaces(monkeypatch):
+    port = free_port()
+    (rendezvous, interface) = nodes.rendezvous_checks("cpu", 2, f"127.0.0.1:{port}", environ={})
+    assert rendezvous[:2] == ("rendezvous", "ok") and "this machine" in rendezvous[2]  # node 0: the port is free
+    with socket.socket() as busy:
+        busy.bind(("", port))
+        busy.listen()
+        held = nodes.rendezvous_checks("cpu", 2, f"127.0.0.1:{port}", environ={})[0]
+    assert held[1] == "fail" and "--rdzv-endpoint" in held[3]
+    assert interface[0] == "network interface" and interface[1] == "warn"  # loopback: nothing to infer
+    named = nodes.rendezvous_checks("cpu", 2, f"127.0.0.1:{port}", environ={"GLOO_SOCKET_IFNAME": "eth0"})[1]
+    assert named[1] == "ok" and "GLOO_SOCKET_IFNAME=eth0" in named[2]
+    monkeypatch.setattr(nodes, "_is_local", lambda host: False)  # another node: node 0 must be listening
+    unreachable = nodes.rendezvous_checks("cpu", 2, f"127.0.0.1:{port}", environ={})[0]
+    assert unreachable[1] == "fail" and "is not reachable" in unreachable[2] and "node 0 first" in unreachable[3]
+    assert nodes.rendezvous_checks("cpu", 2, None)[0][1] == "fail"  # several nodes need an endpoint
+    assert nodes.rendezvous_checks("cpu", 1, None) == []

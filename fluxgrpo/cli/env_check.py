@@ -39,6 +39,14 @@ def command(
             help="The reward(s) of the run to check for, as train --reward takes them; other rewards without weights only warn.",
         ),
     ] = TrainConfig.reward,
+    nnodes: Annotated[int, typer.Option("--nnodes", help="Nodes of the run to check for (multi-node checks).")] = 1,
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--rdzv-endpoint",
+            help="HOST:PORT of node 0, as train takes it: checks that it is reachable and the interface variables.",
+        ),
+    ] = None,
 ) -> None:
     """Report devices, versions, accelerator variables, weights and embeddings; exit 0 only if training could start.
 
@@ -46,10 +54,19 @@ def command(
       fluxgrpo env-check
       fluxgrpo env-check --reward hpsv2:1,pickscore:0.5
       fluxgrpo env-check --json > env.json
+      fluxgrpo env-check --nnodes 2 --rdzv-endpoint 10.0.0.1:29500
     """
     from fluxgrpo.envcheck import collect_report
 
-    report = collect_report(flux_dir, hps_dir, embeddings_dir, requested_device=device, reward=reward)
+    report = collect_report(
+        flux_dir,
+        hps_dir,
+        embeddings_dir,
+        requested_device=device,
+        reward=reward,
+        nnodes=nnodes,
+        rdzv_endpoint=rdzv_endpoint,
+    )
     if json_output:
         print_json(report)
     else:

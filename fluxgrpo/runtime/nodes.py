@@ -177,3 +177,115 @@ def _interface_of(address: str) -> str | None:
         if len(fields) > 3 and fields[3].split("/")[0] == address:
             return fields[1]
     return None
+
+
+# --------------------------------------------------------------------------------------------- env-check
+
+INTERFACE_VARIABLES_BY_DEVICE = {
+    "npu": ("HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"),
+    "cuda": ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"),
+    "cpu": ("GLOO_SOCKET_IFNAME",),
+}
+
+
+def rendezvous_checks(
+    device_type: str | None, nnodes: int, endpoint: str | None, environ: Mapping[str, str] | None = None
+) -> list[tuple[str, str, str, str | None]]:
+    """env-check's multi-node checks as (name, ok|warn|fail, detail, what to do).
+
+    - the endpoint: on node 0 (an address of this machine) its port must be free to listen on; elsewhere it must
+      accept a connection (node 0's run started first);
+    - the interface variables of this device's backends: set, or inferable from the route to node 0.
+    """
+    from fluxgrpo.runtime.launch import endpoint_reachable, parse_endpoint
+
+    environ = os.environ if environ is None else environ
+    checks: list[tuple[str, str, str, str | None]] = []
+    if endpoint is None:
+        if nnodes > 1:
+            checks.append(
+                (
+                    "rendezvous",
+                    "fail",
+                    f"--nnodes {nnodes} without --rdzv-endpoint",
+                    "pass --rdzv-endpoint HOST:PORT (node 0's address and a port open between the nodes)",
+                )
+            )
+        return checks
+    host, port = parse_endpoint(endpoint)
+    if _is_local(host):
+        why = _port_free(port)
+        checks.append(
+            (
+                "rendezvous",
+                "ok" if why is None else "fail",
+                f"{host}:{port} is this machine (node 0 hosts the rendezvous); port {port} "
+                + ("is free" if why is None else f"cannot be listened on: {why}"),
+                None if why is None else f"choose another port in --rdzv-endpoint, or stop what holds {port}",
+            )
+        )
+    else:
+        why = endpoint_reachable(host, port)
+        checks.append(
+            (
+                "rendezvous",
+                "ok" if why is None else "fail",
+                f"{host}:{port} " + ("accepts connections" if why is None else f"is not reachable: {why}"),
+                None
+                if why is None
+                else "start `fluxgrpo train` on node 0 first (it listens there), and open the port between the nodes",
+            )
+        )
+    route = route_interface(host, port)
+    names = INTERFACE_VARIABLES_BY_DEVICE.get(device_type or "cpu", ("GLOO_SOCKET_IFNAME",))
+    set_vars = {name: environ[name] for name in names if environ.get(name)}
+    if set_vars:
+        detail = ", ".join(f"{k}={v}" for k, v in set_vars.items())
+        if route is not None:
+            detail += f"; the route to {host} leaves through {route[1] or '?'} ({route[0]})"
+        checks.append(("network interface", "ok", detail, None))
+    elif route is not None and route[1] not in (None, "lo"):
+        checks.append(
+            (
+                "network interface",
+                "ok",
+                f"{', '.join(names)} unset: inferable, the route to {host} leaves through {route[1]} ({route[0]})",
+                None,
+            )
+        )
+    else:
+        where = "" if route is None else f" (the route to {host} leaves through {route[1] or '?'}, {route[0]})"
+        checks.append(
+            (
+                "network interface",
+                "warn",
+                f"{', '.join(names)} unset and the interface between the nodes cannot be inferred{where}",
+                f"set {names[0]} (e.g. {names[0]}=eth0) to the interface that reaches the other nodes, on every node",
+            )
+        )
+    return checks
+
+
+def _is_local(host: str) -> bool:
+    """Whether ``host`` names this machine (a loopback address, its hostname, or one of its addresses)."""
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return False
+    if address.startswith("127.") or host in (socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _port_free(port: int) -> str | None:
+    try:
+        with socket.socket() as probe:
+            probe.bind(("", port))
+        return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
