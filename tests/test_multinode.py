@@ -120,6 +120,12 @@ def test_collective_env_per_backend_and_the_users_values_win(monkeypatch, tmp_pa
     assert launch.collective_env("npu", timeouts)["HCCL_EXEC_TIMEOUT"] == "900"
 
 
+def test_an_agent_that_lost_node0s_rendezvous_says_so(tmp_path):
+    record = {"failures": [], "rendezvous": "RendezvousConnectionError: store failed", "endpoint": "10.0.0.1:29500"}
+    (tmp_path / "agent.json").write_text(json.dumps(record))
+    assert launch.failure_message(tmp_path, 1).startswith("lost node 0's rendezvous at 10.0.0.1:29500")
+
+
 def test_failure_lines_name_node_host_and_rank(tmp_path):
     failures = [{"rank": 17, "exitcode": -9, "time": 1.0, "node": 1, "host": "a3-08"}]
     (tmp_path / "agent.json").write_text(json.dumps({"failures": failures}))
@@ -283,21 +289,39 @@ STARTUP_SECONDS = 300  # two nodes' first iteration on a loaded 2-core machine
 RUN = ("--num-generations", "4", "--rollout-batch-size", "4", "--train-micro-batch-size", "2", "--sampling-steps", "4")
 
 
+def one_error_line(node: Node) -> str:
+    errors = [line for line in node.stderr().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in node.stderr(), node.stderr()
+    return errors[0]
+
+
 @pytest.mark.slow
-def test_a_node_killed_with_its_whole_tree_is_named_by_the_other_and_nothing_is_left(two_nodes, tmp_path):
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_node_killed_or_a_rank_stopped_is_named_on_every_node_and_nothing_is_left(two_nodes, tmp_path, how):
     out = tmp_path / "out"
     steady = 5
     flags = ("--max-train-steps", "10000", "--checkpointing-steps", "10000", "--collective-timeout", f"120,{steady}")
     node0, node1 = two_nodes(0, out, *RUN, *flags), two_nodes(1, out, *RUN, *flags)
     metrics = out / "metrics.jsonl"
     wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, [node0, node1], 300, "iteration")
-    node1.kill_tree()
-    killed = time.monotonic()
+    (worker,) = [pid for pid in descendants(node1.process.pid) if not descendants(pid)]  # node 1's one worker
+    if how == "killed":
+        node1.kill_tree()  # the whole node: launcher, agent, worker
+    else:
+        os.kill(worker, signal.SIGSTOP)  # hung: alive, silent
+    began = time.monotonic()
     assert node0.process.wait(timeout=steady + 10 + 60) == 1
-    assert time.monotonic() - killed < steady + 10 + 30  # its heartbeat's silence, well within the timeout
-    errors = [line for line in node0.stderr().splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "node 1 (host " in errors[0] and "rank 1 was lost at iteration" in errors[0], errors
-    assert "Traceback" not in node0.stderr()
+    assert time.monotonic() - began < steady + 10 + 30  # bounded by the collective timeout (plus start-up slack)
+    line = one_error_line(node0)
+    if how == "killed":
+        assert "node 1 (host " in line and "rank 1 was lost at iteration" in line, line
+    else:
+        assert "rank 1 did not reach the collective of iteration" in line and f"within {steady} s" in line, line
+        assert "node 1 (host " in line
+        os.kill(worker, signal.SIGCONT)  # its peer is gone: node 1 stops too, and says why in its own line
+        assert node1.process.wait(timeout=60) == 1
+        assert "node 0" in one_error_line(node1), node1.stderr()
+        assert "[W" not in node1.stderr()  # no C++ store warnings with stack frames: the one line says it
     assert "node 1 (host" in (out / "logs" / "errors.txt").read_text()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (node0.left() or node1.left()):
@@ -329,7 +353,10 @@ def test_a_restarted_node_rejoins_and_the_run_resumes_bitwise_as_one_node_uninte
     again = two_nodes(1, out, *RUN, *flags, name="node1-again")  # the same command, as Slurm or a user would
     assert node0.process.wait(timeout=STARTUP_SECONDS) == 0, node0.stderr()
     assert again.process.wait(timeout=60) == 0, again.stderr()
-    assert "resumed from" in node0.stderr(), node0.stderr()  # a restart, not a run from scratch
+    assert "the workers started again (--max-restarts): continuing from" in node0.stderr(), node0.stderr()
+    assert "resumed from" in node0.stderr()  # a restart, not a run from scratch
+    lost = [line for line in node0.stderr().splitlines() if line.startswith("warning: node 1 (host ")]
+    assert lost and "rank 1 was lost at iteration" in lost[0] and "torchrun restarts the workers" in lost[0], lost
 
     reference = tiny_config(
         tiny_weights,

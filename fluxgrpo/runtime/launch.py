@@ -295,6 +295,18 @@ def _agent_failures(error_dir: Path) -> list[dict[str, Any]]:
     return []
 
 
+def _lost_rendezvous(error_dir: Path) -> str | None:
+    """The agent's own failure to reach the rendezvous, as one line (None when it did not fail so)."""
+    with contextlib.suppress(OSError, ValueError):
+        record = json.loads((error_dir / AGENT_RECORD).read_text())
+        if record.get("rendezvous"):
+            return (
+                f"lost node 0's rendezvous at {record.get('endpoint') or '?'}: node 0's run stopped or its host was "
+                f"lost (its own output says why), or the nodes never met ({record['rendezvous'].splitlines()[0]})"
+            )
+    return None
+
+
 def _killed_from_outside(agent_failures: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The first rank killed by a signal other than SIGTERM (the one torchrun stops the other workers with)."""
     killed = [f for f in agent_failures if f["exitcode"] < 0 and -f["exitcode"] != signal.SIGTERM]
@@ -317,6 +329,9 @@ def failure_message(error_dir: Path, code: int) -> str:
     """
     agent_failures = _agent_failures(error_dir)
     killed = _killed_from_outside(agent_failures)
+    lost = _lost_rendezvous(error_dir)
+    if killed is None and lost is not None and first_worker_error(error_dir) is None:
+        return lost
     if killed is not None:
         return (
             f"{_where(killed)} {describe_exit(killed['exitcode'])}: it was killed from outside (out of host "

@@ -72,6 +72,8 @@ class Liveness:
     def mark(self, position: str, phase_done: str | None = None) -> None:
         self._base = position if phase_done is None else self._base
         self.position = self._base if phase_done is None else f"{self._base}, {phase_done} done"
+        with contextlib.suppress(Exception):  # at once, not at the next beat: iterations can be shorter than it
+            self.store.set(f"at/{self.rank}", self.position)
 
     def _beat(self, store: Any, counter: int) -> None:
         store.set(f"beat/{self.rank}", f"{counter} {self.position}")
@@ -127,7 +129,7 @@ class Liveness:
                 text = self._get(f"beat/{rank}")
                 if text is not None:
                     counter, _, position = text.partition(" ")
-                    found[rank] = (int(counter), position)
+                    found[rank] = (int(counter), self._get(f"at/{rank}") or position)
         return found
 
     def silent_ranks(self, observe_seconds: float = SILENT_BEATS * HEARTBEAT_SECONDS) -> dict[int, str]:

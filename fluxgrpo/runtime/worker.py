@@ -101,9 +101,22 @@ def _report_failure(exc: BaseException) -> None:
         why = watch.explain_failure(str(exc), rt_dist.current_timeout_seconds())
         if why is not None:
             record_worker_error(exc, caused_by_peer=why)
+            _say_if_restarting(why)
             return
-    watch.publish_failure(str(exc) if isinstance(exc, FluxgrpoError) else f"{type(exc).__name__}: {exc}")
+    message = str(exc) if isinstance(exc, FluxgrpoError) else f"{type(exc).__name__}: {exc}"
+    watch.publish_failure(message)
     record_worker_error(exc)
+    _say_if_restarting(f"{watch.me.describe()} failed: {message}")
+
+
+def _say_if_restarting(line: str) -> None:
+    """With restarts left (``--max-restarts``) the launcher says nothing until the run ends: say why the workers
+    stop now (only local rank 0's output reaches the console)."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts > int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        print(
+            f"warning: {line}; torchrun restarts the workers (--max-restarts {restarts})", file=sys.stderr, flush=True
+        )
 
 
 def entry_point(module: str) -> Callable[[dict[str, Any]], Any]:
