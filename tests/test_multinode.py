@@ -296,25 +296,33 @@ def one_error_line(node: Node) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["killed", "stopped"])
+@pytest.mark.parametrize("how", ["killed", "stopped", "rank0-fails-in-a-checkpoint"])
 def test_a_node_killed_or_a_rank_stopped_is_named_on_every_node_and_nothing_is_left(two_nodes, tmp_path, how):
     out = tmp_path / "out"
     steady = 5
-    flags = ("--max-train-steps", "10000", "--checkpointing-steps", "10000", "--collective-timeout", f"120,{steady}")
+    saves = "4" if how == "rank0-fails-in-a-checkpoint" else "10000"
+    flags = ("--max-train-steps", "10000", "--checkpointing-steps", saves, "--collective-timeout", f"120,{steady}")
     node0, node1 = two_nodes(0, out, *RUN, *flags), two_nodes(1, out, *RUN, *flags)
     metrics = out / "metrics.jsonl"
-    wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, [node0, node1], 300, "iteration")
+    wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 1, [node0, node1], 300, "iteration")
     (worker,) = [pid for pid in descendants(node1.process.pid) if not descendants(pid)]  # node 1's one worker
     if how == "killed":
         node1.kill_tree()  # the whole node: launcher, agent, worker
-    else:
+    elif how == "stopped":
         os.kill(worker, signal.SIGSTOP)  # hung: alive, silent
+    else:  # files where rank 0 will publish checkpoint-4: it fails alone, after the others wrote their shards
+        (out / "checkpoint-4").write_text("")
+        (out / "checkpoint-4.trash").write_text("")
     began = time.monotonic()
     assert node0.process.wait(timeout=steady + 10 + 60) == 1
     assert time.monotonic() - began < steady + 10 + 30  # bounded by the collective timeout (plus start-up slack)
     line = one_error_line(node0)
     if how == "killed":
         assert "node 1 (host " in line and "rank 1 was lost at iteration" in line, line
+    elif how == "rank0-fails-in-a-checkpoint":
+        assert line.startswith("error: node 0 (host ") and "rank 0 failed: NotADirectoryError" in line, line
+        assert node1.process.wait(timeout=steady + 30) == 1  # waiting on rank 0's heartbeat, not a timeout
+        assert "rank 0 failed while finishing checkpoint-4: NotADirectoryError" in one_error_line(node1)
     else:
         assert "rank 1 did not reach the collective of iteration" in line and f"within {steady} s" in line, line
         assert "node 1 (host " in line
@@ -322,7 +330,11 @@ def test_a_node_killed_or_a_rank_stopped_is_named_on_every_node_and_nothing_is_l
         assert node1.process.wait(timeout=60) == 1
         assert "node 0" in one_error_line(node1), node1.stderr()
         assert "[W" not in node1.stderr()  # no C++ store warnings with stack frames: the one line says it
-    assert "node 1 (host" in (out / "logs" / "errors.txt").read_text()
+    if how == "rank0-fails-in-a-checkpoint":  # each node keeps its details in the shared log folder
+        assert "rank 0 failed (the cause): NotADirectoryError" in (out / "logs" / "errors.txt").read_text()
+        assert "failed while finishing checkpoint-4" in (out / "logs" / "errors-node1.txt").read_text()
+    else:
+        assert "node 1 (host" in (out / "logs" / "errors.txt").read_text()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (node0.left() or node1.left()):
         time.sleep(0.5)

@@ -32,6 +32,7 @@ from fluxgrpo.errors import FluxgrpoError
 
 HEARTBEAT_SECONDS = 1.0
 SILENT_BEATS = 3  # a rank whose counter did not move for this many intervals has stopped
+FAILURE_LINGER_SECONDS = 1.0  # a failing rank's wait before it leaves, so that its peers read why (5 polls)
 STORE_OP_SECONDS = 5.0  # a store operation while diagnosing a failure: the store's host may be gone with it
 
 
@@ -88,10 +89,12 @@ class Liveness:
             counter += 1
 
     def publish_failure(self, message: str) -> None:
-        """Tell the peers why this rank is leaving (best effort: the store may be gone too)."""
+        """Tell the peers why this rank is leaving (best effort: the store may be gone too), and give those polling
+        for it (``wait_for_rank0``) time to read it: on node 0 the store leaves with this node's agent."""
         with contextlib.suppress(Exception):
             self._short_timeouts()
             self.store.set(f"failed/{self.rank}", message)
+            time.sleep(FAILURE_LINGER_SECONDS)
 
     # ---------------------------------------------------------------------------------------- the peers
 

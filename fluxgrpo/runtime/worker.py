@@ -86,9 +86,10 @@ def worker_session(requested_device: str | None) -> Iterator[rt_dist.DistContext
 def _report_failure(exc: BaseException) -> None:
     """Record a rank's failure for its launcher and tell its peers, naming the rank at fault.
 
-    An error of this rank's own (a FluxgrpoError, a bug) is published in the store for the peers, who see only a
-    closed connection. A library error in a distributed run is first checked against the peers: when another
-    rank published an error or stopped beating, that rank is the cause, and this rank records the line naming it.
+    An error of this rank's own (a FluxgrpoError, an OSError, a bug) is published in the store for the peers, who
+    see only a closed connection. A RuntimeError (how a collective fails) is first checked against the peers: when
+    another rank published an error or stopped beating, that rank is the cause, and this rank records the line
+    naming it.
     """
     watch = liveness.current()
     if watch is None or isinstance(exc, KeyboardInterrupt | SystemExit):
@@ -97,7 +98,7 @@ def _report_failure(exc: BaseException) -> None:
     if isinstance(exc, liveness.PeerFailed):
         record_worker_error(exc, caused_by_peer=str(exc))
         return
-    if not isinstance(exc, FluxgrpoError):
+    if isinstance(exc, RuntimeError) and not isinstance(exc, FluxgrpoError):  # how collectives fail (gloo, DistError)
         why = watch.explain_failure(str(exc), rt_dist.current_timeout_seconds())
         if why is not None:
             record_worker_error(exc, caused_by_peer=why)
