@@ -299,7 +299,7 @@ def one_error_line(node: Node) -> str:
 @pytest.mark.parametrize("how", ["killed", "stopped", "rank0-fails-in-a-checkpoint"])
 def test_a_node_killed_or_a_rank_stopped_is_named_on_every_node_and_nothing_is_left(two_nodes, tmp_path, how):
     out = tmp_path / "out"
-    steady = 5
+    steady = 10
     saves = "4" if how == "rank0-fails-in-a-checkpoint" else "10000"
     flags = ("--max-train-steps", "10000", "--checkpointing-steps", saves, "--collective-timeout", f"120,{steady}")
     node0, node1 = two_nodes(0, out, *RUN, *flags), two_nodes(1, out, *RUN, *flags)
@@ -406,3 +406,54 @@ def test_env_check_rendezvous_and_interfaces(monkeypatch):
     assert unreachable[1] == "fail" and "is not reachable" in unreachable[2] and "node 0 first" in unreachable[3]
     assert nodes.rendezvous_checks("cpu", 2, None)[0][1] == "fail"  # several nodes need an endpoint
     assert nodes.rendezvous_checks("cpu", 1, None) == []
+
+
+def test_an_output_folder_the_nodes_do_not_share_is_refused_naming_the_blind_nodes(tmp_path, monkeypatch):
+    """The check's logic on one rank at a time; the collectives hand it what the other node would say."""
+    from fluxgrpo.errors import FluxgrpoError
+    from fluxgrpo.runtime import dist as rt_dist
+    from fluxgrpo.runtime.dist import DistContext
+
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    node0_folder, node1_folder = tmp_path / "node0-disk", tmp_path / "node1-disk"  # two disks: not shared
+    node1 = DistContext(1, 0, 2, "cpu", torch.device("cpu"), "gloo")
+    written: dict[str, str] = {}
+
+    def node0_writes(ctx, token, src=0):  # rank 0 on node 0 wrote its token on its own disk
+        node0_folder.mkdir(exist_ok=True)
+        written["token"] = "token-of-node-0"
+        (node0_folder / nodes.SHARED_CHECK_FILE).write_text(written["token"])
+        return written["token"]
+
+    monkeypatch.setattr(rt_dist, "broadcast_object", node0_writes)
+    monkeypatch.setattr(
+        rt_dist, "all_gather_object", lambda ctx, mine: [{"seen": True, "node": "0", "host": "a"}, mine]
+    )
+    with pytest.raises(FluxgrpoError, match=r"is not shared between the nodes: node 1 \(host .*\) cannot see the file"):
+        nodes.check_shared_folder(node1, node1_folder, wait_s=0.3)
+    nodes.check_shared_folder(node1, node0_folder, wait_s=0.3)  # one folder that both see: accepted
+    single = DistContext(0, 0, 2, "cpu", torch.device("cpu"), "gloo")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")  # one node: nothing to check, nothing written
+    nodes.check_shared_folder(single, tmp_path / "one-node")
+    assert not (tmp_path / "one-node").exists()
+
+
+def test_train_on_a_node_that_cannot_reach_node0_says_so_in_one_line_within_the_start_up_timeout(
+    tiny_weights, tiny_embeddings, tmp_path
+):
+    from typer.testing import CliRunner
+
+    from fluxgrpo.cli.app import app
+
+    port = free_port()
+    argv = tiny_train_argv(tiny_weights, tiny_embeddings, "--output-dir", str(tmp_path / "out"), "--nnodes", "2")
+    argv += ["--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--collective-timeout", "2"]
+    began = time.monotonic()
+    result = CliRunner().invoke(app, argv)
+    assert result.exit_code == 1, result.output
+    assert time.monotonic() - began < 2 + 30  # the start-up timeout, plus the checks before launch
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    message = " ".join(" ".join(errors).split())
+    assert f"cannot reach node 0's rendezvous at 127.0.0.1:{port} (--rdzv-endpoint) within 2 s" in message, message
+    assert "Traceback" not in result.output
