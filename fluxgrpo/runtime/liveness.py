@@ -135,10 +135,11 @@ class Liveness:
                     found[rank] = (int(counter), self._get(f"at/{rank}") or position)
         return found
 
-    def silent_ranks(self, observe_seconds: float = SILENT_BEATS * HEARTBEAT_SECONDS) -> dict[int, str]:
-        """The other ranks whose heartbeat did not move while we watched, with their last position."""
+    def silent_ranks(self, observe_seconds: float | None = None) -> dict[int, str]:
+        """The other ranks whose heartbeat did not move while we watched (``SILENT_BEATS`` beats by default),
+        with their last position."""
         first = self.beats()
-        time.sleep(observe_seconds)
+        time.sleep(SILENT_BEATS * HEARTBEAT_SECONDS if observe_seconds is None else observe_seconds)
         last = self.beats()
         return {
             rank: position for rank, (counter, position) in first.items() if last.get(rank, (counter,))[0] == counter
