@@ -6,6 +6,7 @@ A training ``--output-dir`` holds (all optional except ``metrics.jsonl``):
     config.yaml                     the resolved config, with the derived numbers in its comment header
     run_info.json                   versions and hardware of the run (``fluxgrpo.metrics.write_run_info``)
     eval/iteration-<k>[-ema]/       held-out evaluation images + ``index.json`` (``fluxgrpo.training.eval``)
+    best/BEST.json                  the checkpoint ``--keep-best`` kept (``fluxgrpo.training.guards``)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.metrics import METRICS_FILE, RUN_INFO_FILE, read_metrics
+from fluxgrpo.training.guards import GUARD_RECORD
 
 RESOLVED_CONFIG = "config.yaml"
 EVAL_DIR = "eval"
@@ -56,6 +58,18 @@ class RunData:
     derived: dict[str, str] = field(default_factory=dict)  # the resolved config's comment header
     info: dict[str, Any] = field(default_factory=dict)
     evaluations: list[Evaluation] = field(default_factory=list)
+    guard_records: list[dict[str, Any]] = field(default_factory=list)  # one per guard check (training/guards.py)
+    best: dict[str, Any] | None = None  # best/BEST.json: iteration, metric, value, checkpoint
+
+    def guard_names(self) -> list[str]:
+        """The metrics the run's guards watched, in first-seen order."""
+        names: dict[str, None] = {}
+        for record in self.guard_records:
+            for key in record:
+                match = re.match(r"^guard_(.+)_value$", key)
+                if match:
+                    names.setdefault(match.group(1))
+        return list(names)
 
     def series(self, key: str, records: list[dict[str, Any]] | None = None) -> tuple[list[int], list[float]]:
         """(iterations, values) of ``key`` over the records that hold a finite number for it."""
@@ -99,6 +113,7 @@ def read_run(folder: str | Path) -> RunData:
     records.sort(key=lambda r: r["iteration"])
     train = [r for r in records if "reward_mean" in r]
     evals = [r for r in records if any(k.startswith("eval_") for k in r)]
+    guards = [r for r in records if r.get("record") == GUARD_RECORD]
     config, derived = _read_config(folder / RESOLVED_CONFIG)
     info: dict[str, Any] = {}
     if (folder / RUN_INFO_FILE).is_file():
@@ -115,7 +130,18 @@ def read_run(folder: str | Path) -> RunData:
         derived=derived,
         info=info if isinstance(info, dict) else {},
         evaluations=read_evaluations(folder),
+        guard_records=guards,
+        best=_read_best(folder),
     )
+
+
+def _read_best(folder: Path) -> dict[str, Any] | None:
+    from fluxgrpo.checkpoint import read_best
+
+    try:
+        return read_best(folder)
+    except FluxgrpoError:
+        return None  # a damaged best/ is left out of the report, not fatal to it
 
 
 def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, str]]:

@@ -96,6 +96,9 @@ RESUME_FREE_FIELDS = frozenset(
         "eval_images_per_prompt",
         "eval_steps",
         "eval_rewards",
+        "guard",  # guards and the best checkpoint only read metrics (training/guards.py)
+        "guard_action",
+        "keep_best",
     }
 )
 
