@@ -7,7 +7,7 @@ _fluxgrpo() {
     fi
     case "${COMP_WORDS[1]}" in
         bench) opts="--model --blocks --resolution --steps --rollout-batch-sizes --micro-batch-sizes --activation-checkpointing --trajectories --train-timesteps --text-tokens --dies --device --dtype --attention --peak-tflops --repeats --warmup --reward --hps-dir --compile --seed --algorithms --iterations --config --json --help" ;;
-        env-check) opts="--json --flux-dir --hps-dir --embeddings --device --reward --nnodes --rdzv-endpoint --help" ;;
+        env-check) opts="--json --flux-dir --hps-dir --embeddings --device --reward --deep --quick --config --dies --report-file --nnodes --rdzv-endpoint --node-rank --master-addr --master-port --help" ;;
         export) opts="--checkpoint --out --merge --ema --model --json --help" ;;
         fetch-weights) opts="--source --only --flux-dir --hps-dir --prompts-dir --revision --token --endpoint --dry-run --max-workers --rehash --seed --json --help" ;;
         preprocess) opts="--prompts --model --out --max-sequence-length --dies --device --json --help" ;;
