@@ -194,6 +194,10 @@ def plan_training(
         )
     device_type = rt_device.resolve_device_type(cfg.device)
     check_dies_fit(device_type, spec.nproc_per_node)
+    if cfg.compile:
+        from fluxgrpo.runtime.adapt import compile_backend
+
+        compile_backend(device_type)  # refuses --compile where it is not supported, before any worker starts
     for flag, module, extra in (("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb")):
         if getattr(cfg, flag) and importlib.util.find_spec(module) is None:
             raise UsageError(f"--{flag} needs the {module} package: pip install 'fluxgrpo[{extra}]'")
