@@ -227,6 +227,7 @@ def save_checkpoint(
     ema: Any = None,
     trainer_state: dict[str, Any],
     keep_last: int | None,
+    extra_states: dict[str, Any] | None = None,
     export_dtype: torch.dtype = torch.float32,
     rng_states: dict[str, Any] | None = None,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
@@ -241,6 +242,8 @@ def save_checkpoint(
         ema: optional, with ``state_dict()`` (what resume needs, sharded or not), ``load_state_dict()`` and
             ``full_state_dict()`` (full CPU tensors keyed like the model's state dict, at least on rank 0; called on
             every rank, so it may be a collective).
+        extra_states: name → object with ``state_dict()`` / ``load_state_dict()`` (sharded or not) saved with the
+            resume state only (e.g. DiffusionNFT's old policy); ``load_checkpoint`` needs the same names.
         trainer_state: JSON-serialisable, identical on every rank (iteration, sampler position, resolved config);
             rank 0 writes it.
         keep_last: keep this many complete checkpoints (highest iterations), deleting older ones; the one just
@@ -295,7 +298,7 @@ def save_checkpoint(
         del ema_weights
         rt_dist.wait_for_rank0(ctx, f"writing {final.name}'s EMA weights")
 
-    _save_training_state(tmp / STATE_DIR, ctx, model, optimizer, lr_scheduler, ema)
+    _save_training_state(tmp / STATE_DIR, ctx, model, optimizer, lr_scheduler, ema, extra_states or {})
     _write_durably(
         tmp / STATE_DIR / f"rng_rank{ctx.rank}.pt",
         lambda f: torch.save({"global": _plain_rng_state(rt_device.rng_state(ctx.device)), "extra": extra_rng}, f),
@@ -311,6 +314,7 @@ def save_checkpoint(
             "iteration": iteration,
             "world_size": ctx.world_size,
             "has_ema": ema is not None,
+            "extra_states": sorted(extra_states or {}),
             "has_lr_scheduler": lr_scheduler is not None,
             "export_dtype": str(export_dtype).removeprefix("torch."),
             "lora": adapter_metadata(model) if lora else None,
@@ -389,7 +393,9 @@ def _state_options(model: torch.nn.Module) -> Any:
     return StateDictOptions(ignore_frozen_params=is_lora_model(model))
 
 
-def _save_training_state(directory: Path, ctx: DistContext, model, optimizer, lr_scheduler, ema) -> None:
+def _save_training_state(
+    directory: Path, ctx: DistContext, model, optimizer, lr_scheduler, ema, extra_states: dict[str, Any]
+) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -399,6 +405,8 @@ def _save_training_state(directory: Path, ctx: DistContext, model, optimizer, lr
         state["lr_scheduler"] = lr_scheduler.state_dict()
     if ema is not None:
         state["ema"] = ema.state_dict()
+    for name, holder in extra_states.items():
+        state[f"extra_{name}"] = holder.state_dict()
     with _quiet_single_process_dcp(), _dcp_errors("writing", directory):
         dcp.save(state, checkpoint_id=str(directory), no_dist=not ctx.distributed)
 
@@ -514,6 +522,7 @@ def load_checkpoint(
     lr_scheduler: Any,
     *,
     ema: Any = None,
+    extra_states: dict[str, Any] | None = None,
 ) -> LoadedState:
     """Restore model, optimizer, scheduler, EMA and this rank's global RNGs from a complete checkpoint.
 
@@ -551,6 +560,13 @@ def load_checkpoint(
             f"{path} has no EMA state (it was saved without --use-ema): resume without --use-ema, "
             "or start a new run from its exported weights"
         )
+    extra_states = extra_states or {}
+    missing = sorted(set(extra_states) - set(info.get("extra_states", [])))
+    if missing:
+        raise FluxgrpoError(
+            f"{path} has no {', '.join(missing)} state (it was trained with another --objective): resume with the "
+            "--objective the checkpoint was trained with, or start a new run from its exported weights"
+        )
     if lr_scheduler is not None and not info.get("has_lr_scheduler", True):
         raise FluxgrpoError(
             f"{path} has no learning-rate scheduler state, so it cannot resume a run that uses one: resume from "
@@ -572,6 +588,8 @@ def load_checkpoint(
         state["lr_scheduler"] = lr_scheduler.state_dict()
     if ema is not None:
         state["ema"] = ema.state_dict()
+    for name, holder in extra_states.items():
+        state[f"extra_{name}"] = holder.state_dict()
     # Read (and vetted) here, on every rank, before DCP's collectives start.
     reader = SafeFileSystemReader(path / STATE_DIR)
     with _quiet_single_process_dcp(), _dcp_errors("reading", path / STATE_DIR):
@@ -585,6 +603,8 @@ def load_checkpoint(
         lr_scheduler.load_state_dict(state["lr_scheduler"])
     if ema is not None:
         ema.load_state_dict(state["ema"])
+    for name, holder in extra_states.items():
+        holder.load_state_dict(state[f"extra_{name}"])
 
     trainer_state = read_trainer_state(path)
     rng = _load_rng_file(path / STATE_DIR / f"rng_rank{ctx.rank}.pt", ctx.rank)

@@ -41,9 +41,14 @@ LORA_DEFAULT_TARGETS = (
 WANDB_MODES = ("online", "offline", "disabled")
 # The algorithm options' choices (fluxgrpo/grpo implements each; listed here so validation needs no torch).
 SAMPLERS = ("dance", "flow-grpo", "cps")
-WINDOW_POLICIES = ("sliding", "random")
+WINDOW_POLICIES = ("sliding", "random", "random-early")
+DECODE_SAMPLES = ("x0", "final")
 ODE_SOLVERS = ("euler", "dpm2")
 RATIO_NORMALIZATIONS = ("none", "grpo-guard")
+OBJECTIVES = ("grpo", "nft", "awm")
+NFT_DECAY_TYPES = (0, 1, 2)
+AWM_WEIGHTINGS = ("uniform", "t", "t2", "ghuber", "huber")
+AWM_TIME_FRACTION = 0.9  # AWM trains at the sampler-grid indices 1 … int(0.9·N)−1
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
@@ -63,8 +68,8 @@ class TrainConfig:
     output_dir: str = _opt(DEFAULT_OUTPUT_DIR, "Checkpoints, metrics.jsonl, sample images and the resolved config.")
     reward: str = _opt(
         "hpsv2",
-        f"Reward model(s): {', '.join(reward_names())} (brightness, exposure: smoke tests for tiny models); several as "
-        "name:weight,... (e.g. hpsv2:1,pickscore:0.5; weights normalised to sum 1).",
+        f"Reward model(s): {', '.join(reward_names())} (brightness, exposure, structure: smoke tests for tiny "
+        "models); several as name:weight,... (e.g. hpsv2:1,pickscore:0.5; weights normalised to sum 1).",
     )
     reward_dtype: str = _opt("fp32", "Dtype the reward encoders run in: fp32 or bf16 (scores are fp32 either way).")
     # --- rollout --------------------------------------------------------------------------------------
@@ -76,7 +81,11 @@ class TrainConfig:
     guidance: float = _opt(3.5, "FLUX-dev distilled guidance value.")
     num_generations: int = _opt(12, "Trajectories per prompt G (the group size).")
     train_batch_size: int = _opt(1, "Prompts per rank per iteration.")
-    init_same_noise: bool = _opt(True, "Share the initial noise within each group (not across prompts).")
+    init_same_noise: bool = _opt(
+        True,
+        "Share the initial noise within each group (not across prompts); --objective grpo only: the ODE rollouts of "
+        "nft and awm need a noise per image, or a group's images would all be the same.",
+    )
     rollout_batch_size: int = _opt(4, "Trajectories per transformer forward during rollout.")
     # --- policy update --------------------------------------------------------------------------------
     timestep_fraction: float = _opt(
@@ -103,6 +112,19 @@ class TrainConfig:
     lora_targets: str = _opt(LORA_DEFAULT_TARGETS, "Comma-separated module names that get LoRA adapters.")
     lora_dropout: float = _opt(0.0, "Dropout on the LoRA adapters' input.")
     # --- algorithm options (the peers' methods; the defaults are DanceGRPO's) ---------------------------
+    objective: str = _opt(
+        "grpo",
+        "Training objective: grpo (PPO-clip on the SDE's per-step log-probs), nft (DiffusionNFT) or awm "
+        "(Advantage-Weighted Matching); nft and awm roll out with the DPM-Solver++(2M) ODE and train on final samples.",
+    )
+    nft_beta: float = _opt(1.0, "DiffusionNFT's β: the step of its implicit positive/negative policies.")
+    nft_decay_type: int = _opt(
+        1,
+        "DiffusionNFT's old-policy decay: 1 min(0.001·s, 0.5), 2 (0 for 75 steps, then 0.0075/step up to 0.999), 0 none.",
+    )
+    awm_weighting: str = _opt("ghuber", f"AWM's weighting of the flow-matching error: {', '.join(AWM_WEIGHTINGS)}.")
+    awm_ghuber_power: float = _opt(0.25, "AWM's ghuber power p.")
+    awm_ema_beta: float = _opt(1.0, "Weight of AWM's pull towards its EMA policy (0: off, no EMA copy).")
     sampler: str = _opt(
         "dance",
         "SDE of the rollout and its log-prob: dance (η at every step), flow-grpo (Flow-GRPO's σ-dependent noise) "
@@ -112,7 +134,9 @@ class TrainConfig:
         0, "Only this many consecutive steps are SDE and trained, ODE elsewhere (MixGRPO); 0: every step is SDE."
     )
     sde_window_policy: str = _opt(
-        "sliding", "Window placement: sliding (from the noisy end, see --sde-window-shift-every) or random."
+        "sliding",
+        "Window placement: sliding (from the noisy end, see --sde-window-shift-every), random (anywhere), or "
+        "random-early (starts in 0…N/2−W, Flow-GRPO-Fast's range).",
     )
     sde_window_shift_every: int = _opt(0, "Move the sliding window every this many iterations (0: it stays).")
     sde_window_stride: int = _opt(1, "Steps the sliding window moves towards the data each time.")
@@ -121,6 +145,11 @@ class TrainConfig:
         "euler", "ODE outside the window: euler, or dpm2 (DPM-Solver++ 2M on fewer steps after the window)."
     )
     ode_compress_ratio: float = _opt(0.4, "With --ode-solver dpm2: the fraction of the steps after the window kept.")
+    decode_sample: str = _opt(
+        "x0",
+        "What the VAE decodes for the reward: x0 (the last model call's x̂0, DanceGRPO's) or final (the rollout's final "
+        "latent, with the last SDE step's noise: Flow-GRPO's plain sampler). nft and awm end on σ = 0, where both agree.",
+    )
     kl_beta: float = _opt(0.0, "Weight of Flow-GRPO's KL to the frozen base model on the SDE means (0: off).")
     ratio_normalization: str = _opt(
         "none", "PPO ratio: none, or grpo-guard (GRPO-Guard's normalised log-ratio and 1/|dt| step weights)."
@@ -178,9 +207,18 @@ class TrainConfig:
         return self.train_batch_size * self.num_generations
 
     @property
+    def shares_group_noise(self) -> bool:
+        """Whether a group's trajectories start from one noise: with the SDE only (an ODE would repeat the image)."""
+        return self.init_same_noise and self.objective == "grpo"
+
+    @property
     def trainable_timesteps(self) -> int:
         """The transitions a trajectory may train on: the SDE window, or N−1 (the last one cannot change the
-        reward, so it never trains)."""
+        reward, so it never trains). nft: the N sampler timesteps; awm: the grid indices 1 … int(0.9·N)−1."""
+        if self.objective == "nft":
+            return self.sampling_steps
+        if self.objective == "awm":
+            return max(int(self.sampling_steps * AWM_TIME_FRACTION) - 1, 0)
         return self.sde_window or self.sampling_steps - 1
 
     @property
@@ -325,11 +363,49 @@ class TrainConfig:
             out.append(f"--wandb-mode {self.wandb_mode!r}: use one of {', '.join(WANDB_MODES)}, or leave it empty")
         return out
 
-    def _algorithm_problems(self) -> list[str]:
+    def _objective_problems(self) -> list[str]:
         out = []
+        if self.objective not in OBJECTIVES:
+            out.append(f"--objective {self.objective!r}: use one of {', '.join(OBJECTIVES)}")
+            return out
+        if self.objective != "grpo":
+            grpo_only = [
+                flag
+                for flag, used in (
+                    ("--sde-window", self.sde_window != 0),
+                    ("--ratio-normalization grpo-guard", self.ratio_normalization != "none"),
+                    ("--ode-solver dpm2", self.ode_solver != "euler"),
+                )
+                if used
+            ]
+            if grpo_only:
+                out.append(
+                    f"{', '.join(grpo_only)}: only --objective grpo has per-step log-probs; --objective "
+                    f"{self.objective} rolls out with the ODE (leave these at their defaults)"
+                )
+        if not self.nft_beta > 0:
+            out.append(f"--nft-beta {self.nft_beta} must be positive")
+        if self.nft_decay_type not in NFT_DECAY_TYPES:
+            out.append(f"--nft-decay-type {self.nft_decay_type}: use one of {', '.join(map(str, NFT_DECAY_TYPES))}")
+        if self.awm_weighting not in AWM_WEIGHTINGS:
+            out.append(f"--awm-weighting {self.awm_weighting!r}: use one of {', '.join(AWM_WEIGHTINGS)}")
+        if not self.awm_ghuber_power > 0:
+            out.append(f"--awm-ghuber-power {self.awm_ghuber_power} must be positive")
+        if not self.awm_ema_beta >= 0:
+            out.append(f"--awm-ema-beta {self.awm_ema_beta} cannot be negative (0 turns the EMA term off)")
+        if self.objective == "awm" and self.sampling_steps >= 1 and self.trainable_timesteps < 1:
+            out.append(
+                f"--objective awm trains at grid indices 1 … int(0.9·N)−1, none with --sampling-steps "
+                f"{self.sampling_steps}: use at least 3"
+            )
+        return out
+
+    def _algorithm_problems(self) -> list[str]:
+        out = self._objective_problems()
         for name, allowed in (
             ("sampler", SAMPLERS),
             ("sde_window_policy", WINDOW_POLICIES),
+            ("decode_sample", DECODE_SAMPLES),
             ("ode_solver", ODE_SOLVERS),
             ("ratio_normalization", RATIO_NORMALIZATIONS),
         ):
@@ -339,6 +415,11 @@ class TrainConfig:
             out.append(
                 f"--sde-window {self.sde_window} must be between 0 (off) and the {self.sampling_steps - 1} trainable "
                 f"steps of --sampling-steps {self.sampling_steps}"
+            )
+        if self.sde_window_policy == "random-early" and self.sde_window > self.sampling_steps // 2:
+            out.append(
+                f"--sde-window-policy random-early starts the window in 0…N/2−W: --sde-window {self.sde_window} is "
+                f"more than half of --sampling-steps {self.sampling_steps}"
             )
         if self.sde_window_shift_every < 0 or self.sde_window_stride < 0:
             out.append("--sde-window-shift-every and --sde-window-stride cannot be negative")

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from training_helpers import POOLED_DIM, TEXT_DIM, make_batch
 
+from fluxgrpo.config import build_config
+from fluxgrpo.errors import UsageError
 from fluxgrpo.grpo import UpdateSettings, generate_rollout, image_ids, policy_update, sigma_schedule
 from fluxgrpo.grpo.ratio import guard_log_ratio
 from fluxgrpo.grpo.reference import FrozenReference
@@ -281,3 +283,20 @@ def test_a_lora_runs_reference_is_the_policy_with_its_adapters_off(base_transfor
     assert not torch.allclose(policy_before, expected, atol=1e-3)
     with torch.no_grad():
         assert torch.equal(predict_velocity(policy, noise, *args), policy_before)  # adapters are back on
+
+
+def test_random_early_windows_start_in_the_first_half_as_flow_grpo_fast():
+    generator = torch.Generator().manual_seed(0)
+    starts = {window_start(1, 16, 3, "random-early", 0, 1, False, generator) for _ in range(300)}
+    assert starts == set(range(0, 16 // 2 - 3 + 1))  # 0 … N/2 − W, each reached
+    with pytest.raises(UsageError, match="random-early"):
+        build_config("tiny-cpu", {"sde_window": 5, "sde_window_policy": "random-early"})
+
+
+def test_the_final_latent_is_kept_for_decoding_as_flow_grpo(base_transformer):
+    cond, noise = make_batch(2)
+    every = rollout_of(base_transformer, cond, noise)
+    assert torch.equal(every.final_latent, every.latents[:, -1])  # z_N, with the last SDE step's noise
+    assert not torch.allclose(every.final_latent, every.final_x0, atol=1e-3)
+    window = rollout_of(base_transformer, cond, noise, plan=StepPlan(sde_start=1, sde_stop=3))
+    assert window.latents.shape[1] == 4 and torch.allclose(window.final_latent, window.final_x0, atol=1e-5)

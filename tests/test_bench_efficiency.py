@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -346,3 +347,36 @@ def test_two_algorithms_train_from_the_same_start_and_report_ratios(tmp_path):
     )
     assert table.exit_code == 0, table.output
     assert "dance" in table.stdout and "gain/s" in table.stdout
+
+
+def test_vary_seed_gives_each_repeat_its_own_seed_and_reports_the_gains_spread(tmp_path):
+    seeds: dict[tuple[str, int], int] = {}
+
+    def rewards_of(name, repeat):  # other seeds, other rewards: the gain's spread is what is measured
+        return [0.4, 0.5, 0.4 + 0.1 * repeat]
+
+    trainer = StandInTrainer(rewards_of)
+
+    def train(cfg):
+        records = trainer(cfg)
+        seeds[trainer.calls[-1]] = cfg.seed
+        return records
+
+    cfg = EfficiencyConfig(algorithms=("dance-t2",), iterations=3, repeats=3, vary_seed=True)
+    base = base_training_config(cfg, _workspace(tmp_path))
+    lines: list[str] = []
+    rows = {row["algorithm"]: row for row in compare(cfg, base, train, lines.append)}
+    assert {seeds[("dance", k)] for k in (1, 2, 3)} == {base.seed, base.seed + 1, base.seed + 2}
+    assert seeds[("dance", 2)] == seeds[("dance-t2", 2)]  # a round shares its seed across algorithms
+    gains = [reward_gain(rewards_of("dance", k)) for k in (1, 2, 3)]
+    row = rows["dance"]
+    assert row["reward_gain_runs"] == gains and row["reward_gain"] == statistics.median(gains)
+    assert row["reward_gain_spread"] == [min(gains), max(gains)] and row["rewards_identical"]
+    assert not any(line.startswith("warning") for line in lines)  # different by design, not a fault
+
+
+def test_the_final_sample_objectives_are_bench_rows_at_their_own_step_counts(tmp_path):
+    base = base_training_config(EfficiencyConfig(), _workspace(tmp_path))
+    nft, awm = algorithm_config(base, "nft"), algorithm_config(base, "awm")
+    assert (nft.objective, nft.sampling_steps, nft.train_timesteps) == ("nft", 10, 9)
+    assert (awm.objective, awm.sampling_steps, awm.train_timesteps) == ("awm", 14, 6)

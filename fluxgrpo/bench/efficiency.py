@@ -26,6 +26,8 @@ For each algorithm:
 - **reward gain per second**: the gain over the training time, median seconds per iteration × iterations;
 
 and each as a ratio to ``dance``'s (None where ``dance``'s value is not positive: a ratio to nothing is no ratio).
+With ``--vary-seed`` repeat k trains with ``--seed`` + k − 1 (other prompts, noise, timesteps), so the gain's spread
+over the repeats is measured as well (``reward_gain_spread``) and the gain is the repeats' median.
 The rewards come from seeded generators only, so every repeat of an algorithm must reproduce them bitwise; the
 bench checks that, and where a repeat differs (training not deterministic on this device) it says so in the row,
 the log and the table, listing every repeat's gain and showing their median, instead of quietly averaging.
@@ -135,6 +137,24 @@ ALGORITHMS: dict[str, Algorithm] = {
             "dance with the coefficients-preserving SDE (η 0.8) at every step",
             lambda base: {"sampler": "cps", "eta": 0.8},
         ),
+        # The final-sample objectives at their authors' settings: the DPM-Solver++(2M) ODE at their own step counts.
+        Algorithm(
+            "nft",
+            "DiffusionNFT: old-policy ODE rollouts of 10 steps, 9 of them trained per image, β 1, decay type 1",
+            lambda base: {"objective": "nft", "sampling_steps": 10, "timestep_fraction": 0.99, "nft_beta": 1.0},
+        ),
+        Algorithm(
+            "awm",
+            "AWM: ODE rollouts of 14 steps, 6 stratified timesteps trained, ghuber 0.25, EMA-policy term 1, clip 1",
+            lambda base: {
+                "objective": "awm",
+                "sampling_steps": 14,
+                "timestep_fraction": 0.55,
+                "awm_weighting": "ghuber",
+                "awm_ema_beta": 1.0,
+                "clip_range": 1.0,
+            },
+        ),
     )
 }
 
@@ -152,6 +172,9 @@ class EfficiencyConfig:
     # Training runs per algorithm, in interleaved rounds. 3: the fewest whose median outvotes one disturbed run
     # (and whose min–max shows it), at 3× the time of one; the phase bench's --repeats default is 3 as well.
     repeats: int = 3
+    # Repeat k trains with --seed + k − 1 (other prompts, noise and timesteps), so the spread of the reward gain is
+    # measured too; off, every repeat reproduces the first's rewards and only the time varies.
+    vary_seed: bool = False
     base_overrides: dict[str, Any] = field(default_factory=dict)
 
     def problems(self) -> list[str]:
@@ -250,12 +273,13 @@ def base_training_config(cfg: EfficiencyConfig, workspace: Workspace) -> TrainCo
     )
 
 
-def algorithm_config(base: TrainConfig, name: str, repeat: int = 1) -> TrainConfig:
+def algorithm_config(base: TrainConfig, name: str, repeat: int = 1, vary_seed: bool = False) -> TrainConfig:
     """The base config with the algorithm's overrides, in a run folder of its own (one per repeat, so no run sees
-    another's checkpoint or metrics); validated."""
+    another's checkpoint or metrics); with ``vary_seed`` repeat k trains with the base seed + k − 1; validated."""
     overrides = ALGORITHMS[name].overrides(base)
     output_dir = Path(base.output_dir, name, f"repeat-{repeat}")
-    return dataclasses.replace(base, output_dir=str(output_dir), **overrides).validate()
+    seed = base.seed + repeat - 1 if vary_seed else base.seed
+    return dataclasses.replace(base, output_dir=str(output_dir), seed=seed, **overrides).validate()
 
 
 # Where the runs' inputs and outputs were: a temporary folder, gone when the bench ends.
@@ -282,20 +306,25 @@ def run_seconds(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def summarize_algorithm(
-    name: str, overrides: dict[str, Any], train_cfg: TrainConfig, runs: list[list[dict[str, Any]]]
+    name: str,
+    overrides: dict[str, Any],
+    train_cfg: TrainConfig,
+    runs: list[list[dict[str, Any]]],
+    vary_seed: bool = False,
 ) -> dict[str, Any]:
     """One algorithm's row (before ratios) from its config and every repeat's metrics records, in round order.
 
     Times: the median over the repeats of each run's median, and their spread. Rewards: the first run's, which every
     repeat must reproduce (``rewards_identical``); where one does not, ``reward_gain`` is the median of the
-    repeats' gains, each of them in ``reward_gain_runs``."""
+    repeats' gains, each of them in ``reward_gain_runs``. With ``vary_seed`` the repeats differ by design: the gain
+    is their median and ``reward_gain_spread`` their min–max."""
     clocks = [run_seconds(records) for records in runs]
     per_run = [clock["seconds_per_iteration"] for clock in clocks]
     per_iteration = statistics.median(per_run)
     rewards = [[float(record["reward_mean"]) for record in records] for records in runs]
     gains = [reward_gain(run_rewards) for run_rewards in rewards]
-    identical = all(run_rewards == rewards[0] for run_rewards in rewards)
-    gain = gains[0] if identical else statistics.median(gains)
+    identical = vary_seed or all(run_rewards == rewards[0] for run_rewards in rewards)
+    gain = statistics.median(gains) if vary_seed or not identical else gains[0]
     iterations = len(runs[0])
     return {
         "algorithm": name,
@@ -315,6 +344,7 @@ def summarize_algorithm(
         "reward_last": rewards[0][-1],
         "reward_gain": gain,
         "reward_gain_runs": gains,
+        "reward_gain_spread": [min(gains), max(gains)],
         "rewards_identical": identical,
         "reward_gain_per_second": gain / (per_iteration * iterations),
         "rewards": rewards[0],
@@ -373,14 +403,15 @@ def compare(
         for name in order:
             what = ALGORITHMS[name].description if index == 1 else f"repeat {index}"
             log(f"training {name} for {cfg.iterations} iterations: {what}")
-            records = train(algorithm_config(base, name, repeat=index))
+            records = train(algorithm_config(base, name, repeat=index, vary_seed=cfg.vary_seed))
             clock = run_seconds(records)
             gain = reward_gain([float(record["reward_mean"]) for record in records])
             log(f"  {name}: {clock['seconds_per_iteration']:.3g} s per iteration, reward gain {gain:.4g}")
             runs[name].append(records)
     rows = []
     for name in cfg.runs:
-        row = summarize_algorithm(name, ALGORITHMS[name].overrides(base), algorithm_config(base, name), runs[name])
+        overrides = ALGORITHMS[name].overrides(base)
+        row = summarize_algorithm(name, overrides, algorithm_config(base, name), runs[name], cfg.vary_seed)
         if not row["rewards_identical"]:
             gains = ", ".join(f"{gain:.6g}" for gain in row["reward_gain_runs"])
             log(

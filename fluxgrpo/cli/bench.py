@@ -52,6 +52,14 @@ def command(
         ),
     ] = None,
     iterations: Annotated[int, _option("--iterations", "With --algorithms: iterations each algorithm trains.")] = 30,
+    vary_seed: Annotated[
+        bool,
+        _option(
+            "--vary-seed",
+            "With --algorithms: repeat k trains with --seed + k − 1, so the spread of the reward gain is measured "
+            "(else every repeat reproduces the first's rewards and only time varies).",
+        ),
+    ] = False,
     config: Annotated[
         str,
         _option("--config", "With --algorithms: the training settings (a shipped config or a YAML file)."),
@@ -90,6 +98,7 @@ def command(
             settings["seed"],
             settings["device"],
             json_output,
+            vary_seed,
         )
         return
     _refuse_flags(arguments, PHASE_FLAGS | SHARED_FLAGS, "--algorithms only: add --algorithms, or drop it")
@@ -125,7 +134,7 @@ command = _with_generated_signature(handle_errors(command))
 
 # Flags that mean the same in both benches; the others belong to one of them.
 SHARED_FLAGS = frozenset({"text_tokens", "seed", "device", "repeats", "json_output"})
-EFFICIENCY_FLAGS = frozenset({"algorithms", "iterations", "config"})
+EFFICIENCY_FLAGS = frozenset({"algorithms", "iterations", "config", "vary_seed"})
 PHASE_FLAGS = frozenset(inspect.signature(command).parameters) - SHARED_FLAGS - EFFICIENCY_FLAGS
 
 
@@ -157,6 +166,7 @@ def _run_efficiency(
     seed: int,
     device: str,
     json_output: bool,
+    vary_seed: bool = False,
 ) -> None:
     from fluxgrpo.bench.efficiency import EfficiencyConfig, parse_algorithms, run_efficiency
 
@@ -168,6 +178,7 @@ def _run_efficiency(
         text_tokens=text_tokens,
         seed=seed,
         device=None if device == "auto" else device,
+        vary_seed=vary_seed,
     ).validate()
     document = run_efficiency(cfg, log=lambda line: err_console.print(line, highlight=False, markup=False))
     if json_output:
@@ -205,12 +216,18 @@ def _render_efficiency(document: dict[str, Any]) -> None:
         ("update s", lambda row: f"{row['phase_seconds']['update']:.3g}"),
         ("reward first→last", lambda row: f"{row['reward_first']:.4f}→{row['reward_last']:.4f}"),
         ("gain", lambda row: f"{row['reward_gain']:.3g}" + ("" if row["rewards_identical"] else " [red]![/]")),
+        ("gain min–max", lambda row: "{:.3g}–{:.3g}".format(*row["reward_gain_spread"])),
         ("×", lambda row: _ratio(row["reward_gain_ratio"])),
         ("gain/s", lambda row: f"{row['reward_gain_per_second']:.3g}"),
         ("×", lambda row: _ratio(row["reward_gain_per_second_ratio"])),
     ]
     rows = document["algorithms"]
-    keep = [column for column in columns if repeats > 1 or column[0] not in ("min–max", f"vs {BASELINE}")]
+    varied = document["config"].get("vary_seed", False)
+    keep = [
+        column
+        for column in columns
+        if (repeats > 1 or column[0] not in ("min–max", f"vs {BASELINE}")) and (varied or column[0] != "gain min–max")
+    ]
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for index, (header, _) in enumerate(keep):
         table.add_column(header, justify="left" if index == 0 else "right", no_wrap=True)

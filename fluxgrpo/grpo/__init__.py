@@ -1,6 +1,9 @@
-"""The GRPO algorithm for FLUX (DanceGRPO's math), as pure stage functions the training loop calls.
+"""The GRPO algorithm for FLUX (DanceGRPO's math) and its peers, as pure stage functions the training loop calls.
 
     sigma_schedule → generate_rollout → (decode, reward) → group_advantages → policy_update → ShardedEMA.update
+
+``objectives/`` holds what an update trains on behind one seam (``--objective grpo|nft|awm``); ``update.run_update``
+drives any of them. Nothing here imports the run's packages (config, training, checkpoint, metrics, models).
 
 Every function is generic over a module with FluxTransformer2DModel's forward, plain or FSDP2-sharded.
 """

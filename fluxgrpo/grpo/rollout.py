@@ -1,16 +1,17 @@
-"""Sampling trajectories with the SDE step and recording what the policy update needs."""
+"""Sampling: SDE trajectories with what the GRPO update needs, or the ODE's final latents only (NFT, AWM)."""
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from fluxgrpo.grpo.samplers import dpm_solver_2m_step, euler_step, sampler_step
+from fluxgrpo.grpo.samplers import Sampler, dpm_solver_2m_step, euler_step, make_sampler
 from fluxgrpo.grpo.schedule import model_timesteps
 from fluxgrpo.grpo.step_plan import StepPlan
-from fluxgrpo.grpo.types import Conditioning, Rollout
+from fluxgrpo.grpo.types import Conditioning, FinalSamples, Rollout
 from fluxgrpo.runtime.device import autocast
 from fluxgrpo.runtime.dist import has_sharded_modules, reshard_sharded_modules
 
@@ -44,6 +45,17 @@ def predict_velocity(
         )[0]
 
 
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How one rollout samples (the loop builds it from the config)."""
+
+    sampler: Sampler  # the stochastic step of the SDE steps; the update scores with the same one
+    guidance: float  # FLUX distilled-guidance value (3.5)
+    rollout_batch_size: int  # trajectories per forward
+    compute_dtype: torch.dtype | None = None  # autocast dtype; None is the runtime's choice
+    keep_means: bool = False  # also keep each SDE step's mean μ_old (GRPO-Guard's ratio needs it)
+
+
 @torch.no_grad()
 def generate_rollout(
     transformer: nn.Module,
@@ -61,6 +73,65 @@ def generate_rollout(
     sampler: str = "dance",
     plan: StepPlan | None = None,
     keep_means: bool = False,
+) -> Rollout:
+    """``sample_trajectories`` with the sampler named ``sampler`` at noise level ``eta`` (``make_sampler``)."""
+    sigma_max = float(sigmas[1]) if sigmas.shape[0] > 2 else 0.0  # flow-grpo's σ₁ (host read once)
+    settings = RolloutSettings(
+        sampler=make_sampler(sampler, eta, sigma_max),
+        guidance=guidance,
+        rollout_batch_size=rollout_batch_size,
+        compute_dtype=compute_dtype,
+        keep_means=keep_means,
+    )
+    return sample_trajectories(
+        transformer, cond, initial_noise, sigmas, settings, img_ids=img_ids, device_type=device_type,
+        generator=generator, plan=plan,
+    )  # fmt: skip
+
+
+def _chunks(num_trajectories: int, batch_size: int) -> list[tuple[int, int]]:
+    if batch_size < 1:  # TrainConfig validates it for the user
+        raise ValueError(f"rollout_batch_size must be at least 1, got {batch_size}")
+    return [(start, min(start + batch_size, num_trajectories)) for start in range(0, num_trajectories, batch_size)]
+
+
+class _TrajectoryStore:
+    """The kept latents z_0 … z_{K−1} and, when fewer than all N+1 are kept, the current z beyond them."""
+
+    def __init__(self, initial_noise: torch.Tensor, kept: int, num_steps: int, device: torch.device) -> None:
+        num_trajectories = initial_noise.shape[0]
+        self.kept = kept
+        self.latents = torch.empty(
+            (num_trajectories, kept, *initial_noise.shape[1:]), dtype=torch.float32, device=device
+        )
+        self.latents[:, 0] = initial_noise.to(device=device, dtype=torch.float32)
+        self.current = self.latents[:, 0].clone() if kept < num_steps + 1 else None
+
+    def at(self, position: int, start: int, stop: int) -> torch.Tensor:
+        if position < self.kept:
+            return self.latents[start:stop, position]
+        assert self.current is not None  # positions past ``kept`` exist only when z is tracked beyond them
+        return self.current[start:stop]
+
+    def store(self, position: int, start: int, stop: int, value: torch.Tensor) -> None:
+        if position < self.kept:
+            self.latents[start:stop, position] = value
+        if self.current is not None:
+            self.current[start:stop] = value
+
+
+@torch.no_grad()
+def sample_trajectories(
+    transformer: nn.Module,
+    cond: Conditioning,
+    initial_noise: torch.Tensor,
+    sigmas: torch.Tensor,
+    settings: RolloutSettings,
+    *,
+    img_ids: torch.Tensor,
+    device_type: str,
+    generator: torch.Generator,
+    plan: StepPlan | None = None,
 ) -> Rollout:
     """Sample B trajectories z_0 … z_N with the SDE step, in chunks of ``rollout_batch_size`` per forward.
 
@@ -87,20 +158,14 @@ def generate_rollout(
         cond: conditioning with one row per trajectory; computation happens on ``cond.prompt_embeds.device``.
         initial_noise: [B, L, C] z_0 (any float dtype; DanceGRPO draws it in bf16).
         sigmas: [N+1] exact σ table from ``sigma_schedule``.
-        eta: SDE noise level η > 0 (the noise level a of the ``flow-grpo`` and ``cps`` samplers).
-        guidance: FLUX distilled-guidance value (3.5).
+        settings: the sampler, guidance, batch size, dtype and what to keep.
         img_ids: [L, 3] image position ids.
-        rollout_batch_size: trajectories per forward.
         device_type: the runtime device type, for autocast.
         generator: RNG for the step noise.
-        compute_dtype: autocast dtype; None is the runtime's choice for ``device_type``.
-        sampler: one of ``config.SAMPLERS``; the update scores with the same one.
         plan: which steps are SDE; None is DanceGRPO's (every step).
-        keep_means: also keep each SDE step's mean μ_old (GRPO-Guard's ratio needs it).
     """
-    if rollout_batch_size < 1:  # TrainConfig validates it for the user
-        raise ValueError(f"rollout_batch_size must be at least 1, got {rollout_batch_size}")
     num_trajectories = initial_noise.shape[0]
+    chunks = _chunks(num_trajectories, settings.rollout_batch_size)
     if cond.num_rows != num_trajectories:
         raise ValueError(f"{cond.num_rows} conditioning rows for {num_trajectories} trajectories")
     device = cond.prompt_embeds.device
@@ -108,38 +173,20 @@ def generate_rollout(
     num_steps = sigmas.shape[0] - 1
     plan = plan if plan is not None else StepPlan.every_step(num_steps)
     fed_timesteps = model_timesteps(sigmas)
-    sigma_max = float(sigmas[1]) if num_steps > 1 else 0.0  # flow-grpo's σ₁ (host read once, before the loop)
     img_ids = img_ids.to(device)
     table_steps = plan.table_steps(num_steps)
     kept = num_steps + 1 if plan.tail_sigmas is None and plan.last_step_sde else plan.sde_stop + 1
+    compute_dtype, sampler = settings.compute_dtype, settings.sampler
 
     was_training = transformer.training
     transformer.eval()
-    latents = torch.empty((num_trajectories, kept, *initial_noise.shape[1:]), dtype=torch.float32, device=device)
-    latents[:, 0] = initial_noise.to(device=device, dtype=torch.float32)
-    current = latents[:, 0].clone() if kept < num_steps + 1 else None  # z beyond what is kept
+    store = _TrajectoryStore(initial_noise, kept, num_steps, device)
     log_probs = torch.full((num_trajectories, num_steps), float("nan"), dtype=torch.float32, device=device)
-    means = torch.zeros_like(latents[:, 1:]) if keep_means else None
-    final_x0 = torch.empty_like(latents[:, 0])
-    previous_x0 = torch.empty_like(latents[:, 0])  # x̂0 of the last model call, DPM-Solver++'s history
-    guidance_values = torch.full((num_trajectories,), guidance, dtype=torch.float32, device=device)
+    means = torch.zeros_like(store.latents[:, 1:]) if settings.keep_means else None
+    final_x0 = torch.empty_like(store.latents[:, 0])
+    previous_x0 = torch.empty_like(store.latents[:, 0])  # x̂0 of the last model call, DPM-Solver++'s history
+    guidance_values = torch.full((num_trajectories,), settings.guidance, dtype=torch.float32, device=device)
 
-    def latent_at(position: int, start: int, stop: int) -> torch.Tensor:
-        if position < kept:
-            return latents[start:stop, position]
-        assert current is not None  # positions past ``kept`` exist only when z is tracked beyond them
-        return current[start:stop]
-
-    def store(position: int, start: int, stop: int, value: torch.Tensor) -> None:
-        if position < kept:
-            latents[start:stop, position] = value
-        if current is not None:
-            current[start:stop] = value
-
-    chunks = [
-        (start, min(start + rollout_batch_size, num_trajectories))
-        for start in range(0, num_trajectories, rollout_batch_size)
-    ]
     # Autocast keeps every weight's low-precision copy until its outermost region ends, so a full copy of the
     # model is alive at the end of each forward anyway: spanning the whole loop costs no extra peak memory and
     # replaces steps × chunks casts of every weight by one. (The steps work in fp32 on fp32 inputs, which
@@ -151,10 +198,10 @@ def generate_rollout(
         with cast_once:
             for step in range(table_steps):
                 step_noise = torch.randn(
-                    latents[:, 0].shape, generator=generator, device=generator.device, dtype=torch.float32
+                    store.latents[:, 0].shape, generator=generator, device=generator.device, dtype=torch.float32
                 ).to(device)
                 for start, stop in chunks:
-                    x = latent_at(step, start, stop)
+                    x = store.at(step, start, stop)
                     velocity = predict_velocity(
                         transformer,
                         x,
@@ -166,10 +213,7 @@ def generate_rollout(
                         compute_dtype,
                     )
                     if plan.is_sde(step, num_steps):
-                        result = sampler_step(
-                            sampler, x, velocity, sigmas[step], sigmas[step + 1], eta, sigma_max,
-                            noise=step_noise[start:stop],
-                        )  # fmt: skip
+                        result = sampler.step(x, velocity, sigmas[step], sigmas[step + 1], noise=step_noise[start:stop])
                         log_probs[start:stop, step] = result.log_prob
                         if means is not None and step < kept - 1:
                             means[start:stop, step] = result.mean
@@ -177,31 +221,78 @@ def generate_rollout(
                     else:
                         following = euler_step(x, velocity, sigmas[step], sigmas[step + 1])
                         x0_pred = x.to(torch.float32) - sigmas[step] * velocity.to(torch.float32)
-                    store(step + 1, start, stop, following)
+                    store.store(step + 1, start, stop, following)
                     final_x0[start:stop] = x0_pred
                     previous_x0[start:stop] = x0_pred
             if plan.tail_sigmas is not None:
-                assert current is not None  # the tail's steps lie past the kept ones
+                assert store.current is not None  # the tail's steps lie past the kept ones
                 _integrate_tail(
-                    transformer, cond, plan.tail_sigmas, sigmas[plan.sde_stop - 1], chunks, current, previous_x0,
-                    final_x0, guidance_values, img_ids, device_type, compute_dtype,
+                    transformer, cond, plan.tail_sigmas, sigmas[plan.sde_stop - 1], chunks, store.current,
+                    previous_x0, final_x0, guidance_values, img_ids, device_type, compute_dtype,
                 )  # fmt: skip
     finally:
         reshard_sharded_modules(transformer)
         transformer.train(was_training)
 
     return Rollout(
-        latents=latents,
+        latents=store.latents,
         log_probs=log_probs,
         final_x0=final_x0,
         sigmas=sigmas,
         img_ids=img_ids,
-        eta=float(eta),
-        guidance=float(guidance),
-        captions=cond.captions,
+        guidance=float(settings.guidance),
         sampler=sampler,
+        captions=cond.captions,
         sde_steps=(plan.sde_start, plan.sde_stop),
         means=means,
+        final_latent=store.current if store.current is not None else store.latents[:, -1],
+    )
+
+
+@torch.no_grad()
+def sample_final_latents(
+    transformer: nn.Module,
+    cond: Conditioning,
+    initial_noise: torch.Tensor,
+    sigmas: torch.Tensor,
+    *,
+    guidance: float,
+    rollout_batch_size: int,
+    img_ids: torch.Tensor,
+    device_type: str,
+    compute_dtype: torch.dtype | None = None,
+) -> FinalSamples:
+    """The deterministic DPM-Solver++(2M) ODE on the σ table, keeping the final latents only (DiffusionNFT's and
+    AWM's rollouts: their objectives need no per-step log-prob).
+
+    The first step and the last (to σ = 0) are first order (Euler, DDIM at η = 0), the others second order, as the
+    authors' ``dpm2`` solver. Eval mode, no gradients, chunks of ``rollout_batch_size`` (the result does not
+    depend on it); the module's train/eval mode is restored and FSDP2 parameters resharded on return.
+    """
+    num_trajectories = initial_noise.shape[0]
+    chunks = _chunks(num_trajectories, rollout_batch_size)
+    if cond.num_rows != num_trajectories:
+        raise ValueError(f"{cond.num_rows} conditioning rows for {num_trajectories} trajectories")
+    device = cond.prompt_embeds.device
+    sigmas = sigmas.to(device=device, dtype=torch.float32)
+    img_ids = img_ids.to(device)
+    current = initial_noise.to(device=device, dtype=torch.float32).clone()
+    previous_x0 = torch.empty_like(current)
+    guidance_values = torch.full((num_trajectories,), guidance, dtype=torch.float32, device=device)
+    was_training = transformer.training
+    transformer.eval()
+    cast_once = contextlib.nullcontext() if has_sharded_modules(transformer) else autocast(device_type, compute_dtype)
+    try:
+        with cast_once:
+            _integrate_tail(
+                transformer, cond, sigmas, sigmas[0], chunks, current, previous_x0, torch.empty_like(current),
+                guidance_values, img_ids, device_type, compute_dtype, first_order_start=True,
+            )  # fmt: skip
+    finally:
+        reshard_sharded_modules(transformer)
+        transformer.train(was_training)
+    return FinalSamples(
+        final_x0=current, sigmas=sigmas, img_ids=img_ids, guidance=float(guidance), captions=cond.captions
     )
 
 
@@ -218,9 +309,12 @@ def _integrate_tail(
     img_ids: torch.Tensor,
     device_type: str,
     compute_dtype: torch.dtype | None,
+    *,
+    first_order_start: bool = False,
 ) -> None:
     """DPM-Solver++(2M) from ``tail_sigmas[0]`` to 0, in place on ``current``; the history starts with the x̂0 of
-    the window's last step (at ``previous_sigma``); the last step, to σ = 0, is first order (Euler)."""
+    the window's last step (at ``previous_sigma``); the last step, to σ = 0, is first order (Euler), and so is the
+    first with ``first_order_start`` (no history yet)."""
     fed = model_timesteps(tail_sigmas)
     for j in range(tail_sigmas.shape[0] - 1):
         sigma, sigma_next = tail_sigmas[j], tail_sigmas[j + 1]
@@ -232,7 +326,7 @@ def _integrate_tail(
                 img_ids, device_type, compute_dtype,
             ).to(torch.float32)  # fmt: skip
             x0_pred = x - sigma * velocity
-            if j == tail_sigmas.shape[0] - 2:
+            if j == tail_sigmas.shape[0] - 2 or (first_order_start and j == 0):
                 current[start:stop] = euler_step(x, velocity, sigma, sigma_next)
             else:
                 current[start:stop] = dpm_solver_2m_step(

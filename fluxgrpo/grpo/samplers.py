@@ -21,10 +21,11 @@ Flow-GRPO's KL divides by.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from fluxgrpo.config import SAMPLERS
 from fluxgrpo.grpo.sde import SdeStep, per_sample, sde_step
 
 _LOG_SQRT_TWO_PI = math.log(math.sqrt(2 * math.pi))
@@ -75,6 +76,96 @@ def cps_step(
     return SdeStep(prev_sample, x0_pred, log_prob, mean, std, std)
 
 
+class Sampler(Protocol):
+    """A stochastic step that carries its own parameters: the rollout samples with it, the update scores with it."""
+
+    @property
+    def name(self) -> str: ...
+
+    def step(
+        self,
+        x: torch.Tensor,
+        velocity: torch.Tensor,
+        sigma: float | torch.Tensor,
+        sigma_next: float | torch.Tensor,
+        prev_sample: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> SdeStep: ...
+
+
+@dataclass(frozen=True)
+class DanceSampler:
+    """DanceGRPO's step: diffusion η at every σ."""
+
+    eta: float
+    name: str = "dance"
+
+    def step(
+        self,
+        x: torch.Tensor,
+        velocity: torch.Tensor,
+        sigma: float | torch.Tensor,
+        sigma_next: float | torch.Tensor,
+        prev_sample: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> SdeStep:
+        return sde_step(x, velocity, sigma, sigma_next, self.eta, prev_sample=prev_sample, noise=noise)
+
+
+@dataclass(frozen=True)
+class FlowGrpoSampler:
+    """Flow-GRPO's step: noise level a, and σ₁ of the table (it replaces σ = 1 in g's denominator)."""
+
+    noise_level: float
+    sigma_max: float
+    name: str = "flow-grpo"
+
+    def step(
+        self,
+        x: torch.Tensor,
+        velocity: torch.Tensor,
+        sigma: float | torch.Tensor,
+        sigma_next: float | torch.Tensor,
+        prev_sample: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> SdeStep:
+        return flow_grpo_step(x, velocity, sigma, sigma_next, self.noise_level, self.sigma_max, prev_sample, noise)
+
+
+@dataclass(frozen=True)
+class CpsSampler:
+    """The coefficients-preserving step at noise level a."""
+
+    noise_level: float
+    name: str = "cps"
+
+    def step(
+        self,
+        x: torch.Tensor,
+        velocity: torch.Tensor,
+        sigma: float | torch.Tensor,
+        sigma_next: float | torch.Tensor,
+        prev_sample: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> SdeStep:
+        return cps_step(x, velocity, sigma, sigma_next, self.noise_level, prev_sample, noise)
+
+
+SAMPLER_NAMES = ("dance", "flow-grpo", "cps")
+
+
+def make_sampler(name: str, noise_level: float, sigma_max: float) -> Sampler:
+    """The sampler called ``name`` (``SAMPLER_NAMES``) at ``noise_level`` (η or a); ``sigma_max`` is σ₁ of the
+    σ table (only flow-grpo reads it)."""
+    if name == "dance":
+        return DanceSampler(noise_level)
+    if name == "flow-grpo":
+        return FlowGrpoSampler(noise_level, sigma_max)
+    if name == "cps":
+        return CpsSampler(noise_level)
+    raise ValueError(f"unknown sampler {name!r}: one of {', '.join(SAMPLER_NAMES)}")
+
+
 def sampler_step(
     sampler: str,
     x: torch.Tensor,
@@ -86,14 +177,8 @@ def sampler_step(
     prev_sample: torch.Tensor | None = None,
     noise: torch.Tensor | None = None,
 ) -> SdeStep:
-    """One stochastic step of ``sampler`` (one of ``SAMPLERS``); see each step for the arguments."""
-    if sampler == "dance":
-        return sde_step(x, velocity, sigma, sigma_next, noise_level, prev_sample=prev_sample, noise=noise)
-    if sampler == "flow-grpo":
-        return flow_grpo_step(x, velocity, sigma, sigma_next, noise_level, sigma_max, prev_sample, noise)
-    if sampler == "cps":
-        return cps_step(x, velocity, sigma, sigma_next, noise_level, prev_sample, noise)
-    raise ValueError(f"unknown sampler {sampler!r}: one of {', '.join(SAMPLERS)}")
+    """One step of the sampler called ``sampler`` (``make_sampler``'s arguments, then the step's)."""
+    return make_sampler(sampler, noise_level, sigma_max).step(x, velocity, sigma, sigma_next, prev_sample, noise)
 
 
 def euler_step(x: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:

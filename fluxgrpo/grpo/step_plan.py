@@ -84,11 +84,14 @@ def window_start(
     ``sliding`` (MixGRPO's "progressive"): starts at 0 and moves ``stride`` steps towards the data every
     ``shift_every`` iterations (0: never moves). Past the last position it holds there, or with ``wrap`` starts over
     at 0 (MixGRPO's --roll_back). MixGRPO's own last position is an empty window (a crash); here the window always
-    holds W steps. ``random``: uniform over all positions each iteration, drawn from ``generator``.
+    holds W steps. ``random``: uniform over all positions each iteration, drawn from ``generator``; ``random-early``:
+    uniform over the starts 0 … N/2 − W (Flow-GRPO-Fast's window range (0, N/2)).
     """
     last = num_steps - 1 - window
     if policy == "random":
         return int(torch.randint(0, last + 1, (1,), generator=generator))
+    if policy == "random-early":  # Flow-GRPO-Fast's SD3/Qwen configs: starts in 0 … N/2 − W only
+        return int(torch.randint(0, min(num_steps // 2 - window, last) + 1, (1,), generator=generator))
     moves = (iteration - 1) // shift_every if shift_every > 0 else 0
     if stride == 0 or moves == 0:
         return 0
@@ -100,7 +103,7 @@ def window_start(
 
 @dataclass(frozen=True)
 class PlanSettings:
-    """The step-plan options of ``TrainConfig`` (its names)."""
+    """The step-plan options (``TrainConfig``'s names; ``training.settings.plan_settings`` builds them)."""
 
     sde_window: int  # 0: DanceGRPO, every step SDE
     sde_window_policy: str
@@ -110,19 +113,6 @@ class PlanSettings:
     ode_solver: str
     ode_compress_ratio: float
     shift: float
-
-    @classmethod
-    def from_config(cls, cfg) -> PlanSettings:
-        return cls(
-            sde_window=cfg.sde_window,
-            sde_window_policy=cfg.sde_window_policy,
-            sde_window_shift_every=cfg.sde_window_shift_every,
-            sde_window_stride=cfg.sde_window_stride,
-            sde_window_wrap=cfg.sde_window_wrap,
-            ode_solver=cfg.ode_solver,
-            ode_compress_ratio=cfg.ode_compress_ratio,
-            shift=cfg.shift,
-        )
 
 
 def plan_for_iteration(

@@ -12,10 +12,15 @@ Shape letters used throughout ``fluxgrpo.grpo``:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from fluxgrpo.grpo.objectives.base import Metric
+    from fluxgrpo.grpo.samplers import Sampler
 
 
 @dataclass(frozen=True)
@@ -79,15 +84,15 @@ class Rollout:
 
     latents: torch.Tensor  # [B, K, L, C] fp32, z_0 (initial noise) … z_{K−1}: K = N+1, or sde_stop+1 with a window
     log_probs: torch.Tensor  # [B, N] fp32, log p(z_{i+1} | z_i) as a per-element mean; NaN for ODE steps
-    final_x0: torch.Tensor  # [B, L, C] fp32, x̂0 predicted at step N−1: what the VAE decodes
+    final_x0: torch.Tensor  # [B, L, C] fp32, x̂0 predicted at step N−1: what the VAE decodes (``--decode-sample x0``)
     sigmas: torch.Tensor  # [N+1] fp32, the exact σ table (1 → 0)
     img_ids: torch.Tensor  # [L, 3] image position ids used for every forward
-    eta: float  # SDE noise level η
     guidance: float  # FLUX distilled-guidance value (3.5 for FLUX.1-dev)
+    sampler: Sampler  # the SDE step that made it, with its parameters; the update scores with it
     captions: tuple[str, ...] | None = None  # [B], copied from the conditioning
-    sampler: str = "dance"  # the SDE step that made it (``config.SAMPLERS``); the update scores with it
     sde_steps: tuple[int, int] | None = None  # [start, stop): the SDE (trainable) transitions; None: 0…N−2
     means: torch.Tensor | None = None  # [B, K−1, L, C] fp32, μ of each SDE step (GRPO-Guard), else None
+    final_latent: torch.Tensor | None = None  # [B, L, C] fp32, z_N, the last step's result (``--decode-sample final``)
 
     @property
     def num_trajectories(self) -> int:
@@ -105,58 +110,83 @@ class Rollout:
 
 
 @dataclass(frozen=True)
-class UpdateStats:
-    """What one ``policy_update`` did, for this rank. Float tensors are fp32 on the computation device, built up
-    without host syncs and reduced once at the end; ``as_floats`` turns them into numbers with one sync.
+class FinalSamples:
+    """What an ODE rollout keeps for the objectives that train on final samples (NFT, AWM): x0 and the grid."""
 
-    Nothing here is averaged over ranks; the training loop does that once per iteration if it wants to.
+    final_x0: torch.Tensor  # [B, L, C] fp32, the ODE's end point at σ = 0: what the VAE decodes and x0 of the loss
+    sigmas: torch.Tensor  # [N+1] fp32, the sampler's σ grid (the training timesteps are drawn from it)
+    img_ids: torch.Tensor  # [L, 3]
+    guidance: float
+    captions: tuple[str, ...] | None = None
+
+    @property
+    def final_latent(self) -> torch.Tensor:
+        """The ODE's last step lands on σ = 0: the final latent is x0."""
+        return self.final_x0
+
+    @property
+    def num_trajectories(self) -> int:
+        return int(self.final_x0.shape[0])
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.sigmas.shape[0]) - 1
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    """What one update did, for this rank. Float tensors are fp32 on the computation device, built up without host
+    syncs and reduced once at the end; ``as_floats`` turns them into numbers with one sync.
+
+    ``metrics`` holds the objective's metrics by name (``grpo.objectives.base.Metric``), each reduced as its spec
+    says; they read as attributes too (``stats.ratio_mean``). Nothing here is averaged over ranks; the training
+    loop does that once per iteration.
     """
 
-    loss_sum: torch.Tensor  # [] Σ over (micro-batch, step) of the scaled loss: DanceGRPO's `total_loss` per rank
-    ratio_mean: torch.Tensor  # [] mean ρ over every trained (trajectory, timestep)
-    ratio_min: torch.Tensor  # []
-    ratio_max: torch.Tensor  # []
-    clip_fraction: torch.Tensor  # [] fraction of (trajectory, timestep) pairs with |ρ−1| > clip_range
+    metrics: dict[str, torch.Tensor]  # name → [] scalar, or [N] per-step sums and counts
+    specs: Mapping[str, Metric]  # name → how it is reduced and logged
     grad_norms: torch.Tensor  # [boundaries] pre-clip global grad norm at each boundary; non-finite: skipped
-    first_microbatch_max_abs_log_ratio: torch.Tensor  # [] max |log ρ| of micro-batch 0, before any optimizer step
     optimizer_steps: int  # optimizer steps taken
     skipped_steps: int  # boundaries whose grad norm was non-finite: gradients dropped, weights untouched
     num_microbatches: int
     train_timestep_indices: torch.Tensor  # [B, T] int64 cpu, σ-table index of each trained step, in training order
-    ratio_sum_per_step: torch.Tensor  # [N] Σ ρ over the samples trained at each σ-table step
-    count_per_step: torch.Tensor  # [N] how many samples trained at each step (0: not trained)
-    kl_mean: torch.Tensor  # [] mean KL to the reference over the trained samples; NaN when the KL is off
     update_skipped: bool = False  # True when the update did not run at all (no finite reward on any rank)
 
+    def __getattr__(self, name: str) -> torch.Tensor:
+        if name in ("metrics", "specs") or name.startswith("__"):  # not yet set (copy, pickle): no recursion
+            raise AttributeError(name)
+        try:
+            return self.metrics[name]
+        except KeyError:
+            raise AttributeError(f"UpdateStats has no metric or field {name!r}") from None
+
+    def scalar_reductions(self) -> dict[str, str]:
+        """Record key → how it is reduced over ranks (mean, max or min) for every number ``as_floats`` gives."""
+        out = {spec.key: spec.reduction for spec in self.specs.values() if spec.reduction != "per_step"}
+        out = {key: "mean" if reduction == "sum" else reduction for key, reduction in out.items()}
+        return {**out, "grad_norm_mean": "mean", "grad_norm_max": "max"}
+
     def as_floats(self) -> dict[str, float]:
-        """Plain numbers for logging (one host sync for the lot)."""
+        """Plain numbers for logging, by record key (one host sync for the lot)."""
         finite_norms = self.grad_norms[torch.isfinite(self.grad_norms)]
-        packed = torch.stack(
-            [
-                self.loss_sum,
-                self.ratio_mean,
-                self.ratio_min,
-                self.ratio_max,
-                self.clip_fraction,
-                self.first_microbatch_max_abs_log_ratio,
-                self.kl_mean,
-                finite_norms.mean() if finite_norms.numel() else torch.full_like(self.loss_sum, float("nan")),
-                finite_norms.max() if finite_norms.numel() else torch.full_like(self.loss_sum, float("nan")),
-            ]
-        ).tolist()
-        names: Sequence[str] = (
-            "loss",
-            "ratio_mean",
-            "ratio_min",
-            "ratio_max",
-            "clip_fraction",
-            "first_abs_log_ratio",
-            "kl",
-            "grad_norm_mean",
-            "grad_norm_max",
-        )
+        scalars = [(spec.key, self.metrics[name]) for name, spec in self.specs.items() if spec.reduction != "per_step"]
+        nan = torch.full((), float("nan"), device=self.grad_norms.device)
+        norms = [
+            finite_norms.mean() if finite_norms.numel() else nan,
+            finite_norms.max() if finite_norms.numel() else nan,
+        ]
+        packed = torch.stack([value.to(nan.device) for _, value in scalars] + norms).tolist()
+        names: Sequence[str] = [key for key, _ in scalars] + ["grad_norm_mean", "grad_norm_max"]
         out = dict(zip(names, packed, strict=True))
         out["optimizer_steps"] = float(self.optimizer_steps)
         out["skipped_steps"] = float(self.skipped_steps)
         out["update_skipped"] = float(self.update_skipped)
         return out
+
+    def per_step(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Record key → ([N] sums, [N] counts) of each per-step metric."""
+        return {
+            spec.key: (self.metrics[name], self.metrics[spec.count_name])
+            for name, spec in self.specs.items()
+            if spec.reduction == "per_step"
+        }

@@ -109,6 +109,31 @@ def panels_for(runs: list[RunData]) -> list[Panel]:
         Panel("Loss", "loss", [Line("loss", "loss")]),
         Panel("Learning rate", "lr", [Line("lr", "lr")]),
     ]
+    # Any other number an objective logs (nft's policy_loss, awm's fm_mse, …) gets a panel of its own.
+    claimed = {key for panel in panels for line in panel.lines for key in (line.key, *(line.band or ()))}
+    claimed |= {
+        "iteration",
+        "optimizer_steps",
+        "skipped_steps",
+        "update_skipped",
+        "sde_window_start",
+        "first_abs_log_ratio",
+    }
+    claimed |= {"reward_std", "nonfinite_rewards", "advantage_abs_mean", "advantage_min", "advantage_max"}
+    other_keys = sorted(
+        {
+            k
+            for run in runs
+            for r in run.records
+            for k, v in r.items()
+            if k not in claimed
+            and not k.startswith(("seconds_", "reward_", "eval_", "kl"))
+            and isinstance(v, int | float)
+            and not isinstance(v, bool)
+            and k not in ("images_per_second", "peak_memory_gib")
+        }
+    )
+    panels += [Panel(key.replace("_", " ").capitalize(), key, [Line(key, key)]) for key in other_keys]
     phase_keys = sorted({k for run in runs for r in run.records for k in r if k.startswith("seconds_")})
     panels += [
         Panel("Seconds per phase", "seconds", [Line(k, k.removeprefix("seconds_")) for k in phase_keys]),

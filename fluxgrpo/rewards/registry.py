@@ -40,6 +40,7 @@ BUILTIN_REWARD_MODULES = (
     "fluxgrpo.rewards.hpsv3",
     "fluxgrpo.rewards.brightness",
     "fluxgrpo.rewards.exposure",
+    "fluxgrpo.rewards.structure",
 )
 
 

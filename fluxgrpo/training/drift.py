@@ -61,7 +61,10 @@ class DriftProbe:
 
     @torch.no_grad()
     def measure(self, iteration: int, rollout: Any, cond: Any, timestep_generator: torch.Generator) -> dict:
-        """``{"velocity_norm_ratio": r}`` at ``iteration`` (NaN when nothing comparable was probed)."""
+        """``{"velocity_norm_ratio": r}`` at ``iteration`` (NaN when nothing comparable was probed, and for the
+        objectives that keep no trajectory to probe: ``--objective nft/awm``)."""
+        if not hasattr(rollout, "latents"):  # FinalSamples: the final latents only
+            return {"velocity_norm_ratio": math.nan}
         from fluxgrpo.grpo.rollout import predict_velocity
         from fluxgrpo.grpo.schedule import model_timesteps
         from fluxgrpo.grpo.update import draw_train_timesteps

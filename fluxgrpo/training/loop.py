@@ -4,10 +4,12 @@ Each iteration, on each rank:
 
 1. draw ``train_batch_size`` prompts (a seeded distributed sampler whose epoch advances) and repeat each G times;
 2. rollout: SDE sampling with per-step log-probs (every step, or a window with ODE elsewhere: ``step_plan.py``),
-   in chunks of ``rollout_batch_size`` (``rollout.py``);
+   in chunks of ``rollout_batch_size`` (``rollout.py``); or, for the objectives that train on final samples
+   (``--objective nft/awm``), the ODE keeping the final latents only;
 3. decode the final x̂0 with the VAE and score the images with the reward model, batched, on the device;
 4. group advantages (unbiased std + 1e-8, clipped), rewards gathered across ranks for logging;
-5. policy update on a random subset of timesteps per trajectory, PPO-clip, gradient accumulation (``update.py``);
+5. policy update: the objective's loss (``grpo/objectives``: PPO-clip on a random subset of timesteps per
+   trajectory, DiffusionNFT or AWM) over micro-batches with gradient accumulation (``update.py``);
 6. metrics (rank 0) with the drift signals (``drift.py``); every ``eval_every`` iterations the held-out evaluation
    and its guards (``guards.py``: warn, or stop the run), and, every ``checkpointing_steps`` iterations, after the
    last, at a new best evaluation (``--keep-best``) and at a guard's stop, a checkpoint.
@@ -32,7 +34,13 @@ from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime.dist import DistContext
 from fluxgrpo.training.parts import TrainingParts, build_parts
-from fluxgrpo.training.stages import decode_and_score, draw_prompts, initial_noise, save_sample_images
+from fluxgrpo.training.stages import (
+    decode_and_score,
+    draw_prompts,
+    initial_noise,
+    rollout_stage,
+    save_sample_images,
+)
 from fluxgrpo.training.stats import PhaseClock, any_finite_reward, iteration_record, progress_line
 
 
@@ -69,6 +77,7 @@ def save_training_checkpoint(
         ema=parts.ema,
         trainer_state=trainer_state,
         keep_last=cfg.keep_last or None,
+        extra_states=parts.policy_copies,
     )
 
 
@@ -78,10 +87,19 @@ def restore(ctx: DistContext, parts: TrainingParts, checkpoint: Path | None) -> 
 
     if checkpoint is None:
         return 0
-    loaded = load_checkpoint(checkpoint, ctx, parts.transformer, parts.optimizer, parts.lr_scheduler, ema=parts.ema)
+    loaded = load_checkpoint(
+        checkpoint, ctx, parts.transformer, parts.optimizer, parts.lr_scheduler, ema=parts.ema,
+        extra_states=parts.policy_copies,
+    )  # fmt: skip
     parts.sampler.load_state_dict(loaded.trainer_state["sampler"][str(ctx.rank)])
     rt_dist.rank0_print(ctx, f"resumed from {checkpoint} after iteration {loaded.iteration}")
     return loaded.iteration
+
+
+def optimizer_steps_taken(parts: TrainingParts) -> int:
+    """Optimizer steps taken so far in the run (the scheduler steps with each one and is saved with checkpoints):
+    the step count DiffusionNFT's and AWM's decay schedules read."""
+    return int(parts.lr_scheduler.last_epoch)
 
 
 def checkpoint_to_resume(
@@ -109,15 +127,15 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
     """
     from fluxgrpo.grpo.latents import image_ids
     from fluxgrpo.grpo.reward_aggregation import aggregate_rewards
-    from fluxgrpo.grpo.rollout import generate_rollout
     from fluxgrpo.grpo.schedule import sigma_schedule
-    from fluxgrpo.grpo.step_plan import PlanSettings, plan_for_iteration
-    from fluxgrpo.grpo.update import UpdateSettings, policy_update, skipped_update
+    from fluxgrpo.grpo.step_plan import plan_for_iteration
+    from fluxgrpo.grpo.update import run_update, skipped_update
     from fluxgrpo.metrics import MetricsLogger, run_info
     from fluxgrpo.runtime.nodes import check_shared_folder
     from fluxgrpo.runtime.worker import worker_session
     from fluxgrpo.training.eval import Evaluator
     from fluxgrpo.training.guards import RunMonitor
+    from fluxgrpo.training.settings import build_objective, plan_settings
 
     with worker_session(cfg.device) as ctx:
         rt_device.seed_everything(cfg.seed + ctx.rank)
@@ -143,8 +161,8 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
         monitor = RunMonitor(cfg, parts, metrics, checkpoint)  # guards, best checkpoint, drift signals
         sigmas = sigma_schedule(cfg.sampling_steps, cfg.shift).to(ctx.device)  # [N+1]
         img_ids = image_ids(cfg.height, cfg.width).to(ctx.device)  # [L, 3]
-        update_settings = UpdateSettings.from_config(cfg)
-        plan_settings = PlanSettings.from_config(cfg)
+        objective = build_objective(cfg, parts.policy_copies, parts.reference)
+        step_plan_settings = plan_settings(cfg)
         records: list[dict[str, Any]] = []
         # the base model at iteration 0: every eval curve and every guard baseline starts there
         monitor.check(start, evaluator.before_training(start, parts), records)
@@ -159,51 +177,40 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
 
             # Which steps are SDE (and trained): all (DanceGRPO) or a window; the same on every rank.
             window_gen = torch.Generator().manual_seed(derive_seed(cfg.seed, 0, iteration, WINDOW_STREAM))
-            plan = plan_for_iteration(plan_settings, sigmas, iteration, window_gen)
+            plan = plan_for_iteration(step_plan_settings, sigmas, iteration, window_gen)
 
             cond = draw_prompts(parts, cfg)  # [B = prompts × G] rows, groups contiguous
             noise = initial_noise(cfg, cfg.train_batch_size, noise_gen, ctx.device)  # [B, L, C]
-            rollout = generate_rollout(
-                parts.transformer,
-                cond,
-                noise,
-                sigmas,
-                eta=cfg.eta,
-                guidance=cfg.guidance,
-                img_ids=img_ids,
-                rollout_batch_size=cfg.rollout_batch_size,
-                device_type=ctx.device_type,
-                generator=noise_gen,
-                sampler=cfg.sampler,
-                plan=plan,
-                keep_means=cfg.ratio_normalization == "grpo-guard",
-            )
+            rollout = rollout_stage(parts, cfg, objective, cond, noise, sigmas, img_ids, plan, noise_gen)
             drift = monitor.measure_drift(iteration, rollout, cond, timestep_gen)  # no RNG drawn, no weight moved
             clock.lap("rollout")
 
-            images, scores = decode_and_score(parts, cfg, rollout.final_x0, cond.captions)  # [B,3,H,W], [B, K]
+            decoded = rollout.final_x0 if cfg.decode_sample == "x0" else rollout.final_latent
+            images, scores = decode_and_score(parts, cfg, decoded, cond.captions)  # [B,3,H,W], [B, K]
             clock.lap("decode_reward")
 
             rewards, adv = aggregate_rewards(  # [B] Σ w·r, [B] advantages
                 scores, parts.reward_fn.weights, cfg.advantage_aggregation, cfg.num_generations, cfg.adv_clip_max
             ).as_tuple()
             if any_finite_reward(ctx, rewards):
-                update = policy_update(
-                    parts.transformer,
-                    rollout,
-                    cond,
-                    adv.advantages,
-                    update_settings,
-                    parts.optimizer,
-                    parts.lr_scheduler,
-                    device_type=ctx.device_type,
+                work = objective.prepare(
+                    parts.transformer, rollout, cond, adv.advantages, device_type=ctx.device_type,
                     generator_cpu=timestep_gen,
-                    reference=parts.reference,
-                )
+                )  # fmt: skip
+                update = run_update(
+                    parts.transformer, work, objective.metrics, parts.optimizer, parts.lr_scheduler,
+                    grad_accum_steps=cfg.gradient_accumulation_steps, max_grad_norm=cfg.max_grad_norm,
+                    num_steps=cfg.sampling_steps, device=ctx.device,
+                )  # fmt: skip
+                objective.finish(parts.transformer, optimizer_steps_taken(parts))
                 if parts.ema is not None and update.optimizer_steps:
                     parts.ema.update(parts.transformer)  # once per iteration, as DanceGRPO
             else:  # nothing to learn from: not even weight decay or Adam's step count may move
-                update = skipped_update(rollout, update_settings)
+                update = skipped_update(
+                    objective.metrics, num_trajectories=cfg.trajectories_per_rank, num_steps=cfg.sampling_steps,
+                    micro_batch_size=cfg.train_micro_batch_size, grad_accum_steps=cfg.gradient_accumulation_steps,
+                    device=ctx.device,
+                )  # fmt: skip
             clock.lap("update")
 
             record = iteration_record(ctx, cfg, parts, iteration, scores, rewards, adv.advantages, update, clock)
@@ -212,7 +219,7 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
                 record["sde_window_start"] = plan.sde_start
             metrics.log(record, histograms={"reward": rewards})
             records.append(record)
-            rt_dist.rank0_print(ctx, progress_line(record, cfg.max_train_steps))
+            rt_dist.rank0_print(ctx, progress_line(record, cfg.max_train_steps, objective.progress))
             if cfg.save_images_every and iteration % cfg.save_images_every == 0:
                 save_sample_images(images, output_dir, ctx.rank, cfg.images_per_save)
             # before the checkpoint: a saved iteration has its evaluation and guard check

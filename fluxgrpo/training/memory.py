@@ -8,6 +8,7 @@ Peak bytes on one die = what lives all run long + the largest of the three phase
                 optimizer    8·S_train    AdamW exp_avg + exp_avg_sq of the trainable shards
                 ema          4·S_train    with --use-ema
                 kl reference 2·S          with --kl-beta > 0 and full fine-tuning (LoRA disables its adapters)
+                policy copies 4·S_train·k k = 1 for --objective nft (old policy), awm with --awm-ema-beta > 0 (EMA)
                 reward       4·R          every reward model's weights (2·R with --reward-dtype bf16)
                 vae          2·V          the VAE in the compute dtype
                 rollout      B·(N+1)·L·64·4 + images  the trajectory latents and decoded images of one iteration
@@ -18,6 +19,7 @@ Peak bytes on one die = what lives all run long + the largest of the three phase
                 gathered     2·(2·block + root) + 4·block  bf16 parameters and one block's unsharded fp32 grads
                 activations  mb·T·D·(n_double·a_d + n_single·a_s)·c       without --gradient-checkpointing
                              mb·T·D·((n_double + n_single)·2 + a_d)·c      with it (block inputs + one recompute)
+                objective    B·T_train·(1+k)·L·64·4  nft/awm: fresh noise and each copy's velocity per trained slot
 
 T = (H/16)·(W/16) + S image and text tokens, D the transformer width, c = compute-dtype bytes / 2. The activation
 coefficients a_d, a_s (bytes a double / single block saves for backward, per token per unit of width, in bf16)
@@ -148,11 +150,18 @@ class RunShape:
     text_tokens: int = DEFAULT_TEXT_TOKENS
     adapter_shapes: tuple[tuple[int, ...], ...] = ()  # LoRA A/B matrices; () trains every weight
     frozen_reference: bool = False  # --kl-beta > 0 with full fine-tuning: a second, frozen, sharded base model
+    # Extra copies of the trainable weights an objective keeps (NFT's old policy, AWM's EMA policy): fp32 each, sharded
+    # like the weights (the adapters only for LoRA).
+    policy_copies: int = 0
+    # nft/awm: [trajectories, T] latents kept through the update: the fresh noise and each policy copy's velocity.
+    objective_latents: int = 0
     # Reward models the held-out evaluation loads on rank 0 besides the training ones (float32, kept for the run).
     eval_rewards: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, dies: int, compute_bytes: int = 2, **extra: Any) -> RunShape:
+        from fluxgrpo.training.settings import policy_copy_names
+
         return cls(
             dies=dies,
             height=cfg.height,
@@ -166,6 +175,10 @@ class RunShape:
             use_ema=cfg.use_ema,
             reward=cfg.reward,
             frozen_reference=cfg.kl_beta > 0 and cfg.lora_rank == 0,
+            policy_copies=len(policy_copy_names(cfg)),
+            objective_latents=0
+            if cfg.objective == "grpo"
+            else cfg.trajectories_per_rank * cfg.train_timesteps * (1 + len(policy_copy_names(cfg))),
             reward_bytes=2 if cfg.reward_dtype == "bf16" else 4,
             compute_bytes=compute_bytes,
             eval_rewards=_eval_only_reward_models(cfg),
@@ -253,11 +266,13 @@ def estimate(model: TransformerShape, vae: VaeShape, run: RunShape) -> MemoryEst
     optimizer, ema = 8 * trainable, (4 * trainable if run.use_ema else 0)
     # The KL's reference: a LoRA run disables its adapters (no copy); full fine-tuning keeps the base in bf16.
     reference = base * cb if run.frozen_reference else 0
+    copies = run.policy_copies * 4 * trainable
     host: dict[str, int] = {}
     if run.cpu_offload:
         host = {"weights": weights, "optimizer": optimizer, "gradients": 4 * trainable, "ema": ema}
         host["kl reference"] = reference
-        weights = optimizer = ema = reference = 0
+        host["policy copies"] = copies
+        weights = optimizer = ema = reference = copies = 0
     latent_tokens = (run.height // 16) * (run.width // 16)
     trajectories = run.trajectories_per_rank
     persistent = {
@@ -265,6 +280,7 @@ def estimate(model: TransformerShape, vae: VaeShape, run: RunShape) -> MemoryEst
         "optimizer": optimizer,
         "ema": ema,
         "kl reference": reference,
+        "policy copies": copies,
         # Each reward's parameter count and dtype rule are in its record (rewards/registry.py).
         "reward": sum(reward_record(name).weight_bytes(run.reward_bytes) for name in reward_spec_names(run.reward)),
         "eval rewards (rank 0)": sum(reward_record(name).weight_bytes(4) for name in run.eval_rewards),
@@ -293,6 +309,7 @@ def estimate(model: TransformerShape, vae: VaeShape, run: RunShape) -> MemoryEst
             "gradients": 0 if run.cpu_offload else 4 * trainable,
             "gathered weights": gathered + block_grads,
             "activations": activation_bytes(model, run, run.gradient_checkpointing),
+            "objective latents": run.objective_latents * latent_tokens * LATENT_CHANNELS * 4,
         },
     }
     return MemoryEstimate(persistent=persistent, phases=phases, host=host)

@@ -3,7 +3,7 @@ the rewards, the optimizer and scheduler, EMA, the prompt data and its distribut
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ class TrainingParts:
     dataset: Any
     sampler: Any
     reference: Any = None  # the KL's reference model (``--kl-beta`` > 0)
+    policy_copies: dict[str, Any] = field(default_factory=dict)  # name → PolicyCopy (NFT's old, AWM's EMA policy)
     compile_meter: Any = None  # a models.compile.CompileMeter with --compile: compilations per metrics record
 
 
@@ -62,8 +63,23 @@ def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
         from fluxgrpo.models.compile import CompileMeter
 
         compile_meter = CompileMeter()
+    from fluxgrpo.grpo.policy_copy import PolicyCopy
+    from fluxgrpo.training.settings import policy_copy_names
+
+    copies = {name: PolicyCopy(transformer) for name in policy_copy_names(cfg)}  # θ at the start, as the authors'
     return TrainingParts(
-        ctx, transformer, vae, reward_fn, optimizer, lr_scheduler, ema, dataset, sampler, reference, compile_meter
+        ctx,
+        transformer,
+        vae,
+        reward_fn,
+        optimizer,
+        lr_scheduler,
+        ema,
+        dataset,
+        sampler,
+        reference,
+        policy_copies=copies,
+        compile_meter=compile_meter,
     )
 
 

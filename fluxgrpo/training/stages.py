@@ -30,11 +30,11 @@ def draw_prompts(parts: TrainingParts, cfg: TrainConfig):
 
 
 def initial_noise(cfg: TrainConfig, num_prompts: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """[B, L, C] packed Gaussian noise; shared by the G members of a group when ``init_same_noise``."""
+    """[B, L, C] packed Gaussian noise; shared by the G members of a group when ``shares_group_noise``."""
     from fluxgrpo.grpo.latents import latent_shape, pack_latents
 
     shape = latent_shape(cfg.height, cfg.width)
-    draws = num_prompts if cfg.init_same_noise else num_prompts * cfg.num_generations
+    draws = num_prompts if cfg.shares_group_noise else num_prompts * cfg.num_generations
     noise = torch.randn(
         (draws, shape.channels, shape.latent_height, shape.latent_width),
         generator=generator,
@@ -42,7 +42,7 @@ def initial_noise(cfg: TrainConfig, num_prompts: int, generator: torch.Generator
         dtype=torch.float32,
     )
     packed = pack_latents(noise)
-    return packed.repeat_interleave(cfg.num_generations, dim=0) if cfg.init_same_noise else packed
+    return packed.repeat_interleave(cfg.num_generations, dim=0) if cfg.shares_group_noise else packed
 
 
 def decode_images(
@@ -99,3 +99,36 @@ def save_sample_images(images: torch.Tensor, output_dir: Path, rank: int, count:
     pixels = (images[:count].clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     for idx, array in enumerate(pixels):
         Image.fromarray(array).save(folder / f"flux_{rank}_{idx}.png")
+
+
+def rollout_stage(
+    parts: TrainingParts,
+    cfg: TrainConfig,
+    objective: Any,
+    cond: Any,
+    noise: torch.Tensor,
+    sigmas: torch.Tensor,
+    img_ids: torch.Tensor,
+    plan: Any,
+    generator: torch.Generator,
+) -> Any:
+    """What the objective trains on: the SDE trajectory with its log-probs (``Rollout``), or the ODE's final
+    latents (``FinalSamples``) sampled with the objective's rollout policy (NFT: θ_old) swapped in."""
+    import contextlib
+
+    from fluxgrpo.grpo.rollout import sample_final_latents, sample_trajectories
+    from fluxgrpo.training.settings import rollout_settings
+
+    device_type = parts.ctx.device_type
+    if objective.keeps_trajectory:
+        return sample_trajectories(
+            parts.transformer, cond, noise, sigmas, rollout_settings(cfg, sigmas), img_ids=img_ids,
+            device_type=device_type, generator=generator, plan=plan,
+        )  # fmt: skip
+    policy = objective.rollout_policy()
+    swapped = policy.swapped_in(parts.transformer) if policy is not None else contextlib.nullcontext()
+    with swapped:
+        return sample_final_latents(
+            parts.transformer, cond, noise, sigmas, guidance=cfg.guidance, rollout_batch_size=cfg.rollout_batch_size,
+            img_ids=img_ids, device_type=device_type,
+        )  # fmt: skip

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from fluxgrpo.config import TrainConfig
+from fluxgrpo.grpo.types import UpdateStats
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime.dist import DistContext
@@ -83,35 +84,43 @@ def per_reward_statistics(ctx: DistContext, scores: torch.Tensor, names: list[st
     return out
 
 
-def reduce_update_stats(ctx: DistContext, stats: dict[str, float]) -> dict[str, float]:
-    """Mean over ranks of the averages, min of mins, max of maxes (device tensors: collectives need them)."""
-    mean_keys = ("loss", "ratio_mean", "clip_fraction", "grad_norm_mean", "kl")
+def reduce_update_stats(ctx: DistContext, update: UpdateStats) -> dict[str, float]:
+    """Each number of ``update.as_floats`` reduced over ranks as its metric declares: mean over ranks of the
+    averages (and of per-rank sums), min of mins, max of maxes (device tensors: collectives need them)."""
+    stats = update.as_floats()
+    reductions = update.scalar_reductions()
+    mean_keys = [key for key, reduction in reductions.items() if reduction == "mean"]
     means = torch.tensor([stats[k] for k in mean_keys], dtype=torch.float32, device=ctx.device)
     rt_dist.all_reduce_sum(ctx, means)
     # min(x) = −max(−x), so one MAX reduction covers both ends
+    extreme_keys = [key for key, reduction in reductions.items() if reduction in ("max", "min")]
+    signs = [-1.0 if reductions[key] == "min" else 1.0 for key in extreme_keys]
     extremes = torch.tensor(
-        [-stats["ratio_min"], stats["ratio_max"], stats["first_abs_log_ratio"], stats["grad_norm_max"]],
+        [sign * stats[key] for sign, key in zip(signs, extreme_keys, strict=True)],
         dtype=torch.float32,
         device=ctx.device,
     )
     rt_dist.all_reduce_max(ctx, extremes)
     out = dict(zip(mean_keys, (means / ctx.world_size).tolist(), strict=True))
-    low, out["ratio_max"], out["first_abs_log_ratio"], out["grad_norm_max"] = extremes.tolist()
-    out["ratio_min"] = -low
+    for sign, key, value in zip(signs, extreme_keys, extremes.tolist(), strict=True):
+        out[key] = sign * value
     out["optimizer_steps"] = stats["optimizer_steps"]
     out["skipped_steps"] = stats["skipped_steps"]
     out["update_skipped"] = stats["update_skipped"]  # the same on every rank (decided from a global count)
     return out
 
 
-def ratio_means_per_step(ctx: DistContext, update: Any) -> list[float | None]:
-    """Mean ρ of each σ-table step over every rank's trained samples (None: not trained this iteration): the
-    drift of the ratio across steps that GRPO-Guard corrects."""
-    packed = torch.stack([update.ratio_sum_per_step, update.count_per_step])
-    rt_dist.all_reduce_sum(ctx, packed)
-    sums, counts = packed.tolist()
-    means = [total / count if count else None for total, count in zip(sums, counts, strict=True)]
-    return [mean if mean is not None and math.isfinite(mean) else None for mean in means]
+def per_step_means(ctx: DistContext, update: UpdateStats) -> dict[str, list[float | None]]:
+    """Each per-step metric's mean per σ-table step over every rank's trained samples (None: not trained this
+    iteration): e.g. the drift of the ratio across steps that GRPO-Guard corrects."""
+    out = {}
+    for key, (sums, counts) in update.per_step().items():
+        packed = torch.stack([sums, counts])
+        rt_dist.all_reduce_sum(ctx, packed)
+        totals, numbers = packed.tolist()
+        means = [total / count if count else None for total, count in zip(totals, numbers, strict=True)]
+        out[key] = [mean if mean is not None and math.isfinite(mean) else None for mean in means]
+    return out
 
 
 def advantage_statistics(ctx: DistContext, advantages: torch.Tensor) -> dict[str, float]:
@@ -120,8 +129,9 @@ def advantage_statistics(ctx: DistContext, advantages: torch.Tensor) -> dict[str
     return {"advantage_abs_mean": abs_mean, "advantage_min": low, "advantage_max": high}
 
 
-def progress_line(record: dict[str, Any], total: int) -> str:
-    """One console line per iteration on rank 0 (the full record is in metrics.jsonl)."""
+def progress_line(record: dict[str, Any], total: int, objective_fragment: str) -> str:
+    """One console line per iteration on rank 0 (the full record is in metrics.jsonl); ``objective_fragment`` is
+    the objective's own part (``Objective.progress``, a format string over record keys)."""
     seconds = record["seconds_rollout"] + record["seconds_decode_reward"] + record["seconds_update"]
     skipped = f" · skipped steps {record['skipped_steps']:.0f}" if record["skipped_steps"] else ""
     if record["update_skipped"]:
@@ -133,8 +143,7 @@ def progress_line(record: dict[str, Any], total: int) -> str:
     guards = f" · guards fired {fired}" if fired else ""
     return (
         f"iteration {record['iteration']}/{total} · reward {record['reward_mean']:.4f} ± {record['reward_std']:.4f} "
-        f"· ratio {record['ratio_mean']:.4f} [{record['ratio_min']:.4f}, {record['ratio_max']:.4f}] "
-        f"· clip {record['clip_fraction']:.2f} · loss {record['loss']:.3g} · grad {record['grad_norm_mean']:.3g} "
+        f"· {objective_fragment.format(**record)} · loss {record['loss']:.3g} · grad {record['grad_norm_mean']:.3g} "
         f"· lr {record['lr']:.2g}{drift_text} · {seconds:.1f} s ({record['images_per_second']:.2f} img/s){skipped}{bad}"
         f"{guards}"
     )
@@ -169,7 +178,7 @@ def iteration_record(
     scores: torch.Tensor,
     rewards: torch.Tensor,
     advantages: torch.Tensor,
-    update: Any,
+    update: UpdateStats,
     clock: PhaseClock,
 ) -> dict[str, Any]:
     """Everything metrics.jsonl holds for one iteration, reduced over ranks."""
@@ -179,8 +188,8 @@ def iteration_record(
         **reward_statistics(ctx, rewards, cfg.num_generations),
         **per_reward_statistics(ctx, scores, parts.reward_fn.names),
         **advantage_statistics(ctx, advantages),
-        **reduce_update_stats(ctx, update.as_floats()),
-        "ratio_mean_per_step": ratio_means_per_step(ctx, update),
+        **reduce_update_stats(ctx, update),
+        **per_step_means(ctx, update),
         "lr": parts.lr_scheduler.get_last_lr()[0],
         **clock.seconds,
         "images_per_second": ctx.world_size * cfg.trajectories_per_rank / clock.total,

@@ -1,0 +1,247 @@
+"""``--objective awm``: Advantage-Weighted Matching (scxue/advantage_weighted_matching ``scripts/train_sd3_awm.py``;
+reference §6.2, §6.3).
+
+Rollouts are the deterministic DPM-Solver++(2M) ODE, keeping the final latents x0. Each micro-batch trains on T
+timestep indices stratified over the sampler grid (the same for its samples), with fresh noise ε per sample:
+
+    x_t = (1−t)·x0 + t·ε;  mse = mean_d((v_θ(x_t) − (ε − x0))²)  (fp64)
+    lp  = −mse (uniform) | −mse·t | −mse·t² | ghuber: −((mse+1e-10)^p − 1e-10^p)·t/p | huber: −(√(mse+1e-10) − 1e-5)·t
+    ρ   = exp(lp − lp_old);  A' = clamp(A, ±c)/c
+    loss = mean(max(−A'·ρ, −A'·clip(ρ, 1±ε))) + β_KL·mean((v − v_ref)²) + β_EMA·mean((v − v_ema)²)
+
+per timestep (the authors' ``exp_first``), scaled by 1/(GA·T). On the first GA micro-batches lp_old = lp.detach()
+(ρ = 1: on-policy, the gradient is −A'·∇lp); later micro-batches use lp_old computed before the first optimizer
+step. The EMA policy is soft-updated after the update with d = min(0.3, 0.001·optimizer steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fluxgrpo.grpo.objectives.base import Metric, StepResult
+from fluxgrpo.grpo.objectives.grpo import micro_batch_bounds
+from fluxgrpo.grpo.objectives.nft import FlowMatchingBatch, precompute_velocities
+from fluxgrpo.grpo.policy_copy import PolicyCopy
+from fluxgrpo.grpo.reference import ReferenceModel
+from fluxgrpo.grpo.types import Conditioning, FinalSamples
+
+WEIGHTINGS = ("uniform", "t", "t2", "ghuber", "huber")
+TIME_FRACTION, FIRST_INDEX = 0.9, 1  # the authors' grid range [1, int(N·0.9)) ("discrete_wo_init")
+
+AWM_METRICS = {
+    "loss_sum": Metric("loss", "sum"),
+    "policy_loss": Metric("policy_loss", "mean"),
+    "ratio_mean": Metric("ratio_mean", "mean"),
+    "ratio_min": Metric("ratio_min", "min"),
+    "ratio_max": Metric("ratio_max", "max"),
+    "fm_mse": Metric("fm_mse", "mean"),  # the flow-matching error mean_d((v − (ε − x0))²)
+    "kl_mean": Metric("kl", "mean"),
+    "ema_deviation": Metric("ema_deviation", "mean"),  # mean_d((v − v_ema)²); NaN when the EMA term is off
+}
+AWM_PROGRESS = "ratio {ratio_mean:.4f} [{ratio_min:.4f}, {ratio_max:.4f}] · fm mse {fm_mse:.4g}"
+
+
+def ema_policy_decay(optimizer_steps: int) -> float:
+    """d of θ_ema ← d·θ_ema + (1−d)·θ: min(0.3, 0.001·steps)."""
+    return min(0.3, 0.001 * optimizer_steps)
+
+
+def trainable_range(num_steps: int) -> range:
+    """The sampler-grid indices AWM trains at: [1, int(0.9·N))."""
+    return range(FIRST_INDEX, int(num_steps * TIME_FRACTION))
+
+
+def stratified_indices(num_steps: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """[T] one index per stratum of ``trainable_range``: b = linspace(lo, hi, T+1).long(), b_k + ⌊u_k·(b_{k+1}−b_k)⌋."""
+    grid = trainable_range(num_steps)
+    bounds = torch.linspace(grid.start, grid.stop, count + 1).long()
+    u = torch.rand(count, generator=generator)
+    return bounds[:-1] + torch.floor(u * (bounds[1:] - bounds[:-1])).long()
+
+
+def weighted_log_prob(mse: torch.Tensor, t: torch.Tensor, weighting: str, power: float) -> torch.Tensor:
+    """AWM's "log-prob" of the flow-matching error ``mse`` [B] (fp64) at times ``t`` [B]; t's powers are taken in t's
+    own dtype, as the authors' (fp32 t² then promoted)."""
+    if weighting == "uniform":
+        return -mse
+    if weighting == "t":
+        return -mse * t
+    if weighting == "t2":
+        return -mse * t**2
+    if weighting == "ghuber":
+        return -((mse + 1e-10) ** power - 1e-10**power) * t / power
+    if weighting == "huber":
+        return -(torch.sqrt(mse + 1e-10) - 1e-5) * t
+    raise ValueError(f"unknown AWM weighting {weighting!r}: one of {', '.join(WEIGHTINGS)}")
+
+
+def flow_matching_mse(velocity: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    """[B] mean_d((v − (ε − x0))²) in float64, the authors' precision."""
+    error = velocity.double() - (noise.double() - x0.double())
+    return (error**2).mean(dim=tuple(range(1, error.ndim)))
+
+
+def awm_policy_loss(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B] max(−A'·ρ, −A'·clip(ρ, 1±ε)), [B] ρ) with ρ = exp(lp − lp_old) and A' = ``advantages`` (already A/c)."""
+    ratio = torch.exp(log_prob - old_log_prob)
+    advantages = advantages.to(ratio.dtype)
+    clipped = torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    return torch.maximum(-advantages * ratio, -advantages * clipped), ratio
+
+
+@dataclass(frozen=True)
+class AwmSettings:
+    """AWM's hyperparameters (``TrainConfig``'s names in the comments)."""
+
+    num_train_timesteps: int  # T stratified indices per micro-batch
+    micro_batch_size: int
+    grad_accum_steps: int
+    weighting: str = "ghuber"  # awm_weighting
+    ghuber_power: float = 0.25  # awm_ghuber_power
+    clip_range: float = 1.0  # clip_range (1: effectively unclipped, the authors')
+    kl_beta: float = 0.0  # kl_beta: weight of mean((v − v_ref)²)
+    ema_beta: float = 0.0  # awm_ema_beta: weight of mean((v − v_ema)²)
+    adv_clip_max: float = 5.0
+    compute_dtype: torch.dtype | None = None
+
+
+class AwmObjective:
+    name = "awm"
+    keeps_trajectory = False
+    metrics = AWM_METRICS
+    progress = AWM_PROGRESS
+
+    def __init__(
+        self,
+        settings: AwmSettings,
+        ema_policy: PolicyCopy | None = None,
+        reference: ReferenceModel | None = None,
+    ) -> None:
+        if settings.kl_beta > 0 and reference is None:
+            raise ValueError("kl_beta > 0 needs a reference model")
+        if settings.ema_beta > 0 and ema_policy is None:
+            raise ValueError("ema_beta > 0 needs the EMA policy")
+        self.settings, self.ema_policy, self.reference = settings, ema_policy, reference
+
+    def rollout_policy(self) -> PolicyCopy | None:
+        """Rollouts sample with the current policy."""
+        return None
+
+    def prepare(
+        self,
+        transformer: nn.Module,
+        rollout: FinalSamples,
+        cond: Conditioning,
+        advantages: torch.Tensor,
+        *,
+        device_type: str,
+        generator_cpu: torch.Generator,
+    ) -> AwmWork:
+        return AwmWork(self, transformer, rollout, cond, advantages, device_type, generator_cpu)
+
+    def finish(self, transformer: nn.Module, optimizer_steps: int) -> None:
+        if self.ema_policy is not None:
+            self.ema_policy.blend(transformer, ema_policy_decay(optimizer_steps))
+
+
+class AwmWork:
+    def __init__(
+        self,
+        objective: AwmObjective,
+        transformer: nn.Module,
+        rollout: FinalSamples,
+        cond: Conditioning,
+        advantages: torch.Tensor,
+        device_type: str,
+        generator_cpu: torch.Generator,
+    ) -> None:
+        settings = objective.settings
+        num_samples, num_steps, self.slots = rollout.num_trajectories, rollout.num_steps, settings.num_train_timesteps
+        if advantages.shape != (num_samples,) or cond.num_rows != num_samples:
+            raise ValueError(f"advantages {tuple(advantages.shape)} and {cond.num_rows} rows for {num_samples} samples")
+        if not 1 <= self.slots <= len(trainable_range(num_steps)):
+            raise ValueError(f"cannot train {self.slots} of {len(trainable_range(num_steps))} AWM timesteps")
+        device = cond.prompt_embeds.device
+        self.bounds = micro_batch_bounds(num_samples, settings.micro_batch_size)
+        self.num_micro_batches = len(self.bounds)
+        rows = []
+        for start, stop in self.bounds:  # one stratified draw per micro-batch, shared by its samples
+            rows.append(stratified_indices(num_steps, self.slots, generator_cpu).expand(stop - start, -1))
+        self.train_timestep_indices = torch.cat(rows)
+        self.batch = FlowMatchingBatch(rollout, self.train_timestep_indices, generator_cpu, device)
+        clipped = advantages.to(device=device, dtype=torch.float32).clamp(-settings.adv_clip_max, settings.adv_clip_max)
+        self.advantages = clipped / settings.adv_clip_max
+        self.objective, self.transformer, self.cond, self.device_type = objective, transformer, cond, device_type
+        self.loss_scale = 1.0 / (settings.grad_accum_steps * self.slots)
+        self.ema_velocities = None
+        if settings.ema_beta > 0:
+            assert objective.ema_policy is not None  # checked on construction
+            with objective.ema_policy.swapped_in(transformer):
+                self.ema_velocities = precompute_velocities(
+                    transformer, self.batch, cond, self.bounds, self.slots, device_type, settings.compute_dtype
+                )
+        # Off-policy micro-batches (after the first optimizer step) need lp under the weights before it.
+        self.old_log_probs: torch.Tensor | None = None
+        if self.num_micro_batches > settings.grad_accum_steps:
+            velocities = precompute_velocities(
+                transformer, self.batch, cond, self.bounds, self.slots, device_type, settings.compute_dtype
+            )
+            self.old_log_probs = torch.stack(
+                [self._log_prob(velocities[:, slot], slice(0, num_samples), slot)[0] for slot in range(self.slots)],
+                dim=1,
+            )  # [B, T]
+
+    def _log_prob(self, velocity: torch.Tensor, rows: slice, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lp [m], mse [m]) in fp64 for the rows' samples at their slot-th timestep."""
+        settings = self.objective.settings
+        mse = flow_matching_mse(velocity, self.batch.noise[rows, slot], self.batch.x0[rows])
+        return weighted_log_prob(mse, self.batch.t[rows, slot], settings.weighting, settings.ghuber_power), mse
+
+    def loss(self, micro_index: int, slot: int) -> StepResult:
+        settings = self.objective.settings
+        start, stop = self.bounds[micro_index]
+        x_t, _, _ = self.batch.noised(start, stop, slot)
+        compute_dtype, reference = settings.compute_dtype, self.objective.reference
+        reference_velocity = None
+        if settings.kl_beta > 0:
+            assert reference is not None  # checked on construction
+            reference_velocity = reference.reference_prediction(
+                x_t, self.cond.rows(start, stop), self.batch.fed[start:stop, slot], self.batch.guidance[start:stop],
+                self.batch.img_ids, self.device_type, compute_dtype,
+            ).to(torch.float32)  # fmt: skip
+        velocity = self.batch.velocity(
+            self.transformer, self.cond, start, stop, slot, x_t, self.device_type, compute_dtype
+        )
+        log_prob, mse = self._log_prob(velocity, slice(start, stop), slot)
+        if micro_index < settings.grad_accum_steps or self.old_log_probs is None:
+            old_log_prob = log_prob.detach()  # on-policy: ρ = 1, the gradient is −A'·∇lp
+        else:
+            old_log_prob = self.old_log_probs[start:stop, slot]
+        policy, ratio = awm_policy_loss(log_prob, old_log_prob, self.advantages[start:stop], settings.clip_range)
+        loss = policy.mean()
+        axes = tuple(range(1, velocity.ndim))
+        metrics: dict[str, object] = {}
+        if reference_velocity is not None:
+            kl = ((velocity - reference_velocity) ** 2).mean(dim=axes)
+            loss = loss + settings.kl_beta * kl.mean()
+            metrics["kl_mean"] = kl.detach().sum()
+        if self.ema_velocities is not None:
+            ema = ((velocity - self.ema_velocities[start:stop, slot]) ** 2).mean(dim=axes)
+            loss = loss + settings.ema_beta * ema.mean()
+            metrics["ema_deviation"] = ema.detach().sum()
+        loss = loss * self.loss_scale
+        detached = ratio.detach().float()
+        metrics.update(
+            loss_sum=loss.detach().float(),
+            policy_loss=policy.detach().float().sum(),
+            ratio_mean=detached.sum(),
+            ratio_min=detached.min(),
+            ratio_max=detached.max(),
+            fm_mse=mse.detach().float().sum(),
+        )
+        return StepResult(loss=loss, metrics=metrics, num_samples=stop - start)

@@ -1,0 +1,263 @@
+"""``--objective nft``: DiffusionNFT (NVlabs/DiffusionNFT ``scripts/train_nft_sd3.py``; reference §6.1, §6.3).
+
+Rollouts come from the *old* policy θ_old with the deterministic DPM-Solver++(2M) ODE, keeping the final latents
+x0 only. Each sample trains on T of the sampler's N timesteps (its own random permutation), with fresh noise ε:
+
+    x_t = (1−t)·x0 + t·ε;  v = v_θ(x_t);  v_old = v_θold(x_t) (no grad);  r = clamp(A)/c / 2 + ½  (c = adv clip)
+    v⁺ = β·v + (1−β)·v_old;  v⁻ = (1+β)·v_old − β·v;  x̂0^± = x_t − t·v^±
+    L^± = mean_d((x̂0^± − x0)²) / sg(mean_d|x̂0^± − x0|).clip(1e-5)       (the adaptive weight in fp64)
+    loss = c·mean_b((r·L⁺ + (1−r)·L⁻)/β) + β_KL·mean_b(mean_d((v − v_ref)²))
+
+scaled by 1/(GA·T) as every objective. After the update θ_old ← d·θ_old + (1−d)·θ with d = ``old_policy_decay``
+of the optimizer steps taken so far (the authors' ``return_decay``).
+
+v_old of every (sample, slot) is computed before the first optimizer step, with θ_old swapped in once (θ_old does
+not change during an update); the authors compute it inline, which gives the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fluxgrpo.grpo.objectives.base import Metric, StepResult
+from fluxgrpo.grpo.objectives.grpo import micro_batch_bounds
+from fluxgrpo.grpo.policy_copy import PolicyCopy
+from fluxgrpo.grpo.reference import ReferenceModel
+from fluxgrpo.grpo.rollout import predict_velocity
+from fluxgrpo.grpo.schedule import model_timesteps
+from fluxgrpo.grpo.types import Conditioning, FinalSamples
+
+# The authors' decay types: (steps held at 0, rise per step, ceiling).
+DECAY_TYPES = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}
+
+NFT_METRICS = {
+    "loss_sum": Metric("loss", "sum"),
+    "policy_loss": Metric("policy_loss", "mean"),  # c·(r·L⁺ + (1−r)·L⁻)/β per sample, unscaled
+    "kl_mean": Metric("kl", "mean"),  # mean_d((v − v_ref)²); NaN when the KL is off
+    "old_deviation": Metric("old_deviation", "mean"),  # mean_d((v − v_old)²): how far θ has moved from θ_old
+    "x0_error": Metric("x0_error", "mean"),  # mean_d((x̂0 − x0)²) of the policy's own prediction
+}
+NFT_PROGRESS = "policy {policy_loss:.4g} · old dev {old_deviation:.3g}"
+
+
+def old_policy_decay(optimizer_steps: int, decay_type: int) -> float:
+    """d of θ_old ← d·θ_old + (1−d)·θ after ``optimizer_steps`` steps: 0 while held, then rising to a ceiling."""
+    flat, rise, ceiling = DECAY_TYPES[decay_type]
+    if optimizer_steps < flat:
+        return 0.0
+    return min((optimizer_steps - flat) * rise, ceiling)
+
+
+def optimality_probability(advantages: torch.Tensor, adv_clip_max: float) -> torch.Tensor:
+    """r = clamp(clamp(A, ±c)/c/2 + ½, 0, 1): A = 0 → ½, A ≥ c → 1, A ≤ −c → 0."""
+    clipped = advantages.clamp(-adv_clip_max, adv_clip_max)
+    return torch.clamp(clipped / adv_clip_max / 2.0 + 0.5, 0, 1)
+
+
+def nft_policy_loss(
+    velocity: torch.Tensor,
+    old_velocity: torch.Tensor,
+    x_t: torch.Tensor,
+    x0: torch.Tensor,
+    t: torch.Tensor,
+    optimality: torch.Tensor,
+    beta: float,
+    adv_clip_max: float,
+) -> torch.Tensor:
+    """[B] c·(r·L⁺ + (1−r)·L⁻)/β per sample (module docstring); t and r are [B]."""
+    axes = tuple(range(1, x0.ndim))
+    t = t.reshape(-1, *([1] * (x0.ndim - 1)))
+    old_velocity = old_velocity.detach()
+    positive = beta * velocity + (1 - beta) * old_velocity
+    negative = (1.0 + beta) * old_velocity - beta * velocity
+
+    def weighted_error(prediction: torch.Tensor) -> torch.Tensor:
+        x0_prediction = x_t - t * prediction
+        with torch.no_grad():
+            weight = (x0_prediction.double() - x0.double()).abs().mean(dim=axes, keepdim=True).clip(min=1e-5)
+        return ((x0_prediction - x0) ** 2 / weight).mean(dim=axes)
+
+    per_sample = optimality * weighted_error(positive) / beta + (1.0 - optimality) * weighted_error(negative) / beta
+    return per_sample * adv_clip_max
+
+
+@dataclass(frozen=True)
+class NftSettings:
+    """DiffusionNFT's hyperparameters (``TrainConfig``'s names in the comments)."""
+
+    num_train_timesteps: int  # T of the N sampler timesteps per sample (int(N·timestep_fraction))
+    micro_batch_size: int
+    grad_accum_steps: int
+    beta: float = 1.0  # nft_beta: the implicit policies' step β
+    kl_beta: float = 0.0  # kl_beta: weight of mean((v − v_ref)²)
+    adv_clip_max: float = 5.0  # c
+    decay_type: int = 1  # nft_decay_type
+    compute_dtype: torch.dtype | None = None
+
+
+class NftObjective:
+    name = "nft"
+    keeps_trajectory = False
+    metrics = NFT_METRICS
+    progress = NFT_PROGRESS
+
+    def __init__(self, settings: NftSettings, old_policy: PolicyCopy, reference: ReferenceModel | None = None) -> None:
+        if settings.kl_beta > 0 and reference is None:
+            raise ValueError("kl_beta > 0 needs a reference model")
+        self.settings, self.old_policy, self.reference = settings, old_policy, reference
+
+    def rollout_policy(self) -> PolicyCopy:
+        """The weights rollouts sample with: θ_old."""
+        return self.old_policy
+
+    def prepare(
+        self,
+        transformer: nn.Module,
+        rollout: FinalSamples,
+        cond: Conditioning,
+        advantages: torch.Tensor,
+        *,
+        device_type: str,
+        generator_cpu: torch.Generator,
+    ) -> NftWork:
+        return NftWork(self, transformer, rollout, cond, advantages, device_type, generator_cpu)
+
+    def finish(self, transformer: nn.Module, optimizer_steps: int) -> None:
+        """The old policy's soft update after the update (``optimizer_steps``: taken so far in the run)."""
+        self.old_policy.blend(transformer, old_policy_decay(optimizer_steps, self.settings.decay_type))
+
+
+class FlowMatchingBatch:
+    """The forward-noised samples of one update: per sample its T timestep indices and fresh noise (CPU draws from
+    the update's generator, so an exact resume redraws them), and x_t for any (micro-batch, slot)."""
+
+    def __init__(
+        self, rollout: FinalSamples, indices: torch.Tensor, generator_cpu: torch.Generator, device: torch.device
+    ) -> None:
+        self.x0 = rollout.final_x0.to(device=device, dtype=torch.float32)
+        self.indices = indices  # [B, T] cpu
+        shape = (indices.shape[0], indices.shape[1], *self.x0.shape[1:])
+        self.noise = torch.randn(shape, generator=generator_cpu, dtype=torch.float32).to(device)
+        sigmas = rollout.sigmas.to(device=device, dtype=torch.float32)
+        self.t = sigmas[indices.to(device)]  # [B, T]
+        self.fed = model_timesteps(self.t)  # the σ the transformer is fed, as in the rollout
+        self.guidance = torch.full((indices.shape[0],), rollout.guidance, dtype=torch.float32, device=device)
+        self.img_ids = rollout.img_ids.to(device)
+
+    def noised(self, start: int, stop: int, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x_t [m, L, C], t [m], ε [m, L, C]) for samples start…stop−1 at their slot-th timestep."""
+        t = self.t[start:stop, slot]
+        noise = self.noise[start:stop, slot]
+        x0 = self.x0[start:stop]
+        t_b = t.reshape(-1, *([1] * (x0.ndim - 1)))
+        return (1 - t_b) * x0 + t_b * noise, t, noise
+
+    def velocity(
+        self,
+        transformer: nn.Module,
+        cond: Conditioning,
+        start: int,
+        stop: int,
+        slot: int,
+        x_t: torch.Tensor,
+        device_type: str,
+        compute_dtype: torch.dtype | None,
+    ) -> torch.Tensor:
+        return predict_velocity(
+            transformer, x_t, cond.rows(start, stop), self.fed[start:stop, slot], self.guidance[start:stop],
+            self.img_ids, device_type, compute_dtype,
+        ).to(torch.float32)  # fmt: skip
+
+
+def precompute_velocities(
+    transformer: nn.Module,
+    batch: FlowMatchingBatch,
+    cond: Conditioning,
+    bounds: list[tuple[int, int]],
+    slots: int,
+    device_type: str,
+    compute_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """[B, T, L, C] the module's velocity at every (sample, slot), without gradients."""
+    out = torch.empty_like(batch.noise)
+    with torch.no_grad():
+        for start, stop in bounds:
+            for slot in range(slots):
+                x_t, _, _ = batch.noised(start, stop, slot)
+                out[start:stop, slot] = batch.velocity(
+                    transformer, cond, start, stop, slot, x_t, device_type, compute_dtype
+                )
+    return out
+
+
+class NftWork:
+    def __init__(
+        self,
+        objective: NftObjective,
+        transformer: nn.Module,
+        rollout: FinalSamples,
+        cond: Conditioning,
+        advantages: torch.Tensor,
+        device_type: str,
+        generator_cpu: torch.Generator,
+    ) -> None:
+        settings = objective.settings
+        num_samples, num_steps, self.slots = rollout.num_trajectories, rollout.num_steps, settings.num_train_timesteps
+        if advantages.shape != (num_samples,) or cond.num_rows != num_samples:
+            raise ValueError(f"advantages {tuple(advantages.shape)} and {cond.num_rows} rows for {num_samples} samples")
+        if not 1 <= self.slots <= num_steps:
+            raise ValueError(f"cannot train {self.slots} of the sampler's {num_steps} timesteps")
+        device = cond.prompt_embeds.device
+        self.train_timestep_indices = torch.stack(
+            [torch.randperm(num_steps, generator=generator_cpu)[: self.slots] for _ in range(num_samples)]
+        )
+        self.batch = FlowMatchingBatch(rollout, self.train_timestep_indices, generator_cpu, device)
+        self.bounds = micro_batch_bounds(num_samples, settings.micro_batch_size)
+        self.num_micro_batches = len(self.bounds)
+        self.optimality = optimality_probability(
+            advantages.to(device=device, dtype=torch.float32), settings.adv_clip_max
+        )
+        self.objective, self.transformer, self.cond, self.device_type = objective, transformer, cond, device_type
+        self.loss_scale = 1.0 / (settings.grad_accum_steps * self.slots)
+        with objective.old_policy.swapped_in(transformer):
+            self.old_velocities = precompute_velocities(
+                transformer, self.batch, cond, self.bounds, self.slots, device_type, settings.compute_dtype
+            )
+
+    def loss(self, micro_index: int, slot: int) -> StepResult:
+        settings = self.objective.settings
+        start, stop = self.bounds[micro_index]
+        x_t, t, _ = self.batch.noised(start, stop, slot)
+        compute_dtype, reference = settings.compute_dtype, self.objective.reference
+        reference_velocity = None
+        if settings.kl_beta > 0:
+            assert reference is not None  # checked on construction
+            reference_velocity = reference.reference_prediction(
+                x_t, self.cond.rows(start, stop), self.batch.fed[start:stop, slot], self.batch.guidance[start:stop],
+                self.batch.img_ids, self.device_type, compute_dtype,
+            ).to(torch.float32)  # fmt: skip
+        velocity = self.batch.velocity(
+            self.transformer, self.cond, start, stop, slot, x_t, self.device_type, compute_dtype
+        )
+        old_velocity = self.old_velocities[start:stop, slot]
+        x0 = self.batch.x0[start:stop]
+        policy = nft_policy_loss(
+            velocity, old_velocity, x_t, x0, t, self.optimality[start:stop], settings.beta, settings.adv_clip_max
+        )
+        loss = policy.mean()
+        axes = tuple(range(1, x0.ndim))
+        metrics: dict[str, object] = {"policy_loss": policy.detach().sum()}
+        if reference_velocity is not None:
+            kl = ((velocity - reference_velocity) ** 2).mean(dim=axes)
+            loss = loss + settings.kl_beta * kl.mean()
+            metrics["kl_mean"] = kl.detach().sum()
+        loss = loss * self.loss_scale
+        with torch.no_grad():
+            metrics["old_deviation"] = ((velocity - old_velocity) ** 2).mean(dim=axes).sum()
+            t_b = t.reshape(-1, *([1] * (x0.ndim - 1)))
+            metrics["x0_error"] = ((x_t - t_b * velocity - x0) ** 2).mean(dim=axes).sum()
+        metrics["loss_sum"] = loss.detach()
+        return StepResult(loss=loss, metrics=metrics, num_samples=stop - start)
