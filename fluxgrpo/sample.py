@@ -246,9 +246,10 @@ def resolve_checkpoint(path: str | Path, ema: bool) -> Path:
     weights = found / (EMA_TRANSFORMER_DIR if ema else TRANSFORMER_DIR)
     if not (weights / "config.json").is_file():
         raise FluxgrpoError(f"{weights}/config.json is missing: the checkpoint is damaged; pass another --checkpoint")
+    from fluxgrpo.weights.config_guard import folder_config_problems
     from fluxgrpo.weights.integrity import folder_safetensors_problems
 
-    damaged = folder_safetensors_problems(weights)
+    damaged = folder_config_problems(weights) + folder_safetensors_problems(weights)
     if damaged:
         raise FluxgrpoError(f"the checkpoint is damaged: {damaged[0]}; pass another --checkpoint")
     return found
@@ -372,7 +373,9 @@ def load_pipeline(request: SampleRequest, ctx: Any) -> Any:
     components: dict[str, Any] = {}
     if request.transformer_dir is not None:
         components["transformer"] = FluxTransformer2DModel.from_pretrained(request.transformer_dir, dtype=dtype)
-    pipe = FluxPipeline.from_pretrained(request.model, dtype=dtype, **components)  # its bars: worker_session
+    # model_index.json and every config in the folder were checked to name FLUX's own classes and no code
+    # (check_flux_dir); no remote code either way. Its bars: worker_session.
+    pipe = FluxPipeline.from_pretrained(request.model, dtype=dtype, trust_remote_code=False, **components)
     if request.lora_file is not None:
         pipe.load_lora_weights(request.lora_file.parent, weight_name=request.lora_file.name)
     pipe = pipe.to(ctx.device)

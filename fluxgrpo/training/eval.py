@@ -274,7 +274,11 @@ class Evaluator:
 
             with quiet_library_progress():
                 encoders = FluxPipeline.from_pretrained(
-                    self.cfg.model, transformer=None, vae=None, dtype=rt_device.compute_dtype(self.ctx.device_type)
+                    self.cfg.model,
+                    transformer=None,
+                    vae=None,
+                    dtype=rt_device.compute_dtype(self.ctx.device_type),
+                    trust_remote_code=False,
                 )
             encoders = encoders.to(self.ctx.device)
             mine = rank_indices(len(self.prompts), self.ctx.rank, self.ctx.world_size) or [0]
