@@ -260,7 +260,8 @@ def save_checkpoint(
     if ctx.is_main:
         root.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(root)
-        (tmp / STATE_DIR).mkdir(parents=True)
+        tmp.mkdir()  # new: never a folder (or a link to one) someone left under this name
+        (tmp / STATE_DIR).mkdir()
     rt_dist.barrier(ctx)
 
     lora = is_lora_model(model)
@@ -639,11 +640,10 @@ def _publish(tmp: Path, final: Path) -> None:
     """Rename the finished tmp folder to its final name, replacing a checkpoint of the same iteration."""
     if final.exists():
         trash = final.with_name(final.name + TRASH_SUFFIX)
-        if trash.exists():
-            shutil.rmtree(trash)
+        _remove_tree(trash)
         _rename(final, trash)
         _rename(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
+        _remove_tree(trash)
     else:
         _rename(tmp, final)
 
@@ -651,8 +651,16 @@ def _publish(tmp: Path, final: Path) -> None:
 def _remove_leftovers(output_dir: Path) -> None:
     """Delete ``.tmp`` / ``.trash`` folders left by an interrupted save or delete."""
     for entry in output_dir.iterdir():
-        if entry.is_dir() and _LEFTOVER_NAME.match(entry.name):
-            shutil.rmtree(entry, ignore_errors=True)
+        if _LEFTOVER_NAME.match(entry.name) and (entry.is_dir() or entry.is_symlink()):
+            _remove_tree(entry)
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a folder we wrote; a link planted in its place is removed itself, never what it points at."""
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _prune(output_dir: Path, keep_last: int, keep: Path) -> None:
@@ -663,7 +671,6 @@ def _prune(output_dir: Path, keep_last: int, keep: Path) -> None:
         if path in survivors:
             continue
         trash = path.with_name(path.name + TRASH_SUFFIX)
-        if trash.exists():
-            shutil.rmtree(trash)
+        _remove_tree(trash)
         _rename(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        _remove_tree(trash)

@@ -481,5 +481,7 @@ def save_resolved(cfg: TrainConfig, path: Path, derived: dict[str, Any], extra: 
     header += [f"#   {k}: {v}" for k, v in derived.items()]
     for k, v in (extra or {}).items():
         header.append(f"#   {k}: {v}")
+    from fluxgrpo.run_folder import write_run_file
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(header) + "\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    write_run_file(path, "\n".join(header) + "\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False))

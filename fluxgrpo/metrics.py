@@ -8,10 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import UsageError
-
-METRICS_FILE = "metrics.jsonl"
-RUN_INFO_FILE = "run_info.json"
-WANDB_ID_FILE = "wandb_run_id"
+from fluxgrpo.run_folder import (
+    METRICS_FILE,
+    RUN_INFO_FILE,
+    WANDB_ID_FILE,
+    open_run_file,
+    read_run_file,
+    write_run_file,
+)
 
 
 class MetricsLogger:
@@ -51,12 +55,12 @@ class MetricsLogger:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
         path = output_dir / METRICS_FILE
-        if path.is_file():
+        if path.is_file() or path.is_symlink():
             kept = [r for r in read_metrics(output_dir) if r.get("iteration", 0) <= resume_after]
-            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - held open for the run, closed in close()
+            write_run_file(path, "".join(json.dumps(r) + "\n" for r in kept))
+        self._file = open_run_file(path, "a")  # held open for the run, closed in close()
         if run_info is not None:
-            (output_dir / RUN_INFO_FILE).write_text(json.dumps(run_info, indent=2) + "\n")
+            write_run_file(output_dir / RUN_INFO_FILE, json.dumps(run_info, indent=2) + "\n")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -139,13 +143,13 @@ def _start_wandb(output_dir: Path, config: dict[str, Any] | None, project: str, 
     except ImportError:
         raise UsageError("--wandb needs the wandb package: pip install 'fluxgrpo[wandb]'") from None
     id_file = output_dir / WANDB_ID_FILE
-    run_id = id_file.read_text().strip() if id_file.is_file() else ""
+    run_id = read_run_file(id_file).strip() if id_file.is_file() or id_file.is_symlink() else ""
     if not run_id:
         import secrets
         import string
 
         run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
-        id_file.write_text(run_id + "\n")
+        write_run_file(id_file, run_id + "\n")
     return wandb_module.init(
         project=project or "fluxgrpo",
         name=name or None,
@@ -185,9 +189,9 @@ def run_info(ctx: Any) -> dict[str, Any]:
 
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
     path = Path(output_dir) / METRICS_FILE
-    if not path.is_file():
+    if not path.is_file() and not path.is_symlink():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in read_run_file(path).splitlines() if line.strip()]
 
 
 def reward_trend(records: list[dict[str, Any]], window: int = 5) -> dict[str, float] | None:

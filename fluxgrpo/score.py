@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.paths import DEFAULT_HPS_DIR, write_atomic
+from fluxgrpo.paths import DEFAULT_HPS_DIR, check_replaceable_output, write_atomic
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 DEFAULT_SCORE_BATCH = 16
@@ -591,13 +591,13 @@ def score(request: ScoreRequest, progress: Any = None) -> ScoreReport:
 
 CSV_COLUMNS = ("file", "prompt_index", "image_index", "seed", "prompt", "score")
 CSV_COMPARE_COLUMNS = ("other_file", "other_score", "difference")
+# The start of every CSV this command writes (one reward or several): how --out recognises its own earlier file.
+CSV_SIGNATURE = ",".join(CSV_COLUMNS[:5]).encode()
 
 
 def check_csv_destination(path: str | Path) -> Path:
     """``--out`` can be written: its folder exists and is writable, and it is not a folder itself."""
-    path = Path(path)
-    if path.is_dir():
-        raise FluxgrpoError(f"--out {path} is a folder: pass a file name such as scores.csv")
+    path = check_replaceable_output(path, "--out", CSV_SIGNATURE, "a CSV that `fluxgrpo score` wrote")
     folder = path.parent
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise FluxgrpoError(f"cannot write {path}: its folder {folder} does not exist or is not writable (--out)")

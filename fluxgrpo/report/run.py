@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import FluxgrpoError
-from fluxgrpo.metrics import METRICS_FILE, RUN_INFO_FILE, read_metrics
+from fluxgrpo.metrics import read_metrics
+from fluxgrpo.run_folder import CONFIG_FILE, EVAL_DIR, INDEX_FILE, METRICS_FILE, RUN_INFO_FILE
 
-RESOLVED_CONFIG = "config.yaml"
-EVAL_DIR = "eval"
 _EVAL_FOLDER = re.compile(r"^iteration-(\d+)(-ema)?$")
 
 
@@ -99,7 +98,7 @@ def read_run(folder: str | Path) -> RunData:
     records.sort(key=lambda r: r["iteration"])
     train = [r for r in records if "reward_mean" in r]
     evals = [r for r in records if any(k.startswith("eval_") for k in r)]
-    config, derived = _read_config(folder / RESOLVED_CONFIG)
+    config, derived = _read_config(folder / CONFIG_FILE)
     info: dict[str, Any] = {}
     if (folder / RUN_INFO_FILE).is_file():
         try:
@@ -145,7 +144,7 @@ def read_evaluations(folder: Path) -> list[Evaluation]:
     out = []
     for child in root.iterdir():
         match = _EVAL_FOLDER.match(child.name)
-        index = child / "index.json"
+        index = child / INDEX_FILE
         if not match or not index.is_file():
             continue
         try:

@@ -43,13 +43,14 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.paths import write_atomic
+from fluxgrpo.run_folder import ERRORS_FILE
 from fluxgrpo.runtime.agent import AGENT_RECORD, ERROR_DIR_ENV, PARENT_PID_ENV, describe_exit
 from fluxgrpo.runtime.npu_env import NPU_ENV_DEFAULTS
 
 AGENT_MODULE = "fluxgrpo.runtime.agent"
 AGENT_STOP_SECONDS = 60  # after Ctrl-C: time for the agent to stop its workers before it is killed
 WORKER_MODULE = "fluxgrpo.runtime.worker"
-ERRORS_FILE = "errors.txt"  # in the log folder: every rank's error and traceback after a failed run
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ def run_torchrun(
             if errors_file is not None:
                 with contextlib.suppress(OSError):  # the one-line message below matters more than the file
                     errors_file.parent.mkdir(parents=True, exist_ok=True)
-                    errors_file.write_text(errors_report(Path(error_dir), code))
+                    write_atomic(errors_file, errors_report(Path(error_dir), code))
             raise FluxgrpoError(failure_message(Path(error_dir), code))
 
 

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.config import TrainConfig, split_names
+from fluxgrpo.run_folder import EVAL_DIR, INDEX_FILE
 
-EVAL_DIR = "eval"
 EVAL_SEED = 0  # `fluxgrpo sample`'s default --seed: evaluations of different runs start from the same noise
 EVAL_PROMPTS_FILE = "eval_prompts.txt"
 
@@ -99,7 +99,7 @@ class Evaluator:
         from fluxgrpo.runtime import dist as rt_dist
 
         done = all(
-            (eval_folder(self.cfg.output_dir, start, ema) / "index.json").is_file() for ema in self._variants(parts)
+            (eval_folder(self.cfg.output_dir, start, ema) / INDEX_FILE).is_file() for ema in self._variants(parts)
         )
         if start > 0 and rt_dist.broadcast_object(self.ctx, done):
             return

@@ -18,11 +18,10 @@ from fluxgrpo.errors import FluxgrpoError, UsageError, not_usable
 from fluxgrpo.paths import ensure_writable_dir
 from fluxgrpo.rewards import reward_weights_status
 from fluxgrpo.rewards.reward_set import reward_spec_names
-from fluxgrpo.run_folder import check_not_in_use, previous_run
+from fluxgrpo.run_folder import CONFIG_FILE, LOGS_DIR, check_not_in_use, check_run_files, previous_run
 from fluxgrpo.runtime.launch import LaunchSpec, check_dies_fit, run_workers
 from fluxgrpo.weights.layout import check_flux_dir
 
-RESOLVED_CONFIG = "config.yaml"
 WORKER_MODULE = "fluxgrpo.training.loop"
 
 
@@ -197,6 +196,7 @@ def plan_training(
     output_dir = Path(cfg.output_dir)
     check_output_dir(output_dir, create=not dry_run)
     if spec.node_rank == 0:  # node 0 owns the folder; the other nodes of a shared one find node 0's run there
+        check_run_files(output_dir)
         check_not_in_use(output_dir)
         check_previous_run(output_dir, resume, overwrite)
     preflight(cfg)
@@ -212,7 +212,7 @@ def plan_training(
         device_type,
         derived,
         worker_env,
-        output_dir / RESOLVED_CONFIG,
+        output_dir / CONFIG_FILE,
         None if checkpoint is None else str(checkpoint),
         memory,
         overwrite,
@@ -243,5 +243,5 @@ def launch_training(plan: TrainPlan, log=print) -> list[dict[str, Any]]:
             log(f"  {key.replace('_', ' ')}: {value}")
         log(f"resolved config saved to {plan.resolved_path}")
         payload = {"config": plan.cfg.to_dict(), "resume": plan.resume_checkpoint}
-        run_workers(WORKER_MODULE, payload, plan.spec, plan.device_type, log_dir=output_dir / "logs", log=log)
+        run_workers(WORKER_MODULE, payload, plan.spec, plan.device_type, log_dir=output_dir / LOGS_DIR, log=log)
     return read_metrics(output_dir)
