@@ -597,7 +597,7 @@ CSV_SIGNATURE = ",".join(CSV_COLUMNS[:5]).encode()
 
 def check_csv_destination(path: str | Path) -> Path:
     """``--out`` can be written: its folder exists and is writable, and it is not a folder itself."""
-    path = check_replaceable_output(path, "--out", CSV_SIGNATURE, "a CSV that `fluxgrpo score` wrote")
+    path = Path(check_replaceable_output(path, "--out", CSV_SIGNATURE, "a CSV that `fluxgrpo score` wrote"))
     folder = path.parent
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise FluxgrpoError(f"cannot write {path}: its folder {folder} does not exist or is not writable (--out)")
