@@ -210,12 +210,18 @@ def check_not_in_use(folder: str | Path) -> None:
 
 
 def previous_run(folder: str | Path) -> list[str]:
-    """The names of an earlier run's files in ``folder`` (empty when there are none)."""
+    """The names of an earlier run's files in ``folder``; empty when there are none, and when the run never
+    completed an iteration (no checkpoint, no metrics record): a start that failed (weights that cannot be loaded,
+    a full disk, out of memory at the first forward) does not block its own re-run."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
+    checkpoints = sorted(p.name for p in folder.glob(CHECKPOINT_PATTERN))
+    metrics = folder / METRICS_FILE
+    if not checkpoints and not (metrics.is_file() and metrics.stat().st_size > 0):
+        return []
     found = [name for name in RUN_FILES if (folder / name).exists()]
-    return found + sorted(p.name for p in folder.glob(CHECKPOINT_PATTERN))
+    return found + checkpoints
 
 
 def replaced_folder(folder: str | Path) -> Path:

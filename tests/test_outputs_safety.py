@@ -82,3 +82,67 @@ def test_overwrite_moves_only_the_runs_own_files(tmp_path, monkeypatch):
     second = move_previous_run(work)
     assert second != moved and (second / CONFIG_FILE).read_text() == "second"
     assert replaced_folder(work) not in (moved, second)
+
+
+# --------------------------------------------------------------------------------------------- 4: torn metrics line
+
+
+def _metrics_with(tmp_path: Path, text: str) -> Path:
+    (tmp_path / METRICS_FILE).write_text(text)
+    return tmp_path
+
+
+def test_resume_drops_a_torn_last_metrics_line_and_says_so(tmp_path, capsys):
+    from fluxgrpo.metrics import MetricsLogger, read_metrics
+
+    whole = "".join(json.dumps({"iteration": k, "reward_mean": 0.1 * k}) + "\n" for k in (1, 2, 3))
+    folder = _metrics_with(tmp_path, whole + '{"iteration": 4, "reward_me')
+    with pytest.raises(FluxgrpoError, match=rf"{METRICS_FILE} line 4 is not a JSON record"):
+        read_metrics(folder)
+    logger = MetricsLogger(folder, enabled=True, resume_after=2)
+    logger.close()
+    assert f"dropped the torn last line of {folder / METRICS_FILE} line 4" in capsys.readouterr().err
+    assert [r["iteration"] for r in read_metrics(folder)] == [1, 2]
+
+
+def test_a_torn_line_in_the_middle_of_metrics_is_refused_in_one_line(tmp_path):
+    from fluxgrpo.metrics import MetricsLogger
+
+    folder = _metrics_with(tmp_path, '{"iteration": 1}\n{"iterat\n{"iteration": 3}\n')
+    with pytest.raises(FluxgrpoError) as caught:
+        MetricsLogger(folder, enabled=True, resume_after=3)
+    assert f"{folder / METRICS_FILE} line 2 is not a JSON record" in str(caught.value)
+    assert "\n" not in str(caught.value)
+    assert (folder / METRICS_FILE).read_text() == '{"iteration": 1}\n{"iterat\n{"iteration": 3}\n'
+
+
+def test_report_reads_a_run_whose_last_line_is_being_written(tmp_path):
+    from fluxgrpo.report.run import read_run
+
+    folder = _metrics_with(tmp_path, json.dumps({"iteration": 1, "reward_mean": 0.5}) + '\n{"iteration": 2, "rew')
+    assert [r["iteration"] for r in read_run(folder).records] == [1]
+
+
+# --------------------------------------------------------------------------------------------- 5: a failed start
+
+
+def test_a_start_that_never_finished_an_iteration_does_not_block_its_rerun(tiny_weights, tiny_embeddings, tmp_path):
+    from training_helpers import tiny_train_argv
+
+    from fluxgrpo.run_folder import RUN_INFO_FILE, previous_run
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / CONFIG_FILE).write_text("")  # a full disk at start left it empty
+    (out / METRICS_FILE).write_text("")  # opened, never written: the first forward ran out of memory
+    (out / RUN_INFO_FILE).write_text("{}")
+    assert previous_run(out) == []
+    argv = tiny_train_argv(tiny_weights, tiny_embeddings, "--output-dir", str(out), "--dry-run")
+    rerun = runner.invoke(app, argv)
+    assert rerun.exit_code == 0, rerun.output
+    (out / METRICS_FILE).write_text(json.dumps({"iteration": 1}) + "\n")
+    assert previous_run(out) == [CONFIG_FILE, METRICS_FILE, RUN_INFO_FILE]
+    assert runner.invoke(app, argv).exit_code == 2
+    (out / METRICS_FILE).write_text("")
+    (out / "checkpoint-1").mkdir()
+    assert "checkpoint-1" in previous_run(out)

@@ -90,10 +90,7 @@ def read_run(folder: str | Path) -> RunData:
             f"cannot report on {folder}: {why}; pass the --output-dir of a `fluxgrpo train` run "
             "(metrics.jsonl appears after its first iteration)"
         )
-    try:
-        records = read_metrics(folder)
-    except ValueError as exc:
-        raise FluxgrpoError(f"{folder / METRICS_FILE} is not valid JSON lines ({exc}): is the file damaged?") from None
+    records = read_metrics(folder, on_torn_last_line=lambda _: None)  # a live run may be writing its last line
     records = [r for r in records if isinstance(r, dict) and isinstance(r.get("iteration"), int)]
     records.sort(key=lambda r: r["iteration"])
     train = [r for r in records if "reward_mean" in r]
