@@ -190,9 +190,7 @@ def run_info(ctx: Any) -> dict[str, Any]:
     }
 
 
-def read_metrics(
-    output_dir: Path, on_torn_last_line: Callable[[str], None] | None = None
-) -> list[dict[str, Any]]:
+def read_metrics(output_dir: Path, on_torn_last_line: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """The records of ``output_dir/metrics.jsonl`` ([] when there is none).
 
     A kill during an append can leave a torn last line. With ``on_torn_last_line`` it is dropped (a resume rewrites
