@@ -90,6 +90,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
     from fluxgrpo.metrics import MetricsLogger, run_info
     from fluxgrpo.runtime.worker import worker_session
     from fluxgrpo.training.eval import Evaluator
+    from fluxgrpo.training.health import SkippedUpdateWatch
 
     with worker_session(cfg.device) as ctx:
         rt_device.seed_everything(cfg.seed + ctx.rank)
@@ -115,6 +116,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
         update_settings = UpdateSettings.from_config(cfg)
         plan_settings = PlanSettings.from_config(cfg)
         records = []
+        skipped_updates = SkippedUpdateWatch()
         evaluator.before_training(start, parts)  # the base model at iteration 0: every eval curve starts there
         for iteration in range(start + 1, cfg.max_train_steps + 1):
             rt_device.reset_peak_memory(ctx.device)
@@ -178,6 +180,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
             metrics.log(record, histograms={"reward": rewards})
             records.append(record)
             rt_dist.rank0_print(ctx, progress_line(record, cfg.max_train_steps))
+            skipped_updates.observe(record)  # K iterations in a row without a step: a run that cannot learn stops
             if cfg.save_images_every and iteration % cfg.save_images_every == 0:
                 save_sample_images(images, output_dir, ctx.rank, cfg.images_per_save)
             evaluator.maybe_run(iteration, parts)  # before the checkpoint: a saved iteration has its evaluation
