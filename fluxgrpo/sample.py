@@ -677,6 +677,14 @@ class SampleIndex:
         return self.root / image.file
 
 
+def _inside(root: Path, name: str) -> bool:
+    """``name`` is a relative path that stays inside ``root`` (no ``..``, not absolute, no link out of it)."""
+    relative = Path(name)
+    if relative.is_absolute() or ".." in relative.parts or not name:
+        return False
+    return (root / relative).resolve().is_relative_to(root.resolve())
+
+
 def read_index(path: str | Path) -> SampleIndex:
     """Read and check a ``fluxgrpo sample`` index (``index.json``, or the folder holding it).
 
@@ -707,6 +715,8 @@ def read_index(path: str | Path) -> SampleIndex:
         raise FluxgrpoError(f"{path} has no prompt list: {fix}")
     root = path.parent
     images = []
+    listed: dict[str, int] = {}
+    positions: dict[tuple[int, int], int] = {}
     for position, entry in enumerate(document.get("images") or []):
         try:
             record = SampledImage(
@@ -724,6 +734,19 @@ def read_index(path: str | Path) -> SampleIndex:
                 f"{path}: image {record.file} has no prompt (prompt_index {record.prompt_index} does not name its "
                 f"prompt in the prompt list): {fix}"
             )
+        if not _inside(root, record.file):
+            raise FluxgrpoError(
+                f"{path}: image entry {position} names {record.file}, outside the index's folder {root} (an index "
+                f"lists only the images beside it): {fix}"
+            )
+        earlier = listed.get(record.file, positions.get((record.prompt_index, record.image_index)))
+        if earlier is not None:
+            raise FluxgrpoError(
+                f"{path}: image entry {position} ({record.file}, prompt {record.prompt_index} image "
+                f"{record.image_index}) repeats entry {earlier}; every image is listed once: {fix}"
+            )
+        listed[record.file] = position
+        positions[(record.prompt_index, record.image_index)] = position
         if not (root / record.file).is_file():
             raise FluxgrpoError(
                 f"{path} lists {record.file}, which is not in {root} (were the images moved without their "

@@ -244,10 +244,24 @@ class _Pairable(Protocol):  # read-only members, so frozen dataclasses match
 
 
 def read_prompt_lines(path: str | Path) -> list[str]:
-    """One prompt per image: each line stripped, blank lines dropped, repeats kept (unlike ``read_prompts``)."""
+    """One prompt per image: each line stripped, repeats kept (unlike ``read_prompts``), blank lines at the end
+    ignored. A blank line before the last prompt is refused: dropping it would pair every later image with the
+    prompt of the one before.
+    """
     from fluxgrpo.data.prompts import read_prompts
 
-    return read_prompts(path, keep_repeats=True)
+    prompts = read_prompts(path, keep_repeats=True)  # the file's errors, and at least one prompt
+    lines = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    blank = [number for number, line in enumerate(lines, 1) if not line]
+    if blank:
+        raise FluxgrpoError(
+            f"--prompts {path} line {blank[0]} is blank: with --images each line is the prompt of one image (in "
+            "name order), so a blank line would shift every later pairing; write that image's prompt there or "
+            "remove the line and its image"
+        )
+    return prompts
 
 
 def natural_key(name: str) -> tuple[list[Any], str]:

@@ -65,3 +65,61 @@ def test_a_run_whose_updates_are_all_skipped_stops_naming_the_reward(
     message = str(caught.value)
     assert "iterations 1-3 all skipped their update because the reward" in message, message
     assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+# --------------------------------------------------------------------------------------------- 8: score's pairing
+
+
+def _gray_images(folder, count: int) -> None:
+    from PIL import Image
+
+    folder.mkdir()
+    for k in range(count):
+        Image.new("RGB", (8, 8), (40 * k, 40 * k, 40 * k)).save(folder / f"img{k}.png")
+
+
+def test_a_blank_prompt_line_between_prompts_is_refused_not_dropped(tmp_path):
+    from fluxgrpo.score import images_from_folder
+
+    _gray_images(tmp_path / "imgs", 3)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat\n\na dog\na bird\n")  # 3 prompts for 3 images, but the blank shifts "a dog" onto img2
+    with pytest.raises(FluxgrpoError, match=r"prompts.txt line 2 is blank"):
+        images_from_folder(tmp_path / "imgs", prompts)
+    prompts.write_text("a cat\na dog\na bird\n\n\n")
+    assert [item.prompt for item in images_from_folder(tmp_path / "imgs", prompts)] == ["a cat", "a dog", "a bird"]
+
+
+def _index(folder, entries: list[dict]) -> None:
+    import json
+
+    document = {
+        "format": "fluxgrpo-sample-index",
+        "format_version": 1,
+        "model": "m",
+        "prompts": ["a cat", "a dog"],
+        "images": [{"prompt": "a cat", "prompt_index": 0, "image_index": 0, "seed": 0, **e} for e in entries],
+    }
+    (folder / "index.json").write_text(json.dumps(document))
+
+
+@pytest.mark.parametrize(
+    "entries, says",
+    [
+        ([{"file": "../outside.png"}], "outside the index's folder"),
+        ([{"file": "link.png"}], "outside the index's folder"),
+        ([{"file": "img0.png"}, {"file": "img0.png", "image_index": 1}], "image entry 1 .* repeats entry 0"),
+        ([{"file": "img0.png"}, {"file": "img1.png"}], "image entry 1 .* repeats entry 0"),
+    ],
+)
+def test_an_index_entry_outside_its_folder_or_listed_twice_is_refused(tmp_path, entries, says):
+    from PIL import Image
+
+    from fluxgrpo.sample import read_index
+
+    _gray_images(tmp_path / "run", 2)
+    Image.new("RGB", (8, 8)).save(tmp_path / "outside.png")
+    (tmp_path / "run" / "link.png").symlink_to(tmp_path / "outside.png")
+    _index(tmp_path / "run", entries)
+    with pytest.raises(FluxgrpoError, match=says):
+        read_index(tmp_path / "run")
