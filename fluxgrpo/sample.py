@@ -242,6 +242,9 @@ def resolve_checkpoint(path: str | Path, ema: bool) -> Path:
         weights = found / (EMA_LORA_DIR if ema else LORA_DIR) / LORA_WEIGHTS_NAME
         if not weights.is_file():
             raise FluxgrpoError(f"{weights} is missing: the checkpoint is damaged; pass another --checkpoint")
+        from fluxgrpo.lora import check_adapter_file
+
+        check_adapter_file(weights, "the checkpoint is damaged; pass another --checkpoint")
         return found
     weights = found / (EMA_TRANSFORMER_DIR if ema else TRANSFORMER_DIR)
     if not (weights / "config.json").is_file():
@@ -368,16 +371,35 @@ def load_pipeline(request: SampleRequest, ctx: Any) -> Any:
 
     from fluxgrpo.runtime.adapt import adapt_transformer
     from fluxgrpo.runtime.device import compute_dtype
+    from fluxgrpo.safe_load import load_pretrained
 
     dtype = compute_dtype(ctx.device_type)
     components: dict[str, Any] = {}
+    other = "pass another --checkpoint"
     if request.transformer_dir is not None:
-        components["transformer"] = FluxTransformer2DModel.from_pretrained(request.transformer_dir, dtype=dtype)
+        transformer_dir = request.transformer_dir
+        components["transformer"] = load_pretrained(
+            lambda: FluxTransformer2DModel.from_pretrained(transformer_dir, dtype=dtype),
+            "the trained transformer",
+            transformer_dir,
+            other,
+        )
     # model_index.json and every config in the folder were checked to name FLUX's own classes and no code
     # (check_flux_dir); no remote code either way. Its bars: worker_session.
-    pipe = FluxPipeline.from_pretrained(request.model, dtype=dtype, trust_remote_code=False, **components)
-    if request.lora_file is not None:
-        pipe.load_lora_weights(request.lora_file.parent, weight_name=request.lora_file.name)
+    pipe = load_pretrained(
+        lambda: FluxPipeline.from_pretrained(request.model, dtype=dtype, trust_remote_code=False, **components),
+        "the FLUX pipeline",
+        request.model,
+        f"re-run `fluxgrpo fetch-weights --flux-dir {request.model}`",
+    )
+    lora_file = request.lora_file
+    if lora_file is not None:  # checked before launch (resolve_checkpoint)
+        load_pretrained(
+            lambda: pipe.load_lora_weights(lora_file.parent, weight_name=lora_file.name),
+            "the LoRA adapter",
+            lora_file,
+            other,
+        )
     pipe = pipe.to(ctx.device)
     pipe.set_progress_bar_config(disable=True)
     adapt_transformer(pipe.transformer, ctx.device_type, attention=request.settings.attention, compute_dtype=dtype)

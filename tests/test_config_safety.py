@@ -280,3 +280,48 @@ def test_hps_manifests_do_not_exempt_the_architecture_file(tiny_weights, tmp_pat
 
     with pytest.raises(FluxgrpoError, match="custom_text"):
         load_reward("hpsv2", folder)
+
+
+# --------------------------------------------------------------------------------------------- #23.6: damaged .bin
+
+
+class _RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("damage", ["pickled", "truncated"])
+@pytest.mark.parametrize(
+    "component, weights, bin_name",
+    [
+        ("text_encoder", "model.safetensors", "pytorch_model.bin"),
+        ("vae", "diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin"),
+    ],
+)
+def test_a_pickled_or_truncated_bin_in_the_flux_folder_is_one_line(
+    tiny_weights, tmp_path, component, weights, bin_name, damage
+):
+    import torch
+
+    flux_dir = _hand_placed_flux(tiny_weights, tmp_path)
+    (flux_dir / component / weights).unlink()
+    marker = tmp_path / "PWNED"
+    if damage == "pickled":
+        torch.save({"weight": _RunsCode(marker)}, flux_dir / component / bin_name)
+    else:
+        torch.save({"weight": torch.zeros(64, 64)}, flux_dir / component / bin_name)
+        path = flux_dir / component / bin_name
+        path.write_bytes(path.read_bytes()[:200])
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cube\n")
+    argv = ["sample", "--model", str(flux_dir), "--prompts", str(prompts), "--out", str(tmp_path / "out")]
+    result = runner.invoke(app, [*argv, "--height", "64", "--width", "64", "--steps", "1"])
+    assert result.exit_code == 1, result.output
+    line = _one_error_line(result.output)
+    assert str(flux_dir) in line and "weights_only" not in line and "can still be loaded" not in line, line
+    assert not marker.exists()

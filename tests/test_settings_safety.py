@@ -123,3 +123,21 @@ def test_an_index_entry_outside_its_folder_or_listed_twice_is_refused(tmp_path, 
     _index(tmp_path / "run", entries)
     with pytest.raises(FluxgrpoError, match=says):
         read_index(tmp_path / "run")
+
+
+def test_reward_weights_that_overflow_their_sum_are_refused_before_anything_starts():
+    with pytest.raises(UsageError, match="the weights add up past the largest float"):
+        build_config("tiny-cpu", {"reward": "brightness:1e308,hpsv2:1e308"})
+
+
+def test_fluxgrpo_debug_changes_what_is_printed_not_the_exit_code(monkeypatch):
+    from typer.testing import CliRunner
+
+    from fluxgrpo.cli.app import app
+
+    argv = ["train", "--config", "tiny-cpu", "--eta", "inf", "--dry-run"]
+    quiet = CliRunner().invoke(app, argv)
+    monkeypatch.setenv("FLUXGRPO_DEBUG", "1")
+    debug = CliRunner().invoke(app, argv)
+    assert quiet.exit_code == debug.exit_code == 2, (quiet.output, debug.output)
+    assert "Traceback" in debug.output and "Traceback" not in quiet.output

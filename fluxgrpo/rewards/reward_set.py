@@ -59,6 +59,14 @@ def _parse(spec: str) -> tuple[list[RewardTerm], list[str]]:
             problems.append(f"--reward: {name} is listed twice; give it once with its weight")
             continue
         terms.append(RewardTerm(name, weight))
+    try:
+        total = math.fsum(term.weight for term in terms)
+    except OverflowError:
+        total = math.inf
+    if not math.isfinite(total):
+        problems.append(
+            f"--reward {spec!r}: the weights add up past the largest float; scale them down (only their ratios matter)"
+        )
     return terms, problems
 
 
