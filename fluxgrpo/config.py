@@ -38,6 +38,7 @@ LORA_DEFAULT_TARGETS = (
     "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2"
 )
 WANDB_MODES = ("online", "offline", "disabled")
+MAX_IMAGE_SIDE = 8192  # 4× FLUX.1-dev's largest trained side; the activations of a larger one fit no device
 # Upper bounds far past any published setting, below the values that make every update non-finite and the run
 # "succeed" with the base weights (an η of 1e9, say).
 SETTING_BOUNDS = {
@@ -228,6 +229,8 @@ class TrainConfig:
                 out.append(
                     f"--{name} {value} must be a positive multiple of 16 (FLUX packs 2×2 latents of 8× VAE pixels)"
                 )
+            elif value > MAX_IMAGE_SIDE:
+                out.append(f"--{name} {value} is out of range: at most {MAX_IMAGE_SIDE} pixels")
         positive_ints = (
             "sampling_steps",
             "num_generations",

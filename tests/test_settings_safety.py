@@ -141,3 +141,18 @@ def test_fluxgrpo_debug_changes_what_is_printed_not_the_exit_code(monkeypatch):
     debug = CliRunner().invoke(app, argv)
     assert quiet.exit_code == debug.exit_code == 2, (quiet.output, debug.output)
     assert "Traceback" in debug.output and "Traceback" not in quiet.output
+
+
+def test_a_cpu_run_whose_estimate_exceeds_host_memory_is_refused(tiny_weights, tiny_embeddings, tmp_path, monkeypatch):
+    from fluxgrpo.training import memory
+
+    cfg = tiny_config(tiny_weights, tiny_embeddings, tmp_path / "out")
+    assert memory.plan_memory(cfg, 1, "cpu").peak < memory.host_memory_per_worker(1)  # the tiny run fits
+    monkeypatch.setattr(memory, "host_memory_per_worker", lambda workers: 2**20 // workers)
+    with pytest.raises(UsageError, match=r"of host memory each of the 1 cpu worker\(s\) can have; change one of"):
+        memory.plan_memory(cfg, 1, "cpu")
+
+
+def test_an_image_side_past_any_device_is_refused():
+    with pytest.raises(UsageError, match="--height 1048576 is out of range: at most 8192 pixels"):
+        build_config("tiny-cpu", {"height": 1048576})
