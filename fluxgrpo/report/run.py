@@ -11,6 +11,7 @@ A training ``--output-dir`` holds (all optional except ``metrics.jsonl``):
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,7 +92,7 @@ def read_run(folder: str | Path) -> RunData:
             "(metrics.jsonl appears after its first iteration)"
         )
     records = read_metrics(folder, on_torn_last_line=lambda _: None)  # a live run may be writing its last line
-    records = [r for r in records if isinstance(r, dict) and isinstance(r.get("iteration"), int)]
+    records = [_plottable(r) for r in records if isinstance(r, dict) and isinstance(r.get("iteration"), int)]
     records.sort(key=lambda r: r["iteration"])
     train = [r for r in records if "reward_mean" in r]
     evals = [r for r in records if any(k.startswith("eval_") for k in r)]
@@ -100,7 +101,7 @@ def read_run(folder: str | Path) -> RunData:
     if (folder / RUN_INFO_FILE).is_file():
         try:
             info = json.loads((folder / RUN_INFO_FILE).read_text(encoding="utf-8"))
-        except ValueError:
+        except (OSError, ValueError):
             info = {}
     return RunData(
         folder=folder,
@@ -109,9 +110,37 @@ def read_run(folder: str | Path) -> RunData:
         eval_records=evals,
         config=config,
         derived=derived,
-        info=info if isinstance(info, dict) else {},
+        info=_plain_info(info),
         evaluations=read_evaluations(folder),
     )
+
+
+# A metric beyond this magnitude is a diverged run, not a point to plot: left out of the curves, like NaN.
+MAX_PLOTTED_MAGNITUDE = 1e30
+
+
+def _plottable_value(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_plottable_value(item) for item in value]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return value if math.isfinite(value) and abs(value) <= MAX_PLOTTED_MAGNITUDE else None
+
+
+def _plottable(record: dict[str, Any]) -> dict[str, Any]:
+    """A metrics record whose values are plottable numbers or None (strings, NaN, ±1e308 and the like: None)."""
+    return {key: value if key == "iteration" else _plottable_value(value) for key, value in record.items()}
+
+
+def _plain_info(info: Any) -> dict[str, dict[str, str]]:
+    """run_info.json's ``versions`` and ``hardware`` tables as text, whatever the file holds."""
+    if not isinstance(info, dict):
+        return {}
+    return {
+        name: {str(key): str(value) for key, value in table.items()}
+        for name, table in info.items()
+        if name in ("versions", "hardware") and isinstance(table, dict)
+    }
 
 
 def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
@@ -120,7 +149,10 @@ def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
 
     if not path.is_file():
         return {}, {}
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):  # not the text config training writes: reported without it
+        return {}, {}
     derived = {}
     for line in text.splitlines():
         if line.startswith("#   ") and ": " in line:
