@@ -192,11 +192,11 @@ def _not_complete_message(path: Path, output_dir: Path) -> str:
     complete = [p.name for p in list_checkpoints(output_dir)]
     if complete:
         hint = (
-            f"complete checkpoints in {output_dir}: {', '.join(complete)}; pass one of them to --resume, "
-            "or --resume with no value for the latest"
+            f"complete checkpoints in {output_dir}: {', '.join(complete)}; pass one of them to --resume-from, "
+            "or use --resume for the latest"
         )
     else:
-        hint = f"there is no complete checkpoint in {output_dir}; drop --resume to start a new run"
+        hint = f"there is no complete checkpoint in {output_dir}; drop --resume-from to start a new run"
     return f"{path} is not a complete checkpoint ({why}): {hint}"
 
 

@@ -436,6 +436,10 @@ def read_yaml(path: Path) -> dict[str, Any]:
             f"cannot read {path} ({exc.strerror or exc}): pass a readable YAML file with --config"
         ) from None
     try:
+        # An alias repeats a node without copying text: nested ones expand a few hundred bytes into gigabytes.
+        # A config has no use for them, and the event stream finds one without expanding anything.
+        if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=yaml.SafeLoader)):
+            raise UsageError(f"{path} uses YAML aliases (*name): write each value out; pass another file with --config")
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         reason = " ".join(str(exc).split())  # PyYAML's message spans lines, with a caret drawing

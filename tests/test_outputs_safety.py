@@ -146,3 +146,35 @@ def test_a_start_that_never_finished_an_iteration_does_not_block_its_rerun(tiny_
     (out / METRICS_FILE).write_text("")
     (out / "checkpoint-1").mkdir()
     assert "checkpoint-1" in previous_run(out)
+
+
+def test_the_resume_from_hint_names_flags_that_exist(tmp_path):
+    from fluxgrpo.checkpoint import resolve_resume
+
+    (tmp_path / "checkpoint-2").mkdir()  # no COMPLETE marker
+    with pytest.raises(FluxgrpoError) as caught:
+        resolve_resume(tmp_path, "checkpoint-2")
+    message = str(caught.value)
+    assert "drop --resume-from to start a new run" in message and "with no value" not in message
+
+
+def test_launch_folders_left_by_a_killed_cli_are_removed_on_the_next_start(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from fluxgrpo.runtime.launch import ERRORS_TEMP_PREFIX, WORKERS_TEMP_PREFIX, remove_stale_temp_folders
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = [tmp_path / f"{WORKERS_TEMP_PREFIX}{dead.pid}-abc", tmp_path / f"{ERRORS_TEMP_PREFIX}{dead.pid}-def"]
+    live = tmp_path / f"{WORKERS_TEMP_PREFIX}{os.getpid()}-ghi"
+    other = tmp_path / "fluxgrpo-workers-old-style"
+    for folder in (*stale, live, other):
+        folder.mkdir()
+        (folder / "payload.json").write_text("{}")
+    victim = tmp_path / "elsewhere"
+    victim.mkdir()
+    (tmp_path / f"{ERRORS_TEMP_PREFIX}{dead.pid}-lnk").symlink_to(victim, target_is_directory=True)
+    assert sorted(remove_stale_temp_folders(tmp_path)) == sorted(stale)
+    assert live.is_dir() and other.is_dir() and victim.is_dir()

@@ -156,3 +156,20 @@ def test_a_cpu_run_whose_estimate_exceeds_host_memory_is_refused(tiny_weights, t
 def test_an_image_side_past_any_device_is_refused():
     with pytest.raises(UsageError, match="--height 1048576 is out of range: at most 8192 pixels"):
         build_config("tiny-cpu", {"height": 1048576})
+
+
+def test_a_yaml_config_with_aliases_is_refused_without_expanding_them(tmp_path):
+    from fluxgrpo.config import read_yaml
+
+    levels = ['a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for depth in range(1, 9):
+        previous = chr(ord("a") + depth - 1)
+        name = chr(ord("a") + depth)
+        levels.append(f"{name}: &{name} [{', '.join([f'*{previous}'] * 9)}]")
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(levels) + "\n")  # 9**9 strings once expanded
+    with pytest.raises(UsageError, match="uses YAML aliases"):
+        read_yaml(bomb)
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("eta: 0.5\nreward: hpsv2\n")
+    assert read_yaml(plain) == {"eta": 0.5, "reward": "hpsv2"}

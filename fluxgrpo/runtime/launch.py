@@ -31,6 +31,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -148,7 +149,8 @@ def run_torchrun(
     """
     if errors_file is not None:
         errors_file.unlink(missing_ok=True)  # what it says is always about the last run
-    with tempfile.TemporaryDirectory(prefix="fluxgrpo-errors-") as error_dir:
+    remove_stale_temp_folders()
+    with tempfile.TemporaryDirectory(prefix=f"{ERRORS_TEMP_PREFIX}{os.getpid()}-") as error_dir:
         full_env = {**os.environ, **(env or {}), ERROR_DIR_ENV: error_dir, PARENT_PID_ENV: str(os.getpid())}
         code = (runner or _run_agent)(argv, env=full_env)
         if code != 0:
@@ -324,7 +326,8 @@ def run_workers(
     if spec.world_size == 1:
         os.environ.update({k: v for k, v in worker_env.items() if k not in os.environ})
         return worker.as_summary(worker.entry_point(module)(payload))
-    with tempfile.TemporaryDirectory(prefix="fluxgrpo-workers-") as tmp:
+    remove_stale_temp_folders()
+    with tempfile.TemporaryDirectory(prefix=f"{WORKERS_TEMP_PREFIX}{os.getpid()}-") as tmp:
         payload_path, summary_path = Path(tmp) / "payload.json", Path(tmp) / "summary.json"
         payload_path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
         args = [module, "--payload", str(payload_path), "--summary", str(summary_path)]
@@ -333,6 +336,43 @@ def run_workers(
             log("launching: " + " ".join(argv))
         run_torchrun(argv, env=worker_env, errors_file=None if log_dir is None else Path(log_dir, ERRORS_FILE))
         return json.loads(summary_path.read_text()) if summary_path.is_file() else None
+
+
+# Temporary folders of a launch, named with the launching process's id: one whose process is gone was left by a
+# kill -9 or SIGTERM (no cleanup ran), and the next launch removes it.
+WORKERS_TEMP_PREFIX = "fluxgrpo-workers-"
+ERRORS_TEMP_PREFIX = "fluxgrpo-errors-"
+_TEMP_NAME = re.compile(rf"^({re.escape(WORKERS_TEMP_PREFIX)}|{re.escape(ERRORS_TEMP_PREFIX)})(\d+)-")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temp_folders(root: str | Path | None = None) -> list[Path]:
+    """Remove this user's launch folders in ``root`` (default: the temporary folder) whose process has exited;
+    returns what was removed. Never follows a link, never touches another user's folder."""
+    import shutil
+
+    removed = []
+    folder = Path(root or tempfile.gettempdir())
+    with contextlib.suppress(OSError):
+        for entry in folder.iterdir():
+            found = _TEMP_NAME.match(entry.name)
+            if found is None or entry.is_symlink() or not entry.is_dir():
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat().st_uid != os.getuid() or _process_alive(int(found.group(2))):
+                    continue
+                shutil.rmtree(entry)
+                removed.append(entry)
+    return removed
 
 
 def check_dies_fit(device_type: str, nproc: int) -> None:
