@@ -22,10 +22,11 @@ from fluxgrpo.paths import (
     DEFAULT_HPS_DIR,
     DEFAULT_OUTPUT_DIR,
     EMBEDDINGS_INDEX,
+    HPS_DIR_HELP,
 )
-from fluxgrpo.rewards import REWARDS
+from fluxgrpo.rewards import reward_names
 from fluxgrpo.rewards.base import REWARD_DTYPES
-from fluxgrpo.rewards.reward_set import AGGREGATIONS, reward_spec_problems
+from fluxgrpo.rewards.reward_set import AGGREGATIONS, parse_reward_list, reward_spec_problems
 from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 from fluxgrpo.runtime.device import DEVICE_TYPES
 
@@ -66,17 +67,14 @@ class TrainConfig:
 
     # --- data and weights -----------------------------------------------------------------------------
     model: str = _opt(DEFAULT_FLUX_DIR, "FLUX diffusers folder (from `fluxgrpo fetch-weights`).")
-    hps_dir: str = _opt(
-        DEFAULT_HPS_DIR,
-        "Folder of the reward weights (`fetch-weights --hps-dir`): the HPS and open_clip files, pickscore/, imagereward/, hpsv3/.",
-    )
+    hps_dir: str = _opt(DEFAULT_HPS_DIR, HPS_DIR_HELP)
     data_json_path: str = _opt(
         f"{DEFAULT_EMBEDDINGS_DIR}/{EMBEDDINGS_INDEX}", "Embeddings index written by `fluxgrpo preprocess`."
     )
     output_dir: str = _opt(DEFAULT_OUTPUT_DIR, "Checkpoints, metrics.jsonl, sample images and the resolved config.")
     reward: str = _opt(
         "hpsv2",
-        f"Reward model(s): {', '.join(REWARDS)} (brightness: a smoke test for tiny models); several as "
+        f"Reward model(s): {', '.join(reward_names())} (brightness: a smoke test for tiny models); several as "
         "name:weight,... (e.g. hpsv2:1,pickscore:0.5; weights normalised to sum 1).",
     )
     reward_dtype: str = _opt("fp32", "Dtype the reward encoders run in: fp32 or bf16 (scores are fp32 either way).")
@@ -315,8 +313,6 @@ class TrainConfig:
 
     def _logging_problems(self) -> list[str]:
         """Held-out evaluation and experiment-tracker settings."""
-        from fluxgrpo.rewards import reward_names
-
         out = []
         if self.eval_every < 0:
             out.append(f"--eval-every must be 0 (off) or a number of iterations (got {self.eval_every})")
@@ -327,9 +323,7 @@ class TrainConfig:
             out.append(
                 f"--eval-prompts {self.eval_prompts}: no such file (one prompt per line; empty for the shipped set)"
             )
-        unknown = [name for name in split_names(self.eval_rewards) if name not in reward_names()]
-        if unknown:
-            out.append(f"--eval-rewards {', '.join(unknown)}: not a reward; use names from {', '.join(reward_names())}")
+        out.extend(parse_reward_list(self.eval_rewards, "--eval-rewards", weights=False, empty_ok=True)[1])
         if self.wandb_mode and self.wandb_mode not in WANDB_MODES:
             out.append(f"--wandb-mode {self.wandb_mode!r}: use one of {', '.join(WANDB_MODES)}, or leave it empty")
         return out
@@ -374,12 +368,6 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-def split_names(spec: str) -> list[str]:
-    """The reward names in a comma-separated list (a ``name:weight`` entry gives ``name``), first occurrence kept."""
-    names = [part.split(":")[0].split("=")[0].strip() for part in spec.split(",")]
-    return list(dict.fromkeys(name for name in names if name))
 
 
 def _flag(name: str) -> str:

@@ -2,6 +2,11 @@
 
 DEFAULT_FLUX_DIR = "data/flux"
 DEFAULT_HPS_DIR = "hps_ckpt"
+# --hps-dir's help wherever a command reads reward weights from it (train, env-check, score, bench).
+HPS_DIR_HELP = (
+    "Folder of the reward weights (`fetch-weights --hps-dir`): the HPS and open_clip files, pickscore/, imagereward/, "
+    "hpsv3/."
+)
 DEFAULT_EMBEDDINGS_DIR = "data/rl_embeddings"
 DEFAULT_OUTPUT_DIR = "data/outputs/grpo"
 EMBEDDINGS_INDEX = "videos2caption.json"

@@ -196,37 +196,14 @@ class ScoreRequest:
             raise UsageError("--compare needs --index: images are paired by the prompt and image indexes of both runs")
         if self.batch_size < 1:
             raise UsageError(f"--batch-size must be at least 1 (got {self.batch_size})")
-        problems = reward_list_problems(self.reward)
-        if problems:
-            raise UsageError("; ".join(problems))
+        self.reward_list()
         return self
 
     def reward_list(self) -> list[str]:
-        """The reward names ``reward`` lists, in order (``validate`` checks them)."""
-        return [name.strip() for name in self.reward.split(",")]
+        """The reward names ``reward`` lists, in order; UsageError naming every problem with them."""
+        from fluxgrpo.rewards.reward_set import reward_names_list
 
-
-def reward_list_problems(spec: str) -> list[str]:
-    """Every problem with a ``--reward`` list of names (empty when it is valid): blank, unknown or repeated names."""
-    from fluxgrpo.rewards import reward_names
-
-    valid = reward_names()
-    choices = f"use one or more of {', '.join(valid)}, separated by commas"
-    names = [name.strip() for name in spec.split(",")]
-    if not all(names):
-        return [f"--reward {spec!r} has an empty name: {choices}"]
-    problems = []
-    unknown = [name for name in names if name not in valid]
-    if unknown:
-        weights = " (score takes names only; name:weight is for `fluxgrpo train --reward`)"
-        problems.append(
-            f"--reward: unknown reward {', '.join(map(repr, unknown))}: {choices}"
-            + (weights if any(":" in name for name in unknown) else "")
-        )
-    repeated = [name for name in dict.fromkeys(names) if names.count(name) > 1]
-    if repeated:
-        problems.append(f"--reward lists {', '.join(repeated)} more than once: give each reward once")
-    return problems
+        return reward_names_list(self.reward)
 
 
 class _Pairable(Protocol):  # read-only members, so frozen dataclasses match

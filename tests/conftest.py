@@ -1,4 +1,6 @@
-"""Shared fixtures. None is autouse: a test asks for what it needs by name.
+"""Shared fixtures. One is autouse: every test runs in its own empty working directory (``hermetic_cwd``), so no
+test reads or writes what the cwd holds (the quickstart's ``data/``, ``hps_ckpt/``); the others a test asks for by
+name.
 
 ``tiny_weights`` -> ``TinyWeights(flux_dir, hps_dir)``
     Tiny random FLUX (diffusers folder) and HPS (``HPS_v2.1_compressed.pt``, ``open_clip_pytorch_model.bin``,
@@ -36,6 +38,15 @@ class TinyEmbeddings:
     prompts_path: Path
     prompts: list[str]
     flux_dir: Path
+
+
+@pytest.fixture(autouse=True)
+def hermetic_cwd(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Run the test in a fresh empty folder: the default paths (``data/flux``, ``hps_ckpt``, ``data/outputs/...``)
+    then resolve inside it, whatever the folder pytest was started from holds."""
+    cwd = tmp_path_factory.mktemp("cwd")
+    monkeypatch.chdir(cwd)
+    return cwd
 
 
 @pytest.fixture(scope="session")

@@ -137,20 +137,17 @@ def test_env_check_refuses_a_reward_that_is_not_one():
     assert "unknown reward 'hpsv9'" in result.stderr
 
 
-def test_a_reward_added_to_the_registry_shows_in_env_check_with_no_change_there(tmp_path, monkeypatch):
-    import fluxgrpo.rewards as rewards
+def test_a_reward_added_to_the_registry_shows_in_env_check_with_no_change_there(tmp_path):
+    from fluxgrpo.rewards.registry import RewardRecord, WeightsPart, register_reward, unregister_reward
     from fluxgrpo.weights.layout import PartStatus
 
-    registry_status = rewards.reward_weights_status
-
-    def with_future(name, hps_dir):
-        if name == "future":  # reads the shared clip weights and one part of its own
-            return [*registry_status("clipscore", hps_dir), PartStatus("future", str(hps_dir), complete=False)]
-        return registry_status(name, hps_dir)
-
-    monkeypatch.setitem(rewards.REWARDS, "future", rewards.REWARDS["brightness"])
-    monkeypatch.setattr(rewards, "reward_weights_status", with_future)
-    _, report = env_check_json(tmp_path)
+    own = WeightsPart("future", lambda hps_dir: PartStatus("future", str(hps_dir / "future"), complete=False))
+    # Reads the shared clip weights and one part of its own.
+    register_reward(RewardRecord("future", lambda *_: None, parts=(own,), reads=("clip", "future")))  # type: ignore[arg-type,return-value]
+    try:
+        _, report = env_check_json(tmp_path)
+    finally:
+        unregister_reward("future")
     assert report["weights"]["clip"]["used_by"] == ["hpsv2", "clipscore", "future"]
     assert report["rewards"]["future"] == {"weights": ["clip", "future"], "ready": False, "in_run": False}
     assert [c["status"] for c in report["checks"] if c["name"] == "weights: future"] == ["warn"]

@@ -148,7 +148,9 @@ def test_hand_placed_weights_pass_when_whole(hand_placed_flux):
     ],
     ids=["half", "five-bytes", "length", "json"],
 )
-def test_a_damaged_shard_without_a_manifest_is_named(hand_placed_flux, tiny_weights, tiny_embeddings, damage, expected):
+def test_a_damaged_shard_without_a_manifest_is_named(
+    hand_placed_flux, tiny_weights, tiny_embeddings, tmp_path, damage, expected
+):
     from fluxgrpo.weights.layout import check_flux_dir
 
     shard = hand_placed_flux / "transformer" / "diffusion_pytorch_model.safetensors"
@@ -168,6 +170,8 @@ def test_a_damaged_shard_without_a_manifest_is_named(hand_placed_flux, tiny_weig
             str(tiny_weights.hps_dir),
             "--data-json-path",
             str(tiny_embeddings.index_path),
+            "--output-dir",
+            str(tmp_path / "run"),
             "--dry-run",
         ],
     )

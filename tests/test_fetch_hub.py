@@ -25,7 +25,7 @@ from fakehub import (
 )
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.weights.hub import FETCH_LOCK, HUB_PARTS, fetch_from_hub, plan_fetch
+from fluxgrpo.weights.hub import FETCH_LOCK, fetch_from_hub, hub_parts, plan_fetch
 from fluxgrpo.weights.layout import check_flux_dir, check_hps_dir
 from fluxgrpo.weights.manifest import read_manifest
 
@@ -531,10 +531,10 @@ def test_not_enough_disk_space_is_refused_before_any_download(tmp_path, monkeypa
 def test_the_flux_allow_list_keeps_the_diffusers_folders_and_nothing_else():
     from fnmatch import fnmatchcase
 
-    allow = HUB_PARTS["flux"].allow
+    allow = hub_parts()["flux"].allow
     kept = sorted(p for p in [*FLUX_DEV_FILES, "configuration.json"] if any(fnmatchcase(p, a) for a in allow))
     assert kept == FLUX_WANTED
-    for part in HUB_PARTS.values():
+    for part in hub_parts().values():
         assert set(part.repos) == {"hf", "modelscope"}, part.name
 
 

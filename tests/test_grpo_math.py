@@ -299,3 +299,15 @@ def test_summed_scaled_gradients_equal_gradient_of_mean_surrogate():
     torch.stack(surrogates).mean().backward()
     assert torch.allclose(accumulated.grad, direct.grad, atol=1e-6)
     assert accumulated.grad.abs().sum() > 0
+
+
+def test_finite_mean_std_leaves_non_finite_values_out_by_hand():
+    from fluxgrpo.grpo.finite_stats import finite_mean_std
+
+    values = torch.tensor([[1.0, 2.0, float("nan"), 4.0], [float("inf"), 3.0, float("nan"), float("-inf")]])
+    stats = finite_mean_std(values, dim=1)
+    # row 0: 1, 2, 4 → mean 7/3, unbiased variance ((4/3)² + (1/3)² + (5/3)²) / 2 = 7/3; row 1: one value, std 0
+    assert stats.num_finite.tolist() == [3.0, 1.0]
+    assert stats.mean.tolist() == pytest.approx([7 / 3, 3.0], abs=1e-6)
+    assert stats.std.tolist() == pytest.approx([(7 / 3) ** 0.5, 0.0], abs=1e-6)
+    assert finite_mean_std(values, dim=1, keepdim=True).mean.shape == (2, 1)

@@ -456,12 +456,12 @@ PUBLISHED_CHECKPOINT_BYTES, PUBLISHED_TENSORS = 16_584_387_300, 736
 
 def test_parameter_count_is_the_published_checkpoints_and_the_memory_models():
     from fluxgrpo.rewards.hpsv3 import build_hpsv3_modules, read_base_config_values
-    from fluxgrpo.training.memory import REWARD_PARAMETERS
+    from fluxgrpo.rewards.registry import reward_record
 
     rows = 151_657 + 1  # Qwen2-VL's tokenizer with <|Reward|>
     modules = build_hpsv3_modules(read_base_config_values(dict(QWEN2_VL_7B_CONFIG), rows), empty=True)
     parameters = sum(p.numel() for p in modules.parameters())
-    assert parameters == REWARD_PARAMETERS["hpsv3"]
+    assert parameters == reward_record("hpsv3").parameters
     # Every tensor of the published file in bfloat16, lm_head included, leaves a JSON header of 64–160 bytes per tensor
     # (name, dtype, shape, offsets): our build is its architecture (152,064 rows or a float32 head would not fit).
     tensors = len(modules.state_dict()) + 1  # + lm_head.weight

@@ -175,7 +175,8 @@ def test_preflight_names_the_fetch_command_of_every_listed_reward(tiny_weights, 
 def test_the_memory_estimate_counts_every_listed_reward():
     from fluxgrpo.config import build_config
     from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG
-    from fluxgrpo.training.memory import REWARD_PARAMETERS, RunShape, VaeShape, estimate, transformer_shape
+    from fluxgrpo.rewards.registry import reward_record
+    from fluxgrpo.training.memory import RunShape, VaeShape, estimate, transformer_shape
 
     model = transformer_shape(dict(TINY_TRANSFORMER_CONFIG))
 
@@ -183,21 +184,22 @@ def test_the_memory_estimate_counts_every_listed_reward():
         run = RunShape.from_config(build_config("tiny-cpu", overrides), 1)
         return estimate(model, VaeShape(0, 0), run).persistent["reward"]
 
-    both = 4 * (REWARD_PARAMETERS["hpsv2"] + REWARD_PARAMETERS["imagereward"])
+    both = 4 * (reward_record("hpsv2").parameters + reward_record("imagereward").parameters)
     assert reward_term(reward="hpsv2:1,imagereward:0.5") == both
     # bf16 autocast keeps those two rewards' weights in float32; HPSv3's weights are cast to bf16
     assert reward_term(reward="hpsv2:1,imagereward:0.5", reward_dtype="bf16") == both
-    assert reward_term(reward="hpsv3") == 4 * REWARD_PARAMETERS["hpsv3"]
+    assert reward_term(reward="hpsv3") == 4 * reward_record("hpsv3").parameters
     assert (
         reward_term(reward="hpsv3,hpsv2", reward_dtype="bf16")
-        == 2 * REWARD_PARAMETERS["hpsv3"] + 4 * REWARD_PARAMETERS["hpsv2"]
+        == 2 * reward_record("hpsv3").parameters + 4 * reward_record("hpsv2").parameters
     )
 
 
 def test_the_memory_estimate_counts_the_eval_reward_models_rank_0_keeps():
     from fluxgrpo.config import build_config
     from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG
-    from fluxgrpo.training.memory import REWARD_PARAMETERS, RunShape, VaeShape, estimate, transformer_shape
+    from fluxgrpo.rewards.registry import reward_record
+    from fluxgrpo.training.memory import RunShape, VaeShape, estimate, transformer_shape
 
     model = transformer_shape(dict(TINY_TRANSFORMER_CONFIG))
 
@@ -208,16 +210,16 @@ def test_the_memory_estimate_counts_the_eval_reward_models_rank_0_keeps():
     assert eval_term(reward="hpsv2", eval_rewards="hpsv3") == 0  # no evaluation: nothing loaded
     # The fp32 training reward is shared with the evaluation; the others are float32 copies on rank 0.
     assert eval_term(reward="hpsv2", eval_rewards="hpsv3,imagereward", eval_every=10) == 4 * (
-        REWARD_PARAMETERS["hpsv3"] + REWARD_PARAMETERS["imagereward"]
+        reward_record("hpsv3").parameters + reward_record("imagereward").parameters
     )
     # A bf16 training reward is not what `fluxgrpo score` loads: the evaluation keeps its own float32 copy.
-    assert eval_term(reward="hpsv3", reward_dtype="bf16", eval_every=10) == 4 * REWARD_PARAMETERS["hpsv3"]
+    assert eval_term(reward="hpsv3", reward_dtype="bf16", eval_every=10) == 4 * reward_record("hpsv3").parameters
     assert eval_term(reward="hpsv3", eval_every=10) == 0
 
 
 def test_imagereward_parameter_count_is_the_real_architectures():
     from fluxgrpo.rewards.imagereward import VIT_LARGE, build_imagereward_modules
-    from fluxgrpo.training.memory import REWARD_PARAMETERS
+    from fluxgrpo.rewards.registry import reward_record
 
     med_config = {  # THUDM/ImageReward's med_config.json (BLIP's BERT-base)
         "hidden_size": 768,
@@ -229,4 +231,4 @@ def test_imagereward_parameter_count_is_the_real_architectures():
     }
     with torch.device("meta"):
         modules = build_imagereward_modules(med_config, VIT_LARGE)
-    assert sum(p.numel() for m in modules for p in m.parameters()) == REWARD_PARAMETERS["imagereward"]
+    assert sum(p.numel() for m in modules for p in m.parameters()) == reward_record("imagereward").parameters

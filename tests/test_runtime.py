@@ -271,10 +271,12 @@ def test_the_first_recorded_error_is_the_cause_and_a_bug_points_at_its_traceback
 
 
 def test_worker_errors_records_and_reraises(tmp_path, monkeypatch):
+    from fluxgrpo.runtime.worker_errors import worker_errors
+
     monkeypatch.setenv(launch.ERROR_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("RANK", "2")
 
-    @launch.worker_errors
+    @worker_errors
     def worker():
         raise ValueError("bad shape")
 

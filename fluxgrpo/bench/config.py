@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fluxgrpo.config import TrainConfig
 from fluxgrpo.errors import UsageError
-from fluxgrpo.paths import DEFAULT_HPS_DIR
+from fluxgrpo.paths import DEFAULT_HPS_DIR, HPS_DIR_HELP
 
 TINY_MODEL = "tiny"
 SHAPED_MODEL = "flux-dev-shaped"
@@ -27,31 +27,68 @@ TRAINING_DEFAULTS = TrainConfig()
 # --------------------------------------------------------------------------------------------- configuration
 
 
+def _flag(
+    default: Any, help: str, *, typed: tuple[Any, Any] | None = None, name: str | None = None, flag: str | None = None
+) -> Any:
+    """A ``BenchConfig`` field that is a `fluxgrpo bench` flag. ``typed`` = (the flag's type, its default) when the
+    command line gives a string that ``build_bench_config`` parses; ``name``/``flag``: the command's parameter and
+    flag when not the field's own."""
+    return field(default=default, metadata={"help": help, "typed": typed, "name": name, "flag": flag})
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """What to measure. Build it with ``build_bench_config`` (parses and validates the flags' strings)."""
 
-    model: str = TINY_MODEL  # tiny | flux-dev-shaped | a diffusers FLUX folder
-    blocks: tuple[int, int] | None = None  # (double, single); None: the model's own (FLUX.1-dev: 19, 38)
-    resolutions: tuple[tuple[int, int], ...] = ()  # (height, width) each; () : 64² for tiny, 720² otherwise
-    steps: int = 16  # N sampling steps
-    rollout_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    micro_batch_sizes: tuple[int, ...] = (1, 2)
-    activation_checkpointing: str = "both"  # both | on | off (update phase)
-    trajectories: int | None = None  # B; None: lcm of every batch size
-    train_timesteps: int | None = None  # T per trajectory; None: max(1, int((N−1)·0.6))
-    text_tokens: int = 512  # S
-    dies: int = 1
-    device: str = "auto"
-    dtype: str | None = None  # bf16 | fp32; None: the runtime's compute dtype for the device
-    attention: str = "sdpa"
-    peak_tflops: float | None = None
-    repeats: int = 3
-    warmup: int = 1
-    reward: str = "auto"
-    hps_dir: str = DEFAULT_HPS_DIR
-    compile: bool = False
-    seed: int = 0
+    # Each field is one `fluxgrpo bench` flag (``cli/bench.py`` generates them from here): its help, and for a field
+    # parsed from a string, the flag's name, type and default as typed.
+    model: str = _flag(
+        TINY_MODEL,
+        "tiny, flux-dev-shaped (FLUX.1-dev's architecture, random weights, nothing downloaded), or a diffusers FLUX folder.",
+    )
+    blocks: tuple[int, int] | None = _flag(  # (double, single); None: the model's own (FLUX.1-dev: 19, 38)
+        None, "D,S double and single blocks (FLUX.1-dev: 19,38); fewer to fit one device.", typed=(str | None, None)
+    )
+    resolutions: tuple[tuple[int, int], ...] = _flag(  # (height, width) each; (): 64² for tiny, 720² otherwise
+        (),
+        "Image sizes to measure in turn: 512,720 (squares) or 720x1280 (default: 64 for tiny, else 720).",
+        typed=(str | None, None),
+        name="resolution",
+    )
+    steps: int = _flag(16, "Sampling steps N per trajectory.")
+    rollout_batch_sizes: tuple[int, ...] = _flag(
+        (1, 2, 4, 8), "Trajectories per forward to compare (rollout, decode, reward).", typed=(str, "1,2,4,8")
+    )
+    micro_batch_sizes: tuple[int, ...] = _flag(
+        (1, 2), "Training micro-batch sizes to compare (update).", typed=(str, "1,2")
+    )
+    activation_checkpointing: str = _flag("both", "Update with checkpointing: both, on or off.")
+    trajectories: int | None = _flag(  # B; None: lcm of every batch size
+        None, "Trajectories B per iteration (default: the least common multiple of the batch sizes)."
+    )
+    train_timesteps: int | None = _flag(  # T per trajectory; None: max(1, int((N−1)·0.6))
+        None, "Trained timesteps T per trajectory (default: int((N-1)·0.6), at least 1)."
+    )
+    text_tokens: int = _flag(512, "T5 tokens of the random conditioning.")  # S
+    dies: int = _flag(1, "Devices; more than 1 runs torchrun workers with the transformer sharded as in training.")
+    device: str = _flag("auto", "auto, or a device type (see `fluxgrpo env-check`).")
+    dtype: str | None = _flag(  # None: the runtime's compute dtype for the device
+        None, "Compute dtype bf16 or fp32, weights staying fp32 (default: bf16 on accelerators, fp32 on cpu)."
+    )
+    attention: str = _flag("sdpa", "Attention kernel, as `fluxgrpo train --attention`.")
+    peak_tflops: float | None = _flag(None, "Dense peak TFLOPS of one device for MFU (default: from the device table).")
+    repeats: int = _flag(
+        3,
+        "Timed runs per configuration (the median is shown); with --algorithms, training runs per algorithm, "
+        "in interleaved rounds (median and min-max shown).",
+    )
+    warmup: int = _flag(1, "Untimed runs before them.")
+    reward: str = _flag(
+        "auto", "auto, tiny-clip, vit-h-14 (random weights), brightness, or hpsv2 (weights from --hps-dir)."
+    )
+    hps_dir: str = _flag(DEFAULT_HPS_DIR, HPS_DIR_HELP)
+    compile: bool = _flag(False, "torch.compile the transformer (opt-in).", name="compile_model", flag="--compile")
+    seed: int = _flag(0, "Seed for the weights (and the phase bench's conditioning and noise).")
 
     @property
     def num_trajectories(self) -> int:

@@ -89,7 +89,7 @@ def random_hps_reward(architecture: str, device: Any, seed: int) -> Any:
 
     with tempfile.TemporaryDirectory(prefix="fluxgrpo-bench-reward-") as folder:
         if architecture == "tiny-clip":
-            from fluxgrpo.models.tiny_weights import write_tiny_reward
+            from fluxgrpo.rewards.hpsv2 import write_tiny_reward
 
             write_tiny_reward(Path(folder), seed)
         else:

@@ -1,5 +1,8 @@
 """``fluxgrpo bench``: per-phase time, throughput, memory and MFU of one GRPO iteration, batched vs batch 1; with
-``--algorithms``, the learning efficiency of training algorithms instead (``fluxgrpo.bench.efficiency``)."""
+``--algorithms``, the learning efficiency of training algorithms instead (``fluxgrpo.bench.efficiency``).
+
+The phase bench's flags are generated from ``fluxgrpo.bench.config.BenchConfig`` (one per field, its help in the
+field), as train's are from ``TrainConfig``; the algorithm comparison's and --json are declared here."""
 
 from __future__ import annotations
 
@@ -11,94 +14,35 @@ import typer
 
 from fluxgrpo.bench.efficiency import ALGORITHMS, BASELINE
 from fluxgrpo.cli.common import err_console, escape, handle_errors, out_console, print_json
-from fluxgrpo.paths import DEFAULT_HPS_DIR
 
 
 def _option(name: str, help: str) -> Any:
     return typer.Option(name, help=help)
 
 
-@handle_errors
+def _bench_parameters() -> list[inspect.Parameter]:
+    """The phase bench's flags, one per ``BenchConfig`` field, with the field's help (``bench/config.py``)."""
+    import dataclasses
+    import typing
+
+    from fluxgrpo.bench.config import BenchConfig
+
+    hints = typing.get_type_hints(BenchConfig)
+    params = []
+    for f in dataclasses.fields(BenchConfig):
+        meta = f.metadata
+        kind, default = meta["typed"] or (hints[f.name], f.default)
+        flag = meta["flag"] or "--" + (meta["name"] or f.name).replace("_", "-")
+        annotation = Annotated[kind, _option(flag, meta["help"])]  # type: ignore[valid-type]
+        params.append(
+            inspect.Parameter(
+                meta["name"] or f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation
+            )
+        )
+    return params
+
+
 def command(
-    model: Annotated[
-        str,
-        _option(
-            "--model",
-            "tiny, flux-dev-shaped (FLUX.1-dev's architecture, random weights, "
-            "nothing downloaded), or a diffusers FLUX folder.",
-        ),
-    ] = "tiny",
-    blocks: Annotated[
-        str | None, _option("--blocks", "D,S double and single blocks (FLUX.1-dev: 19,38); fewer to fit one device.")
-    ] = None,
-    resolution: Annotated[
-        str | None,
-        _option(
-            "--resolution",
-            "Image sizes to measure in turn: 512,720 (squares) or 720x1280 (default: 64 for tiny, else 720).",
-        ),
-    ] = None,
-    steps: Annotated[int, _option("--steps", "Sampling steps N per trajectory.")] = 16,
-    rollout_batch_sizes: Annotated[
-        str, _option("--rollout-batch-sizes", "Trajectories per forward to compare (rollout, decode, reward).")
-    ] = "1,2,4,8",
-    micro_batch_sizes: Annotated[
-        str, _option("--micro-batch-sizes", "Training micro-batch sizes to compare (update).")
-    ] = "1,2",
-    activation_checkpointing: Annotated[
-        str, _option("--activation-checkpointing", "Update with checkpointing: both, on or off.")
-    ] = "both",
-    trajectories: Annotated[
-        int | None,
-        _option(
-            "--trajectories", "Trajectories B per iteration (default: the least common multiple of the batch sizes)."
-        ),
-    ] = None,
-    train_timesteps: Annotated[
-        int | None,
-        _option("--train-timesteps", "Trained timesteps T per trajectory (default: int((N-1)·0.6), at least 1)."),
-    ] = None,
-    text_tokens: Annotated[int, _option("--text-tokens", "T5 tokens of the random conditioning.")] = 512,
-    dies: Annotated[
-        int,
-        _option("--dies", "Devices; more than 1 runs torchrun workers with the transformer sharded as in training."),
-    ] = 1,
-    device: Annotated[str, _option("--device", "auto, or a device type (see `fluxgrpo env-check`).")] = "auto",
-    dtype: Annotated[
-        str | None,
-        _option(
-            "--dtype", "Compute dtype bf16 or fp32, weights staying fp32 (default: bf16 on accelerators, fp32 on cpu)."
-        ),
-    ] = None,
-    attention: Annotated[str, _option("--attention", "Attention kernel, as `fluxgrpo train --attention`.")] = "sdpa",
-    peak_tflops: Annotated[
-        float | None,
-        _option("--peak-tflops", "Dense peak TFLOPS of one device for MFU (default: from the device table)."),
-    ] = None,
-    repeats: Annotated[
-        int,
-        _option(
-            "--repeats",
-            "Timed runs per configuration (the median is shown); with --algorithms, training runs per algorithm, "
-            "in interleaved rounds (median and min-max shown).",
-        ),
-    ] = 3,
-    warmup: Annotated[int, _option("--warmup", "Untimed runs before them.")] = 1,
-    reward: Annotated[
-        str,
-        _option(
-            "--reward", "auto, tiny-clip, vit-h-14 (random weights), brightness, or hpsv2 (weights from --hps-dir)."
-        ),
-    ] = "auto",
-    hps_dir: Annotated[
-        str,
-        _option(
-            "--hps-dir",
-            "Folder of the reward weights (`fetch-weights --hps-dir`): the HPS and open_clip files, pickscore/, imagereward/, hpsv3/.",
-        ),
-    ] = DEFAULT_HPS_DIR,
-    compile_model: Annotated[bool, _option("--compile", "torch.compile the transformer (opt-in).")] = False,
-    seed: Annotated[int, _option("--seed", "Seed for the weights (and the phase bench's conditioning and noise).")] = 0,
     algorithms: Annotated[
         str | None,
         _option(
@@ -120,6 +64,7 @@ def command(
             "with --algorithms one JSON document at the end.",
         ),
     ] = False,
+    **settings: Any,
 ) -> None:
     """Measure one GRPO iteration phase by phase, at several batch sizes side by side; or, with --algorithms,
     what each training algorithm gains per second.
@@ -129,41 +74,30 @@ def command(
       fluxgrpo bench --model flux-dev-shaped --blocks 8,16 --resolution 720 --steps 16 --json > bench.jsonl
       fluxgrpo bench --algorithms dance,dance-t2 --iterations 30 --repeats 3
     """
-    arguments = locals()
+    arguments = {"algorithms": algorithms, "iterations": iterations, "config": config, "json_output": json_output}
+    arguments.update(settings)
     import json
     import sys
 
     if algorithms is not None:
         _refuse_flags(arguments, EFFICIENCY_FLAGS | SHARED_FLAGS, "the phase bench only: drop it, or drop --algorithms")
-        _run_efficiency(algorithms, iterations, repeats, config, text_tokens, seed, device, json_output)
+        _run_efficiency(
+            algorithms,
+            iterations,
+            settings["repeats"],
+            config,
+            settings["text_tokens"],
+            settings["seed"],
+            settings["device"],
+            json_output,
+        )
         return
     _refuse_flags(arguments, PHASE_FLAGS | SHARED_FLAGS, "--algorithms only: add --algorithms, or drop it")
     from fluxgrpo.bench.config import build_bench_config
     from fluxgrpo.bench.run import run_bench
 
-    cfg = build_bench_config(
-        model=model,
-        blocks=blocks,
-        resolution=resolution,
-        rollout_batch_sizes=rollout_batch_sizes,
-        micro_batch_sizes=micro_batch_sizes,
-        steps=steps,
-        activation_checkpointing=activation_checkpointing,
-        trajectories=trajectories,
-        train_timesteps=train_timesteps,
-        text_tokens=text_tokens,
-        dies=dies,
-        device=device,
-        dtype=dtype,
-        attention=attention,
-        peak_tflops=peak_tflops,
-        repeats=repeats,
-        warmup=warmup,
-        reward=reward,
-        hps_dir=hps_dir,
-        compile=compile_model,
-        seed=seed,
-    )
+    compile_model = settings.pop("compile_model")
+    cfg = build_bench_config(**settings, compile=compile_model)
 
     def emit(record: dict[str, Any]) -> None:
         if json_output:
@@ -174,6 +108,20 @@ def command(
     if not json_output:
         _render(records)
 
+
+def _with_generated_signature(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The phase bench's flags first (``_bench_parameters``), then the algorithm comparison's and --json."""
+    fixed = [
+        p
+        for p in inspect.signature(fn, eval_str=True).parameters.values()
+        if p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    keyword = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in fixed]
+    fn.__signature__ = inspect.Signature([*_bench_parameters(), *keyword])  # type: ignore[attr-defined]
+    return fn
+
+
+command = _with_generated_signature(handle_errors(command))
 
 # Flags that mean the same in both benches; the others belong to one of them.
 SHARED_FLAGS = frozenset({"text_tokens", "seed", "device", "repeats", "json_output"})

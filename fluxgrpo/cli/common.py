@@ -16,15 +16,25 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.paths import HPS_DIR_HELP
+from fluxgrpo.runtime.device import DEVICE_TYPES
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# The options several commands declare alike: one declaration each (a command whose option says something of its
+# own, e.g. `score --json`'s several-reward document, declares it itself).
+JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")]
+DeviceOption = Annotated[
+    str, typer.Option("--device", help=f"auto (the best found), or one of {', '.join(DEVICE_TYPES)}.")
+]
+HpsDirOption = Annotated[str, typer.Option("--hps-dir", help=HPS_DIR_HELP)]
 
 err_console = Console(stderr=True)
 out_console = Console()

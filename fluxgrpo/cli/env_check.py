@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from fluxgrpo.cli.common import escape, handle_errors, out_console, print_json
+from fluxgrpo.cli.common import HpsDirOption, JsonOption, escape, handle_errors, out_console, print_json
 from fluxgrpo.config import TrainConfig
 from fluxgrpo.paths import DEFAULT_EMBEDDINGS_DIR, DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR
 
@@ -19,15 +19,9 @@ def _gib(n: int | None) -> str:
 
 @handle_errors
 def command(
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
+    json_output: JsonOption = False,
     flux_dir: Annotated[str, typer.Option("--flux-dir", help="FLUX diffusers folder.")] = DEFAULT_FLUX_DIR,
-    hps_dir: Annotated[
-        str,
-        typer.Option(
-            "--hps-dir",
-            help="Folder of the reward weights (`fetch-weights --hps-dir`): the HPS and open_clip files, pickscore/, imagereward/, hpsv3/.",
-        ),
-    ] = DEFAULT_HPS_DIR,
+    hps_dir: HpsDirOption = DEFAULT_HPS_DIR,
     embeddings_dir: Annotated[
         str, typer.Option("--embeddings", help="Embeddings folder written by `fluxgrpo preprocess`.")
     ] = DEFAULT_EMBEDDINGS_DIR,

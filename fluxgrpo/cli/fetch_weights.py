@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from fluxgrpo.cli.common import escape, handle_errors, log, out_console, print_json
+from fluxgrpo.cli.common import JsonOption, escape, handle_errors, log, out_console, print_json
 from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR
+
+if TYPE_CHECKING:
+    from fluxgrpo.weights.hub import FetchSummary
 
 SOURCES = ("tiny", "hf", "modelscope")
 HUB_HELP = "Hub sources (hf, modelscope)"
@@ -108,7 +111,7 @@ def command(
             "--seed", help="Seed of the tiny random weights, --source tiny only (default 0).", show_default=False
         ),
     ] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
+    json_output: JsonOption = False,
 ) -> None:
     """Fetch FLUX.1-dev, HPSv2.1 and (on request) the other rewards' weights, or write tiny random ones for a CPU trial.
 
@@ -163,24 +166,16 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
     from pathlib import Path
 
     from fluxgrpo.errors import FluxgrpoError
-    from fluxgrpo.models.tiny_weights import TINY_PARTS, write_tiny_weights
+    from fluxgrpo.models.tiny_weights import tiny_parts, write_tiny_weights
     from fluxgrpo.paths import ensure_writable_dir, give_default_mode
+    from fluxgrpo.rewards.registry import weights_parts
     from fluxgrpo.runtime.worker import quiet_library_progress
-    from fluxgrpo.weights.layout import (
-        check_flux_dir,
-        check_hps_dir,
-        check_hpsv3_dir,
-        check_imagereward_dir,
-        check_pickscore_dir,
-        hpsv3_dir,
-        imagereward_dir,
-        pickscore_dir,
-    )
+    from fluxgrpo.weights.layout import check_flux_dir
 
-    selected = parts or list(TINY_PARTS)
+    selected = parts or list(tiny_parts())
     if "flux" in selected:
         ensure_writable_dir(flux_dir, "FLUX weights", "--flux-dir")
-    if set(selected) & (set(TINY_PARTS) - {"flux"}):  # unknown names are refused below, before anything is made
+    if set(selected) & (set(tiny_parts()) - {"flux"}):  # unknown names are refused below, before anything is made
         ensure_writable_dir(hps_dir, "reward weights", "--hps-dir")
     log(f"writing tiny random weights (seed {seed}) to {flux_dir} and {hps_dir}")
     try:
@@ -195,32 +190,17 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
     for folder in {Path(flux_dir), Path(hps_dir)}:
         for weights in folder.rglob("*.safetensors"):
             give_default_mode(weights)  # safetensors leaves them 0600
-    checks = {
-        "flux": lambda: check_flux_dir(flux_dir),
-        "hps": lambda: check_hps_dir(hps_dir)[0],
-        "clip": lambda: check_hps_dir(hps_dir)[1],
-        "pickscore": lambda: check_pickscore_dir(pickscore_dir(hps_dir)),
-        "imagereward": lambda: check_imagereward_dir(imagereward_dir(hps_dir)),
-        "hpsv3": lambda: check_hpsv3_dir(hpsv3_dir(hps_dir)),
-    }
-    sizes = {
-        "flux": summary.flux_bytes,
-        "hps": summary.hps_bytes,
-        "clip": summary.clip_bytes,
-        "pickscore": summary.pickscore_bytes,
-        "imagereward": summary.imagereward_bytes,
-        "hpsv3": summary.hpsv3_bytes,
-    }
     rows: list[dict[str, Any]] = []
-    for part in summary.parts:
-        status = checks[part]()
+    reward_parts = weights_parts()
+    for part, size in summary.part_bytes.items():
+        status = check_flux_dir(flux_dir) if part == "flux" else reward_parts[part].check(Path(hps_dir))
         rows.append(
             {
                 "part": status.name,
                 "path": status.path,
                 "source": status.source,
                 "complete": status.complete,
-                "bytes": sizes[part],
+                "bytes": size,
                 "problems": status.problems,
             }
         )
@@ -279,7 +259,7 @@ def _short(revision: str) -> str:
     return revision[:12] if len(revision) == 40 else revision
 
 
-def _print_plan(summary: Any) -> None:
+def _print_plan(summary: FetchSummary) -> None:
     from rich.table import Table
 
     from fluxgrpo.weights.hub_progress import format_bytes
@@ -304,7 +284,7 @@ def _print_plan(summary: Any) -> None:
     )
 
 
-def _print_summary(summary: Any) -> None:
+def _print_summary(summary: FetchSummary) -> None:
     from rich.table import Table
 
     from fluxgrpo.weights.hub_progress import format_bytes

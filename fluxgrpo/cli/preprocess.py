@@ -6,9 +6,8 @@ from typing import Annotated
 
 import typer
 
-from fluxgrpo.cli.common import escape, handle_errors, log, out_console, print_json
+from fluxgrpo.cli.common import DeviceOption, JsonOption, escape, handle_errors, log, out_console, print_json
 from fluxgrpo.paths import DEFAULT_EMBEDDINGS_DIR, DEFAULT_FLUX_DIR, EMBEDDINGS_INDEX
-from fluxgrpo.runtime.device import DEVICE_TYPES
 
 
 @handle_errors
@@ -29,10 +28,8 @@ def command(
         int, typer.Option("--max-sequence-length", help="T5 tokens per prompt (padded; longer prompts are cut).")
     ] = 512,
     dies: Annotated[int, typer.Option("--dies", help="Worker processes, one per device (torchrun).")] = 1,
-    device: Annotated[
-        str, typer.Option("--device", help=f"auto (the best found), or one of {', '.join(DEVICE_TYPES)}.")
-    ] = "auto",
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
+    device: DeviceOption = "auto",
+    json_output: JsonOption = False,
 ) -> None:
     """Encode prompts once (T5 + CLIP pooled) so training never loads the text encoders.
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from fluxgrpo.cli.common import err_console, handle_errors, out_console, print_json
+from fluxgrpo.cli.common import JsonOption, err_console, handle_errors, out_console, print_json
 
 
 @handle_errors
@@ -22,7 +22,7 @@ def command(
     out: Annotated[
         str | None, typer.Option("--out", help="Where to write the HTML (default: RUN_DIR/report.html).")
     ] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
+    json_output: JsonOption = False,
 ) -> None:
     """Write RUN_DIR/report.html: curves, eval grids over iterations, config, versions, hardware, a summary.
 

@@ -6,10 +6,9 @@ from typing import Annotated
 
 import typer
 
-from fluxgrpo.cli.common import handle_errors, log, out_console, print_json
+from fluxgrpo.cli.common import DeviceOption, JsonOption, handle_errors, log, out_console, print_json
 from fluxgrpo.paths import DEFAULT_FLUX_DIR
 from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
-from fluxgrpo.runtime.device import DEVICE_TYPES
 
 
 @handle_errors
@@ -54,16 +53,14 @@ def command(
             show_default=False,
         ),
     ] = None,
-    device: Annotated[
-        str, typer.Option("--device", help=f"auto (the best found), or one of {', '.join(DEVICE_TYPES)}.")
-    ] = "auto",
+    device: DeviceOption = "auto",
     attention: Annotated[
         str, typer.Option("--attention", help=f"Attention kernel: {' or '.join(ATTENTION_BACKENDS)}.")
     ] = "sdpa",
     max_sequence_length: Annotated[
         int, typer.Option("--max-sequence-length", help="T5 tokens per prompt (padded; longer prompts are cut).")
     ] = 512,
-    json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object with stable keys.")] = False,
+    json_output: JsonOption = False,
 ) -> None:
     """Generate images with the base model or a trained checkpoint, reproducibly (same seed, same images).
 

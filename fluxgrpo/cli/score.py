@@ -6,10 +6,9 @@ from typing import Annotated
 
 import typer
 
-from fluxgrpo.cli.common import err_console, handle_errors, log, out_console, print_json
+from fluxgrpo.cli.common import DeviceOption, HpsDirOption, err_console, handle_errors, log, out_console, print_json
 from fluxgrpo.paths import DEFAULT_HPS_DIR
 from fluxgrpo.rewards import reward_names
-from fluxgrpo.runtime.device import DEVICE_TYPES
 
 
 @handle_errors
@@ -33,17 +32,9 @@ def command(
             "commas are scored side by side, one model in memory at a time.",
         ),
     ] = "hpsv2",
-    hps_dir: Annotated[
-        str,
-        typer.Option(
-            "--hps-dir",
-            help="Folder of the reward weights (`fetch-weights --hps-dir`): the HPS and open_clip files, pickscore/, imagereward/, hpsv3/.",
-        ),
-    ] = DEFAULT_HPS_DIR,
+    hps_dir: HpsDirOption = DEFAULT_HPS_DIR,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Images per reward forward pass.")] = 16,
-    device: Annotated[
-        str, typer.Option("--device", help=f"auto (the best found), or one of {', '.join(DEVICE_TYPES)}.")
-    ] = "auto",
+    device: DeviceOption = "auto",
     json_output: Annotated[
         bool,
         typer.Option(

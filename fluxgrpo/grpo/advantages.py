@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fluxgrpo.grpo.finite_stats import finite_mean_std
+
 # A group whose rewards spread by less than this fraction of their magnitude is "all equal": fp32 rewards carry
 # about 6e-8 relative rounding, so such a spread is noise, and standardising it would blow rounding up to ±1.
 FLAT_GROUP_RELATIVE_SPREAD = 1e-6
@@ -58,12 +60,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, adv_clip_max: float
     if rewards.ndim != 1 or group_size < 1 or rewards.shape[0] % group_size:
         raise ValueError(f"rewards {tuple(rewards.shape)} do not split into groups of {group_size}")
     grouped = rewards.to(torch.float32).reshape(-1, group_size)  # [groups, G]
-    finite = torch.isfinite(grouped)
-    count = finite.sum(dim=1, keepdim=True).to(torch.float32)  # [groups, 1]
+    finite, _, mean, std = finite_mean_std(grouped, dim=1, keepdim=True)  # mean, std: [groups, 1]
     safe = torch.where(finite, grouped, torch.zeros_like(grouped))
-    mean = safe.sum(dim=1, keepdim=True) / count.clamp(min=1)
-    squared_dev = torch.where(finite, (grouped - mean) ** 2, torch.zeros_like(grouped))
-    std = (squared_dev.sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
     advantages = (safe - mean) / (std + eps)
     usable = finite & ~flat_groups(grouped, finite)[:, None]
     advantages = torch.where(usable, advantages, torch.zeros_like(advantages))

@@ -1,95 +1,26 @@
-"""Rewards: one module per reward model behind one protocol (``base.RewardFn``), and the name → loader registry.
+"""Rewards: one module per reward model behind one protocol (``base.RewardFn``), each declaring one record
+(``registry.RewardRecord``) that the rest of fluxgrpo reads.
 
 ``load_reward(name, hps_dir, device, reward_dtype)`` builds the reward called ``name``; ``reward_names()`` lists
-them in the order the CLI shows them. Every reward reads its weights from inside ``hps_dir`` (``weights/layout.py``
-says where), so `train --hps-dir` and `score --hps-dir` find all of them in one place. Heavy libraries are imported
-by the loader that needs them, not here.
+them in the order the CLI shows them. Every reward reads its weights from inside ``hps_dir`` (its record says where
+and how to check them), so `train --hps-dir` and `score --hps-dir` find all of them in one place. Heavy libraries are
+imported by the loader that needs them, not here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fluxgrpo.errors import UsageError
 from fluxgrpo.rewards.base import REWARD_DTYPES, RewardFn, reward_torch_dtype
-
-if TYPE_CHECKING:
-    import torch
-
-    from fluxgrpo.weights.layout import PartStatus
-
-# A loader builds one reward: (hps_dir, device, encoder dtype) → RewardFn.
-RewardLoader = Callable[[Path, Any, "torch.dtype"], RewardFn]
-
-
-def _hpsv2(hps_dir: Path, device: Any, dtype: torch.dtype) -> RewardFn:
-    from fluxgrpo.rewards.hpsv2 import HpsV2Reward
-
-    return HpsV2Reward(hps_dir, device, compute_dtype=dtype)
-
-
-def _pickscore(hps_dir: Path, device: Any, dtype: torch.dtype) -> RewardFn:
-    from fluxgrpo.rewards.pickscore import PickScoreReward
-    from fluxgrpo.weights.layout import pickscore_dir
-
-    return PickScoreReward(pickscore_dir(hps_dir), device, compute_dtype=dtype)
-
-
-def _clipscore(hps_dir: Path, device: Any, dtype: torch.dtype) -> RewardFn:
-    from fluxgrpo.rewards.clipscore import ClipScoreReward
-
-    return ClipScoreReward(hps_dir, device, compute_dtype=dtype)
-
-
-def _imagereward(hps_dir: Path, device: Any, dtype: torch.dtype) -> RewardFn:
-    from fluxgrpo.rewards.imagereward import ImageRewardReward
-    from fluxgrpo.weights.layout import imagereward_dir
-
-    return ImageRewardReward(imagereward_dir(hps_dir), device, compute_dtype=dtype)
-
-
-def _hpsv3(hps_dir: Path, device: Any, dtype: torch.dtype) -> RewardFn:
-    from fluxgrpo.rewards.hpsv3 import HpsV3Reward
-    from fluxgrpo.weights.layout import hpsv3_dir
-
-    return HpsV3Reward(hpsv3_dir(hps_dir), device, compute_dtype=dtype)
-
-
-def _brightness(hps_dir: Path, device: Any, dtype: torch.dtype) -> RewardFn:
-    from fluxgrpo.rewards.brightness import BrightnessReward
-
-    return BrightnessReward()
-
-
-# name → loader; the report helper's --eval-rewards and `score --reward` use the same mapping.
-REWARDS: dict[str, RewardLoader] = {
-    "hpsv2": _hpsv2,
-    "pickscore": _pickscore,
-    "clipscore": _clipscore,
-    "imagereward": _imagereward,
-    "hpsv3": _hpsv3,
-    "brightness": _brightness,
-}
-
-
-def reward_weights_status(name: str, hps_dir: str | Path) -> list[PartStatus]:
-    """The weight parts reward ``name`` reads from ``hps_dir``, each checked (``weights/layout.py``); [] for none."""
-    from fluxgrpo.weights import layout
-
-    checks: dict[str, Callable[[Path], list[PartStatus]]] = {
-        "hpsv2": layout.check_hps_dir,
-        "pickscore": lambda folder: [layout.check_pickscore_dir(layout.pickscore_dir(folder))],
-        "clipscore": lambda folder: [layout.check_clip_part(folder)],
-        "imagereward": lambda folder: [layout.check_imagereward_dir(layout.imagereward_dir(folder))],
-        "hpsv3": lambda folder: [layout.check_hpsv3_dir(layout.hpsv3_dir(folder))],
-    }
-    return checks.get(name, lambda folder: [])(Path(hps_dir))
-
-
-def reward_names() -> list[str]:
-    return list(REWARDS)
+from fluxgrpo.rewards.registry import (
+    RewardLoader,
+    RewardRecord,
+    register_reward,
+    reward_names,
+    reward_record,
+    reward_weights_status,
+)
 
 
 def load_reward(name: str, hps_dir: str | Path, device: Any = "cpu", reward_dtype: str = "fp32") -> RewardFn:
@@ -97,18 +28,17 @@ def load_reward(name: str, hps_dir: str | Path, device: Any = "cpu", reward_dtyp
 
     ``reward_dtype`` (``fp32`` | ``bf16``, ``--reward-dtype``) is the dtype its encoders run in; scores are float32.
     """
-    loader = REWARDS.get(name)
-    if loader is None:
-        raise UsageError(f"unknown reward {name!r}: use --reward with one of {', '.join(REWARDS)}")
-    return loader(Path(hps_dir), device, reward_torch_dtype(reward_dtype))
+    return reward_record(name).load(Path(hps_dir), device, reward_torch_dtype(reward_dtype))
 
 
 __all__ = [
-    "REWARDS",
     "REWARD_DTYPES",
     "RewardFn",
     "RewardLoader",
+    "RewardRecord",
     "load_reward",
+    "register_reward",
     "reward_names",
+    "reward_record",
     "reward_weights_status",
 ]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.rewards.base import check_batch
+from fluxgrpo.rewards.registry import RewardRecord
 
 if TYPE_CHECKING:
     import torch
@@ -22,3 +24,10 @@ class BrightnessReward:
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         check_batch(images, prompts)
         return images.float().mean(dim=(1, 2, 3))
+
+
+def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> BrightnessReward:
+    return BrightnessReward()
+
+
+RECORD = RewardRecord("brightness", _load)  # no weights

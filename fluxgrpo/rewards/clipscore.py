@@ -20,6 +20,7 @@ from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import check_batch, check_pil_batch, normalize_clip, read_state_dict
 from fluxgrpo.rewards.open_clip_model import OpenClipCosine, create_empty_open_clip, reward_model_name
 from fluxgrpo.rewards.pickscore import resize_shortest_edge
+from fluxgrpo.rewards.registry import RewardRecord
 from fluxgrpo.weights.layout import OPEN_CLIP_WEIGHTS, check_clip_part
 
 if TYPE_CHECKING:
@@ -97,3 +98,11 @@ class ClipScoreReward(OpenClipCosine):
     def score_pixels(self, pixels: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         """Normalised pixels → max(100 · cos, 0) [B] float32."""
         return (CLIPSCORE_WEIGHT * self.cosine(pixels, prompts)).clamp(min=0.0)
+
+
+def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> ClipScoreReward:
+    return ClipScoreReward(hps_dir, device, compute_dtype=dtype)
+
+
+# LAION's open_clip ViT-H-14 weights, the part HPSv2 owns (HPSv2 was fine-tuned from them).
+RECORD = RewardRecord("clipscore", _load, reads=("clip",), parameters=986_109_440)

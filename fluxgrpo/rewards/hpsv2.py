@@ -9,13 +9,26 @@ which scored in fp16 autocast (a reward resolution of about 2e-4), the encoders 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import check_batch, check_pil_batch, normalize_clip, pil_to_tensor, read_state_dict
 from fluxgrpo.rewards.open_clip_model import OpenClipCosine, create_empty_open_clip, reward_model_name
-from fluxgrpo.weights.layout import HPS_CHECKPOINT, OPEN_CLIP_WEIGHTS, check_hps_dir
+from fluxgrpo.rewards.registry import RewardRecord, WeightsPart
+from fluxgrpo.weights.hub_part import CLIP_MIRROR_REPO, CLIP_REPO, HubPart
+from fluxgrpo.weights.layout import (
+    CLIP_MANIFEST,
+    HPS_CHECKPOINT,
+    HPS_MANIFEST,
+    OPEN_CLIP_WEIGHTS,
+    REWARD_ARCH_FILE,
+    check_clip_part,
+    check_hps_dir,
+)
+from fluxgrpo.weights.manifest import Manifest, describe_files, write_manifest
+from fluxgrpo.weights.tiny_writing import TINY_SOURCE, refuse_unless_tiny_or_empty
 
 if TYPE_CHECKING:
     import torch
@@ -117,3 +130,85 @@ class HpsV2Reward(OpenClipCosine):
             ]
         )
         return self.cosine(normalize_clip(pixels), prompts)
+
+
+def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> HpsV2Reward:
+    return HpsV2Reward(hps_dir, device, compute_dtype=dtype)
+
+
+def _write_tiny(hps_dir: Path, seed: int) -> dict[str, int]:
+    hps_bytes, clip_bytes = write_tiny_reward(hps_dir, seed)  # the pair: a checkpoint and its initial weights
+    return {"hps": hps_bytes, "clip": clip_bytes}
+
+
+RECORD = RewardRecord(
+    "hpsv2",
+    _load,
+    parts=(
+        WeightsPart(
+            "hps",
+            lambda hps_dir: check_hps_dir(hps_dir)[0],
+            hub=(
+                HubPart(
+                    "hps",
+                    {"hf": ("xswu/HPSv2",), "modelscope": ("AI-ModelScope/HPSv2",)},
+                    allow=(HPS_CHECKPOINT,),
+                    root="hps",
+                    manifest_name=HPS_MANIFEST,
+                    # The tiny reward's architecture file would make the loader build the tiny model around real
+                    # weights.
+                    replaces=(REWARD_ARCH_FILE,),
+                ),
+            ),
+        ),
+        WeightsPart(
+            "clip",
+            check_clip_part,
+            hub=(
+                HubPart(
+                    "clip",
+                    # ModelScope's copy under the laion id has only one source; AI-ModelScope's is the known fallback.
+                    {"hf": (CLIP_REPO,), "modelscope": (CLIP_REPO, CLIP_MIRROR_REPO)},
+                    allow=(OPEN_CLIP_WEIGHTS,),
+                    root="hps",
+                    manifest_name=CLIP_MANIFEST,
+                ),
+            ),
+        ),
+    ),
+    write_tiny=_write_tiny,
+    # open_clip ViT-H-14 (counted on a meta-device build, as for every reward's count).
+    parameters=986_109_440,
+)
+
+
+# The files the tiny writer may replace in an --hps-dir (the other rewards live in subfolders).
+_TINY_FILES = (HPS_CHECKPOINT, OPEN_CLIP_WEIGHTS, REWARD_ARCH_FILE, HPS_MANIFEST, CLIP_MANIFEST)
+
+
+def write_tiny_reward(hps_dir: Path, seed: int = 0) -> tuple[int, int]:
+    """Write the tiny HPS checkpoint, the open_clip initial weights, the architecture file and both manifests.
+
+    Returns (hps bytes incl. the architecture file, clip bytes).
+    """
+    import torch
+
+    from fluxgrpo.rewards.tiny import TINY_REWARD_CONFIG, build_tiny_reward_model
+
+    hps_dir = Path(hps_dir)
+    refuse_unless_tiny_or_empty(hps_dir, (HPS_MANIFEST, CLIP_MANIFEST), _TINY_FILES, "--hps-dir")
+    hps_dir.mkdir(parents=True, exist_ok=True)
+    for name in (HPS_MANIFEST, CLIP_MANIFEST):  # manifests go first so a crash below leaves an unfinished part
+        (hps_dir / name).unlink(missing_ok=True)
+
+    hps_model = build_tiny_reward_model(seed)
+    initial_model = build_tiny_reward_model(seed + 1)
+    torch.save({"state_dict": hps_model.state_dict()}, hps_dir / HPS_CHECKPOINT)
+    torch.save(initial_model.state_dict(), hps_dir / OPEN_CLIP_WEIGHTS)
+    (hps_dir / REWARD_ARCH_FILE).write_text(json.dumps(TINY_REWARD_CONFIG, indent=2) + "\n")
+
+    hps_files = describe_files(hps_dir, [HPS_CHECKPOINT, REWARD_ARCH_FILE])
+    clip_files = describe_files(hps_dir, [OPEN_CLIP_WEIGHTS])
+    write_manifest(hps_dir, Manifest(part="hps", source=TINY_SOURCE, files=hps_files), HPS_MANIFEST)
+    write_manifest(hps_dir, Manifest(part="clip", source=TINY_SOURCE, files=clip_files), CLIP_MANIFEST)
+    return sum(f.size for f in hps_files), sum(f.size for f in clip_files)

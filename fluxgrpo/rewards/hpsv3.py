@@ -40,7 +40,19 @@ from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import check_batch, check_pil_batch, load_pretrained, normalize_clip, resize_like_pil
-from fluxgrpo.weights.layout import HPSV3_BASE_DIR, HPSV3_CHECKPOINT, HPSV3_MODEL_DIR, check_hpsv3_dir
+from fluxgrpo.rewards.registry import RewardRecord, WeightsPart
+from fluxgrpo.weights.hub_part import HubPart
+from fluxgrpo.weights.layout import (
+    HPSV3_BASE_DIR,
+    HPSV3_BASE_FILES,
+    HPSV3_CHECKPOINT,
+    HPSV3_DIR,
+    HPSV3_MODEL_DIR,
+    check_hpsv3_dir,
+    hpsv3_dir,
+)
+from fluxgrpo.weights.manifest import MANIFEST_NAME
+from fluxgrpo.weights.tiny_writing import fresh_subfolders, write_subfolder_manifests
 
 if TYPE_CHECKING:
     import torch
@@ -472,3 +484,192 @@ class HpsV3Reward:
         while len(self._tokens) > self._text_cache_size:
             self._tokens.popitem(last=False)
         return ids
+
+
+def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> HpsV3Reward:
+    return HpsV3Reward(hpsv3_dir(hps_dir), device, compute_dtype=dtype)
+
+
+def _write_tiny(hps_dir: Path, seed: int) -> dict[str, int]:
+    return {"hpsv3": write_tiny_hpsv3(hpsv3_dir(hps_dir), seed)}
+
+
+RECORD = RewardRecord(
+    "hpsv3",
+    _load,
+    parts=(
+        WeightsPart(
+            "hpsv3",
+            lambda hps_dir: check_hpsv3_dir(hpsv3_dir(hps_dir)),
+            hub=(
+                HubPart(
+                    "hpsv3-model",
+                    # The authors' inference code downloads HPSv3.safetensors from MizzenAI/HPSv3 on Hugging Face;
+                    # DiffSynth-Studio and VideoX-Fun point at the same id on ModelScope.
+                    {"hf": ("MizzenAI/HPSv3",), "modelscope": ("MizzenAI/HPSv3",)},
+                    allow=(HPSV3_CHECKPOINT,),
+                    root="hps",
+                    manifest_name=MANIFEST_NAME,
+                    subdir=f"{HPSV3_DIR}/{HPSV3_MODEL_DIR}",
+                ),
+                HubPart(
+                    "hpsv3-base",
+                    # Only the config and tokenizer of the base model: HPSv3.safetensors holds every weight (16 GB
+                    # saved).
+                    {"hf": ("Qwen/Qwen2-VL-7B-Instruct",), "modelscope": ("Qwen/Qwen2-VL-7B-Instruct",)},
+                    allow=HPSV3_BASE_FILES,
+                    root="hps",
+                    manifest_name=MANIFEST_NAME,
+                    subdir=f"{HPSV3_DIR}/{HPSV3_BASE_DIR}",
+                ),
+            ),
+        ),
+    ),
+    write_tiny=_write_tiny,
+    parameters=7_748_610_610,  # Qwen2-VL-7B without lm_head, + the rm_head
+    casts_weights=True,
+)
+
+
+def write_tiny_hpsv3(folder: Path, seed: int = 0) -> int:
+    """Write a tiny HPSv3 (``model/``: HPSv3.safetensors in the authors' keys; ``base/``: a Qwen2-VL config.json in
+    the real file's format and a Qwen2 tokenizer) with a manifest in each; returns bytes."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    model_dir, base_dir = folder / HPSV3_MODEL_DIR, folder / HPSV3_BASE_DIR
+    fresh_subfolders(model_dir, base_dir)
+    tokenizer = build_tiny_qwen2_tokenizer()
+    save_file(build_tiny_hpsv3_state(tokenizer, seed), model_dir / HPSV3_CHECKPOINT, metadata={"format": "pt"})
+    tokenizer.save_pretrained(base_dir)
+    (base_dir / "config.json").write_text(json.dumps(tiny_hpsv3_base_config(tokenizer), indent=2) + "\n")
+    return write_subfolder_manifests("hpsv3", model_dir, base_dir)
+
+
+# HPSv3: a Qwen2-VL with two decoder layers of width 32 and two vision blocks (the real patch, merge and temporal sizes,
+# so images go through exactly the real preprocessing), and the real rm_head shape. The tokenizer is byte-level BPE
+# with Qwen2's special tokens after the 256 byte symbols and merges that spell each word of the authors' instruction
+# (so a conversation is ~700 tokens, not ~2900 bytes).
+QWEN2_VL_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+TINY_HPSV3_VISION: dict[str, Any] = {
+    "depth": 2,
+    "embed_dim": 32,
+    "hidden_size": 32,
+    "mlp_ratio": 2,
+    "num_heads": 2,
+    "in_chans": 3,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+
+
+def build_tiny_qwen2_tokenizer() -> Any:
+    """A Qwen2 tokenizer: the 256 byte symbols, merges spelling the instruction's words, then Qwen2-VL's specials."""
+    from transformers import Qwen2Tokenizer
+
+    from fluxgrpo.tiny_tokenizers import byte_level_symbols
+
+    symbols = byte_level_symbols()
+    bytes_only = Qwen2Tokenizer(vocab={s: i for i, s in enumerate(symbols)}, merges=[])
+    pieces = bytes_only.backend_tokenizer.pre_tokenizer.pre_tokenize_str(INSTRUCTION + RATING_REQUEST)
+    vocab = {s: i for i, s in enumerate(symbols)}
+    merges: list[tuple[str, str]] = []
+    for piece, _ in pieces:
+        for end in range(2, len(piece) + 1):  # "Ġwor" + "d" → "Ġword", one merge per prefix
+            left, right = piece[: end - 1], piece[end - 1]
+            if piece[:end] not in vocab:
+                vocab[piece[:end]] = len(vocab)
+                merges.append((left, right))
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab, merges=merges, unk_token=None, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN2_VL_SPECIAL_TOKENS[1:])})
+    return tokenizer
+
+
+def tiny_hpsv3_base_config(tokenizer: Any) -> dict[str, Any]:
+    """config.json of the tiny Qwen2-VL, in the real Qwen2-VL-7B-Instruct file's (flat, transformers 4.4x) format."""
+    ids = dict(
+        zip(QWEN2_VL_SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(QWEN2_VL_SPECIAL_TOKENS)), strict=True)
+    )
+    return {
+        "architectures": ["Qwen2VLForConditionalGeneration"],
+        "model_type": "qwen2_vl",
+        "attention_dropout": 0.0,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vision_token_id": ids["<|vision_pad|>"],
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "hidden_act": "silu",
+        "hidden_size": 32,
+        "initializer_range": 0.02,
+        "intermediate_size": 64,
+        "max_position_embeddings": 4096,
+        "max_window_layers": 2,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 4096,  # unused: use_sliding_window is false, as in the real config
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vision_config": dict(TINY_HPSV3_VISION),
+        # head_dim 8: four rotary frequencies, split over (time, height, width) as the real [16, 24, 24] splits 64
+        "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
+        "vocab_size": len(tokenizer) + 2,  # the config's row count is padded past the tokenizer's, as the real one is
+    }
+
+
+# The decoder's query and key weights: random weights of the usual 0.02 make attention nearly uniform, so the tiny
+# model would not tell rotary positions apart (what the plain-positions and rounded-tables tests check); much larger
+# ones make it chaotic, so that the 8-bit rounding of the PIL path moves its scores more than their spread.
+TINY_HPSV3_ATTENTION_STD = 0.35
+
+
+def build_tiny_hpsv3_state(tokenizer: Any, seed: int = 0) -> dict[str, Any]:
+    """A random tiny HPSv3's weights under the authors' checkpoint keys (transformers 4.45 names, ``lm_head`` kept),
+    all bfloat16 as in the real file; seeded, global RNG untouched.
+
+    The embeddings have one row per token with ``<|Reward|>`` added; the head gets weights of std 1.5/√fan_in so
+    scores vary visibly with the image, the decoder's query and key projections ``TINY_HPSV3_ATTENTION_STD``.
+    """
+    import torch
+
+    rows = len(tokenizer) + 1  # <|Reward|>
+    config = read_base_config_values(tiny_hpsv3_base_config(tokenizer), rows)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        modules = build_hpsv3_modules(config)
+        for layer in modules["rm_head"]:
+            if isinstance(layer, torch.nn.Linear):
+                torch.nn.init.normal_(layer.weight, std=1.5 / layer.in_features**0.5)
+                torch.nn.init.normal_(layer.bias, std=0.1)
+        for layer in modules["language_model"].layers:  # attention sharp enough that positions matter
+            for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                torch.nn.init.normal_(projection.weight, std=TINY_HPSV3_ATTENTION_STD)
+        lm_head = torch.randn(rows, config.text_config.hidden_size) * 0.02
+    state = {authors_key(key): value for key, value in modules.state_dict().items()}
+    state["lm_head.weight"] = lm_head
+    return {key: value.to(torch.bfloat16).contiguous() for key, value in state.items()}

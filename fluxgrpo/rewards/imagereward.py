@@ -29,14 +29,21 @@ from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import check_batch, check_pil_batch, load_pretrained, normalize_clip, read_state_dict
 from fluxgrpo.rewards.clipscore import center_crop_rounded
 from fluxgrpo.rewards.pickscore import resize_shortest_edge
+from fluxgrpo.rewards.registry import RewardRecord, WeightsPart
+from fluxgrpo.weights.hub_part import HubPart
 from fluxgrpo.weights.layout import (
     IMAGEREWARD_CHECKPOINT,
+    IMAGEREWARD_DIR,
     IMAGEREWARD_MED_CONFIG,
     IMAGEREWARD_MODEL_DIR,
     IMAGEREWARD_TOKENIZER_DIR,
+    IMAGEREWARD_TOKENIZER_FILES,
     IMAGEREWARD_VISION_ARCH_FILE,
     check_imagereward_dir,
+    imagereward_dir,
 )
+from fluxgrpo.weights.manifest import MANIFEST_NAME
+from fluxgrpo.weights.tiny_writing import fresh_subfolders, write_subfolder_manifests
 
 if TYPE_CHECKING:
     import torch
@@ -307,3 +314,85 @@ class ImageRewardReward:
             prompts, padding="max_length", truncation=True, max_length=IMAGEREWARD_MAX_LENGTH, return_tensors="pt"
         )
         return torch.stack([encoded["input_ids"], encoded["attention_mask"]], dim=1).to(self.device)
+
+
+def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> ImageRewardReward:
+    return ImageRewardReward(imagereward_dir(hps_dir), device, compute_dtype=dtype)
+
+
+def _write_tiny(hps_dir: Path, seed: int) -> dict[str, int]:
+    return {"imagereward": write_tiny_imagereward(imagereward_dir(hps_dir), seed)}
+
+
+RECORD = RewardRecord(
+    "imagereward",
+    _load,
+    parts=(
+        WeightsPart(
+            "imagereward",
+            lambda hps_dir: check_imagereward_dir(imagereward_dir(hps_dir)),
+            hub=(
+                HubPart(
+                    "imagereward-model",
+                    # No ModelScope copy of THUDM/ImageReward was found (DiffSynth-Studio's QualityMetric repo holds
+                    # a safetensors conversion in another layout), so this part is Hugging Face only.
+                    {"hf": ("THUDM/ImageReward",), "modelscope": ()},
+                    allow=(IMAGEREWARD_CHECKPOINT, IMAGEREWARD_MED_CONFIG),
+                    root="hps",
+                    manifest_name=MANIFEST_NAME,
+                    subdir=f"{IMAGEREWARD_DIR}/{IMAGEREWARD_MODEL_DIR}",
+                    replaces=(IMAGEREWARD_VISION_ARCH_FILE,),  # the tiny vision shape would misbuild the real ViT-L
+                ),
+                HubPart(
+                    "imagereward-tokenizer",
+                    # What BLIP's init_tokenizer loads ('bert-base-uncased'); a ModelScope copy was not verified.
+                    {"hf": ("google-bert/bert-base-uncased",), "modelscope": ()},
+                    allow=IMAGEREWARD_TOKENIZER_FILES,
+                    root="hps",
+                    manifest_name=MANIFEST_NAME,
+                    subdir=f"{IMAGEREWARD_DIR}/{IMAGEREWARD_TOKENIZER_DIR}",
+                ),
+            ),
+        ),
+    ),
+    write_tiny=_write_tiny,
+    parameters=446_206_689,  # BLIP ViT-L + BERT-base with cross-attention + the MLP head
+)
+
+
+def write_tiny_imagereward(folder: Path, seed: int = 0) -> int:
+    """Write a tiny ImageReward (``model/``: ImageReward.pt in the authors' keys + med_config.json + the tiny vision
+    shape; ``tokenizer/``: a WordPiece vocab.txt + tokenizer_config.json) with a manifest in each; returns bytes."""
+    import torch
+
+    from fluxgrpo.rewards.tiny import TINY_IMAGEREWARD_VISION, tiny_bert_vocab, tiny_imagereward_med_config
+
+    folder = Path(folder)
+    model_dir, tokenizer_dir = folder / IMAGEREWARD_MODEL_DIR, folder / IMAGEREWARD_TOKENIZER_DIR
+    fresh_subfolders(model_dir, tokenizer_dir)
+    torch.save(build_tiny_imagereward_state(seed), model_dir / IMAGEREWARD_CHECKPOINT)
+    (model_dir / IMAGEREWARD_MED_CONFIG).write_text(json.dumps(tiny_imagereward_med_config(), indent=2) + "\n")
+    (model_dir / IMAGEREWARD_VISION_ARCH_FILE).write_text(json.dumps(TINY_IMAGEREWARD_VISION, indent=2) + "\n")
+    (tokenizer_dir / "vocab.txt").write_text("\n".join(tiny_bert_vocab()) + "\n")
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({"do_lower_case": True, "model_max_length": 512}))
+    return write_subfolder_manifests("imagereward", model_dir, tokenizer_dir)
+
+
+def build_tiny_imagereward_state(seed: int = 0) -> dict[str, Any]:
+    """A random tiny ImageReward's weights under the authors' checkpoint keys; seeded, global RNG untouched.
+
+    The head gets weights of std 1.5/√fan_in so scores vary visibly with the image (the real head's init, std
+    1/769, would make every tiny score the same to many digits).
+    """
+    import torch
+
+    from fluxgrpo.rewards.tiny import TINY_IMAGEREWARD_VISION, tiny_imagereward_med_config
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vision, text, head = build_imagereward_modules(tiny_imagereward_med_config(), TINY_IMAGEREWARD_VISION)
+        for layer in head:
+            if isinstance(layer, torch.nn.Linear):
+                torch.nn.init.normal_(layer.weight, std=1.5 / layer.in_features**0.5)
+                torch.nn.init.normal_(layer.bias, std=0.1)
+    return authors_state_dict(vision, text, head)

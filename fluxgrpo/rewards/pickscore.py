@@ -10,13 +10,27 @@ it is the processor itself. Text is CLIPTokenizer padded to 77.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import TextFeatureCache, check_batch, check_pil_batch, load_pretrained, resize_like_pil
-from fluxgrpo.weights.layout import PICKSCORE_MODEL_DIR, PICKSCORE_PROCESSOR_DIR, check_pickscore_dir
+from fluxgrpo.rewards.registry import RewardRecord, WeightsPart
+from fluxgrpo.weights.hub_part import CLIP_MIRROR_REPO, CLIP_REPO, HubPart
+from fluxgrpo.weights.layout import (
+    PICKSCORE_BPE_FILES,
+    PICKSCORE_DIR,
+    PICKSCORE_MODEL_DIR,
+    PICKSCORE_PROCESSOR_DIR,
+    PICKSCORE_TOKENIZER_JSON,
+    PICKSCORE_WEIGHTS,
+    check_pickscore_dir,
+    pickscore_dir,
+)
+from fluxgrpo.weights.manifest import MANIFEST_NAME
+from fluxgrpo.weights.tiny_writing import fresh_subfolders, write_subfolder_manifests
 
 if TYPE_CHECKING:
     import torch
@@ -209,3 +223,76 @@ class PickScoreReward:
                 input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]
             )
         return F.normalize(_projected(output).float(), dim=-1)
+
+
+def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> PickScoreReward:
+    return PickScoreReward(pickscore_dir(hps_dir), device, compute_dtype=dtype)
+
+
+def _write_tiny(hps_dir: Path, seed: int) -> dict[str, int]:
+    return {"pickscore": write_tiny_pickscore(pickscore_dir(hps_dir), seed)}
+
+
+RECORD = RewardRecord(
+    "pickscore",
+    _load,
+    parts=(
+        WeightsPart(
+            "pickscore",
+            lambda hps_dir: check_pickscore_dir(pickscore_dir(hps_dir)),
+            hub=(
+                HubPart(
+                    "pickscore-model",
+                    # AI-ModelScope/PickScore_v1 is the copy DiffSynth-Studio's PickScore metric downloads.
+                    {"hf": ("yuvalkirstain/PickScore_v1",), "modelscope": ("AI-ModelScope/PickScore_v1",)},
+                    allow=("config.json", PICKSCORE_WEIGHTS),
+                    root="hps",
+                    manifest_name=MANIFEST_NAME,
+                    subdir=f"{PICKSCORE_DIR}/{PICKSCORE_MODEL_DIR}",
+                ),
+                HubPart(
+                    "pickscore-processor",
+                    # PickScore was trained with laion's CLIP-H processor; the AI-ModelScope copy is the one
+                    # DiffSynth-Studio loads it from, the laion id on ModelScope is the fallback.
+                    {"hf": (CLIP_REPO,), "modelscope": (CLIP_MIRROR_REPO, CLIP_REPO)},
+                    # The tokenizer in either form is required; whichever other files of it the repo has come along.
+                    allow=(
+                        "preprocessor_config.json",
+                        "tokenizer_config.json",
+                        (PICKSCORE_TOKENIZER_JSON, PICKSCORE_BPE_FILES[0]),
+                    ),
+                    optional=(PICKSCORE_TOKENIZER_JSON, *PICKSCORE_BPE_FILES, "special_tokens_map.json"),
+                    root="hps",
+                    manifest_name=MANIFEST_NAME,
+                    subdir=f"{PICKSCORE_DIR}/{PICKSCORE_PROCESSOR_DIR}",
+                ),
+            ),
+        ),
+    ),
+    write_tiny=_write_tiny,
+    parameters=986_109_440,  # CLIP ViT-H-14
+)
+
+
+def write_tiny_pickscore(folder: Path, seed: int = 0) -> int:
+    """Write a tiny PickScore (``model/`` + ``processor/``) into ``folder`` with a manifest in each; returns bytes.
+
+    ``folder`` is normally ``pickscore_dir(hps_dir)``; afterwards ``check_pickscore_dir(folder)`` reports complete.
+    """
+    from transformers import CLIPImageProcessor
+
+    from fluxgrpo.rewards.tiny import PICKSCORE_PROCESSOR_CONFIG, build_tiny_pickscore_model
+    from fluxgrpo.tiny_tokenizers import build_tiny_clip_tokenizer
+
+    folder = Path(folder)
+    model_dir, processor_dir = folder / PICKSCORE_MODEL_DIR, folder / PICKSCORE_PROCESSOR_DIR
+    fresh_subfolders(model_dir, processor_dir)
+    build_tiny_pickscore_model(seed).save_pretrained(model_dir)
+    tokenizer = build_tiny_clip_tokenizer()
+    tokenizer.save_pretrained(processor_dir)
+    # The hub repo also has the BPE pair (vocab.json + merges.txt), which transformers 5 no longer writes; the
+    # tiny vocabulary has no merges, so the pair is the vocabulary and merges.txt's version line.
+    (processor_dir / PICKSCORE_BPE_FILES[0]).write_text(json.dumps(tokenizer.get_vocab(), ensure_ascii=False) + "\n")
+    (processor_dir / PICKSCORE_BPE_FILES[1]).write_text("#version: 0.2\n")
+    CLIPImageProcessor(**PICKSCORE_PROCESSOR_CONFIG).save_pretrained(processor_dir)
+    return write_subfolder_manifests("pickscore", model_dir, processor_dir)

@@ -4,6 +4,10 @@ The spec is a comma-separated list of ``name`` or ``name:weight`` (weight 1 when
 the weights are normalised to sum to 1, so ``hpsv2`` and ``hpsv2:2`` are the same run and a single reward is
 today's reward exactly (weight 1.0). How the scores become advantages (``sum-rewards`` or ``sum-advantages``) is
 ``grpo/reward_aggregation.py``'s business; the set only scores.
+
+``parse_reward_list`` is the one parser of every reward list (``train --reward``, ``score --reward``,
+``--eval-rewards``), with one set of error messages; ``run_reward_names`` says which rewards' weights a run loads
+(launch planning and the memory estimate ask it, not the evaluation module).
 """
 
 from __future__ import annotations
@@ -31,61 +35,99 @@ class RewardTerm:
     weight: float  # as written; RewardSet.weights normalises
 
 
-def _parse(spec: str) -> tuple[list[RewardTerm], list[str]]:
-    from fluxgrpo.rewards import REWARDS
+def parse_reward_list(
+    spec: str, flag: str = "--reward", *, weights: bool = True, empty_ok: bool = False
+) -> tuple[list[RewardTerm], list[str]]:
+    """The one parser of a comma-separated reward list: ``train --reward`` (``name[:weight]``, ``weights=True``),
+    ``score --reward`` and ``--eval-rewards`` (names only). Returns the terms and every problem found, each message
+    naming ``flag``; ``empty_ok`` accepts an empty spec as no reward (``--eval-rewards ""``)."""
+    from fluxgrpo.rewards.registry import reward_names
 
+    known = reward_names()
+    if empty_ok and not spec.strip():
+        return [], []
+    form, example = ("name[:weight]", "hpsv2:1,pickscore:0.5") if weights else ("name", "hpsv2,pickscore")
+    entries = [entry.strip() for entry in spec.split(",")]
+    if not all(entries):
+        return [], [f"{flag} {spec!r} has an empty name: write one or more {form} separated by commas, e.g. {example}"]
     terms: list[RewardTerm] = []
     problems: list[str] = []
-    entries = [entry.strip() for entry in spec.split(",")]
-    if not spec.strip() or any(not entry for entry in entries):
-        return [], [
-            f"--reward {spec!r}: write one or more name[:weight] separated by commas, e.g. hpsv2:1,pickscore:0.5"
-        ]
+    unknown: list[str] = []
     for entry in entries:
-        name, _, weight_text = entry.partition(":")
+        name, _, weight_text = entry.partition(":") if weights else (entry, "", "")
         name = name.strip()
-        if name not in REWARDS:
-            problems.append(f"--reward: unknown reward {name!r}; use one of {', '.join(REWARDS)}")
+        if name not in known:
+            unknown.append(name)
             continue
         try:
             weight = float(weight_text) if weight_text.strip() else 1.0
         except ValueError:
-            problems.append(f"--reward: weight {weight_text!r} of {name} is not a number")
+            problems.append(f"{flag}: weight {weight_text!r} of {name} is not a number")
             continue
         if not (math.isfinite(weight) and weight > 0):
-            problems.append(f"--reward: weight of {name} must be a positive number (got {weight_text})")
-            continue
-        if any(term.name == name for term in terms):
-            problems.append(f"--reward: {name} is listed twice; give it once with its weight")
+            problems.append(f"{flag}: weight of {name} must be a positive number (got {weight_text})")
             continue
         terms.append(RewardTerm(name, weight))
+    if unknown:
+        hint = ""
+        if not weights and any(":" in name for name in unknown):
+            hint = " (names only here; name:weight is for `fluxgrpo train --reward`)"
+        problems.insert(
+            0, f"{flag}: unknown reward {', '.join(map(repr, unknown))}: use one or more of {', '.join(known)}{hint}"
+        )
+    names = [term.name for term in terms]
+    repeated = [name for name in dict.fromkeys(names) if names.count(name) > 1]
+    if repeated:
+        problems.append(f"{flag} lists {', '.join(repeated)} more than once: give each reward once")
     try:
         total = math.fsum(term.weight for term in terms)
     except OverflowError:
         total = math.inf
     if not math.isfinite(total):
         problems.append(
-            f"--reward {spec!r}: the weights add up past the largest float; scale them down (only their ratios matter)"
+            f"{flag} {spec!r}: the weights add up past the largest float; scale them down (only their ratios matter)"
         )
     return terms, problems
 
 
 def reward_spec_problems(spec: str) -> list[str]:
-    """Every problem with a ``--reward`` spec (empty when it is valid), for config validation."""
-    return _parse(spec)[1]
+    """Every problem with a ``train --reward`` spec (empty when it is valid), for config validation."""
+    return parse_reward_list(spec)[1]
 
 
 def parse_reward_spec(spec: str) -> list[RewardTerm]:
     """``"hpsv2:1.0,pickscore:0.5"`` → [RewardTerm("hpsv2", 1.0), RewardTerm("pickscore", 0.5)]; UsageError if bad."""
-    terms, problems = _parse(spec)
+    return _valid(*parse_reward_list(spec))
+
+
+def reward_spec_names(spec: str) -> list[str]:
+    """The reward names a valid ``train --reward`` spec lists, in order."""
+    return [term.name for term in parse_reward_spec(spec)]
+
+
+def reward_names_list(spec: str, flag: str = "--reward", *, empty_ok: bool = False) -> list[str]:
+    """The names of a names-only list (``score --reward``, ``--eval-rewards``); UsageError naming ``flag`` if bad."""
+    return [term.name for term in _valid(*parse_reward_list(spec, flag, weights=False, empty_ok=empty_ok))]
+
+
+def _valid(terms: list[RewardTerm], problems: list[str]) -> list[RewardTerm]:
     if problems:
         raise UsageError("; ".join(problems))
     return terms
 
 
-def reward_spec_names(spec: str) -> list[str]:
-    """The reward names a valid spec lists, in order."""
-    return [term.name for term in parse_reward_spec(spec)]
+def eval_reward_names(reward: str, eval_rewards: str) -> list[str]:
+    """The rewards a held-out evaluation scores with: the training reward(s) first, then ``--eval-rewards``, each
+    once."""
+    return list(
+        dict.fromkeys([*reward_spec_names(reward), *reward_names_list(eval_rewards, "--eval-rewards", empty_ok=True)])
+    )
+
+
+def run_reward_names(reward: str, eval_rewards: str, eval_every: int) -> list[str]:
+    """Which rewards' weights a run loads: the training ones, and with evaluation on (``eval_every`` > 0) the
+    evaluation's too (they load at iteration 0, so launch planning checks them with the training's)."""
+    return eval_reward_names(reward, eval_rewards) if eval_every > 0 else reward_spec_names(reward)
 
 
 class RewardSet:

@@ -16,7 +16,7 @@ prologue: process group, threads, warning filters; see ``runtime/worker.py``) an
 way in both cases (through JSON), so a command has no in-process branch of its own.
 
 The torchrun command is built as data (``build_torchrun_argv``, a pure, tested function). Workers record an
-uncaught exception in ``$FLUXGRPO_ERROR_DIR/rank<R>.json`` (``worker_errors``) so the launching command can name
+uncaught exception in ``$FLUXGRPO_ERROR_DIR/rank<R>.json`` (``worker_errors.py``) so the launching command can name
 the rank that failed first and its error in one line, instead of leaving the user to dig through interleaved
 tracebacks. torchrun itself stops every other worker when one fails. A worker started this way prints no error
 line of its own (``launcher_reports_errors``): a rank that only lost its connection to a failed peer fails first
@@ -28,7 +28,6 @@ followed from it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import re
@@ -36,8 +35,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +45,7 @@ from fluxgrpo.paths import write_atomic
 from fluxgrpo.run_folder import ERRORS_FILE
 from fluxgrpo.runtime.agent import AGENT_RECORD, ERROR_DIR_ENV, PARENT_PID_ENV, describe_exit
 from fluxgrpo.runtime.npu_env import NPU_ENV_DEFAULTS
+from fluxgrpo.runtime.worker_errors import first_worker_error, worker_records
 
 AGENT_MODULE = "fluxgrpo.runtime.agent"
 AGENT_STOP_SECONDS = 60  # after Ctrl-C: time for the agent to stop its workers before it is killed
@@ -232,63 +230,6 @@ def errors_report(error_dir: Path, code: int) -> str:
             heading = f"rank {record['rank']} failed after the cause, as a consequence: {record['error']}"
         lines += ["", heading, record.get("traceback", "").rstrip()]
     return "\n".join(lines).rstrip() + "\n"
-
-
-def worker_records(error_dir: Path) -> list[dict[str, Any]]:
-    """The errors the ranks recorded in ``error_dir``, earliest first."""
-    records = []
-    for path in error_dir.glob("rank*.json"):
-        try:
-            records.append(json.loads(path.read_text()))
-        except ValueError:
-            continue
-    return sorted(records, key=lambda r: r["time"])
-
-
-def first_worker_error(error_dir: Path) -> dict[str, Any] | None:
-    """The earliest error recorded by any rank, or None."""
-    records = worker_records(error_dir)
-    return records[0] if records else None
-
-
-def launcher_reports_errors() -> bool:
-    """True in a worker started by ``run_torchrun``: the launching command says what failed, so the worker must
-    not print its own error line (it would reach the console first, even when it only follows a peer's failure)."""
-    return bool(os.environ.get(ERROR_DIR_ENV))
-
-
-def record_worker_error(exc: BaseException) -> None:
-    """Record this rank's first uncaught error for the launcher (a no-op outside ``run_torchrun``'s workers).
-
-    Called where the error happens, before the process group is left: a peer notices the lost connection only
-    after that, so the recorded times put the rank that really failed first.
-    """
-    error_dir = os.environ.get(ERROR_DIR_ENV)
-    if not error_dir or isinstance(exc, SystemExit | KeyboardInterrupt):
-        return
-    rank = os.environ.get("RANK", "0")
-    path = Path(error_dir, f"rank{rank}.json")
-    if path.exists():  # recorded already, where it happened
-        return
-    expected = isinstance(exc, FluxgrpoError)
-    message = str(exc) if expected else f"{type(exc).__name__}: {exc}"
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    record = {"rank": int(rank), "error": message, "time": time.time(), "expected": expected, "traceback": tb}
-    path.write_text(json.dumps(record))
-
-
-def worker_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate a worker entry point: record an uncaught exception for the launcher, then re-raise."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except BaseException as exc:
-            record_worker_error(exc)
-            raise
-
-    return wrapper
 
 
 def run_workers(

@@ -36,7 +36,6 @@ import torch
 from torch import nn
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 from fluxgrpo.runtime.device import npu_import_status
 
 if TYPE_CHECKING:
@@ -308,8 +307,7 @@ def patch_rope(transformer: nn.Module, force: bool = False) -> bool:
 
 
 def _validate_attention(name: str, compute_dtype: torch.dtype) -> None:
-    if name not in ATTENTION_BACKENDS:
-        raise UsageError(f"unknown attention {name!r}: use --attention with one of {', '.join(ATTENTION_BACKENDS)}")
+    # The name itself is checked once, with the config (``adapt.ATTENTION_BACKENDS``, --attention's choices).
     if name == "npu-fusion" and compute_dtype not in (torch.bfloat16, torch.float16):
         raise UsageError(
             f"--attention npu-fusion runs torch_npu.npu_fusion_attention through diffusers' _native_npu backend, "
@@ -325,7 +323,7 @@ def set_attention_backend(transformer: nn.Module, name: str, compute_dtype: torc
     attention modules that have no backend of their own.
 
     Raises:
-        UsageError: unknown name, or npu-fusion with a compute dtype other than bf16/fp16.
+        UsageError: npu-fusion with a compute dtype other than bf16/fp16.
         FluxgrpoError: npu-fusion without an importable torch_npu, or a diffusers that cannot select it.
     """
     _validate_attention(name, compute_dtype)

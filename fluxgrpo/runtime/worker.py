@@ -10,12 +10,12 @@ bench), in a torchrun worker or in the launching process for one worker:
 - silence FSDP2's "returned a view tensor" warning: FLUX blocks return views, and neither the FLUX forward nor
   our SDE step modifies a block output in place (the case the warning is about), so it would only repeat
   every iteration;
-- on an error, record it for the launcher (``launch.record_worker_error``) before anything else;
+- on an error, record it for the launcher (``worker_errors.record_worker_error``) before anything else;
 - on exit leave the process group, without the barrier after a failure (busy peers would never reach it).
 
 ``python -m fluxgrpo.runtime.worker MODULE --payload P.json [--summary S.json]`` is what ``launch.run_workers``
 starts under torchrun: it calls ``MODULE.worker_entry(payload)`` on every rank, records an uncaught exception for
-the launcher (``launch.worker_errors``), which says it (the worker prints no error line of its own, so the cause
+the launcher (``worker_errors.worker_errors``), which says it (the worker prints no error line of its own, so the cause
 of a failure is what reaches the console, not a peer's lost connection), and rank 0 writes the entry's return
 value as JSON to ``S.json``.
 """
@@ -37,7 +37,7 @@ from typing import Any
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime.agent import die_with_parent
-from fluxgrpo.runtime.launch import launcher_reports_errors, record_worker_error, worker_errors
+from fluxgrpo.runtime.worker_errors import launcher_reports_errors, record_worker_error, worker_errors
 
 ENTRY_NAME = "worker_entry"
 FSDP_VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"

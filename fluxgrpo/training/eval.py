@@ -30,10 +30,16 @@ import math
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fluxgrpo.config import TrainConfig, split_names
+from fluxgrpo.config import TrainConfig
+from fluxgrpo.rewards.reward_set import eval_reward_names
 from fluxgrpo.run_folder import EVAL_DIR, INDEX_FILE
+
+if TYPE_CHECKING:
+    from fluxgrpo.metrics import MetricsLogger
+    from fluxgrpo.runtime.dist import DistContext
+    from fluxgrpo.training.parts import TrainingParts
 
 EVAL_SEED = 0  # `fluxgrpo sample`'s default --seed: evaluations of different runs start from the same noise
 EVAL_PROMPTS_FILE = "eval_prompts.txt"
@@ -49,11 +55,6 @@ def eval_folder(output_dir: str | Path, iteration: int, ema: bool = False) -> Pa
     return Path(output_dir) / EVAL_DIR / f"iteration-{iteration}{'-ema' if ema else ''}"
 
 
-def eval_reward_names(cfg: TrainConfig) -> list[str]:
-    """The training reward(s) first, then ``--eval-rewards``, each once."""
-    return list(dict.fromkeys([*split_names(cfg.reward), *split_names(cfg.eval_rewards)]))
-
-
 def is_due(cfg: TrainConfig, iteration: int) -> bool:
     """Iteration 0, every ``eval_every``-th, and the last."""
     if cfg.eval_every <= 0:
@@ -64,7 +65,7 @@ def is_due(cfg: TrainConfig, iteration: int) -> bool:
 class Evaluator:
     """Runs the held-out evaluation when it is due; a no-op when ``--eval-every`` is 0. Call on every rank."""
 
-    def __init__(self, cfg: TrainConfig, ctx: Any, metrics: Any) -> None:
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, metrics: MetricsLogger) -> None:
         self.cfg = cfg
         self.ctx = ctx
         self.metrics = metrics
@@ -75,7 +76,7 @@ class Evaluator:
         from fluxgrpo.sample import SampleSettings
 
         self.prompts = read_prompts(cfg.eval_prompts or shipped_eval_prompts_path())
-        self.rewards = eval_reward_names(cfg)
+        self.rewards = eval_reward_names(cfg.reward, cfg.eval_rewards)
         self.settings = SampleSettings(
             height=cfg.height,
             width=cfg.width,
@@ -92,7 +93,7 @@ class Evaluator:
 
     # ----------------------------------------------------------------------------------------- entry points
 
-    def before_training(self, start: int, parts: Any) -> None:
+    def before_training(self, start: int, parts: TrainingParts) -> None:
         """Evaluate the weights the loop starts from (the base model at 0), unless a resumed run already did."""
         if not self.enabled or not is_due(self.cfg, start):
             return
@@ -105,12 +106,12 @@ class Evaluator:
             return
         self.run(start, parts)
 
-    def maybe_run(self, iteration: int, parts: Any) -> None:
+    def maybe_run(self, iteration: int, parts: TrainingParts) -> None:
         """Evaluate after ``iteration`` when it is due (call before that iteration's checkpoint is saved)."""
         if self.enabled and is_due(self.cfg, iteration):
             self.run(iteration, parts)
 
-    def run(self, iteration: int, parts: Any) -> dict[str, Any]:
+    def run(self, iteration: int, parts: TrainingParts) -> dict[str, Any]:
         """Evaluate the current weights (and the EMA's); returns the metrics record (rank 0; ``{}`` elsewhere)."""
         from fluxgrpo.runtime import device as rt_device
         from fluxgrpo.runtime import dist as rt_dist
@@ -131,7 +132,7 @@ class Evaluator:
         return record if self.ctx.is_main else {}
 
     @staticmethod
-    def _variants(parts: Any) -> tuple[bool, ...]:
+    def _variants(parts: TrainingParts) -> tuple[bool, ...]:
         return (False, True) if parts.ema is not None else (False,)
 
     # ----------------------------------------------------------------------------------------- one evaluation
@@ -243,7 +244,7 @@ class Evaluator:
 
     # ----------------------------------------------------------------------------------------- set-up
 
-    def _pipeline(self, parts: Any) -> Any:
+    def _pipeline(self, parts: TrainingParts) -> Any:
         """A FluxPipeline around the live transformer and the training VAE, without text encoders."""
         if self._pipe is None:
             from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline

@@ -11,16 +11,19 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.config import TrainConfig, save_resolved
 from fluxgrpo.errors import FluxgrpoError, UsageError, not_usable
 from fluxgrpo.paths import ensure_writable_dir
 from fluxgrpo.rewards import reward_weights_status
-from fluxgrpo.rewards.reward_set import reward_spec_names
+from fluxgrpo.rewards.reward_set import run_reward_names
 from fluxgrpo.run_folder import CONFIG_FILE, LOGS_DIR, check_not_in_use, check_run_files, previous_run
 from fluxgrpo.runtime.launch import LaunchSpec, check_dies_fit, run_workers
 from fluxgrpo.weights.layout import check_flux_dir
+
+if TYPE_CHECKING:
+    from fluxgrpo.training.memory import MemoryEstimate
 
 WORKER_MODULE = "fluxgrpo.training.loop"
 
@@ -34,7 +37,7 @@ class TrainPlan:
     worker_env: dict[str, str]
     resolved_path: Path
     resume_checkpoint: str | None  # the exact checkpoint folder, resolved once here so every rank agrees
-    memory: Any = None  # fluxgrpo.training.memory.MemoryEstimate per die
+    memory: MemoryEstimate  # per die
     overwrite: bool = False  # move an earlier run in the output directory aside (``run_folder.move_previous_run``)
 
 
@@ -45,10 +48,7 @@ def preflight(cfg: TrainConfig) -> None:
     flux = check_flux_dir(cfg.model)
     if not flux.complete:
         raise not_usable(f"FLUX weights in {cfg.model}", flux.problems, flux.fix)
-    from fluxgrpo.training.eval import eval_reward_names
-
-    # --eval-rewards load at the first evaluation (iteration 0), so their weights are checked with the training's
-    for reward in eval_reward_names(cfg) if cfg.eval_every else reward_spec_names(cfg.reward):
+    for reward in run_reward_names(cfg.reward, cfg.eval_rewards, cfg.eval_every):
         for part in reward_weights_status(reward, cfg.hps_dir):
             if not part.complete:
                 raise not_usable(f"{part.name} weights for --reward {reward}", part.problems, part.fix)

@@ -79,7 +79,11 @@ def restore(ctx: DistContext, parts: TrainingParts, checkpoint: Path | None) -> 
 
 
 def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
-    """Run the GRPO loop on this rank; returns rank 0's metrics records (empty on other ranks)."""
+    """Run the GRPO loop on this rank; returns rank 0's metrics records (empty on other ranks).
+
+    ``fluxgrpo train`` reads them back from metrics.jsonl (``worker_entry`` returns nothing through the launcher);
+    the records are returned for in-process callers: `bench --algorithms` (``bench/efficiency.py``) and tests.
+    """
     from fluxgrpo.checkpoint import resolve_resume
     from fluxgrpo.grpo.latents import image_ids
     from fluxgrpo.grpo.reward_aggregation import aggregate_rewards

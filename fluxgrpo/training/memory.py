@@ -47,20 +47,6 @@ ROLLOUT_FORWARD_BYTES = 12 * 2
 VAE_LIVE_MAPS = 3
 # Device context, kernels' workspace and allocator fragmentation: kept free on every die.
 RUNTIME_RESERVE_BYTES = 2 * GiB
-# Weights of the reward models: open_clip ViT-H-14 for HPSv2 and CLIPScore, CLIP ViT-H-14 for PickScore, BLIP ViT-L +
-# BERT-base with cross-attention + MLP for ImageReward, Qwen2-VL-7B without lm_head + rm_head for HPSv3 (counted on
-# meta-device builds of rewards/imagereward.py and rewards/hpsv3.py).
-REWARD_PARAMETERS = {
-    "hpsv2": 986_109_440,
-    "pickscore": 986_109_440,
-    "clipscore": 986_109_440,
-    "imagereward": 446_206_689,
-    "hpsv3": 7_748_610_610,
-    "brightness": 0,
-}
-# Rewards whose weights --reward-dtype bf16 casts to bf16 (HPSv3, as its authors run it). The others keep float32
-# weights and run their encoders under bf16 autocast, so their weights cost 4 bytes a parameter either way.
-REWARDS_CAST_TO_REWARD_DTYPE = frozenset({"hpsv3"})
 DEFAULT_TEXT_TOKENS = 512  # FLUX.1-dev's T5 sequence length, DanceGRPO's preprocessing
 LATENT_CHANNELS = 64  # packed 2×2×16
 
@@ -192,11 +178,10 @@ def _eval_only_reward_models(cfg: TrainConfig) -> tuple[str, ...]:
     training reward already in float32, whose model it shares (``eval.Evaluator._scorer``)."""
     if cfg.eval_every <= 0:
         return ()
-    from fluxgrpo.rewards.reward_set import reward_spec_names
-    from fluxgrpo.training.eval import eval_reward_names
+    from fluxgrpo.rewards.reward_set import eval_reward_names, reward_spec_names
 
     shared = set(reward_spec_names(cfg.reward)) if cfg.reward_dtype == "fp32" else set()
-    return tuple(name for name in eval_reward_names(cfg) if name not in shared)
+    return tuple(name for name in eval_reward_names(cfg.reward, cfg.eval_rewards) if name not in shared)
 
 
 @dataclass
@@ -256,6 +241,7 @@ def activation_bytes(model: TransformerShape, run: RunShape, checkpointing: bool
 
 def estimate(model: TransformerShape, vae: VaeShape, run: RunShape) -> MemoryEstimate:
     """The per-die memory of a run (see the module docstring for every term)."""
+    from fluxgrpo.rewards.registry import reward_record
     from fluxgrpo.rewards.reward_set import reward_spec_names
 
     dies, cb = run.dies, run.compute_bytes
@@ -279,11 +265,9 @@ def estimate(model: TransformerShape, vae: VaeShape, run: RunShape) -> MemoryEst
         "optimizer": optimizer,
         "ema": ema,
         "kl reference": reference,
-        "reward": sum(
-            (run.reward_bytes if name in REWARDS_CAST_TO_REWARD_DTYPE else 4) * REWARD_PARAMETERS.get(name, 0)
-            for name in reward_spec_names(run.reward)
-        ),
-        "eval rewards (rank 0)": 4 * sum(REWARD_PARAMETERS.get(name, 0) for name in run.eval_rewards),
+        # Each reward's parameter count and dtype rule are in its record (rewards/registry.py).
+        "reward": sum(reward_record(name).weight_bytes(run.reward_bytes) for name in reward_spec_names(run.reward)),
+        "eval rewards (rank 0)": sum(reward_record(name).weight_bytes(4) for name in run.eval_rewards),
         "vae": cb * vae.parameters,
         "rollout": trajectories * (run.sampling_steps + 2) * latent_tokens * LATENT_CHANNELS * 4
         + trajectories * 3 * run.height * run.width * 4,
@@ -388,10 +372,11 @@ def check_fits(
 
 
 def _knobs(cfg: TrainConfig, dies: int) -> list[tuple[str, dict[str, Any]]]:
+    from fluxgrpo.rewards.registry import reward_record
     from fluxgrpo.rewards.reward_set import reward_spec_names
 
     knobs: list[tuple[str, dict[str, Any]]] = [(f"--dies {dies * 2}", {"dies": dies * 2})]
-    if cfg.reward_dtype == "fp32" and REWARDS_CAST_TO_REWARD_DTYPE & set(reward_spec_names(cfg.reward)):
+    if cfg.reward_dtype == "fp32" and any(reward_record(name).casts_weights for name in reward_spec_names(cfg.reward)):
         knobs.append(("--reward-dtype bf16", {"cfg": {"reward_dtype": "bf16"}}))  # HPSv3: 31 → 15.5 GB per die
     if cfg.lora_rank == 0:
         knobs.append(("--lora-rank 64", {"cfg": {"lora_rank": 64}}))

@@ -24,22 +24,14 @@ def reward_statistics(ctx: DistContext, rewards: torch.Tensor, group_size: int) 
     because their rewards are equal (``flat_groups``, the same rule ``group_advantages`` applies).
     """
     from fluxgrpo.grpo.advantages import flat_groups
+    from fluxgrpo.grpo.finite_stats import finite_mean_std
 
-    gathered = rt_dist.all_gather_tensor(ctx, rewards.detach().float())
-    finite = torch.isfinite(gathered)
-    values = torch.where(finite, gathered, torch.zeros_like(gathered))
-    count = finite.sum().float()
-    mean = values.sum() / count.clamp(min=1)
-    spread = torch.where(finite, gathered - mean, torch.zeros_like(gathered))
-    std = (spread.pow(2).sum() / (count - 1).clamp(min=1)).sqrt()
+    gathered = rt_dist.all_gather_tensor(ctx, rewards.detach().float())  # [B·world]
+    finite, count, mean, std = finite_mean_std(gathered, dim=0)
     low = torch.where(finite, gathered, torch.full_like(gathered, float("inf"))).min()
     high = torch.where(finite, gathered, torch.full_like(gathered, float("-inf"))).max()
 
-    grouped, group_finite = values.reshape(-1, group_size), finite.reshape(-1, group_size)
-    group_count = group_finite.sum(dim=1).float()
-    group_mean = grouped.sum(dim=1) / group_count.clamp(min=1)
-    group_spread = torch.where(group_finite, grouped - group_mean[:, None], torch.zeros_like(grouped))
-    group_std = (group_spread.pow(2).sum(dim=1) / (group_count - 1).clamp(min=1)).sqrt()
+    group_finite, group_count, _, group_std = finite_mean_std(gathered.reshape(-1, group_size), dim=1)
     group_std = torch.where(group_count > 1, group_std, torch.zeros_like(group_std))
 
     stats = torch.stack(
@@ -82,12 +74,9 @@ def per_reward_statistics(ctx: DistContext, scores: torch.Tensor, names: list[st
     if len(names) < 2:
         return {}
     gathered = rt_dist.all_gather_tensor(ctx, scores.detach().float())  # [B·world, K]
-    finite = torch.isfinite(gathered)
-    values = torch.where(finite, gathered, torch.zeros_like(gathered))
-    count = finite.sum(dim=0).float()
-    mean = values.sum(dim=0) / count.clamp(min=1)
-    spread = torch.where(finite, gathered - mean, torch.zeros_like(gathered))
-    std = (spread.pow(2).sum(dim=0) / (count - 1).clamp(min=1)).sqrt()
+    from fluxgrpo.grpo.finite_stats import finite_mean_std
+
+    _, count, mean, std = finite_mean_std(gathered, dim=0)
     out = {}
     for name, m, s, n in zip(names, mean.tolist(), std.tolist(), count.tolist(), strict=True):
         out[f"reward_{name}_mean"], out[f"reward_{name}_std"] = (m, s) if n else (math.nan, math.nan)

@@ -1,6 +1,6 @@
 """Real weights from Hugging Face or ModelScope into the standard layout: planned, resumable, verified.
 
-For each selected part (``hub_parts.HUB_PARTS``: flux, hps, clip by default; the other rewards on request):
+For each selected part (``hub_parts.hub_parts()``: flux, hps, clip by default; the other rewards on request):
 
 1. list the repo at a resolved revision and keep only the allow-listed files (FLUX.1-dev's diffusers
    folders, never the 23 GB single-file checkpoints beside them);
@@ -43,7 +43,7 @@ from fluxgrpo.weights.hub_clients import (
     RepoNotFound,
     open_client,
 )
-from fluxgrpo.weights.hub_parts import DEFAULT_PARTS, HUB_PARTS, PART_GROUPS, HubPart, expand_parts
+from fluxgrpo.weights.hub_parts import DEFAULT_PARTS, HubPart, expand_parts, hub_parts, part_groups
 from fluxgrpo.weights.hub_progress import ProgressView, format_bytes
 from fluxgrpo.weights.manifest import (
     Manifest,
@@ -273,7 +273,7 @@ def fetch_from_hub(
 ) -> FetchSummary:
     """Fetch the selected parts from ``source`` ("hf" or "modelscope") into the standard layout.
 
-    ``parts`` are names from ``PART_CHOICES`` (a group such as "pickscore" stands for its parts). ``revision``
+    ``parts`` are names from ``hub_parts.part_choices()`` (a group such as "pickscore" stands for its parts). ``revision``
     (branch, tag or commit) pins the repo of a single selected part; ``token`` and ``endpoint`` default to the
     hub's own settings (HF_TOKEN / ``hf auth login``, HF_ENDPOINT; MODELSCOPE_API_TOKEN / ``modelscope login``,
     MODELSCOPE_ENDPOINT). ``dry_run`` only plans (see ``plan_fetch``). Progress and notes
@@ -329,11 +329,12 @@ def fetch_from_hub(
 
 
 def _select_parts(parts: Sequence[str], revision: str | None) -> list[HubPart]:
-    selected = [HUB_PARTS[name] for name in expand_parts(parts)]
+    known = hub_parts()
+    selected = [known[name] for name in expand_parts(parts)]
     if revision is not None and len(selected) > 1:
         raise UsageError(
             "--revision pins one repository: pass it with a single part, e.g. `--only flux --revision <commit>` "
-            f"(pickscore is two repositories: {', '.join(PART_GROUPS['pickscore'])})"
+            f"(pickscore is two repositories: {', '.join(part_groups()['pickscore'])})"
         )
     return selected
 
@@ -574,7 +575,7 @@ def _check_disk_space(plans: list[PartPlan]) -> None:
 def _fetch_part(client: HubClient, plan: PartPlan, max_workers: int, view: ProgressView) -> PartResult:
     manifest_path = plan.root / plan.manifest_name
     manifest_path.unlink(missing_ok=True)  # stale until every file below is verified again
-    for name in HUB_PARTS[plan.part].replaces:
+    for name in hub_parts()[plan.part].replaces:
         superseded = plan.root / name
         if superseded.is_file():
             superseded.unlink()

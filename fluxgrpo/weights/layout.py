@@ -237,7 +237,7 @@ def imagereward_dir(hps_dir: str | Path) -> Path:
 def check_imagereward_dir(folder: str | Path) -> PartStatus:
     """Check an ImageReward folder (``imagereward_dir(hps_dir)``): ``model/`` has ImageReward.pt and med_config.json,
     ``tokenizer/`` has vocab.txt and tokenizer_config.json, and each manifest present lists files all in place."""
-    return _check_two_folder_part(
+    return check_subfolders_part(
         "imagereward",
         "ImageReward",
         Path(folder),
@@ -258,7 +258,7 @@ def check_hpsv3_dir(folder: str | Path) -> PartStatus:
     config.json, tokenizer.json and tokenizer_config.json, and each manifest present lists files all in place
     (without a manifest, the checkpoint's safetensors header is read instead)."""
     root = Path(folder)
-    status = _check_two_folder_part(
+    status = check_subfolders_part(
         "hpsv3", "HPSv3", root, {HPSV3_MODEL_DIR: (HPSV3_CHECKPOINT,), HPSV3_BASE_DIR: HPSV3_BASE_FILES}
     )
     model = root / HPSV3_MODEL_DIR
@@ -273,7 +273,7 @@ def _fetch_fix(part: str, folder: Path) -> str:
     return f"run `fluxgrpo fetch-weights --only {part} --hps-dir {folder.parent}` (or --source tiny for a CPU trial)"
 
 
-def _check_two_folder_part(part: str, title: str, root: Path, required: dict[str, tuple[str, ...]]) -> PartStatus:
+def check_subfolders_part(part: str, title: str, root: Path, required: dict[str, tuple[str, ...]]) -> PartStatus:
     """A reward kept as subfolders of ``root``, each with its required files and (when fetched) its own manifest."""
     status = PartStatus(part, str(root), complete=False, fix=_fetch_fix(part, root))
     if not root.is_dir():
