@@ -43,8 +43,8 @@ from typing import Any
 from fluxgrpo import __version__
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.paths import DEFAULT_SAMPLES_DIR, ensure_writable_dir, write_atomic
+from fluxgrpo.run_folder import INDEX_FILE  # a sample folder's index, and each evaluation's in a run folder
 
-INDEX_FILE = "index.json"
 GRID_FILE = "grid.png"
 INDEX_FORMAT = "fluxgrpo-sample-index"
 INDEX_FORMAT_VERSION = 1
