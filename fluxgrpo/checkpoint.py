@@ -11,7 +11,8 @@ k, one update early, and keeps no optimizer state; see dancegrpo-spec.md §7):
                         state then holds the adapters and their optimizer state only; the frozen base comes from
                         the base model's files.
     state/              torch.distributed.checkpoint (DCP) files for {"model", "optim", "lr_scheduler", "ema"},
-                        trainer_state.json, and rng_rank{r}.pt for every rank (tensors and plain values only).
+                        trainer_state.json, rng_rank{r}.pt for every rank (tensors and plain values only), and
+                        checksums_rank{r}.json: the sha256 of each file rank r wrote, verified on resume.
     COMPLETE            written last; JSON facts about the checkpoint (iteration, world size, what it holds).
 
 Atomicity: everything is written into ``checkpoint-{k}.tmp/``; only when every rank has finished does rank 0
@@ -286,6 +287,7 @@ def save_checkpoint(
     )
     if ctx.is_main:
         _write_durably(tmp / STATE_DIR / TRAINER_STATE_FILE, lambda f: f.write(trainer_state_json.encode()))
+    _write_checksums(tmp / STATE_DIR, ctx.rank)
     # Every rank's files are on disk before rank 0 declares the checkpoint complete.
     rt_dist.barrier(ctx)
 
@@ -298,6 +300,7 @@ def save_checkpoint(
             "has_lr_scheduler": lr_scheduler is not None,
             "export_dtype": str(export_dtype).removeprefix("torch."),
             "lora": adapter_metadata(model) if lora else None,
+            "checksums": True,  # state/checksums_rank<r>.json: every resume verifies each rank's files
         }
         _write_durably(tmp / COMPLETE_MARKER, lambda f: f.write((json.dumps(info, indent=2) + "\n").encode()))
         _publish(tmp, final)
@@ -519,6 +522,8 @@ def load_checkpoint(
         state["lr_scheduler"] = lr_scheduler.state_dict()
     if ema is not None:
         state["ema"] = ema.state_dict()
+    if info.get("checksums"):
+        _verify_checksums(path / STATE_DIR, ctx.rank)
     # Read (and vetted) here, on every rank, before DCP's collectives start.
     reader = SafeFileSystemReader(path / STATE_DIR)
     with _quiet_single_process_dcp(), _dcp_errors("reading", path / STATE_DIR):
@@ -603,6 +608,58 @@ def _load_rng_file(rng_file: Path, rank: int) -> dict[str, Any]:
     if not isinstance(rng, dict) or not isinstance(rng.get("global"), dict) or "numpy" not in rng["global"]:
         raise FluxgrpoError(f"{rng_file} is malformed (not the RNG state fluxgrpo writes): {_DAMAGED_FIX}")
     return rng
+
+
+# --------------------------------------------------------------------------------------------- checksums
+
+CHECKSUMS_FILE = "checksums_rank{rank}.json"
+_HASH_CHUNK = 8 << 20
+
+
+def _files_of_rank(state_dir: Path, rank: int) -> list[Path]:
+    """The state files rank ``rank`` wrote: its DCP shards and RNG file (rank 0 also the metadata and trainer
+    state), so each rank hashes (and on resume verifies) its own share, in parallel."""
+    own = [*state_dir.glob(f"__{rank}_*.distcp"), state_dir / f"rng_rank{rank}.pt"]
+    if rank == 0:
+        own += [state_dir / ".metadata", state_dir / TRAINER_STATE_FILE]
+    return sorted(path for path in own if path.is_file())
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_checksums(state_dir: Path, rank: int) -> None:
+    sums = {path.name: _sha256(path) for path in _files_of_rank(state_dir, rank)}
+    text = json.dumps(sums, indent=2) + "\n"
+    _write_durably(state_dir / CHECKSUMS_FILE.format(rank=rank), lambda f: f.write(text.encode()))
+
+
+def _verify_checksums(state_dir: Path, rank: int) -> None:
+    """Raise FluxgrpoError (one line) when a file this rank wrote no longer has the sha256 recorded at save time:
+    corruption inside a tensor's bytes that no header check sees."""
+    record = state_dir / CHECKSUMS_FILE.format(rank=rank)
+    try:
+        sums = json.loads(record.read_text())
+        if not isinstance(sums, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        raise FluxgrpoError(f"{record} is missing or damaged ({type(exc).__name__}): {_DAMAGED_FIX}") from None
+    for name, expected in sorted(sums.items()):
+        path = state_dir / Path(str(name)).name
+        if not path.is_file():
+            raise FluxgrpoError(f"{path} is missing: the checkpoint is damaged; {_DAMAGED_FIX}")
+        if _sha256(path) != expected:
+            raise FluxgrpoError(
+                f"{path} does not match the checksum recorded when the checkpoint was saved (its bytes changed "
+                f"since): {_DAMAGED_FIX}"
+            )
 
 
 # --------------------------------------------------------------------------------------------- filesystem
