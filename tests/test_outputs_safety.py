@@ -178,3 +178,36 @@ def test_launch_folders_left_by_a_killed_cli_are_removed_on_the_next_start(tmp_p
     (tmp_path / f"{ERRORS_TEMP_PREFIX}{dead.pid}-lnk").symlink_to(victim, target_is_directory=True)
     assert sorted(remove_stale_temp_folders(tmp_path)) == sorted(stale)
     assert live.is_dir() and other.is_dir() and victim.is_dir()
+
+
+def test_resuming_with_other_eval_prompts_is_refused(tmp_path):
+    from fluxgrpo.config import build_config
+    from fluxgrpo.errors import UsageError
+    from fluxgrpo.training.launch_plan import check_eval_prompts_unchanged
+
+    first, other = tmp_path / "first.txt", tmp_path / "other.txt"
+    first.write_text("a red cube\na blue ball\n")
+    other.write_text("a red cube\na green tree\n")
+    out = tmp_path / "run"
+    evaluation = out / "eval" / "iteration-0"
+    evaluation.mkdir(parents=True)
+    (evaluation / "index.json").write_text(json.dumps({"prompts": ["a red cube", "a blue ball"], "images": []}))
+    (out / "eval" / "iteration-2").mkdir()
+    (out / "eval" / "iteration-2" / "index.json").write_text("{garbage")  # says nothing: skipped
+
+    def cfg(prompts: Path):
+        return build_config("tiny-cpu", {"eval_every": 2, "eval_prompts": str(prompts), "output_dir": str(out)})
+
+    check_eval_prompts_unchanged(cfg(first), out)
+    with pytest.raises(UsageError, match=r"--eval-prompts: .*other.txt holds other prompts .*\(iteration-0: 2 prompts"):
+        check_eval_prompts_unchanged(cfg(other), out)
+
+
+def test_report_warns_about_an_evaluation_it_leaves_out(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = _bare_run(tmp_path / "run")
+    (run / "eval" / "iteration-2").mkdir(parents=True)
+    (run / "eval" / "iteration-2" / "index.json").write_text("[1, 2")
+    result = runner.invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    assert f"warning: left out {run / 'eval' / 'iteration-2' / 'index.json'}" in result.stderr

@@ -31,6 +31,7 @@ class ReportResult:
     evaluations: list[int]  # evaluations found, per run
     panels: list[str]
     summary: str  # the first run's summary paragraph
+    warnings: list[str]  # what could not be read and was left out (a damaged evaluation index)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,4 +97,5 @@ def build_report(
         evaluations=[len(run.evaluations) for run in runs],
         panels=[panel.title for panel, _ in curves],
         summary=summary_text(runs[0]),
+        warnings=[line for run in runs for line in run.left_out],
     )

@@ -56,6 +56,7 @@ class RunData:
     derived: dict[str, str] = field(default_factory=dict)  # the resolved config's comment header
     info: dict[str, Any] = field(default_factory=dict)
     evaluations: list[Evaluation] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)  # one line per evaluation folder that could not be read
 
     def series(self, key: str, records: list[dict[str, Any]] | None = None) -> tuple[list[int], list[float]]:
         """(iterations, values) of ``key`` over the records that hold a finite number for it."""
@@ -97,6 +98,7 @@ def read_run(folder: str | Path) -> RunData:
     train = [r for r in records if "reward_mean" in r]
     evals = [r for r in records if any(k.startswith("eval_") for k in r)]
     config, derived = _read_config(folder / CONFIG_FILE)
+    left_out: list[str] = []
     info: dict[str, Any] = {}
     if (folder / RUN_INFO_FILE).is_file():
         try:
@@ -111,7 +113,8 @@ def read_run(folder: str | Path) -> RunData:
         config=config,
         derived=derived,
         info=_plain_info(info),
-        evaluations=read_evaluations(folder),
+        evaluations=read_evaluations(folder, left_out),
+        left_out=left_out,
     )
 
 
@@ -165,8 +168,9 @@ def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     return (config if isinstance(config, dict) else {}), derived
 
 
-def read_evaluations(folder: Path) -> list[Evaluation]:
-    """Every complete evaluation (a folder with its index.json) under ``folder/eval``, by iteration, EMA last."""
+def read_evaluations(folder: Path, left_out: list[str] | None = None) -> list[Evaluation]:
+    """Every complete evaluation (a folder with its index.json) under ``folder/eval``, by iteration, EMA last; one
+    whose index.json cannot be read is appended to ``left_out`` (a line saying so) instead."""
     root = folder / EVAL_DIR
     if not root.is_dir():
         return []
@@ -188,8 +192,10 @@ def read_evaluations(folder: Path) -> list[Evaluation]:
                 )
                 for entry in document.get("images") or []
             ]
-        except (ValueError, KeyError, TypeError):
-            continue  # a damaged index is left out of the report, not fatal to it
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            if left_out is not None:  # a damaged index is left out of the report, not fatal to it
+                left_out.append(f"left out {index} ({type(exc).__name__}: the index is damaged)")
+            continue
         scores = {
             str(name): {"mean": float(s["mean"]), "std": float(s["std"])}
             for name, s in (document.get("scores") or {}).items()

@@ -9,6 +9,7 @@ arithmetic is consistent, and the output directory is writable. ``runtime.launch
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -141,6 +142,32 @@ def check_resume_compatible(cfg: TrainConfig, checkpoint: Path, world_size: int)
         )
 
 
+def check_eval_prompts_unchanged(cfg: TrainConfig, output_dir: Path) -> None:
+    """A resumed run evaluates the prompts its earlier evaluations did: one eval curve, one prompt set."""
+    if cfg.eval_every <= 0:
+        return
+    from fluxgrpo.data.prompts import read_prompts
+    from fluxgrpo.run_folder import EVAL_DIR, INDEX_FILE
+    from fluxgrpo.training.eval import shipped_eval_prompts_path
+
+    earlier = sorted((output_dir / EVAL_DIR).glob(f"iteration-*/{INDEX_FILE}"), key=lambda p: p.stat().st_mtime)
+    for index in reversed(earlier):
+        try:
+            prompts = json.loads(index.read_text(encoding="utf-8"))["prompts"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a damaged evaluation says nothing about the prompt set; the report leaves it out
+        now = read_prompts(cfg.eval_prompts or shipped_eval_prompts_path())
+        if prompts != now:
+            source = cfg.eval_prompts or "the shipped held-out prompts"
+            raise UsageError(
+                f"--eval-prompts: {source} holds other prompts than this run's earlier evaluations "
+                f"({index.parent.name}: {len(prompts)} prompts, now {len(now)}), so the eval curve would mix two "
+                "prompt sets: pass the --eval-prompts the run started with, or start a new run with another "
+                "--output-dir"
+            )
+        return
+
+
 def check_previous_run(output_dir: Path, resume: str | None, overwrite: bool) -> None:
     """A new run never writes over an earlier one: without --resume a folder holding a run needs --overwrite."""
     if resume is not None and overwrite:
@@ -204,6 +231,7 @@ def plan_training(
     checkpoint = resolve_resume(output_dir, resume) if resume is not None else None
     if checkpoint is not None:
         check_resume_compatible(cfg, checkpoint, spec.world_size)
+        check_eval_prompts_unchanged(cfg, output_dir)
         check_resume_not_done(cfg, checkpoint)
     derived = cfg.derived(spec.world_size)
     return TrainPlan(
