@@ -211,3 +211,30 @@ def test_report_warns_about_an_evaluation_it_leaves_out(tmp_path):
     result = runner.invoke(app, ["report", str(run)])
     assert result.exit_code == 0, result.output
     assert f"warning: left out {run / 'eval' / 'iteration-2' / 'index.json'}" in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["dotdot", "absolute", "link"])
+def test_an_embeddings_entry_outside_its_folder_is_refused(tiny_embeddings, tmp_path, kind):
+    import shutil
+
+    from fluxgrpo.data.embeddings import EmbeddingDataset
+
+    folder = tmp_path / "emb"
+    shutil.copytree(tiny_embeddings.out_dir, folder)
+    index = folder / tiny_embeddings.index_path.name
+    entries = json.loads(index.read_text())
+    outside = tmp_path / "precious.pt"
+    outside.write_bytes(b"not yours")
+    name = entries[0]["prompt_embed_path"]
+    if kind == "dotdot":
+        entries[0]["prompt_embed_path"] = "../../precious.pt"
+    elif kind == "absolute":
+        entries[0]["prompt_embed_path"] = str(outside)
+    else:
+        link = next(folder.glob(f"*/{name}"))
+        link.unlink()
+        link.symlink_to(outside)
+    index.write_text(json.dumps(entries))
+    with pytest.raises(FluxgrpoError, match="entry 0 names .* which is not a file in"):
+        EmbeddingDataset(index)
+    assert outside.read_bytes() == b"not yours"
