@@ -173,3 +173,26 @@ def test_a_yaml_config_with_aliases_is_refused_without_expanding_them(tmp_path):
     plain = tmp_path / "plain.yaml"
     plain.write_text("eta: 0.5\nreward: hpsv2\n")
     assert read_yaml(plain) == {"eta": 0.5, "reward": "hpsv2"}
+
+
+def test_a_dry_run_plans_for_a_device_and_die_count_this_machine_lacks(tiny_weights, tiny_embeddings, tmp_path):
+    import json
+
+    from training_helpers import tiny_train_argv
+    from typer.testing import CliRunner
+
+    from fluxgrpo.cli.app import app
+    from fluxgrpo.runtime import device as rt_device
+
+    if rt_device.npu_available():
+        pytest.skip("this machine has an NPU")
+    argv = tiny_train_argv(tiny_weights, tiny_embeddings, "--device", "npu", "--dies", "16")
+    argv += ["--output-dir", str(tmp_path / "out")]
+    planned = CliRunner().invoke(app, [*argv, "--dry-run"])
+    assert planned.exit_code == 0, planned.output
+    document = json.loads(planned.stdout)
+    assert document["device_type"] == "npu" and document["memory_per_die"]
+    assert "npu × 16 on this machine" in document["skipped_checks"][0]
+    assert "not checked (dry run): npu × 16" in planned.stderr
+    launched = CliRunner().invoke(app, argv)  # without --dry-run the device is required
+    assert launched.exit_code == 1 and "--device npu requested" in launched.stderr

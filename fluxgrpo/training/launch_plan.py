@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,7 @@ class TrainPlan:
     resume_checkpoint: str | None  # the exact checkpoint folder, resolved once here so every rank agrees
     memory: MemoryEstimate  # per die
     overwrite: bool = False  # move an earlier run in the output directory aside (``run_folder.move_previous_run``)
+    skipped_checks: list[str] = field(default_factory=list)  # --dry-run for a device not here
 
 
 def preflight(cfg: TrainConfig) -> None:
@@ -214,8 +215,17 @@ def plan_training(
             "--cpu-offload moves FSDP shards to host memory and needs more than one worker: "
             "use --dies 2 or more, or drop --cpu-offload"
         )
-    device_type = rt_device.resolve_device_type(cfg.device)
-    check_dies_fit(device_type, spec.nproc_per_node)
+    skipped: list[str] = []
+    try:
+        device_type = rt_device.resolve_device_type(cfg.device)
+        check_dies_fit(device_type, spec.nproc_per_node)
+    except FluxgrpoError as exc:
+        if not dry_run or cfg.device == "auto":
+            raise
+        # Planning for a machine this is not (a laptop for the cluster): estimate for the configured device and
+        # die count, and say what could not be checked here.
+        device_type = cfg.device
+        skipped.append(f"{cfg.device} × {spec.nproc_per_node} on this machine ({exc})")
     for flag, module, extra in (("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb")):
         if getattr(cfg, flag) and importlib.util.find_spec(module) is None:
             raise UsageError(f"--{flag} needs the {module} package: pip install 'fluxgrpo[{extra}]'")
@@ -228,6 +238,8 @@ def plan_training(
         check_previous_run(output_dir, resume, overwrite)
     preflight(cfg)
     memory = plan_memory(cfg, spec.world_size, device_type)
+    if skipped:
+        skipped.append(f"the estimate against the {device_type} devices' memory (none visible here)")
     checkpoint = resolve_resume(output_dir, resume) if resume is not None else None
     if checkpoint is not None:
         check_resume_compatible(cfg, checkpoint, spec.world_size)
@@ -244,6 +256,7 @@ def plan_training(
         None if checkpoint is None else str(checkpoint),
         memory,
         overwrite,
+        skipped,
     )
 
 
