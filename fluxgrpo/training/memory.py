@@ -345,12 +345,21 @@ def host_memory_per_worker(workers: int) -> int | None:
     return total // max(workers, 1) if total > 0 else None
 
 
+def checked_peak(estimate_: MemoryEstimate, device_type: str) -> int:
+    """The peak compared with the memory there is. On cpu the reward models are left out: their sizes are the real
+    checkpoints' (the registry's), while a CPU run uses the tiny ones, and what outgrows a host is the activations."""
+    if device_type != "cpu":
+        return estimate_.peak
+    rewards = estimate_.persistent.get("reward", 0) + estimate_.persistent.get("eval rewards (rank 0)", 0)
+    return estimate_.peak - rewards
+
+
 def check_fits(
     cfg: TrainConfig, dies: int, device_type: str, estimate_: MemoryEstimate, capacity: int | None
 ) -> list[str]:
     """Problems (empty when it fits): the estimate exceeds ``capacity`` bytes per die; each problem names the
     knobs that would bring it under, with their estimates."""
-    if capacity is None or estimate_.peak <= capacity:
+    if capacity is None or checked_peak(estimate_, device_type) <= capacity:
         return []
     import dataclasses
 
@@ -358,7 +367,7 @@ def check_fits(
     for flag, change in _knobs(cfg, dies):
         changed_cfg = dataclasses.replace(cfg, **change.get("cfg", {}))
         changed = estimate_for_config(changed_cfg, change.get("dies", dies), device_type)
-        marker = "fits" if changed.peak <= capacity else "still too much"
+        marker = "fits" if checked_peak(changed, device_type) <= capacity else "still too much"
         options.append(f"{flag}: {changed.peak / GiB:.1f} GiB ({marker})")
     where = (
         f"{capacity / GiB:.1f} GiB of host memory each of the {dies} cpu worker(s) can have"
@@ -366,7 +375,7 @@ def check_fits(
         else f"{capacity / GiB:.1f} GiB of each {device_type} device"
     )
     return [
-        f"estimated peak {estimate_.peak / GiB:,.1f} GiB per die (during {estimate_.peak_phase}) exceeds the "
+        f"estimated peak {checked_peak(estimate_, device_type) / GiB:,.1f} GiB per die (during {estimate_.peak_phase}) exceeds the "
         f"{where}; change one of: " + "; ".join(options)
     ]
 
