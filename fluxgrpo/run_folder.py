@@ -85,9 +85,17 @@ def check_regular_or_absent(path: str | Path) -> None:
 
 def check_run_files(folder: str | Path) -> None:
     """Refuse, before anything starts, a run folder whose named files (the lock, config.yaml, metrics.jsonl,
-    run_info.json, wandb_run_id) are links, directories, FIFOs or sockets."""
+    run_info.json, wandb_run_id) are links, directories, FIFOs or sockets, or whose eval/, images/ or logs/ is a
+    link (the run would write wherever it points)."""
     for name in NAMED_FILES:
         check_regular_or_absent(Path(folder, name))
+    for name in (EVAL_DIR, IMAGES_DIR, LOGS_DIR):  # folders the run writes into: real folders, not links out
+        path = Path(folder, name)
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            raise FluxgrpoError(
+                f"{path} is {'a symbolic link' if path.is_symlink() else 'not a folder'}: the run writes its "
+                f"{name}/ files only into a real folder inside --output-dir; remove it, or choose another --output-dir"
+            )
 
 
 def _open_fd(path: Path, flags: int, mode: int = 0o666) -> int:

@@ -144,3 +144,16 @@ def test_metrics_logger_refuses_a_linked_metrics_file_on_resume(tmp_path):
     with pytest.raises(FluxgrpoError, match="not a regular file"):
         MetricsLogger(tmp_path, enabled=True, resume_after=2)
     assert victim.read_text() == VICTIM_TEXT
+
+
+@pytest.mark.parametrize("name", ["eval", "images", "logs"])
+def test_a_run_subfolder_that_is_a_link_is_refused(tmp_path, name):
+    from fluxgrpo.run_folder import check_run_files
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / name).symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(FluxgrpoError, match=f"{name} is a symbolic link"):
+        check_run_files(out)
