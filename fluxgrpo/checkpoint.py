@@ -287,7 +287,7 @@ def save_checkpoint(
     )
     if ctx.is_main:
         _write_durably(tmp / STATE_DIR / TRAINER_STATE_FILE, lambda f: f.write(trainer_state_json.encode()))
-    _write_checksums(tmp / STATE_DIR, ctx.rank)
+    write_state_checksums(tmp / STATE_DIR, ctx.rank)
     # Every rank's files are on disk before rank 0 declares the checkpoint complete.
     rt_dist.barrier(ctx)
 
@@ -635,7 +635,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_checksums(state_dir: Path, rank: int) -> None:
+def write_state_checksums(state_dir: Path, rank: int) -> None:
     sums = {path.name: _sha256(path) for path in _files_of_rank(state_dir, rank)}
     text = json.dumps(sums, indent=2) + "\n"
     _write_durably(state_dir / CHECKSUMS_FILE.format(rank=rank), lambda f: f.write(text.encode()))
