@@ -44,6 +44,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from fluxgrpo import run_folder
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.lora import adapter_metadata, is_lora_model, write_lora_file
 from fluxgrpo.paths import give_default_mode
@@ -59,6 +60,8 @@ TRANSFORMER_DIR = "transformer"
 EMA_TRANSFORMER_DIR = "transformer_ema"
 LORA_DIR = "lora"
 EMA_LORA_DIR = "lora_ema"
+BEST_DIR = run_folder.BEST_DIR  # --keep-best: the best evaluated checkpoint, never rotated by --keep-last
+BEST_FILE = "BEST.json"  # in best/: which checkpoint it is and why (iteration, metric, value)
 STATE_DIR = "state"
 TRAINER_STATE_FILE = "trainer_state.json"
 # 2: rng_rank{r}.pt holds tensors and plain values (version 1 pickled numpy arrays, unreadable safely).
@@ -100,6 +103,17 @@ def is_complete_checkpoint(path: str | Path) -> bool:
     return checkpoint_iteration(path) is not None and (path / COMPLETE_MARKER).is_file()
 
 
+def is_best_checkpoint(path: str | Path) -> bool:
+    """True for a complete ``best/`` folder (``--keep-best``): a copy of a complete checkpoint under another name."""
+    path = Path(path)
+    return path.name == BEST_DIR and (path / COMPLETE_MARKER).is_file() and (path / BEST_FILE).is_file()
+
+
+def is_usable_checkpoint(path: str | Path) -> bool:
+    """A complete ``checkpoint-{k}`` or ``best/``: what ``sample``, ``export`` and ``read_checkpoint_info`` take."""
+    return is_complete_checkpoint(path) or is_best_checkpoint(path)
+
+
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
     """The complete checkpoints in ``output_dir``, oldest iteration first; [] when the folder does not exist."""
     root = Path(output_dir)
@@ -122,7 +136,7 @@ def read_checkpoint_info(path: str | Path) -> dict[str, Any]:
         FluxgrpoError: ``path`` is not a complete checkpoint.
     """
     path = Path(path)
-    if not is_complete_checkpoint(path):
+    if not is_usable_checkpoint(path):
         raise FluxgrpoError(_not_complete_message(path, path.parent))
     info = _read_json(path / COMPLETE_MARKER)
     if not isinstance(info, dict) or not isinstance(info.get("iteration"), int) or "world_size" not in info:
@@ -308,6 +322,42 @@ def save_checkpoint(
             _prune(root, keep_last, keep=final)
     rt_dist.barrier(ctx)
     return final
+
+
+def publish_best(checkpoint: str | Path, facts: dict[str, Any]) -> Path:
+    """Make the complete ``checkpoint`` the run's ``best/`` (rank 0, after the save): returns ``best/``.
+
+    Its files are hard-linked (a checkpoint's files are never rewritten once it is complete, so a link costs no
+    space and no time; copied where the filesystem has no hard links) into ``best.tmp/`` with ``BEST.json``
+    (``facts``: iteration, metric, value) written last, then renamed over the previous ``best/`` as a checkpoint is
+    published: an interrupted update leaves the previous ``best/`` or the new one, never a mix. ``--keep-last``
+    pruning deletes ``checkpoint-{k}`` folders only; the linked files live on in ``best/``.
+    """
+    source = Path(checkpoint)
+    final = source.parent / BEST_DIR
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    _remove_tree(tmp)
+
+    def link_or_copy(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    try:
+        shutil.copytree(source, tmp, copy_function=link_or_copy)
+        record = {**facts, "checkpoint": source.name}
+        _write_durably(tmp / BEST_FILE, lambda f: f.write((json.dumps(record, indent=2) + "\n").encode()))
+    except OSError as exc:
+        raise _io_error(exc, "writing", tmp) from None
+    _publish(tmp, final)
+    return final
+
+
+def read_best(output_dir: str | Path) -> dict[str, Any] | None:
+    """``best/BEST.json`` of a run (iteration, metric, value, checkpoint), or None when it keeps no best."""
+    path = Path(output_dir) / BEST_DIR
+    return _read_json(path / BEST_FILE) if is_best_checkpoint(path) else None
 
 
 def _export_model(

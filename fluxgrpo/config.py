@@ -74,7 +74,7 @@ class TrainConfig:
     output_dir: str = _opt(DEFAULT_OUTPUT_DIR, "Checkpoints, metrics.jsonl, sample images and the resolved config.")
     reward: str = _opt(
         "hpsv2",
-        f"Reward model(s): {', '.join(reward_names())} (brightness: a smoke test for tiny models); several as "
+        f"Reward model(s): {', '.join(reward_names())} (brightness, exposure: smoke tests for tiny models); several as "
         "name:weight,... (e.g. hpsv2:1,pickscore:0.5; weights normalised to sum 1).",
     )
     reward_dtype: str = _opt("fp32", "Dtype the reward encoders run in: fp32 or bf16 (scores are fp32 either way).")
@@ -161,11 +161,22 @@ class TrainConfig:
         0, "Evaluate on held-out prompts at iteration 0, every K iterations and after the last (0: off)."
     )
     eval_prompts: str = _opt(
-        "", "Held-out prompt file, one per line (empty: the 48 held-out prompts shipped with fluxgrpo)."
+        "",
+        "Held-out prompt file, one per line, or a benchmark set fetched with fetch-weights (hpdv2); empty: the 48 "
+        "held-out prompts shipped with fluxgrpo.",
     )
     eval_images_per_prompt: int = _opt(1, "Images per held-out prompt (image j of prompt i always has the same seed).")
     eval_steps: int = _opt(28, "Denoising steps of the deterministic (ODE) evaluation sampler, as `fluxgrpo sample`.")
     eval_rewards: str = _opt("", "More rewards to score evaluations with, comma-separated (beside --reward).")
+    guard: str = _opt(
+        "",
+        "Rules checked at each evaluation, NAME:-X%|+X%|min=V|max=V comma-separated (NAME: an evaluated reward, diversity, "
+        "velocity_norm_ratio, group_spread; X% relative to the run's first value), e.g. clipscore:-3%,diversity:-15%.",
+    )
+    guard_action: str = _opt("warn", "When a --guard rule fires: warn (log, go on) or stop (checkpoint, exit 3).")
+    keep_best: str = _opt(
+        "", "Keep the best evaluation passing every guard by this metric (e.g. hpsv2) as <output-dir>/best/."
+    )
 
     # ---------------------------------------------------------------------------------------------------
     @property
@@ -312,18 +323,20 @@ class TrainConfig:
         return out
 
     def _logging_problems(self) -> list[str]:
-        """Held-out evaluation and experiment-tracker settings."""
+        """Held-out evaluation, guards and experiment-tracker settings."""
+        from fluxgrpo.data.benchmarks import eval_prompts_problem
+        from fluxgrpo.training.guards import guard_problems
+
         out = []
         if self.eval_every < 0:
             out.append(f"--eval-every must be 0 (off) or a number of iterations (got {self.eval_every})")
         for name in ("eval_images_per_prompt", "eval_steps"):
             if getattr(self, name) < 1:
                 out.append(f"--{_flag(name)} must be at least 1 (got {getattr(self, name)})")
-        if self.eval_prompts and not Path(self.eval_prompts).is_file():
-            out.append(
-                f"--eval-prompts {self.eval_prompts}: no such file (one prompt per line; empty for the shipped set)"
-            )
+        if self.eval_prompts and (problem := eval_prompts_problem(self.eval_prompts)):
+            out.append(problem)
         out.extend(parse_reward_list(self.eval_rewards, "--eval-rewards", weights=False, empty_ok=True)[1])
+        out.extend(guard_problems(self))
         if self.wandb_mode and self.wandb_mode not in WANDB_MODES:
             out.append(f"--wandb-mode {self.wandb_mode!r}: use one of {', '.join(WANDB_MODES)}, or leave it empty")
         return out

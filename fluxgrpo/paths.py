@@ -2,6 +2,7 @@
 
 DEFAULT_FLUX_DIR = "data/flux"
 DEFAULT_HPS_DIR = "hps_ckpt"
+DEFAULT_PROMPTS_DIR = "data/eval_prompts"  # benchmark prompt sets (`fetch-weights --only hpdv2-prompts`)
 # --hps-dir's help wherever a command reads reward weights from it (train, env-check, score, bench).
 HPS_DIR_HELP = (
     "Folder of the reward weights (`fetch-weights --hps-dir`): the HPS and open_clip files, pickscore/, imagereward/, "

@@ -43,9 +43,21 @@ LOGS_DIR = "logs"  # the workers' logs
 ERRORS_FILE = "errors.txt"  # in LOGS_DIR: every rank's error and traceback after a failed run
 RUN_FILES = (CONFIG_FILE, METRICS_FILE, RUN_INFO_FILE)
 CHECKPOINT_PATTERN = "checkpoint-*"
+BEST_DIR = "best"  # --keep-best's checkpoint (checkpoint.BEST_DIR)
 # Everything a run writes in its folder besides checkpoints: what --overwrite moves aside.
 RUN_OUTPUTS = frozenset(
-    {*RUN_FILES, WANDB_ID_FILE, EVAL_DIR, IMAGES_DIR, LOGS_DIR, "tensorboard", "wandb", "report.html", "report.png"}
+    {
+        *RUN_FILES,
+        WANDB_ID_FILE,
+        EVAL_DIR,
+        IMAGES_DIR,
+        LOGS_DIR,
+        BEST_DIR,
+        "tensorboard",
+        "wandb",
+        "report.html",
+        "report.png",
+    }
 )
 # Written by name into the folder (the lock, and what a resume reads back).
 NAMED_FILES = (LOCK_FILE, *RUN_FILES, WANDB_ID_FILE)
@@ -252,7 +264,10 @@ def run_entries(folder: str | Path) -> list[Path]:
     return sorted(
         entry
         for entry in folder.iterdir()
-        if entry.name in RUN_OUTPUTS or entry.match(CHECKPOINT_PATTERN) or entry.match(CHECKPOINT_PATTERN + ".*")
+        if entry.name in RUN_OUTPUTS
+        or entry.match(CHECKPOINT_PATTERN)
+        or entry.match(CHECKPOINT_PATTERN + ".*")
+        or entry.match(BEST_DIR + ".*")
     )
 
 

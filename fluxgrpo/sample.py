@@ -208,14 +208,14 @@ def resolve_checkpoint(path: str | Path, ema: bool) -> Path:
         EMA_TRANSFORMER_DIR,
         LORA_DIR,
         TRANSFORMER_DIR,
-        is_complete_checkpoint,
+        is_usable_checkpoint,
         latest_checkpoint,
         read_checkpoint_info,
     )
     from fluxgrpo.lora import LORA_WEIGHTS_NAME
 
     given = Path(path).expanduser()
-    if is_complete_checkpoint(given):
+    if is_usable_checkpoint(given):
         found = given
     elif given.is_dir() and (latest := latest_checkpoint(given)) is not None:
         found = latest
@@ -227,8 +227,8 @@ def resolve_checkpoint(path: str | Path, ema: bool) -> Path:
         else:
             why = f"it holds no complete {CHECKPOINT_PREFIX}<k> folder"
         raise FluxgrpoError(
-            f"--checkpoint {given}: {why}; pass a checkpoint-<k> folder or the training --output-dir "
-            "(its latest complete checkpoint is used), or drop --checkpoint to sample the base model"
+            f"--checkpoint {given}: {why}; pass a checkpoint-<k> folder, a run's best/ (--keep-best) or the training "
+            "--output-dir (its latest complete checkpoint is used), or drop --checkpoint to sample the base model"
         )
     info = read_checkpoint_info(found)
     lora = bool(info.get("lora"))

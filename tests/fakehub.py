@@ -39,6 +39,7 @@ class FakeRepo:
     gated: bool = False
     granted_tokens: frozenset[str] = frozenset()
     sha: str = ""
+    repo_type: str = "model"  # or "dataset": served under Hugging Face's /api/datasets and /datasets/ routes
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -169,6 +170,8 @@ class FakeHub:
 def _locate_content(flavour: str, req: RecordedRequest) -> tuple[str, str] | None:
     parts = req.path.strip("/").split("/")
     if flavour == "hf":
+        if parts[:1] == ["datasets"]:
+            parts = parts[1:]
         if len(parts) >= 5 and parts[2] == "resolve":
             return f"{parts[0]}/{parts[1]}", "/".join(parts[4:])
         return None
@@ -289,9 +292,12 @@ class _Handler(BaseHTTPRequestHandler):
     # -- Hugging Face ------------------------------------------------------------------------------
     def _hf(self, path: str, query: dict[str, str]) -> None:
         parts = path.strip("/").split("/")
-        if parts[:2] == ["api", "models"] and len(parts) >= 4:
+        repo_type = "model"
+        if parts[:1] == ["datasets"]:  # /datasets/<repo>/resolve/…: a dataset's file
+            repo_type, parts = "dataset", parts[1:]
+        if parts[:2] in (["api", "models"], ["api", "datasets"]) and len(parts) >= 4:
             repo = self.fake._by_id.get(f"{parts[2]}/{parts[3]}")
-            if repo is None:
+            if repo is None or repo.repo_type != parts[1].removesuffix("s"):
                 return self._hf_error(404, "RepoNotFound", "Repository not found")
             rest = parts[4:]
             if not rest:
@@ -305,7 +311,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(404)
         if len(parts) >= 5 and parts[2] == "resolve":
             repo = self.fake._by_id.get(f"{parts[0]}/{parts[1]}")
-            if repo is None:
+            if repo is None or repo.repo_type != repo_type:
                 return self._hf_error(404, "RepoNotFound", "Repository not found")
             if not self._hf_rev_ok(repo, parts[3]):
                 return self._hf_bad_rev(parts[3])

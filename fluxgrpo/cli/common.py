@@ -1,7 +1,8 @@
 """What every command shares: stderr console, error → exit-code mapping, JSON output.
 
 Results go to stdout (a rich table, or one JSON document with --json); logs, progress and errors go to
-stderr. Exit codes: 0 ok, 1 runtime failure, 2 usage error. ``FLUXGRPO_DEBUG=1`` shows tracebacks.
+stderr. Exit codes: 0 ok, 1 runtime failure, 2 usage error (and 3: `train` stopped by a guard, ``training/guards.py``).
+``FLUXGRPO_DEBUG=1`` shows tracebacks.
 
 Text from users and libraries (paths, prompts, error messages such as gloo's ``[/__w/.../pair.cc:561]``) is never
 rich markup: print it with ``log`` or through ``escape``, so brackets in it show as typed instead of vanishing

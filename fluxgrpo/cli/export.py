@@ -14,7 +14,9 @@ def command(
     checkpoint: Annotated[
         str,
         typer.Option(
-            "--checkpoint", help="A checkpoint-<k> folder, or a training --output-dir (its latest complete checkpoint)."
+            "--checkpoint",
+            help="A checkpoint-<k> folder, a run's best/ (--keep-best), or a training --output-dir (its latest complete "
+            "checkpoint).",
         ),
     ],
     out: Annotated[str, typer.Option("--out", help="New (or empty) folder to write.")],

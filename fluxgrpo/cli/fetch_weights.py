@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from fluxgrpo.cli.common import JsonOption, escape, handle_errors, log, out_console, print_json
-from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR
+from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR, DEFAULT_PROMPTS_DIR
 
 if TYPE_CHECKING:
     from fluxgrpo.weights.hub import FetchSummary
@@ -41,8 +41,8 @@ def command(
         str | None,
         typer.Option(
             "--only",
-            help="Comma-separated parts: flux, hps, clip, pickscore, imagereward, hpsv3. Default: flux,hps,clip from "
-            "a hub; every part for tiny.",
+            help="Comma-separated parts: flux, hps, clip, pickscore, imagereward, hpsv3, hpdv2-prompts (benchmark "
+            "prompts). Default: flux,hps,clip from a hub; every model part for tiny.",
         ),
     ] = None,
     flux_dir: Annotated[
@@ -56,6 +56,10 @@ def command(
             "imagereward/, hpsv3/).",
         ),
     ] = DEFAULT_HPS_DIR,
+    prompts_dir: Annotated[
+        str,
+        typer.Option("--prompts-dir", help="Where benchmark prompt sets go (hpdv2/), for `train --eval-prompts NAME`."),
+    ] = DEFAULT_PROMPTS_DIR,
     revision: Annotated[
         str | None,
         typer.Option(
@@ -143,6 +147,8 @@ def command(
         given = [flag for flag, value in hub_only.items() if value not in (None, False)]
         if given:
             raise UsageError(f"{given[0]} applies to --source hf or modelscope, not to --source tiny")
+        if prompts_dir != DEFAULT_PROMPTS_DIR or any(name.endswith("-prompts") for name in parts or []):
+            raise UsageError("benchmark prompt sets come from a hub: fetch them with --source hf")
         _tiny(parts, flux_dir, hps_dir, 0 if seed is None else seed, json_output)
         return
     if seed is not None:
@@ -159,6 +165,7 @@ def command(
         max_workers=8 if max_workers is None else max_workers,
         rehash=rehash,
         json_output=json_output,
+        prompts_dir=prompts_dir,
     )
 
 
@@ -231,6 +238,7 @@ def _hub(
     max_workers: int,
     rehash: bool,
     json_output: bool,
+    prompts_dir: str,
 ) -> None:
     from fluxgrpo.weights.hub import DEFAULT_PARTS, fetch_from_hub
 
@@ -246,6 +254,7 @@ def _hub(
         max_workers=max_workers,
         progress=not json_output,
         rehash=rehash,
+        prompts_dir=prompts_dir,
     )
     if json_output:
         print_json(summary.to_dict())

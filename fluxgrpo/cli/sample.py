@@ -18,7 +18,8 @@ def command(
         str | None,
         typer.Option(
             "--checkpoint",
-            help="A checkpoint-<k> folder, or a training --output-dir (its latest complete checkpoint). "
+            help="A checkpoint-<k> folder, a run's best/ (--keep-best), or a training --output-dir (its latest complete "
+            "checkpoint). "
             "[default: none, the base model]",
             show_default=False,
         ),

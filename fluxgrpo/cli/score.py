@@ -28,7 +28,7 @@ def command(
         str,
         typer.Option(
             "--reward",
-            help=f"Reward model: {', '.join(reward_names())} (brightness: a smoke test); several separated by "
+            help=f"Reward model: {', '.join(reward_names())} (brightness, exposure: smoke tests); several separated by "
             "commas are scored side by side, one model in memory at a time.",
         ),
     ] = "hpsv2",

@@ -80,9 +80,11 @@ def _train(
     if list_configs:
         _list_configs()
         return
+    from fluxgrpo.checkpoint import read_best
     from fluxgrpo.config import build_config
     from fluxgrpo.metrics import reward_trend
     from fluxgrpo.runtime.launch import LaunchSpec
+    from fluxgrpo.training.guards import GUARD_STOP_EXIT_CODE, guard_stop
     from fluxgrpo.training.launch_plan import launch_training, plan_training
 
     cfg = build_config(config, hyperparameters)
@@ -112,11 +114,15 @@ def _train(
     )
     records = launch_training(plan, log=log)
     trend = reward_trend(records)
+    iterations = [r for r in records if "reward_mean" in r]  # metrics.jsonl also holds evaluation and guard records
+    stopped = guard_stop(records)
     result = {
         "output_dir": cfg.output_dir,
-        "iterations": len(records),
+        "iterations": len(iterations),
         "reward_trend": trend,
-        "final": records[-1] if records else None,
+        "final": iterations[-1] if iterations else None,
+        "guard_stop": stopped["guard_stop_message"] if stopped else None,
+        "best": read_best(cfg.output_dir),
     }
     if json_output:
         print_json(result)
@@ -127,6 +133,9 @@ def _train(
             f"and last {trend['window']} of {trend['iterations']} iterations). Checkpoints and metrics.jsonl in "
             f"{escape(cfg.output_dir)}"
         )
+    if stopped:  # a clean end, told apart from success and failure by its exit code (training/guards.py)
+        err_console.print(escape(stopped["guard_stop_message"]), highlight=False)
+        raise typer.Exit(GUARD_STOP_EXIT_CODE)
 
 
 def command(

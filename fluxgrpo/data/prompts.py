@@ -15,6 +15,9 @@ def bundled_prompts_path() -> Path:
 def read_prompts(path: str | Path, *, keep_repeats: bool = False) -> list[str]:
     """The prompts in ``path``: each line stripped, blank lines dropped, duplicates kept once (first occurrence).
 
+    A ``.json`` file is a benchmark prompt set as its authors publish it: a list of objects, each with a ``"prompt"``
+    (HPDv2's ``test.json``, ``fetch-weights --only hpdv2-prompts``), read in order.
+
     Dropping duplicates keeps each prompt's embedding and its GRPO group statistics from being counted twice.
     ``keep_repeats=True`` keeps every line instead (``score --images --prompts``: one line per image).
 
@@ -28,8 +31,27 @@ def read_prompts(path: str | Path, *, keep_repeats: bool = False) -> list[str]:
         raise FluxgrpoError(f"prompt file {path} not found: pass an existing file with --prompts") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise FluxgrpoError(f"cannot read prompt file {path} ({exc}): pass a UTF-8 text file with --prompts") from None
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if path.suffix == ".json":
+        lines = _json_prompts(text, path)
+    else:
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
     prompts = lines if keep_repeats else list(dict.fromkeys(lines))
     if not prompts:
         raise FluxgrpoError(f"prompt file {path} holds no prompts (one per line): pass another file with --prompts")
     return prompts
+
+
+def _json_prompts(text: str, path: Path) -> list[str]:
+    """The ``"prompt"`` of each object of a JSON list (HPDv2's test.json), stripped, empty ones dropped."""
+    import json
+
+    try:
+        document = json.loads(text)
+    except ValueError as exc:
+        raise FluxgrpoError(f"prompt file {path} is not valid JSON ({exc}): pass a prompt set as published") from None
+    if not isinstance(document, list) or not all(isinstance(e, dict) and "prompt" in e for e in document):
+        raise FluxgrpoError(
+            f'prompt file {path} is not a list of objects with a "prompt" (HPDv2\'s test.json layout): pass a text '
+            "file with one prompt per line instead"
+        )
+    return [str(entry["prompt"]).strip() for entry in document if str(entry["prompt"]).strip()]

@@ -25,6 +25,7 @@ class Line:
     label: str
     band: tuple[str, str] | None = None  # keys of the lower and upper edge of a shaded band
     eval_line: bool = False  # drawn from the eval records, with markers
+    guard_line: bool = False  # drawn from the guard records, with markers; where the rule fired, a red cross
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,29 @@ def panels_for(runs: list[RunData]) -> list[Panel]:
                 ],
             )
         )
+    panels.append(
+        Panel(
+            "Eval diversity (1 − cos between a prompt's seeds)",
+            "diversity",
+            [Line("eval_diversity", "weights", eval_line=True), Line("eval_ema_diversity", "EMA", eval_line=True)],
+        )
+    )
+    guarded: dict[str, None] = {}
+    for run in runs:
+        guarded.update(dict.fromkeys(run.guard_names()))
+    for name in guarded:
+        panels.append(
+            Panel(
+                f"Guard {name} (× where it fired)",
+                name,
+                [
+                    Line(f"guard_{name}_value", "value", guard_line=True),
+                    Line(f"guard_{name}_limit", "limit", guard_line=True),
+                ],
+            )
+        )
     panels += [
+        Panel("Velocity-norm ratio, policy / reference (drift)", "ratio", [Line("velocity_norm_ratio", "‖v‖ ratio")]),
         Panel("Within-group reward std", "std", [Line("group_std_mean", "group std mean")]),
         Panel("Groups with zero reward spread", "fraction", [Line("zero_std_group_fraction", "zero-std fraction")]),
         Panel(
@@ -95,15 +118,21 @@ def panels_for(runs: list[RunData]) -> list[Panel]:
     return [p for p in panels if any(_has(run, line) for run in runs for line in p.lines)]
 
 
+def _records(run: RunData, line: Line) -> list[dict[str, Any]]:
+    if line.guard_line:
+        return run.guard_records
+    return run.eval_records if line.eval_line else run.records
+
+
 def _has(run: RunData, line: Line) -> bool:
-    return bool(run.series(line.key, run.eval_records if line.eval_line else None)[0])
+    return bool(run.series(line.key, _records(run, line))[0])
 
 
 def _draw_panel(ax: Any, panel: Panel, runs: list[RunData]) -> None:
     several = len(runs) > 1
     for run_number, run in enumerate(runs):
         for line_number, line in enumerate(panel.lines):
-            records = run.eval_records if line.eval_line else run.records
+            records = _records(run, line)
             xs, ys = run.series(line.key, records)
             if not xs:
                 continue
@@ -115,8 +144,17 @@ def _draw_panel(ax: Any, panel: Panel, runs: list[RunData]) -> None:
                 colour = RUN_COLOURS[line_number % len(RUN_COLOURS)]
                 style = "-"
                 label = line.label
-            marker = "o" if line.eval_line or len(xs) == 1 else None
+            marker = "o" if line.eval_line or line.guard_line or len(xs) == 1 else None
             ax.plot(xs, ys, style, color=colour, label=label, marker=marker, markersize=4, linewidth=1.4)
+            if line.guard_line and line.key.endswith("_value"):
+                fired_key = line.key.removesuffix("_value") + "_fired"
+                fired = [
+                    (r["iteration"], r[line.key]) for r in records if r.get(fired_key) and r.get(line.key) is not None
+                ]
+                if fired:
+                    ax.plot(
+                        *zip(*fired, strict=True), "x", color="#d62728", markersize=9, markeredgewidth=2, label="fired"
+                    )
             if line.band is not None:
                 _draw_band(ax, run, records, line, xs, ys, colour)
     from matplotlib.ticker import MaxNLocator

@@ -141,6 +141,18 @@ def summary_text(run: RunData) -> str:
             f"Held-out eval {name}: {_fmt(ys[0])} at iteration {xs[0]} → {_fmt(ys[-1])} at iteration {xs[-1]}; "
             f"best {_fmt(ys[best])} at iteration {xs[best]}."
         )
+    for record in run.guard_records:
+        fired = [name for name in run.guard_names() if record.get(f"guard_{name}_fired")]
+        if fired:
+            parts.append(
+                f"Guard{'s' if len(fired) > 1 else ''} {', '.join(fired)} fired at iteration {record['iteration']}."
+            )
+        if record.get("guard_stop"):
+            parts.append(f"The run was stopped there by its guard ({record.get('guard_stop_message', '')}).")
+    if run.best is not None:
+        parts.append(
+            f"best/ is iteration {run.best.get('iteration')} ({run.best.get('metric')} {_fmt(run.best.get('value'))})."
+        )
     zero = run.series("zero_std_group_fraction")[1]
     if zero and sum(zero[-5:]) / len(zero[-5:]) > 0.5:
         parts.append("Most recent groups have no reward spread, so they carry no learning signal.")

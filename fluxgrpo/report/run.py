@@ -6,6 +6,7 @@ A training ``--output-dir`` holds (all optional except ``metrics.jsonl``):
     config.yaml                     the resolved config, with the derived numbers in its comment header
     run_info.json                   versions and hardware of the run (``fluxgrpo.metrics.write_run_info``)
     eval/iteration-<k>[-ema]/       held-out evaluation images + ``index.json`` (``fluxgrpo.training.eval``)
+    best/BEST.json                  the checkpoint ``--keep-best`` kept (``fluxgrpo.training.guards``)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.metrics import read_metrics
 from fluxgrpo.run_folder import CONFIG_FILE, EVAL_DIR, INDEX_FILE, METRICS_FILE, RUN_INFO_FILE
+from fluxgrpo.training.guards import GUARD_RECORD
 
 _EVAL_FOLDER = re.compile(r"^iteration-(\d+)(-ema)?$")
 
@@ -56,7 +58,19 @@ class RunData:
     derived: dict[str, str] = field(default_factory=dict)  # the resolved config's comment header
     info: dict[str, Any] = field(default_factory=dict)
     evaluations: list[Evaluation] = field(default_factory=list)
+    guard_records: list[dict[str, Any]] = field(default_factory=list)  # one per guard check (training/guards.py)
+    best: dict[str, Any] | None = None  # best/BEST.json: iteration, metric, value, checkpoint
     left_out: list[str] = field(default_factory=list)  # one line per evaluation folder that could not be read
+
+    def guard_names(self) -> list[str]:
+        """The metrics the run's guards watched, in first-seen order."""
+        names: dict[str, None] = {}
+        for record in self.guard_records:
+            for key in record:
+                match = re.match(r"^guard_(.+)_value$", key)
+                if match:
+                    names.setdefault(match.group(1))
+        return list(names)
 
     def series(self, key: str, records: list[dict[str, Any]] | None = None) -> tuple[list[int], list[float]]:
         """(iterations, values) of ``key`` over the records that hold a finite number for it."""
@@ -97,6 +111,7 @@ def read_run(folder: str | Path) -> RunData:
     records.sort(key=lambda r: r["iteration"])
     train = [r for r in records if "reward_mean" in r]
     evals = [r for r in records if any(k.startswith("eval_") for k in r)]
+    guards = [r for r in records if r.get("record") == GUARD_RECORD]
     config, derived = _read_config(folder / CONFIG_FILE)
     left_out: list[str] = []
     info: dict[str, Any] = {}
@@ -115,6 +130,8 @@ def read_run(folder: str | Path) -> RunData:
         info=_plain_info(info),
         evaluations=read_evaluations(folder, left_out),
         left_out=left_out,
+        guard_records=guards,
+        best=_read_best(folder),
     )
 
 
@@ -125,14 +142,26 @@ MAX_PLOTTED_MAGNITUDE = 1e30
 def _plottable_value(value: Any) -> Any:
     if isinstance(value, list):
         return [_plottable_value(item) for item in value]
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, str | bool) or value is None:
+        return value
+    if not isinstance(value, int | float):
         return None
     return value if math.isfinite(value) and abs(value) <= MAX_PLOTTED_MAGNITUDE else None
 
 
 def _plottable(record: dict[str, Any]) -> dict[str, Any]:
-    """A metrics record whose values are plottable numbers or None (strings, NaN, ±1e308 and the like: None)."""
-    return {key: value if key == "iteration" else _plottable_value(value) for key, value in record.items()}
+    """A metrics record whose numbers are plottable or None (NaN, ±1e308 and the like: None). A text value stays
+    text (a guard record's ``record`` and stop line), but where a metric should be it is None."""
+    return {key: value if key == "iteration" else _clean(key, value) for key, value in record.items()}
+
+
+def _clean(key: str, value: Any) -> Any:
+    if isinstance(value, str):
+        return value if key in _TEXT_KEYS or key.startswith("guard_") else None
+    return _plottable_value(value)
+
+
+_TEXT_KEYS = frozenset({"record"})
 
 
 def _plain_info(info: Any) -> dict[str, dict[str, str]]:
@@ -144,6 +173,15 @@ def _plain_info(info: Any) -> dict[str, dict[str, str]]:
         for name, table in info.items()
         if name in ("versions", "hardware") and isinstance(table, dict)
     }
+
+
+def _read_best(folder: Path) -> dict[str, Any] | None:
+    from fluxgrpo.checkpoint import read_best
+
+    try:
+        return read_best(folder)
+    except FluxgrpoError:
+        return None  # a damaged best/ is left out of the report, not fatal to it
 
 
 def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, str]]:

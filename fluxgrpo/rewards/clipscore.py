@@ -87,13 +87,19 @@ class ClipScoreReward(OpenClipCosine):
 
     def score_pil(self, images: list[Image.Image], prompts: list[str]) -> torch.Tensor:
         """open_clip's own input path: its evaluation transform on RGB PIL images."""
+        check_pil_batch(images, prompts)
+        return self.score_pixels(self._pil_pixels(images), prompts)
+
+    def embed_pil(self, images: list[Image.Image]) -> torch.Tensor:
+        """[B, E] L2-normalised CLIP image features of PIL images, through ``score_pil``'s input path."""
+        return self.image_features(self._pil_pixels(images))
+
+    def _pil_pixels(self, images: list[Image.Image]) -> torch.Tensor:
         import open_clip
         import torch
 
-        check_pil_batch(images, prompts)
         transform = open_clip.image_transform(self.image_size, is_train=False)
-        pixels = torch.stack([transform(image.convert("RGB")) for image in images]).to(self.device)
-        return self.score_pixels(pixels, prompts)
+        return torch.stack([transform(image.convert("RGB")) for image in images]).to(self.device)
 
     def score_pixels(self, pixels: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         """Normalised pixels → max(100 · cos, 0) [B] float32."""

@@ -120,16 +120,23 @@ class HpsV2Reward(OpenClipCosine):
 
     def score_pil(self, images: list[Image.Image], prompts: list[str]) -> torch.Tensor:
         """hpsv2's own input path: PIL images of any size → RGB → ToTensor → the same resize/pad/normalise."""
+        check_pil_batch(images, prompts)
+        return self.cosine(self._pil_pixels(images), prompts)
+
+    def embed_pil(self, images: list[Image.Image]) -> torch.Tensor:
+        """[B, E] L2-normalised image features of PIL images, through ``score_pil``'s input path."""
+        return self.image_features(self._pil_pixels(images))
+
+    def _pil_pixels(self, images: list[Image.Image]) -> torch.Tensor:
         import torch
 
-        check_pil_batch(images, prompts)
         pixels = torch.cat(
             [
                 resize_longest_and_pad(pil_to_tensor(image).unsqueeze(0).to(self.device), self.image_size)
                 for image in images
             ]
         )
-        return self.cosine(normalize_clip(pixels), prompts)
+        return normalize_clip(pixels)
 
 
 def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> HpsV2Reward:

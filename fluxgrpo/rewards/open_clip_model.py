@@ -114,19 +114,36 @@ class OpenClipCosine:
     def cosine(self, pixels: Any, prompts: list[str]) -> Any:
         """Normalised pixels [B, 3, S, S] → cosine(image features, text features) [B] float32."""
         import torch
-        import torch.nn.functional as F
-
-        from fluxgrpo.runtime.device import autocast
 
         text_features = self._text_features(prompts)
         scores = []
         with torch.no_grad():
             for start in range(0, pixels.shape[0], self.batch_size):
-                with autocast(self.device.type, dtype=self.compute_dtype):
-                    features = self.model.encode_image(pixels[start : start + self.batch_size])
-                features = F.normalize(features.float(), dim=-1)
+                features = self._image_features(pixels[start : start + self.batch_size])
                 scores.append((features * text_features[start : start + self.batch_size]).sum(dim=-1))
         return torch.cat(scores)
+
+    def image_features(self, pixels: Any) -> Any:
+        """Normalised pixels [B, 3, S, S] → [B, E] float32 L2-normalised image features (the evaluation's
+        diversity embedding, ``training/diversity.py``)."""
+        import torch
+
+        with torch.no_grad():
+            return torch.cat(
+                [
+                    self._image_features(pixels[start : start + self.batch_size])
+                    for start in range(0, pixels.shape[0], self.batch_size)
+                ]
+            )
+
+    def _image_features(self, pixels: Any) -> Any:
+        import torch.nn.functional as F
+
+        from fluxgrpo.runtime.device import autocast
+
+        with autocast(self.device.type, dtype=self.compute_dtype):
+            features = self.model.encode_image(pixels)
+        return F.normalize(features.float(), dim=-1)
 
     def _encode_text(self, prompts: list[str]) -> Any:
         """[n, E] float32 L2-normalised text features."""

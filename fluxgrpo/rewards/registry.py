@@ -39,6 +39,7 @@ BUILTIN_REWARD_MODULES = (
     "fluxgrpo.rewards.imagereward",
     "fluxgrpo.rewards.hpsv3",
     "fluxgrpo.rewards.brightness",
+    "fluxgrpo.rewards.exposure",
 )
 
 

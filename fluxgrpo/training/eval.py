@@ -15,8 +15,9 @@ transformer forwards (the ones with fewer prompts run discarded padding batches)
 the image records, writes the grid, scores every image with every reward through ``fluxgrpo score``'s own code
 (the PNGs read back from disk, fp32 HPSv2), so ``fluxgrpo score --index eval/iteration-<k>`` reports the same
 numbers, writes ``index.json`` last (with the iteration and the scores), logs ``eval_<reward>_mean/std``
-(``eval_ema_…`` for the EMA) to metrics.jsonl at that iteration, and the grid and score histograms to
-TensorBoard / wandb.
+and, with two or more images per prompt, ``eval_diversity`` (``diversity.py``; ``eval_ema_…`` for the EMA) to
+metrics.jsonl at that iteration, and the grid and score histograms to TensorBoard / wandb. The loop hands the
+record to the guards (``guards.py``).
 
 Resume-safety: an evaluation at iteration k finishes before checkpoint k is written, so a run resumed from
 checkpoint k already has it (metrics.jsonl keeps records up to k) and does not repeat it; one resumed from an
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from fluxgrpo.config import TrainConfig
 from fluxgrpo.rewards.reward_set import eval_reward_names
 from fluxgrpo.run_folder import EVAL_DIR, INDEX_FILE
+from fluxgrpo.training.diversity import embedding_reward
 
 if TYPE_CHECKING:
     from fluxgrpo.metrics import MetricsLogger
@@ -49,6 +51,14 @@ def shipped_eval_prompts_path() -> Path:
     """48 held-out prompts across HPSv2's four styles (anime, concept art, paintings, photos), none of them in
     the shipped training prompts."""
     return Path(__file__).parent.parent / "data" / EVAL_PROMPTS_FILE
+
+
+def eval_prompt_list(cfg: TrainConfig) -> list[str]:
+    """The held-out prompts ``--eval-prompts`` names (the shipped set when empty), in order."""
+    from fluxgrpo.data.benchmarks import eval_prompts_path
+    from fluxgrpo.data.prompts import read_prompts
+
+    return read_prompts(eval_prompts_path(cfg.eval_prompts) if cfg.eval_prompts else shipped_eval_prompts_path())
 
 
 def eval_folder(output_dir: str | Path, iteration: int, ema: bool = False) -> Path:
@@ -72,10 +82,9 @@ class Evaluator:
         self.enabled = cfg.eval_every > 0
         if not self.enabled:
             return
-        from fluxgrpo.data.prompts import read_prompts
         from fluxgrpo.sample import SampleSettings
 
-        self.prompts = read_prompts(cfg.eval_prompts or shipped_eval_prompts_path())
+        self.prompts = eval_prompt_list(cfg)
         self.rewards = eval_reward_names(cfg.reward, cfg.eval_rewards)
         self.settings = SampleSettings(
             height=cfg.height,
@@ -93,23 +102,26 @@ class Evaluator:
 
     # ----------------------------------------------------------------------------------------- entry points
 
-    def before_training(self, start: int, parts: TrainingParts) -> None:
-        """Evaluate the weights the loop starts from (the base model at 0), unless a resumed run already did."""
+    def before_training(self, start: int, parts: TrainingParts) -> dict[str, Any]:
+        """Evaluate the weights the loop starts from (the base model at 0), unless a resumed run already did;
+        returns the record (rank 0; ``{}`` elsewhere or when none ran)."""
         if not self.enabled or not is_due(self.cfg, start):
-            return
+            return {}
         from fluxgrpo.runtime import dist as rt_dist
 
         done = all(
             (eval_folder(self.cfg.output_dir, start, ema) / INDEX_FILE).is_file() for ema in self._variants(parts)
         )
         if start > 0 and rt_dist.broadcast_object(self.ctx, done):
-            return
-        self.run(start, parts)
+            return {}
+        return self.run(start, parts)
 
-    def maybe_run(self, iteration: int, parts: TrainingParts) -> None:
-        """Evaluate after ``iteration`` when it is due (call before that iteration's checkpoint is saved)."""
+    def maybe_run(self, iteration: int, parts: TrainingParts) -> dict[str, Any]:
+        """Evaluate after ``iteration`` when it is due (call before that iteration's checkpoint is saved); returns
+        the record (rank 0; ``{}`` elsewhere or when none was due)."""
         if self.enabled and is_due(self.cfg, iteration):
-            self.run(iteration, parts)
+            return self.run(iteration, parts)
+        return {}
 
     def run(self, iteration: int, parts: TrainingParts) -> dict[str, Any]:
         """Evaluate the current weights (and the EMA's); returns the metrics record (rank 0; ``{}`` elsewhere)."""
@@ -127,7 +139,9 @@ class Evaluator:
         rt_device.empty_cache(self.ctx.device)
         record["eval_seconds"] = time.perf_counter() - began
         self.metrics.log(record)
-        means = " · ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in record.items() if k.endswith("_mean"))
+        means = " · ".join(
+            f"{k.removeprefix('eval_')} {v:.4f}" for k, v in record.items() if k.endswith(("_mean", "diversity"))
+        )
         rt_dist.rank0_print(self.ctx, f"eval at iteration {iteration}: {means} ({record['eval_seconds']:.1f} s)")
         return record if self.ctx.is_main else {}
 
@@ -210,6 +224,17 @@ class Evaluator:
         for name, (mean, std) in summary.items():
             logged[f"{prefix}{name}_mean"] = mean
             logged[f"{prefix}{name}_std"] = std
+        embedder = embedding_reward(self.rewards)
+        if embedder is not None and self.settings.images_per_prompt > 1:
+            from fluxgrpo.score import DEFAULT_SCORE_BATCH
+            from fluxgrpo.training.diversity import image_diversity
+
+            logged[f"{prefix}diversity"] = image_diversity(
+                self._scorer(embedder, training_rewards),
+                [out / image.file for image in images],
+                [image.prompt_index for image in images],
+                DEFAULT_SCORE_BATCH,
+            )
         return logged
 
     def _scorer(self, name: str, training: Any) -> Any:

@@ -96,6 +96,9 @@ RESUME_FREE_FIELDS = frozenset(
         "eval_images_per_prompt",
         "eval_steps",
         "eval_rewards",
+        "guard",  # guards and the best checkpoint only read metrics (training/guards.py)
+        "guard_action",
+        "keep_best",
     }
 )
 
@@ -147,9 +150,8 @@ def check_eval_prompts_unchanged(cfg: TrainConfig, output_dir: Path) -> None:
     """A resumed run evaluates the prompts its earlier evaluations did: one eval curve, one prompt set."""
     if cfg.eval_every <= 0:
         return
-    from fluxgrpo.data.prompts import read_prompts
     from fluxgrpo.run_folder import EVAL_DIR, INDEX_FILE
-    from fluxgrpo.training.eval import shipped_eval_prompts_path
+    from fluxgrpo.training.eval import eval_prompt_list
 
     earlier = sorted((output_dir / EVAL_DIR).glob(f"iteration-*/{INDEX_FILE}"), key=lambda p: p.stat().st_mtime)
     for index in reversed(earlier):
@@ -157,7 +159,7 @@ def check_eval_prompts_unchanged(cfg: TrainConfig, output_dir: Path) -> None:
             prompts = json.loads(index.read_text(encoding="utf-8"))["prompts"]
         except (OSError, ValueError, KeyError, TypeError):
             continue  # a damaged evaluation says nothing about the prompt set; the report leaves it out
-        now = read_prompts(cfg.eval_prompts or shipped_eval_prompts_path())
+        now = eval_prompt_list(cfg)
         if prompts != now:
             source = cfg.eval_prompts or "the shipped held-out prompts"
             raise UsageError(

@@ -8,7 +8,9 @@ Each iteration, on each rank:
 3. decode the final x̂0 with the VAE and score the images with the reward model, batched, on the device;
 4. group advantages (unbiased std + 1e-8, clipped), rewards gathered across ranks for logging;
 5. policy update on a random subset of timesteps per trajectory, PPO-clip, gradient accumulation (``update.py``);
-6. metrics (rank 0) and, every ``checkpointing_steps`` iterations and after the last, a checkpoint.
+6. metrics (rank 0) with the drift signals (``drift.py``); every ``eval_every`` iterations the held-out evaluation
+   and its guards (``guards.py``: warn, or stop the run), and, every ``checkpointing_steps`` iterations, after the
+   last, at a new best evaluation (``--keep-best``) and at a guard's stop, a checkpoint.
 
 Deviations from DanceGRPO, each deliberate: initial noise is shared within a group only (not across the
 prompts on a rank); rollout and update are batched; rewards are computed from tensors in float32 (no PNG
@@ -43,8 +45,11 @@ def derive_seed(seed: int, rank: int, iteration: int, stream: int) -> int:
 NOISE_STREAM, TIMESTEP_STREAM, WINDOW_STREAM = 1, 2, 3
 
 
-def save_training_checkpoint(ctx: DistContext, cfg: TrainConfig, parts: TrainingParts, iteration: int) -> Path:
-    """The state after ``iteration``: weights, optimizer, scheduler, EMA, RNGs and every rank's sampler position."""
+def save_training_checkpoint(
+    ctx: DistContext, cfg: TrainConfig, parts: TrainingParts, iteration: int, guards: dict[str, Any]
+) -> Path:
+    """The state after ``iteration``: weights, optimizer, scheduler, EMA, RNGs, every rank's sampler position and
+    the guards' state (baselines, best: ``training/guards.py``)."""
     from fluxgrpo.checkpoint import save_checkpoint
 
     samplers = rt_dist.all_gather_object(ctx, parts.sampler.state_dict())
@@ -52,6 +57,7 @@ def save_training_checkpoint(ctx: DistContext, cfg: TrainConfig, parts: Training
         "iteration": iteration,
         "sampler": {str(rank): state for rank, state in enumerate(samplers)},
         "config": cfg.to_dict(),
+        "guards": guards,
     }
     return save_checkpoint(
         Path(cfg.output_dir),
@@ -94,13 +100,15 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
     from fluxgrpo.metrics import MetricsLogger, run_info
     from fluxgrpo.runtime.worker import worker_session
     from fluxgrpo.training.eval import Evaluator
+    from fluxgrpo.training.guards import RunMonitor
     from fluxgrpo.training.health import SkippedUpdateWatch
 
     with worker_session(cfg.device) as ctx:
         rt_device.seed_everything(cfg.seed + ctx.rank)
         output_dir = Path(cfg.output_dir)
         parts = build_parts(cfg, ctx)
-        start = restore(ctx, parts, resolve_resume(output_dir, resume) if resume is not None else None)
+        checkpoint = resolve_resume(output_dir, resume) if resume is not None else None
+        start = restore(ctx, parts, checkpoint)
         metrics = MetricsLogger(
             output_dir,
             enabled=ctx.is_main,
@@ -115,13 +123,15 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
             run_info=run_info(ctx) if ctx.is_main else None,
         )
         evaluator = Evaluator(cfg, ctx, metrics)
+        monitor = RunMonitor(cfg, parts, metrics, checkpoint)  # guards, best checkpoint, drift signals
         sigmas = sigma_schedule(cfg.sampling_steps, cfg.shift).to(ctx.device)  # [N+1]
         img_ids = image_ids(cfg.height, cfg.width).to(ctx.device)  # [L, 3]
         update_settings = UpdateSettings.from_config(cfg)
         plan_settings = PlanSettings.from_config(cfg)
-        records = []
+        records: list[dict[str, Any]] = []
         skipped_updates = SkippedUpdateWatch()
-        evaluator.before_training(start, parts)  # the base model at iteration 0: every eval curve starts there
+        # the base model at iteration 0: every eval curve and every guard baseline starts there
+        monitor.check(start, evaluator.before_training(start, parts), records)
         for iteration in range(start + 1, cfg.max_train_steps + 1):
             rt_device.reset_peak_memory(ctx.device)
             clock = PhaseClock(ctx.device)
@@ -151,6 +161,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
                 plan=plan,
                 keep_means=cfg.ratio_normalization == "grpo-guard",
             )
+            drift = monitor.measure_drift(iteration, rollout, cond, timestep_gen)  # no RNG drawn, no weight moved
             clock.lap("rollout")
 
             images, scores = decode_and_score(parts, cfg, rollout.final_x0, cond.captions)  # [B,3,H,W], [B, K]
@@ -179,6 +190,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
             clock.lap("update")
 
             record = iteration_record(ctx, cfg, parts, iteration, scores, rewards, adv.advantages, update, clock)
+            record.update(drift)
             if cfg.sde_window:
                 record["sde_window_start"] = plan.sde_start
             metrics.log(record, histograms={"reward": rewards})
@@ -187,10 +199,15 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
             skipped_updates.observe(record)  # K iterations in a row without a step: a run that cannot learn stops
             if cfg.save_images_every and iteration % cfg.save_images_every == 0:
                 save_sample_images(images, output_dir, ctx.rank, cfg.images_per_save)
-            evaluator.maybe_run(iteration, parts)  # before the checkpoint: a saved iteration has its evaluation
-            if iteration % cfg.checkpointing_steps == 0 or iteration == cfg.max_train_steps:
-                path = save_training_checkpoint(ctx, cfg, parts, iteration)
+            # before the checkpoint: a saved iteration has its evaluation and guard check
+            verdict = monitor.check(iteration, evaluator.maybe_run(iteration, parts), records)
+            due = iteration % cfg.checkpointing_steps == 0 or iteration == cfg.max_train_steps
+            if due or verdict.save_checkpoint:  # a new best/, or a guard's stop, keeps this iteration
+                path = save_training_checkpoint(ctx, cfg, parts, iteration, monitor.state_dict())
                 rt_dist.rank0_print(ctx, f"saved {path}")
+                monitor.checkpoint_saved(iteration, path)
+            if verdict.stop:
+                break
         metrics.close()
     return records if ctx.is_main else []
 

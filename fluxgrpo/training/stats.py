@@ -127,11 +127,16 @@ def progress_line(record: dict[str, Any], total: int) -> str:
     if record["update_skipped"]:
         skipped = " · update skipped: no finite reward"
     bad = f" · non-finite rewards {record['nonfinite_rewards']:.0f}" if record["nonfinite_rewards"] else ""
+    drift = record.get("velocity_norm_ratio")
+    drift_text = f" · v-ratio {drift:.4f}" if isinstance(drift, float) and math.isfinite(drift) else ""
+    fired = record.get("guards_fired")
+    guards = f" · guards fired {fired}" if fired else ""
     return (
         f"iteration {record['iteration']}/{total} · reward {record['reward_mean']:.4f} ± {record['reward_std']:.4f} "
         f"· ratio {record['ratio_mean']:.4f} [{record['ratio_min']:.4f}, {record['ratio_max']:.4f}] "
         f"· clip {record['clip_fraction']:.2f} · loss {record['loss']:.3g} · grad {record['grad_norm_mean']:.3g} "
-        f"· lr {record['lr']:.2g} · {seconds:.1f} s ({record['images_per_second']:.2f} img/s){skipped}{bad}"
+        f"· lr {record['lr']:.2g}{drift_text} · {seconds:.1f} s ({record['images_per_second']:.2f} img/s){skipped}{bad}"
+        f"{guards}"
     )
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR, ensure_writable_dir
+from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR, DEFAULT_PROMPTS_DIR, ensure_writable_dir
 from fluxgrpo.weights.hub_clients import (
     HubClient,
     RemoteFile,
@@ -241,6 +241,7 @@ def plan_fetch(
     token: str | None = None,
     endpoint: str | None = None,
     verify: bool = False,
+    prompts_dir: str | Path = DEFAULT_PROMPTS_DIR,
 ) -> FetchPlan:
     """List the repos and compare with the disk; writes nothing.
 
@@ -251,7 +252,9 @@ def plan_fetch(
     client = open_client(source, token=token, endpoint=endpoint)
     view = ProgressView(enabled=False)
     plans = [
-        _plan_part(client, part, _part_root(part, flux_dir, hps_dir), revision, view, verify=verify, rehash=False)
+        _plan_part(
+            client, part, _part_root(part, flux_dir, hps_dir, prompts_dir), revision, view, verify=verify, rehash=False
+        )
         for part in selected
     ]
     return FetchPlan(source, client.endpoint, plans)
@@ -270,6 +273,7 @@ def fetch_from_hub(
     max_workers: int = 8,
     progress: bool = True,
     rehash: bool = False,
+    prompts_dir: str | Path = DEFAULT_PROMPTS_DIR,
 ) -> FetchSummary:
     """Fetch the selected parts from ``source`` ("hf" or "modelscope") into the standard layout.
 
@@ -285,14 +289,21 @@ def fetch_from_hub(
         raise UsageError(f"--max-workers must be at least 1, got {max_workers}")
     if dry_run:
         plan = plan_fetch(
-            source, parts=parts, flux_dir=flux_dir, hps_dir=hps_dir, revision=revision, token=token, endpoint=endpoint
+            source,
+            parts=parts,
+            flux_dir=flux_dir,
+            hps_dir=hps_dir,
+            revision=revision,
+            token=token,
+            endpoint=endpoint,
+            prompts_dir=prompts_dir,
         )
         results = [_result(p, manifest=None, downloaded=0, fetched_bytes=0) for p in plan.parts]
         return FetchSummary(source, plan.endpoint, True, time.monotonic() - started, results, plan)
 
     selected = _select_parts(parts, revision)
     client = open_client(source, token=token, endpoint=endpoint)
-    roots = {part.name: _part_root(part, flux_dir, hps_dir) for part in selected}
+    roots = {part.name: _part_root(part, flux_dir, hps_dir, prompts_dir) for part in selected}
     with ProgressView(progress) as view:
         note = client.token_note()
         if note:
@@ -303,7 +314,7 @@ def fetch_from_hub(
         for part in selected:
             sized = _classify(client, part, roots[part.name], *listings[part.name], view, verify=False, rehash=rehash)
             if sized.to_fetch:
-                client.preflight(sized.repo, sized.revision, sized.to_fetch[0].path)
+                client.preflight(sized.repo, sized.revision, sized.to_fetch[0].path, hub_parts()[sized.part].repo_type)
         with _hold(sorted(set(roots.values()))), client.quiet():
             for root in sorted(set(roots.values())):
                 freed = client.remove_orphans(root)
@@ -339,8 +350,8 @@ def _select_parts(parts: Sequence[str], revision: str | None) -> list[HubPart]:
     return selected
 
 
-def _part_root(part: HubPart, flux_dir: str | Path, hps_dir: str | Path) -> Path:
-    base = {"flux": Path(flux_dir), "hps": Path(hps_dir)}[part.root]
+def _part_root(part: HubPart, flux_dir: str | Path, hps_dir: str | Path, prompts_dir: str | Path) -> Path:
+    base = {"flux": Path(flux_dir), "hps": Path(hps_dir), "prompts": Path(prompts_dir)}[part.root]
     return base / part.subdir if part.subdir else base
 
 
@@ -374,7 +385,7 @@ def _resolve_part(
     first_error: FluxgrpoError | None = None
     for repo in candidates:
         try:
-            resolved, listing = client.resolve(repo, revision)
+            resolved, listing = client.resolve(repo, revision, part.repo_type)
             return repo, resolved, _allowed_files(part, repo, resolved, listing, client.endpoint)
         except (RepoNotFound, MissingFiles) as exc:
             first_error = first_error or exc
@@ -529,7 +540,7 @@ def _hold(roots: list[Path]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for root in roots:
             lock_path = root / FETCH_LOCK
-            ensure_writable_dir(root, "weights", "--flux-dir / --hps-dir")
+            ensure_writable_dir(root, "weights", "--flux-dir / --hps-dir / --prompts-dir")
             try:
                 stack.enter_context(FileLock(str(lock_path), timeout=0))
             except Timeout:
@@ -617,7 +628,7 @@ def _fetch_file(client: HubClient, plan: PartPlan, item: PlannedFile, view: Prog
         client.discard(root, remote.path, keep_partial=attempt == 0)
         resumed_from = client.partial_bytes(root, remote.path)
         with view.file(remote.path, remote.size) as bar:
-            client.download(plan.repo, plan.revision, remote, root, bar.advance)
+            client.download(plan.repo, plan.revision, remote, root, bar.advance, hub_parts()[plan.part].repo_type)
         fetched += remote.size - resumed_from
         digest = _digest(root / remote.path, remote, lambda n: None)
         if _matches(remote, digest):

@@ -59,14 +59,20 @@ class HubClient(Protocol):
     source: str
     endpoint: str
 
-    def resolve(self, repo: str, revision: str | None) -> tuple[str, list[RemoteFile]]:
-        """(resolved revision, every file in the repo at it)."""
+    def resolve(self, repo: str, revision: str | None, repo_type: str = "model") -> tuple[str, list[RemoteFile]]:
+        """(resolved revision, every file in the repo at it); ``repo_type``: "model" or "dataset"."""
 
-    def preflight(self, repo: str, revision: str, path: str) -> None:
+    def preflight(self, repo: str, revision: str, path: str, repo_type: str = "model") -> None:
         """Fail early, before anything is written, if the hub will refuse to serve ``path``."""
 
     def download(
-        self, repo: str, revision: str, remote: RemoteFile, root: Path, advance: Callable[[int], None]
+        self,
+        repo: str,
+        revision: str,
+        remote: RemoteFile,
+        root: Path,
+        advance: Callable[[int], None],
+        repo_type: str = "model",
     ) -> None:
         """Write ``root / remote.path``, reporting written bytes through ``advance``."""
 
@@ -178,13 +184,13 @@ class HuggingFaceClient:
         self._token = token
         self._api = HfApi(endpoint=self.endpoint, token=token)
 
-    def resolve(self, repo: str, revision: str | None) -> tuple[str, list[RemoteFile]]:
+    def resolve(self, repo: str, revision: str | None, repo_type: str = "model") -> tuple[str, list[RemoteFile]]:
         from huggingface_hub.hf_api import RepoFile
 
         try:
-            info = self._api.model_info(repo, revision=revision or "main")
+            info = self._api.repo_info(repo, revision=revision or "main", repo_type=repo_type)
             resolved = info.sha or revision or "main"
-            entries = self._api.list_repo_tree(repo, recursive=True, revision=resolved)
+            entries = self._api.list_repo_tree(repo, recursive=True, revision=resolved, repo_type=repo_type)
             files = [
                 RemoteFile(
                     e.path,
@@ -199,16 +205,23 @@ class HuggingFaceClient:
             raise self.translate(exc, repo, revision) from exc
         return resolved, files
 
-    def preflight(self, repo: str, revision: str, path: str) -> None:
+    def preflight(self, repo: str, revision: str, path: str, repo_type: str = "model") -> None:
         from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
         try:
-            get_hf_file_metadata(hf_hub_url(repo, path, revision=revision, endpoint=self.endpoint), token=self._token)
+            url = hf_hub_url(repo, path, revision=revision, endpoint=self.endpoint, repo_type=repo_type)
+            get_hf_file_metadata(url, token=self._token)
         except Exception as exc:
             raise self.translate(exc, repo, revision, path) from exc
 
     def download(
-        self, repo: str, revision: str, remote: RemoteFile, root: Path, advance: Callable[[int], None]
+        self,
+        repo: str,
+        revision: str,
+        remote: RemoteFile,
+        root: Path,
+        advance: Callable[[int], None],
+        repo_type: str = "model",
     ) -> None:
         """Continue (or start) ``<path>.incomplete`` with a Range request, then rename it onto ``root / path``.
 
@@ -230,7 +243,7 @@ class HuggingFaceClient:
                 # http_get sends "Range: bytes=<resume_size>-", appends a 206, and truncates the file and starts
                 # over on a 200 (a server that ignored the Range); it checks the final size against expected_size.
                 http_get(
-                    hf_hub_url(repo, remote.path, revision=revision, endpoint=self.endpoint),
+                    hf_hub_url(repo, remote.path, revision=revision, endpoint=self.endpoint, repo_type=repo_type),
                     fh,
                     resume_size=fh.tell(),
                     headers=build_hf_headers(token=self._token),
@@ -367,10 +380,10 @@ class ModelScopeClient:
         self._api = HubApi(config=config)
         self._downloader = self._api.downloader  # built here: its lazy first use from worker threads would race
 
-    def resolve(self, repo: str, revision: str | None) -> tuple[str, list[RemoteFile]]:
+    def resolve(self, repo: str, revision: str | None, repo_type: str = "model") -> tuple[str, list[RemoteFile]]:
         resolved = revision or "master"
         try:
-            listing = self._api.list_repo_files(repo, "model", revision=resolved, recursive=True)
+            listing = self._api.list_repo_files(repo, repo_type, revision=resolved, recursive=True)
         except Exception as exc:
             raise self.translate(exc, repo, resolved) from exc
         files = [
@@ -378,18 +391,24 @@ class ModelScopeClient:
         ]
         return resolved, files
 
-    def preflight(self, repo: str, revision: str, path: str) -> None:
+    def preflight(self, repo: str, revision: str, path: str, repo_type: str = "model") -> None:
         pass  # the listing already needed the same access as a download
 
     def download(
-        self, repo: str, revision: str, remote: RemoteFile, root: Path, advance: Callable[[int], None]
+        self,
+        repo: str,
+        revision: str,
+        remote: RemoteFile,
+        root: Path,
+        advance: Callable[[int], None],
+        repo_type: str = "model",
     ) -> None:
         try:
             # Our own sha256 check follows (once, with one re-download); passing expected_sha256 here would
             # make modelscope_hub hash again and retry with its own back-off.
             self._downloader.download_file(
                 repo_id=repo,
-                repo_type="model",
+                repo_type=repo_type,
                 file_path=remote.path,
                 revision=revision,
                 local_dir=root,

@@ -1,6 +1,6 @@
 """What ``fetch-weights`` takes from which repository: each part's repos on both hubs, its allow-list, and where its
-files go in the standard layout (``layout.py``). FLUX's part is here; each reward's are in its record
-(``rewards/registry.py``). ``hub.py`` plans, downloads and verifies them.
+files go in the standard layout (``layout.py``). FLUX's part and the benchmark prompt sets are here; each reward's
+are in its record (``rewards/registry.py``). ``hub.py`` plans, downloads and verifies them.
 """
 
 from __future__ import annotations
@@ -19,6 +19,20 @@ FLUX_PART = HubPart(
     root="flux",
     manifest_name=MANIFEST_NAME,
 )
+# Benchmark prompt sets (``data/benchmarks.py``, `train --eval-prompts NAME`), fetched into --prompts-dir.
+PROMPT_PARTS = (
+    HubPart(
+        "hpdv2-prompts",
+        # HPSv2's authors' dataset repo (Apache-2.0): test.json, the 400 test prompts of HPDv2 with their images'
+        # paths and human rankings. No ModelScope copy was verified, so this part is Hugging Face only.
+        {"hf": ("zhwang/HPDv2",), "modelscope": ()},
+        allow=("test.json",),
+        root="prompts",
+        manifest_name=MANIFEST_NAME,
+        subdir="hpdv2",
+        repo_type="dataset",
+    ),
+)
 # What a plain `fetch-weights` fetches: everything training with the default reward (HPSv2.1) needs.
 DEFAULT_PARTS: tuple[str, ...] = ("flux", "hps", "clip")
 
@@ -27,7 +41,8 @@ def hub_parts() -> dict[str, HubPart]:
     """Every downloadable part by name: FLUX, then each reward's (its record's ``parts``), in registry order."""
     from fluxgrpo.rewards.registry import weights_parts
 
-    return {FLUX_PART.name: FLUX_PART, **{hub.name: hub for part in weights_parts().values() for hub in part.hub}}
+    rewards = {hub.name: hub for part in weights_parts().values() for hub in part.hub}
+    return {FLUX_PART.name: FLUX_PART, **rewards, **{part.name: part for part in PROMPT_PARTS}}
 
 
 def part_groups() -> dict[str, tuple[str, ...]]:

@@ -1,0 +1,53 @@
+"""Benchmark prompt sets the papers evaluate on, fetched like weights and named by ``train --eval-prompts NAME``.
+
+Each set is fetched as its authors publish it (``fluxgrpo fetch-weights --only <part>``, verified and resumable like
+every part, into ``--prompts-dir``, default ``data/eval_prompts``) and never vendored in the package:
+
+- ``hpdv2``: HPDv2's 400 test prompts (``zhwang/HPDv2`` on Hugging Face, ``test.json``; Apache-2.0, the HPSv2
+  authors' release), the prompts HPS scores are usually reported on.
+
+GenEval's 553 prompts (MIT, published on GitHub only) and DrawBench's 200 (no stated licence) have no verified copy
+on either hub yet, so they are not offered; pass their prompt file with ``--eval-prompts FILE``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from fluxgrpo.paths import DEFAULT_PROMPTS_DIR
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    part: str  # the fetch-weights part that brings it
+    file: str  # below the prompts folder
+    prompts: int  # how many prompts the published set holds
+
+
+BENCHMARKS = {b.name: b for b in (Benchmark("hpdv2", "hpdv2-prompts", "hpdv2/test.json", 400),)}
+
+
+def benchmark_path(name: str, prompts_dir: str | Path = DEFAULT_PROMPTS_DIR) -> Path:
+    return Path(prompts_dir) / BENCHMARKS[name].file
+
+
+def eval_prompts_path(value: str) -> Path:
+    """``--eval-prompts``: a benchmark name (its fetched file in the default prompts folder) or a file path."""
+    return benchmark_path(value) if value in BENCHMARKS else Path(value)
+
+
+def eval_prompts_problem(value: str) -> str | None:
+    """Why ``--eval-prompts value`` cannot be read, or None."""
+    path = eval_prompts_path(value)
+    if path.is_file():
+        return None
+    if value in BENCHMARKS:
+        part = BENCHMARKS[value].part
+        return (
+            f"--eval-prompts {value}: {path} is missing; fetch it with `fluxgrpo fetch-weights --only {part}` "
+            f"(or pass the fetched file's path if you used --prompts-dir)"
+        )
+    names = ", ".join(BENCHMARKS)
+    return f"--eval-prompts {value}: no such file (one prompt per line), nor a benchmark name ({names})"
