@@ -150,6 +150,11 @@ class TrainConfig:
     attention: str = _opt(
         "sdpa", f"Attention kernel: {' or '.join(ATTENTION_BACKENDS)} (the fused Ascend kernel: bf16 only)."
     )
+    compile: bool = _opt(
+        False,
+        "torch.compile FLUX's repeated blocks (one double and one single block compiled, reused by all) for the "
+        "rollout, the update and the evaluation; CPUs and GPUs (refused on Ascend).",
+    )
     device: str = _opt("auto", f"auto (first found of {', '.join(DEVICE_TYPES)}), or one of them.")
     tensorboard: bool = _opt(False, "Also log metrics, eval grids and reward histograms to TensorBoard.")
     wandb: bool = _opt(False, "Also log metrics, eval grids and reward histograms to Weights & Biases.")

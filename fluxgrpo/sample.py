@@ -78,6 +78,7 @@ class SampleSettings:
     batch_size: int = 1  # images per transformer forward (the noise and prompts do not depend on it)
     max_sequence_length: int = 512  # T5 tokens per prompt
     attention: str = "sdpa"
+    compile: bool = False  # FLUX's repeated blocks compiled regionally (models/compile.py); pixels equal to rounding
 
     def validate(self) -> SampleSettings:
         """Raise UsageError naming the flag for the first bad value."""
@@ -324,7 +325,11 @@ def build_request(
     from fluxgrpo.runtime.device import resolve_device_type
 
     settings.validate()
-    resolve_device_type(device)
+    device_type = resolve_device_type(device)
+    if settings.compile:
+        from fluxgrpo.runtime.adapt import compile_backend
+
+        compile_backend(device_type)  # refuses --compile where it is not supported, before any worker starts
     if not prompts:
         raise UsageError("no prompts: pass --prompts FILE or --prompt TEXT (repeatable)")
     if ema and checkpoint is None:
@@ -403,6 +408,11 @@ def load_pipeline(request: SampleRequest, ctx: Any) -> Any:
     pipe = pipe.to(ctx.device)
     pipe.set_progress_bar_config(disable=True)
     adapt_transformer(pipe.transformer, ctx.device_type, attention=request.settings.attention, compute_dtype=dtype)
+    if request.settings.compile:
+        from fluxgrpo.models.compile import compile_repeated_blocks
+        from fluxgrpo.runtime.adapt import compile_backend
+
+        compile_repeated_blocks(pipe.transformer, compile_backend(ctx.device_type))
     return pipe
 
 

@@ -87,7 +87,14 @@ class BenchConfig:
         "auto", "auto, tiny-clip, vit-h-14 (random weights), brightness, or hpsv2 (weights from --hps-dir)."
     )
     hps_dir: str = _flag(DEFAULT_HPS_DIR, HPS_DIR_HELP)
-    compile: bool = _flag(False, "torch.compile the transformer (opt-in).", name="compile_model", flag="--compile")
+    compile: bool = _flag(
+        False,
+        "First measure torch.compile side by side: eager, regional (as train --compile) and whole-model, one "
+        "iteration at the largest batch sizes: compile seconds, speed-up, break-even; the phases then run "
+        "regionally compiled.",
+        name="compile_model",
+        flag="--compile",
+    )
     seed: int = _flag(0, "Seed for the weights (and the phase bench's conditioning and noise).")
 
     @property

@@ -535,8 +535,6 @@ def bench_on_rank(
         from fluxgrpo.runtime.dist import shard_transformer
 
         shard_transformer(bench_model.transformer, cpu_offload=False, compute_dtype=compute_dtype)
-    if cfg.compile:
-        bench_model.transformer.compile()
     shape = bench_model.shape
     keep(
         {
@@ -562,9 +560,17 @@ def bench_on_rank(
         }
     )
     sweep = _Sweep(cfg, ctx, bench_model, compute_dtype, peak.tflops, keep, log)
+    compiled = False
     for height, width in cfg.resolved_resolutions():
         resolution = f"{height}x{width}"
         inputs = _make_inputs(cfg, bench_model, height, width, ctx.device, ctx.rank)
+        if cfg.compile and not compiled:  # once, at the first resolution; the phases then run regionally compiled
+            from fluxgrpo.bench.compile_cost import measure_compile_costs
+            from fluxgrpo.runtime.adapt import compile_backend
+
+            for record in measure_compile_costs(sweep, inputs, resolution, compile_backend(ctx.device_type), log):
+                keep(record)
+            compiled = True
         start = len(sweep.figures)
         rollout = sweep.rollout(inputs, resolution)
         if rollout is not None:

@@ -48,6 +48,11 @@ def run_bench(
     from fluxgrpo.runtime.launch import LaunchSpec, run_workers
 
     cfg.validate()
+    if cfg.compile:
+        from fluxgrpo.runtime.adapt import compile_backend
+        from fluxgrpo.runtime.device import resolve_device_type
+
+        compile_backend(resolve_device_type(cfg.device))  # refused where unsupported, before any worker starts
     payload_config = {**asdict(cfg), "resolutions": [f"{h}x{w}" for h, w in cfg.resolutions]}
     with tempfile.TemporaryDirectory(prefix="fluxgrpo-bench-") as folder:
         records_path = Path(folder, "records.jsonl")

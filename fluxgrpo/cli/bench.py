@@ -261,6 +261,49 @@ def _phase(figure: dict[str, Any]) -> str:
     return figure["phase"] + ("" if checkpointing is None else (" ckpt" if checkpointing else " no-ckpt"))
 
 
+def _render_compile(console: Any, records: list[dict[str, Any]]) -> None:
+    """The --compile comparison: one row per mode, then the regional/whole-model compile-time ratio."""
+    from rich import box
+    from rich.table import Table
+
+    rows = [r for r in records if r["record"] == "compile"]
+    summary = next((r for r in records if r["record"] == "compile_summary"), None)
+    if not rows or summary is None:
+        return
+    first = rows[0]
+    table = Table(
+        title=f"torch.compile, {first['resolution']}: one iteration (rollout batch {first['rollout_batch_size']}, "
+        f"micro-batch {first['micro_batch_size']}, checkpointing {'on' if first['activation_checkpointing'] else 'off'})"
+        f", modes interleaved in each of {summary['repeats']} rounds",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for index, header in enumerate(
+        ("mode", "compile s", "graphs", "s/iter", "×", "break-even iter", "rel |Δ x̂0|", "|log ρ|")
+    ):
+        table.add_column(header, justify="left" if index == 0 else "right", no_wrap=True)
+    for row in rows:
+        compiled = row["mode"] != "eager"
+        table.add_row(
+            row["mode"],
+            _seconds(row["compile_seconds"]) if compiled else "-",
+            str(row["compiles"]) if compiled else "-",
+            _seconds(row["iteration_seconds"]),
+            _ratio(row["speedup"]),
+            _ratio(row["break_even_iterations"], 1) if compiled else "-",
+            f"{row['max_relative_x0_difference']:.1e}" if compiled else "-",
+            f"{row['max_abs_log_ratio']:.0e}",
+        )
+    console.print(table)
+    ratio = summary["regional_over_whole_model_compile_seconds"]
+    console.print(
+        f"regional compile time = {_ratio(ratio)} × whole-model's; recompiles in the timed rounds: "
+        f"{summary['recompiles_in_timed_rounds']}; break-even: compile s ÷ s saved per iteration (- saves nothing)",
+        highlight=False,
+    )
+
+
 def _render(records: list[dict[str, Any]]) -> None:
     from rich import box
     from rich.console import Console
@@ -283,6 +326,7 @@ def _render(records: list[dict[str, Any]]) -> None:
         f"timesteps, {model['text_tokens']} text tokens, reward {model['reward']}; median of {config['repeats']} runs",
         highlight=False,
     )
+    _render_compile(console, records)
     figures = [r for r in records if r["record"] == "figure"]
     console.print(
         "rate: images/s (rollout, decode, reward), trained samples/s (update), steps/s (optimizer); "

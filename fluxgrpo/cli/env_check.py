@@ -33,6 +33,36 @@ def command(
             help="The reward(s) of the run to check for, as train --reward takes them; other rewards without weights only warn.",
         ),
     ] = TrainConfig.reward,
+    deep: Annotated[
+        bool,
+        typer.Option(
+            "--deep",
+            help="Run short real checks on the device (kernels, on-policy start, memory, collectives, loading, rewards).",
+        ),
+    ] = False,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="With --deep: the subset that runs in under 2 minutes.")
+    ] = False,
+    config: Annotated[
+        str | None,
+        typer.Option("--config", help="With --deep: the train config whose settings to check (name or YAML path)."),
+    ] = None,
+    dies: Annotated[
+        int | None, typer.Option("--dies", help="With --deep: workers for collectives and loading [default: all dies].")
+    ] = None,
+    report_file: Annotated[
+        str, typer.Option("--report-file", help="With --deep: where to write the JSON report.")
+    ] = "env-check-deep.json",
+    nnodes: Annotated[
+        int, typer.Option("--nnodes", help="With --deep: nodes the collectives span (run the same command on each).")
+    ] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", help="With --deep: this node's index, 0 … nnodes−1.")] = 0,
+    master_addr: Annotated[
+        str | None, typer.Option("--master-addr", help="With --deep: address of node 0 (multi-node).")
+    ] = None,
+    master_port: Annotated[
+        int | None, typer.Option("--master-port", help="With --deep: rendezvous port on node 0.")
+    ] = None,
 ) -> None:
     """Report devices, versions, accelerator variables, weights and embeddings; exit 0 only if training could start.
 
@@ -40,7 +70,44 @@ def command(
       fluxgrpo env-check
       fluxgrpo env-check --reward hpsv2:1,pickscore:0.5
       fluxgrpo env-check --json > env.json
+      fluxgrpo env-check --deep --config a3-8die
+      fluxgrpo env-check --deep --quick --device cpu
     """
+    if deep:
+        from fluxgrpo.cli.env_check_deep import run_and_show
+        from fluxgrpo.deepcheck.run import DeepCheckSettings
+
+        settings = DeepCheckSettings(
+            device,
+            quick,
+            config,
+            flux_dir,
+            hps_dir,
+            reward,
+            dies,
+            report_file,
+            nnodes,
+            node_rank,
+            master_addr,
+            master_port,
+        )
+        if not run_and_show(settings, json_output):
+            raise typer.Exit(1)
+        return
+    deep_only = {
+        "--quick": quick,
+        "--config": config is not None,
+        "--dies": dies is not None,
+        "--nnodes": nnodes != 1,
+        "--node-rank": node_rank != 0,
+        "--master-addr": master_addr is not None,
+        "--master-port": master_port is not None,
+    }
+    if any(deep_only.values()):
+        from fluxgrpo.errors import UsageError
+
+        given = ", ".join(flag for flag, set_ in deep_only.items() if set_)
+        raise UsageError(f"{given} only apply to `fluxgrpo env-check --deep`: add --deep")
     from fluxgrpo.envcheck import collect_report
 
     report = collect_report(flux_dir, hps_dir, embeddings_dir, requested_device=device, reward=reward)

@@ -61,6 +61,14 @@ def command(
     max_sequence_length: Annotated[
         int, typer.Option("--max-sequence-length", help="T5 tokens per prompt (padded; longer prompts are cut).")
     ] = 512,
+    compile_model: Annotated[
+        bool,
+        typer.Option(
+            "--compile",
+            help="torch.compile FLUX's repeated blocks (regional; CPUs and GPUs): pays off on long runs, "
+            "images equal to rounding.",
+        ),
+    ] = False,
     json_output: JsonOption = False,
 ) -> None:
     """Generate images with the base model or a trained checkpoint, reproducibly (same seed, same images).
@@ -95,6 +103,7 @@ def command(
         batch_size=batch_size,
         max_sequence_length=max_sequence_length,
         attention=attention,
+        compile=compile_model,
     )
     request = build_request(
         model=model, prompts=prompts, out_dir=out, checkpoint=checkpoint, ema=ema, settings=settings, device=device

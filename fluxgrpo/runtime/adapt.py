@@ -10,6 +10,16 @@ from fluxgrpo.errors import UsageError
 # --attention choices: PyTorch's scaled_dot_product_attention, or torch_npu's fused kernel (bf16/fp16 only).
 ATTENTION_BACKENDS = ("sdpa", "npu-fusion")
 
+# Why ``--compile`` is refused on Ascend (one line; see compile_backend).
+NPU_COMPILE_REFUSAL = (
+    "--compile is not available on Ascend NPUs: torch_npu's torch.compile path (inductor through Triton-Ascend, "
+    "TorchNPU 7.3.0 and later) is not verified stable for FLUX's blocks, and npu_fusion_attention has no graph "
+    "mode; drop --compile (eager is the Ascend default)"
+)
+
+# torch.compile backend for --compile instead of inductor (e.g. aot_eager, to debug; the tests' fast compiles).
+COMPILE_BACKEND_ENV = "FLUXGRPO_COMPILE_BACKEND"
+
 # Apply the Ascend adaptations on any device (with the tests' stand-in torch_npu, or to debug numerics).
 FORCE_NPU_ADAPT_ENV = "FLUXGRPO_FORCE_NPU_ADAPT"
 
@@ -29,3 +39,13 @@ def adapt_transformer(transformer: Any, device_type: str, *, attention: str = "s
             f"--attention {attention} needs an Ascend NPU (torch_npu's fused attention); use --attention sdpa"
         )
     return None
+
+
+def compile_backend(device_type: str) -> str:
+    """``torch.compile``'s backend for ``--compile`` on ``device_type``: inductor on cpu and cuda, or
+    ``$FLUXGRPO_COMPILE_BACKEND`` (``aot_eager`` traces and partitions the graphs as inductor would but runs them
+    eagerly: it tells a code-generation problem from a tracing one, and compiles in seconds); a UsageError on npu
+    (``NPU_COMPILE_REFUSAL``), raised before any worker starts."""
+    if device_type == "npu":
+        raise UsageError(NPU_COMPILE_REFUSAL)
+    return os.environ.get(COMPILE_BACKEND_ENV) or "inductor"

@@ -130,12 +130,19 @@ class Evaluator:
 
         began = time.perf_counter()
         record: dict[str, Any] = {"iteration": iteration}
-        for ema in self._variants(parts):
-            if ema:
-                with parts.ema.swap_into(parts.transformer):
-                    record.update(self._evaluate(iteration, parts, ema=True))
-            else:
-                record.update(self._evaluate(iteration, parts, ema=False))
+        # Sampling is inference: eval mode (no adapter dropout), as the rollout; and with --compile the rollout's
+        # compiled graphs then serve the evaluation too.
+        was_training = parts.transformer.training
+        parts.transformer.eval()
+        try:
+            for ema in self._variants(parts):
+                if ema:
+                    with parts.ema.swap_into(parts.transformer):
+                        record.update(self._evaluate(iteration, parts, ema=True))
+                else:
+                    record.update(self._evaluate(iteration, parts, ema=False))
+        finally:
+            parts.transformer.train(was_training)
         rt_device.empty_cache(self.ctx.device)
         record["eval_seconds"] = time.perf_counter() - began
         self.metrics.log(record)

@@ -228,6 +228,10 @@ def plan_training(
         # die count, and say what could not be checked here.
         device_type = cfg.device
         skipped.append(f"{cfg.device} × {spec.nproc_per_node} on this machine ({exc})")
+    if cfg.compile and not skipped:
+        from fluxgrpo.runtime.adapt import compile_backend
+
+        compile_backend(device_type)  # refuses --compile where it is not supported, before any worker starts
     for flag, module, extra in (("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb")):
         if getattr(cfg, flag) and importlib.util.find_spec(module) is None:
             raise UsageError(f"--{flag} needs the {module} package: pip install 'fluxgrpo[{extra}]'")

@@ -27,6 +27,7 @@ class TrainingParts:
     dataset: Any
     sampler: Any
     reference: Any = None  # the KL's reference model (``--kl-beta`` > 0)
+    compile_meter: Any = None  # a models.compile.CompileMeter with --compile: compilations per metrics record
 
 
 def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
@@ -56,7 +57,14 @@ def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
         len(dataset), rank=ctx.rank, world_size=ctx.world_size, batch_size=cfg.train_batch_size, seed=cfg.seed
     )
     reference = build_reference(cfg, ctx, transformer) if cfg.kl_beta > 0 else None
-    return TrainingParts(ctx, transformer, vae, reward_fn, optimizer, lr_scheduler, ema, dataset, sampler, reference)
+    compile_meter = None
+    if cfg.compile:
+        from fluxgrpo.models.compile import CompileMeter
+
+        compile_meter = CompileMeter()
+    return TrainingParts(
+        ctx, transformer, vae, reward_fn, optimizer, lr_scheduler, ema, dataset, sampler, reference, compile_meter
+    )
 
 
 def build_reference(cfg: TrainConfig, ctx: DistContext, transformer: torch.nn.Module):
@@ -76,6 +84,7 @@ def build_reference(cfg: TrainConfig, ctx: DistContext, transformer: torch.nn.Mo
     if ctx.distributed:
         shard_transformer(base, cfg.cpu_offload, compute_dtype)
     fill_transformer(base, cfg.model, "cpu" if cfg.cpu_offload else ctx.device)
+    compile_if_asked(base, cfg, ctx)
     return FrozenReference(base)
 
 
@@ -102,7 +111,20 @@ def build_transformer(cfg: TrainConfig, ctx: DistContext) -> torch.nn.Module:
     fill_transformer(transformer, cfg.model, device, stored_name=base_weight_name)
     if lora is not None:
         init_adapters(transformer, cfg.seed)
+    compile_if_asked(transformer, cfg, ctx)
     return transformer
+
+
+def compile_if_asked(transformer: torch.nn.Module, cfg: TrainConfig, ctx: DistContext) -> None:
+    """With --compile, FLUX's repeated blocks compiled regionally (``models.compile``), once, here where the model
+    is built: the rollout, the update (with or without activation checkpointing) and the evaluation then all run
+    the compiled blocks, and no call site knows."""
+    if not cfg.compile:
+        return
+    from fluxgrpo.models.compile import compile_repeated_blocks
+    from fluxgrpo.runtime.adapt import compile_backend
+
+    compile_repeated_blocks(transformer, compile_backend(ctx.device_type))
 
 
 def adapt_for_device(transformer: torch.nn.Module, cfg: TrainConfig, ctx: DistContext) -> None:

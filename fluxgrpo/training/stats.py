@@ -184,4 +184,6 @@ def iteration_record(
         **clock.seconds,
         "images_per_second": ctx.world_size * cfg.trajectories_per_rank / clock.total,
         "peak_memory_gib": None if peak is None else peak / 2**30,
+        # --compile: graphs compiled, and their seconds, since the previous record (evaluations included)
+        **(parts.compile_meter.lap().as_record() if parts.compile_meter is not None else {}),
     }
