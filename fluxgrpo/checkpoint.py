@@ -277,13 +277,16 @@ def save_checkpoint(
         _remove_leftovers(root)
         tmp.mkdir()  # new: never a folder (or a link to one) someone left under this name
         (tmp / STATE_DIR).mkdir()
-    rt_dist.barrier(ctx)
+    # Rank 0 works alone at these points (old leftovers, the exports): the others wait on its heartbeat, not in a
+    # collective that a large export would outlast (``--collective-timeout``).
+    rt_dist.wait_for_rank0(ctx, f"preparing {final.name}")
 
     lora = is_lora_model(model)
     if lora:
         _export_lora(tmp / LORA_DIR, ctx, model)
     else:
         _export_model(tmp / TRANSFORMER_DIR, ctx, model, export_dtype, max_shard_size)
+    rt_dist.wait_for_rank0(ctx, f"writing {final.name}'s weights")
     if ema is not None:
         ema_weights = ema.full_state_dict()
         if ctx.is_main and lora:
@@ -293,6 +296,7 @@ def save_checkpoint(
                 tmp / EMA_TRANSFORMER_DIR, _diffusers_config(model), ema_weights, export_dtype, max_shard_size
             )
         del ema_weights
+        rt_dist.wait_for_rank0(ctx, f"writing {final.name}'s EMA weights")
 
     _save_training_state(tmp / STATE_DIR, ctx, model, optimizer, lr_scheduler, ema)
     _write_durably(
@@ -320,7 +324,7 @@ def save_checkpoint(
         _publish(tmp, final)
         if keep_last is not None:
             _prune(root, keep_last, keep=final)
-    rt_dist.barrier(ctx)
+    rt_dist.wait_for_rank0(ctx, f"finishing {final.name}")
     return final
 
 

@@ -174,12 +174,16 @@ def collect_report(
     data_dir: str | Path = "data",
     requested_device: str | None = None,
     reward: str = TrainConfig.reward,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
 ) -> dict[str, Any]:
     """Everything env-check shows, as a JSON-able dict with stable keys.
 
     ``reward`` is the run's ``--reward`` spec: the weights of the rewards it names must be in place (a failing
     check), the other rewards' are reported as warnings. A spec that does not parse is a UsageError.
+    ``nnodes`` / ``rdzv_endpoint``: the multi-node checks (``runtime.nodes.rendezvous_checks``).
     """
+    from fluxgrpo.runtime.nodes import rendezvous_checks
     from fluxgrpo.runtime.report import accelerator_env_report, device_report, package_versions, stack_warnings
 
     run_rewards = reward_spec_names(reward)
@@ -224,6 +228,8 @@ def collect_report(
         checks.append(Check("shared memory", "ok", f"/dev/shm {_gib(shm['total_bytes'])}"))
     checks.append(Check("disk", "ok", f"{_gib(report['disk']['free_bytes'])} free at {report['disk']['path']}"))
     checks += [Check("accelerator stack", "warn", detail, fix) for detail, fix in stack_warnings(dev)]
+    # several nodes: node 0's rendezvous endpoint and the interface the backends will talk through
+    checks += [Check(*check) for check in rendezvous_checks(dev["type"], nnodes, rdzv_endpoint)]
     report["checks"] = [asdict(c) for c in checks]
     report["ready"] = all(c.status != "fail" for c in checks)
     return report

@@ -54,8 +54,20 @@ def command(
         str, typer.Option("--report-file", help="With --deep: where to write the JSON report.")
     ] = "env-check-deep.json",
     nnodes: Annotated[
-        int, typer.Option("--nnodes", help="With --deep: nodes the collectives span (run the same command on each).")
+        int,
+        typer.Option(
+            "--nnodes",
+            help="Nodes of the run: with --rdzv-endpoint, the multi-node checks; with --deep, the nodes the "
+            "collectives span (run the same command on each).",
+        ),
     ] = 1,
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--rdzv-endpoint",
+            help="HOST:PORT of node 0, as train takes it: checks that it is reachable and the interface variables.",
+        ),
+    ] = None,
     node_rank: Annotated[int, typer.Option("--node-rank", help="With --deep: this node's index, 0 … nnodes−1.")] = 0,
     master_addr: Annotated[
         str | None, typer.Option("--master-addr", help="With --deep: address of node 0 (multi-node).")
@@ -70,6 +82,7 @@ def command(
       fluxgrpo env-check
       fluxgrpo env-check --reward hpsv2:1,pickscore:0.5
       fluxgrpo env-check --json > env.json
+      fluxgrpo env-check --nnodes 2 --rdzv-endpoint 10.0.0.1:29500
       fluxgrpo env-check --deep --config a3-8die
       fluxgrpo env-check --deep --quick --device cpu
     """
@@ -98,7 +111,6 @@ def command(
         "--quick": quick,
         "--config": config is not None,
         "--dies": dies is not None,
-        "--nnodes": nnodes != 1,
         "--node-rank": node_rank != 0,
         "--master-addr": master_addr is not None,
         "--master-port": master_port is not None,
@@ -110,7 +122,15 @@ def command(
         raise UsageError(f"{given} only apply to `fluxgrpo env-check --deep`: add --deep")
     from fluxgrpo.envcheck import collect_report
 
-    report = collect_report(flux_dir, hps_dir, embeddings_dir, requested_device=device, reward=reward)
+    report = collect_report(
+        flux_dir,
+        hps_dir,
+        embeddings_dir,
+        requested_device=device,
+        reward=reward,
+        nnodes=nnodes,
+        rdzv_endpoint=rdzv_endpoint,
+    )
     if json_output:
         print_json(report)
     else:

@@ -67,10 +67,13 @@ def _train(
     config: str | None,
     list_configs: bool,
     dies: int,
-    nnodes: int,
-    node_rank: int,
+    nnodes: int | None,
+    node_rank: int | None,
     master_addr: str | None,
     master_port: int | None,
+    rdzv_endpoint: str | None,
+    max_restarts: int,
+    collective_timeout: str,
     resume: str | None,
     overwrite: bool,
     dry_run: bool,
@@ -83,13 +86,22 @@ def _train(
     from fluxgrpo.checkpoint import read_best
     from fluxgrpo.config import build_config
     from fluxgrpo.metrics import reward_trend
-    from fluxgrpo.runtime.launch import LaunchSpec
+    from fluxgrpo.runtime.dist import CollectiveTimeout
     from fluxgrpo.training.guards import GUARD_STOP_EXIT_CODE, guard_stop
-    from fluxgrpo.training.launch_plan import launch_training, plan_training
+    from fluxgrpo.training.launch_plan import launch_spec, launch_training, plan_training
 
     cfg = build_config(config, hyperparameters)
-    spec = LaunchSpec(
-        nproc_per_node=dies, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port
+    spec = launch_spec(
+        cfg,
+        dies=dies,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        rdzv_endpoint=rdzv_endpoint,
+        max_restarts=max_restarts,
+        collective_timeout=CollectiveTimeout.parse(collective_timeout),
+        log=log,
     )
     plan = plan_training(cfg, spec, resume, dry_run=dry_run, overwrite=overwrite)
     if dry_run:
@@ -144,10 +156,39 @@ def command(
     ] = None,
     list_configs: Annotated[bool, typer.Option("--list-configs", help="Show the shipped configs and exit.")] = False,
     dies: Annotated[int, typer.Option("--dies", help="Worker processes on this node (one per accelerator die).")] = 1,
-    nnodes: Annotated[int, typer.Option("--nnodes", help="Nodes in the job (run the same command on each).")] = 1,
-    node_rank: Annotated[int, typer.Option("--node-rank", help="This node's index, 0 … nnodes−1.")] = 0,
-    master_addr: Annotated[str | None, typer.Option("--master-addr", help="Address of node 0 (multi-node).")] = None,
+    nnodes: Annotated[
+        int | None,
+        typer.Option("--nnodes", help="Nodes in the job (run the same command on each). [default: 1, or Slurm's]"),
+    ] = None,
+    node_rank: Annotated[
+        int | None, typer.Option("--node-rank", help="This node's index, 0 … nnodes−1. [default: 0, or Slurm's]")
+    ] = None,
+    master_addr: Annotated[
+        str | None, typer.Option("--master-addr", help="Address of node 0 (static multi-node rendezvous).")
+    ] = None,
     master_port: Annotated[int | None, typer.Option("--master-port", help="Rendezvous port on node 0.")] = None,
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--rdzv-endpoint",
+            help="HOST:PORT of node 0 for torchrun's elastic c10d rendezvous (multi-node; needed by --max-restarts).",
+        ),
+    ] = None,
+    max_restarts: Annotated[
+        int,
+        typer.Option(
+            "--max-restarts",
+            help="After a failure, restart every worker up to N times; they resume from the newest complete "
+            "checkpoint.",
+        ),
+    ] = 0,
+    collective_timeout: Annotated[
+        str,
+        typer.Option(
+            "--collective-timeout",
+            help="STARTUP,STEADY seconds a rank waits for its peers: until the first iteration is done, then after.",
+        ),
+    ] = "300,100",
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue from the latest complete checkpoint in --output-dir (if any).")
     ] = False,
@@ -176,6 +217,8 @@ def command(
       fluxgrpo train --config a3-16die --dies 16
       fluxgrpo train --config a3-16die --dies 8 --nnodes 2 --node-rank 0 \\
           --master-addr 10.0.0.1
+      fluxgrpo train --config a3-16die --dies 16 --nnodes 2 --node-rank 0 \\
+          --rdzv-endpoint 10.0.0.1:29500 --max-restarts 3
       fluxgrpo train --config a3-16die --dies 16 --resume
       fluxgrpo train --config a3-16die --dies 16 \\
           --resume-from data/outputs/grpo/checkpoint-80
@@ -188,6 +231,9 @@ def command(
         node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,
+        rdzv_endpoint=rdzv_endpoint,
+        max_restarts=max_restarts,
+        collective_timeout=collective_timeout,
         resume=resume_from if resume_from is not None else ("latest" if resume else None),
         overwrite=overwrite,
         dry_run=dry_run,

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -66,12 +67,23 @@ def _quiet_torchelastic() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+def _max_nodes(nnodes: str) -> int:
+    """torchrun's ``--nnodes``: ``N`` or ``MIN:MAX``."""
+    return int(str(nnodes).rpartition(":")[2])
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_parent(signal.SIGTERM)  # torchrun stops its workers on SIGTERM
     os.environ[PARENT_PID_ENV] = str(os.getpid())  # the workers die with this agent
+    quieted = _quiet_cpp_warnings()
+    from torch.distributed import DistError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    if quieted:  # read once, at torch's start: the workers keep the C++ warnings
+        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
     _quiet_torchelastic()
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
@@ -80,8 +92,18 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as exc:
         if os.environ.get("FLUXGRPO_DEBUG"):
             raise
+        multi_node = _max_nodes(args.nnodes) > 1
+        host = socket.gethostname()
         failures = [
-            {"rank": rank, "exitcode": failure.exitcode, "pid": failure.pid, "time": failure.timestamp}
+            {
+                "rank": rank,
+                "exitcode": failure.exitcode,
+                "pid": failure.pid,
+                "time": failure.timestamp,
+                # this node's index in the job: its workers' global ranks start at node × nproc-per-node
+                "node": (rank - failure.local_rank) // int(args.nproc_per_node) if multi_node else None,
+                "host": host,
+            }
             for rank, failure in exc.failures.items()
         ]
         if os.environ.get(ERROR_DIR_ENV):  # the launching command says what happened
@@ -92,7 +114,22 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except SignalException as exc:  # the agent itself was told to stop (Ctrl-C, SIGTERM): workers are stopped
         return 128 + int(exc.sigval)
+    except (RendezvousError, DistError) as exc:  # the rendezvous (node 0's store) is gone or never formed
+        if os.environ.get("FLUXGRPO_DEBUG") or not os.environ.get(ERROR_DIR_ENV):
+            raise
+        record = {"failures": [], "rendezvous": f"{type(exc).__name__}: {exc}", "endpoint": args.rdzv_endpoint}
+        Path(os.environ[ERROR_DIR_ENV], AGENT_RECORD).write_text(json.dumps(record))
+        return 1
     return 0
+
+
+def _quiet_cpp_warnings() -> bool:
+    """The agent's own C++ store client warns with stack frames when node 0's store goes away; the launcher says
+    that in one line. True when this set the variable (the user's value, and FLUXGRPO_DEBUG, win)."""
+    if os.environ.get("FLUXGRPO_DEBUG") or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return False
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    return True
 
 
 if __name__ == "__main__":

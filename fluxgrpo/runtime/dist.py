@@ -2,6 +2,13 @@
 
 A single process (no torchrun variables) is a world of size 1 and never creates a process group, so
 ``--dies 1`` runs in-process with no rendezvous.
+
+Collectives are bounded (``CollectiveTimeout``, ``--collective-timeout``): the launcher hands the two values to
+the workers in ``$FLUXGRPO_COLLECTIVE_TIMEOUT``; the process group starts with the start-up value (loading,
+the first iteration), and ``steady_state`` shortens it once the first iteration is done, as torchtitan does.
+Where rank 0 works alone (``wait_for_rank0``: finishing a checkpoint, scoring an evaluation) the others wait on
+its heartbeat instead (``runtime/liveness.py``), so that long lone work never trips the timeout and a dead
+rank 0 is noticed within it.
 """
 
 from __future__ import annotations
@@ -13,7 +20,9 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from fluxgrpo.errors import UsageError
 from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.runtime import liveness
 from fluxgrpo.runtime.npu_env import apply_npu_env_defaults
 
 if TYPE_CHECKING:
@@ -41,6 +50,52 @@ class DistContext:
         return self.world_size > 1
 
 
+COLLECTIVE_TIMEOUT_ENV = "FLUXGRPO_COLLECTIVE_TIMEOUT"  # "<start-up seconds>,<steady seconds>", set by the launcher
+UNBOUNDED_COLLECTIVE_MINUTES = 30  # a worker started without the variable (torchrun run by hand)
+
+
+@dataclass(frozen=True)
+class CollectiveTimeout:
+    """How long a rank waits for its peers in a collective: ``startup`` seconds until the first iteration of this
+    start of the workers is done (loading weights, compiling, the first rollout), ``steady`` seconds after it."""
+
+    startup: float = 300.0
+    steady: float = 100.0
+
+    @classmethod
+    def parse(cls, text: str) -> CollectiveTimeout:
+        """``"300,100"`` (start-up, steady) or ``"100"`` (both); seconds."""
+        parts = [p.strip() for p in str(text).split(",")]
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            values = []
+        if len(values) == 1:
+            values = values * 2
+        if len(values) != 2 or min(values) <= 0:
+            raise UsageError(
+                f"--collective-timeout {text!r}: give seconds as STARTUP,STEADY (e.g. 300,100) or one value for both"
+            )
+        return cls(values[0], values[1])
+
+    def validate(self) -> None:
+        if self.startup < self.steady:
+            raise UsageError(
+                f"--collective-timeout {self.text()}: the start-up value (first) must be at least the steady one"
+            )
+
+    def text(self) -> str:
+        return f"{self.startup:g},{self.steady:g}"
+
+
+_timeout_now: float | None = None  # the collective timeout in force in this process
+
+
+def collective_timeout_from_env() -> CollectiveTimeout | None:
+    text = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+    return CollectiveTimeout.parse(text) if text else None
+
+
 def torchrun_env() -> tuple[int, int, int]:
     """(rank, local_rank, world_size) from torchrun's variables; (0, 0, 1) outside torchrun."""
     rank = int(os.environ.get("RANK", "0"))
@@ -49,10 +104,11 @@ def torchrun_env() -> tuple[int, int, int]:
     return rank, local_rank, world_size
 
 
-def init_distributed(requested_device: str | None = None, timeout_minutes: int = 30) -> DistContext:
+def init_distributed(requested_device: str | None = None) -> DistContext:
     """Pick the device from LOCAL_RANK, set matmul precision, and join the process group when world > 1.
 
-    On NPU the recipe's environment defaults are applied first (the user's values win).
+    On NPU the recipe's environment defaults are applied first (the user's values win). The group waits the
+    start-up collective timeout; every rank then registers in the store and starts its heartbeat.
     """
     import torch.distributed as dist
 
@@ -64,15 +120,77 @@ def init_distributed(requested_device: str | None = None, timeout_minutes: int =
     rt_device.set_matmul_precision(device_type)
     backend = rt_device.backend_for(device_type)
     if world_size > 1 and not dist.is_initialized():
-        kwargs: dict[str, Any] = {"backend": backend, "timeout": datetime.timedelta(minutes=timeout_minutes)}
-        dist.init_process_group(**kwargs)
+        timeouts = collective_timeout_from_env()
+        timeout = (
+            datetime.timedelta(seconds=timeouts.startup)
+            if timeouts
+            else datetime.timedelta(minutes=UNBOUNDED_COLLECTIVE_MINUTES)
+        )
+        dist.init_process_group(backend=backend, timeout=timeout)
+        global _timeout_now
+        _timeout_now = timeout.total_seconds()
+        _start_liveness(rank, world_size)
     return DistContext(rank, local_rank, world_size, device_type, device, backend)
+
+
+def _start_liveness(rank: int, world_size: int) -> None:
+    """Register this rank and start its heartbeat under a prefix new to this start of the workers (after an
+    elastic restart the store still holds the last start's keys)."""
+    import uuid
+
+    import torch.distributed as dist
+
+    box = [uuid.uuid4().hex if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    store = dist.PrefixStore(f"fluxgrpo/{box[0]}/", dist.distributed_c10d._get_default_store())
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    liveness.install(liveness.Liveness(store, rank, world_size, node))
+
+
+def steady_state(ctx: DistContext) -> None:
+    """The first iteration is done: collectives now wait the steady-state timeout (a no-op without one)."""
+    timeouts = collective_timeout_from_env()
+    if ctx.distributed and timeouts is not None:
+        import torch.distributed as dist
+
+        dist.set_timeout(datetime.timedelta(seconds=timeouts.steady))
+        global _timeout_now
+        _timeout_now = timeouts.steady
+
+
+def current_timeout_seconds() -> float | None:
+    """The collective timeout in force now (None outside a distributed run)."""
+    return _timeout_now
+
+
+def wait_for_rank0(ctx: DistContext, what: str) -> None:
+    """A barrier after work that rank 0 does alone (``what``: "finishing checkpoint-40"): the other ranks wait
+    as long as rank 0's heartbeat goes on, and fail, naming rank 0, as soon as it fails or stays silent for the
+    steady collective timeout; only then do they enter the barrier, which rank 0 has reached."""
+    if not ctx.distributed:
+        return
+    watch = liveness.current()
+    if watch is not None:
+        timeouts = collective_timeout_from_env() or CollectiveTimeout()
+        watch.wait_for_rank0(what, timeouts.steady)
+    barrier(ctx)
+
+
+def mark(position: str) -> None:
+    """What this rank is doing now, named if it stops or falls behind (``liveness.mark``)."""
+    liveness.mark(position)
+
+
+def mark_phase_done(phase: str) -> None:
+    """A phase of the marked position is done (``PhaseClock.lap`` says it)."""
+    liveness.mark_phase_done(phase)
 
 
 def teardown(*, failed: bool = False) -> None:
     """Leave the process group; after a failure skip the barrier, which would wait forever for busy peers."""
     import torch.distributed as dist
 
+    liveness.install(None)
     if dist.is_available() and dist.is_initialized():
         if not failed:
             with contextlib.suppress(Exception):

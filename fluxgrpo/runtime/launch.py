@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.paths import write_atomic
 from fluxgrpo.run_folder import ERRORS_FILE
 from fluxgrpo.runtime.agent import AGENT_RECORD, ERROR_DIR_ENV, PARENT_PID_ENV, describe_exit
+from fluxgrpo.runtime.dist import COLLECTIVE_TIMEOUT_ENV, CollectiveTimeout
 from fluxgrpo.runtime.npu_env import NPU_ENV_DEFAULTS
 from fluxgrpo.runtime.worker_errors import first_worker_error, worker_records
 
@@ -54,13 +56,22 @@ WORKER_MODULE = "fluxgrpo.runtime.worker"
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """How many workers, on how many nodes (torchrun's vocabulary)."""
+    """How many workers, on how many nodes (torchrun's vocabulary).
+
+    Two ways to meet: a static rendezvous at ``master_addr:master_port`` (node 0 hosts it; node ranks fixed), or
+    torchrun's elastic c10d rendezvous at ``rdzv_endpoint`` (``host:port`` on node 0) under ``run_id``, which
+    also lets the agent restart every worker after a failure (``max_restarts``) and a lost node rejoin.
+    """
 
     nproc_per_node: int = 1
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    rdzv_endpoint: str | None = None
+    run_id: str | None = None
+    max_restarts: int = 0
+    collective_timeout: CollectiveTimeout | None = None
 
     def validate(self) -> None:
         if self.nproc_per_node < 1:
@@ -69,14 +80,66 @@ class LaunchSpec:
             raise UsageError(f"--nnodes must be at least 1 (got {self.nnodes})")
         if not 0 <= self.node_rank < self.nnodes:
             raise UsageError(f"--node-rank must be in [0, {self.nnodes - 1}] for --nnodes {self.nnodes}")
-        if self.nnodes > 1 and not self.master_addr:
-            raise UsageError("--nnodes > 1 needs --master-addr (the address of node 0, reachable from every node)")
+        if self.rdzv_endpoint is not None and self.master_addr is not None:
+            raise UsageError(
+                "--rdzv-endpoint (elastic) and --master-addr (static) both say where node 0 is: pass one of them"
+            )
+        if self.nnodes > 1 and not (self.master_addr or self.rdzv_endpoint):
+            raise UsageError(
+                "--nnodes > 1 needs --rdzv-endpoint HOST:PORT (elastic, restartable) or --master-addr (static): "
+                "the address of node 0, reachable from every node"
+            )
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise UsageError(f"--master-port must be a TCP port (got {self.master_port})")
+        if self.rdzv_endpoint is not None:
+            parse_endpoint(self.rdzv_endpoint)
+        if self.max_restarts < 0:
+            raise UsageError(f"--max-restarts must be 0 or more (got {self.max_restarts})")
+        if self.max_restarts and self.master_addr is not None:
+            raise UsageError(
+                "--max-restarts needs the elastic rendezvous: a static one (--master-addr) cannot form again "
+                "after a failure; use --rdzv-endpoint HOST:PORT instead of --master-addr/--master-port"
+            )
+        if self.collective_timeout is not None:
+            self.collective_timeout.validate()
+
+    @property
+    def elastic(self) -> bool:
+        return self.rdzv_endpoint is not None
 
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+    def rendezvous_address(self) -> tuple[str, int] | None:
+        """Where the nodes meet (host, port) in a multi-node run; None on one node."""
+        if self.rdzv_endpoint is not None:
+            return parse_endpoint(self.rdzv_endpoint)
+        if self.master_addr is not None:
+            return self.master_addr, self.master_port or DEFAULT_PORT
+        return None
+
+
+DEFAULT_PORT = 29500  # torchrun's
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too; the port defaults to 29500) → (host, port)."""
+    host, sep, port_text = endpoint.rpartition(":")
+    if not sep or "]" in port_text:
+        host, port_text = endpoint, str(DEFAULT_PORT)
+    host = host.strip("[]")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise UsageError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT (e.g. 10.0.0.1:29500)")
+    return host, int(port_text)
+
+
+def run_id_for(output_dir: str | Path) -> str:
+    """The rendezvous id of the run writing ``output_dir``: nodes meet only when they name the same folder (the
+    path as given, made absolute, so the same command on every node gives the same id)."""
+    import hashlib
+
+    return "fluxgrpo-" + hashlib.sha256(os.path.abspath(output_dir).encode()).hexdigest()[:16]
 
 
 def worker_env_defaults(device_type: str) -> dict[str, str]:
@@ -84,6 +147,43 @@ def worker_env_defaults(device_type: str) -> dict[str, str]:
     if device_type != "npu":
         return {}
     return {v.name: os.environ.get(v.name, v.recommended) for v in NPU_ENV_DEFAULTS}
+
+
+def collective_env(
+    device_type: str, timeouts: CollectiveTimeout | None, log_dir: str | Path | None = None
+) -> dict[str, str]:
+    """The workers' variables that bound their collectives and diagnose a hang, the user's values winning.
+
+    - ``$FLUXGRPO_COLLECTIVE_TIMEOUT``: the process group's timeouts (``runtime/dist.py``);
+    - NCCL: the flight recorder (its trace buffer, dumped on a timeout into the log folder) and desync debug,
+      which names the rank a collective waited for, as torchtitan runs them;
+    - HCCL: the device-side execution timeout is fixed for the process, so it is the start-up value (the
+      process group's own timeout bounds the steady state); the flight recorder as torchtitan-npu turns it on.
+    """
+    if timeouts is None:
+        return {}
+    env = {COLLECTIVE_TIMEOUT_ENV: timeouts.text()}
+    trace_prefix = str(Path(log_dir, "collective_trace_rank_")) if log_dir is not None else None
+    ours: dict[str, str] = {}
+    if device_type == "cuda":
+        ours = {
+            "TORCH_NCCL_TRACE_BUFFER_SIZE": "20000",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DESYNC_DEBUG": "1",
+        }
+        if trace_prefix:
+            ours["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = trace_prefix
+    elif device_type == "npu":
+        ours = {
+            "HCCL_EXEC_TIMEOUT": str(int(timeouts.startup)),
+            "HCCL_ASYNC_ERROR_HANDLING": "1",
+            "TORCH_HCCL_TRACE_BUFFER_SIZE": "20000",
+            "TORCH_HCCL_DUMP_ON_TIMEOUT": "1",
+        }
+        if trace_prefix:
+            ours["TORCH_HCCL_DEBUG_INFO_TEMP_FILE"] = trace_prefix
+    env.update({name: os.environ.get(name, value) for name, value in ours.items()})
+    return env
 
 
 def build_torchrun_argv(
@@ -103,15 +203,29 @@ def build_torchrun_argv(
     """
     spec.validate()
     argv = [python or sys.executable, "-m", AGENT_MODULE]
-    if spec.nnodes == 1 and spec.master_addr is None and spec.master_port is None:
+    if spec.rdzv_endpoint is not None:
+        host, port = parse_endpoint(spec.rdzv_endpoint)
+        # The node given --node-rank 0 hosts the store at the endpoint; the others only connect to it. Nodes wait
+        # for each other (at start and after a restart) as long as the collectives' start-up timeout.
+        join_timeout = int((spec.collective_timeout or CollectiveTimeout()).startup)
+        argv += [
+            f"--nnodes={spec.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={host}:{port}",
+            f"--rdzv-id={spec.run_id or 'fluxgrpo'}",
+            f"--rdzv-conf=join_timeout={join_timeout},is_host={str(spec.node_rank == 0).lower()}",
+        ]
+    elif spec.nnodes == 1 and spec.master_addr is None and spec.master_port is None:
         argv.append("--standalone")
     else:
         argv += [
             f"--nnodes={spec.nnodes}",
             f"--node-rank={spec.node_rank}",
             f"--master-addr={spec.master_addr or '127.0.0.1'}",
-            f"--master-port={spec.master_port or 29500}",
+            f"--master-port={spec.master_port or DEFAULT_PORT}",
         ]
+    if spec.max_restarts:
+        argv.append(f"--max-restarts={spec.max_restarts}")
     argv.append(f"--nproc-per-node={spec.nproc_per_node}")
     if log_dir is not None:
         # An empty role rendered by the prefix template is an empty prefix: rank 0's lines reach the console as
@@ -183,10 +297,29 @@ def _agent_failures(error_dir: Path) -> list[dict[str, Any]]:
     return []
 
 
+def _lost_rendezvous(error_dir: Path) -> str | None:
+    """The agent's own failure to reach the rendezvous, as one line (None when it did not fail so)."""
+    with contextlib.suppress(OSError, ValueError):
+        record = json.loads((error_dir / AGENT_RECORD).read_text())
+        if record.get("rendezvous"):
+            return (
+                f"lost node 0's rendezvous at {record.get('endpoint') or '?'}: node 0's run stopped or its host was "
+                f"lost (its own output says why), or the nodes never met ({record['rendezvous'].splitlines()[0]})"
+            )
+    return None
+
+
 def _killed_from_outside(agent_failures: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The first rank killed by a signal other than SIGTERM (the one torchrun stops the other workers with)."""
     killed = [f for f in agent_failures if f["exitcode"] < 0 and -f["exitcode"] != signal.SIGTERM]
     return min(killed, key=lambda f: f["time"]) if killed else None
+
+
+def _where(agent_failure: dict[str, Any]) -> str:
+    """``node 1 (host h) rank 5`` for a failure the agent saw on a node of a multi-node run, else ``rank 5``."""
+    if agent_failure.get("node") is None:
+        return f"rank {agent_failure['rank']}"
+    return f"node {agent_failure['node']} (host {agent_failure['host']}) rank {agent_failure['rank']}"
 
 
 def failure_message(error_dir: Path, code: int) -> str:
@@ -198,19 +331,25 @@ def failure_message(error_dir: Path, code: int) -> str:
     """
     agent_failures = _agent_failures(error_dir)
     killed = _killed_from_outside(agent_failures)
+    lost = _lost_rendezvous(error_dir)
+    if killed is None and lost is not None and first_worker_error(error_dir) is None:
+        return lost
     if killed is not None:
         return (
-            f"rank {killed['rank']} {describe_exit(killed['exitcode'])}: it was killed from outside (out of host "
+            f"{_where(killed)} {describe_exit(killed['exitcode'])}: it was killed from outside (out of host "
             "memory? the kernel's OOM killer sends SIGKILL; see `dmesg`), and the other workers were stopped"
         )
     recorded = first_worker_error(error_dir)
     if recorded is not None:
+        if recorded.get("peer"):  # another rank (often on another node) is the cause; the line names it
+            return str(recorded["error"])
         # A FluxgrpoError says what to do; anything else is a bug or a library failure, and its traceback helps.
         hint = " (FLUXGRPO_DEBUG=1 shows the traceback)" if recorded.get("expected") is False else ""
-        return f"rank {recorded['rank']} failed: {recorded['error']}{hint}"
+        where = recorded.get("where") or f"rank {recorded['rank']}"
+        return f"{where} failed: {recorded['error']}{hint}"
     if agent_failures:
         first = min(agent_failures, key=lambda f: f["time"])
-        return f"rank {first['rank']} {describe_exit(first['exitcode'])} without recording an error: see its output"
+        return f"{_where(first)} {describe_exit(first['exitcode'])} without recording an error: see its output"
     if code < 0 or code > 128:
         sig = -code if code < 0 else code - 128
         return f"the torchrun agent {describe_exit(-sig)}; it stops its workers (no checkpoint is written)"
@@ -224,10 +363,13 @@ def errors_report(error_dir: Path, code: int) -> str:
     records = worker_records(error_dir)
     cause_recorded = _killed_from_outside(_agent_failures(error_dir)) is None
     for index, record in enumerate(records):
-        if index == 0 and cause_recorded:
-            heading = f"rank {record['rank']} failed (the cause): {record['error']}"
+        where = record.get("where") or f"rank {record['rank']}"
+        if record.get("peer"):
+            heading = f"{where} stopped because another rank failed: {record['error']}"
+        elif index == 0 and cause_recorded:
+            heading = f"{where} failed (the cause): {record['error']}"
         else:
-            heading = f"rank {record['rank']} failed after the cause, as a consequence: {record['error']}"
+            heading = f"{where} failed after the cause, as a consequence: {record['error']}"
         lines += ["", heading, record.get("traceback", "").rstrip()]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -264,9 +406,21 @@ def run_workers(
     device_type = rt_device.resolve_device_type(device)
     check_dies_fit(device_type, spec.nproc_per_node)
     worker_env = worker_env_defaults(device_type)
-    if spec.world_size == 1:
+    if spec.world_size == 1 and not spec.max_restarts:  # restarts are torchrun's agent's: it must run
         os.environ.update({k: v for k, v in worker_env.items() if k not in os.environ})
         return worker.as_summary(worker.entry_point(module)(payload))
+    worker_env.update(collective_env(device_type, spec.collective_timeout, log_dir))
+    if spec.elastic:
+        # torch shares the rendezvous TCPStore with the workers and caches who hosts it from the first round: a
+        # node started again (fresh agent) then waits forever in the next round for an address that the others
+        # never publish again. Without the sharing every round publishes it (torch's own opt-out).
+        worker_env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    address = spec.rendezvous_address()
+    if address is not None and spec.node_rank > 0:  # node 0 hosts the rendezvous: the others must reach it
+        timeouts = spec.collective_timeout or CollectiveTimeout()
+        wait_for_endpoint(
+            *address, timeout_s=timeouts.startup, flag="--rdzv-endpoint" if spec.elastic else "--master-addr"
+        )
     remove_stale_temp_folders()
     with tempfile.TemporaryDirectory(prefix=f"{WORKERS_TEMP_PREFIX}{os.getpid()}-") as tmp:
         payload_path, summary_path = Path(tmp) / "payload.json", Path(tmp) / "summary.json"
@@ -275,7 +429,9 @@ def run_workers(
         argv = build_torchrun_argv(WORKER_MODULE, args, spec, log_dir=log_dir)
         if log is not None:
             log("launching: " + " ".join(argv))
-        run_torchrun(argv, env=worker_env, errors_file=None if log_dir is None else Path(log_dir, ERRORS_FILE))
+        # Every node keeps its own errors file in the shared log folder: node 0 errors.txt, node k errors-node<k>.txt
+        errors_name = ERRORS_FILE if spec.node_rank == 0 else f"errors-node{spec.node_rank}.txt"
+        run_torchrun(argv, env=worker_env, errors_file=None if log_dir is None else Path(log_dir, errors_name))
         return json.loads(summary_path.read_text()) if summary_path.is_file() else None
 
 
@@ -314,6 +470,34 @@ def remove_stale_temp_folders(root: str | Path | None = None) -> list[Path]:
                 shutil.rmtree(entry)
                 removed.append(entry)
     return removed
+
+
+def endpoint_reachable(host: str, port: int, timeout_s: float = 2.0) -> str | None:
+    """None when a TCP connection to ``host:port`` opens, else why not (one attempt)."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+
+
+def wait_for_endpoint(host: str, port: int, *, timeout_s: float, flag: str, retry_s: float = 1.0) -> None:
+    """Wait until node 0's rendezvous port accepts connections (node 0 may start a little later), at most
+    ``timeout_s``; then raise one line saying what to check."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        why = endpoint_reachable(host, port, timeout_s=min(2.0, timeout_s))
+        if why is None:
+            return
+        if time.monotonic() >= deadline:
+            raise FluxgrpoError(
+                f"cannot reach node 0's rendezvous at {host}:{port} ({flag}) within {timeout_s:g} s: {why}. "
+                "Is `fluxgrpo train` running on node 0 with the same flags, and is the port open between the "
+                f"nodes? `fluxgrpo env-check --rdzv-endpoint {host}:{port}` checks it from here"
+            )
+        time.sleep(min(retry_s, max(0.0, deadline - time.monotonic())))
 
 
 def check_dies_fit(device_type: str, nproc: int) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.runtime import liveness
 from fluxgrpo.runtime.agent import die_with_parent
 from fluxgrpo.runtime.worker_errors import launcher_reports_errors, record_worker_error, worker_errors
 
@@ -76,10 +77,47 @@ def worker_session(requested_device: str | None) -> Iterator[rt_dist.DistContext
         with quiet_library_progress():
             yield ctx
     except BaseException as exc:
-        record_worker_error(exc)
+        _report_failure(exc)
         rt_dist.teardown(failed=True)
         raise
     rt_dist.teardown()
+
+
+def _report_failure(exc: BaseException) -> None:
+    """Record a rank's failure for its launcher and tell its peers, naming the rank at fault.
+
+    An error of this rank's own (a FluxgrpoError, an OSError, a bug) is published in the store for the peers, who
+    see only a closed connection. A RuntimeError (how a collective fails) is first checked against the peers: when
+    another rank published an error or stopped beating, that rank is the cause, and this rank records the line
+    naming it.
+    """
+    watch = liveness.current()
+    if watch is None or isinstance(exc, KeyboardInterrupt | SystemExit):
+        record_worker_error(exc)
+        return
+    if isinstance(exc, liveness.PeerFailed):
+        record_worker_error(exc, caused_by_peer=str(exc))
+        return
+    if isinstance(exc, RuntimeError) and not isinstance(exc, FluxgrpoError):  # how collectives fail (gloo, DistError)
+        why = watch.explain_failure(str(exc), rt_dist.current_timeout_seconds())
+        if why is not None:
+            record_worker_error(exc, caused_by_peer=why)
+            _say_if_restarting(why)
+            return
+    message = str(exc) if isinstance(exc, FluxgrpoError) else f"{type(exc).__name__}: {exc}"
+    watch.publish_failure(message)
+    record_worker_error(exc)
+    _say_if_restarting(f"{watch.me.describe()} failed: {message}")
+
+
+def _say_if_restarting(line: str) -> None:
+    """With restarts left (``--max-restarts``) the launcher says nothing until the run ends: say why the workers
+    stop now (only local rank 0's output reaches the console)."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts > int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        print(
+            f"warning: {line}; torchrun restarts the workers (--max-restarts {restarts})", file=sys.stderr, flush=True
+        )
 
 
 def entry_point(module: str) -> Callable[[dict[str, Any]], Any]:

@@ -20,14 +20,16 @@ from fluxgrpo.runtime.agent import ERROR_DIR_ENV
 
 
 def worker_records(error_dir: Path) -> list[dict[str, Any]]:
-    """The errors the ranks recorded in ``error_dir``, earliest first."""
+    """The errors the ranks recorded in ``error_dir`` in the last start of the workers (an elastic restart
+    starts them again), earliest first."""
     records = []
     for path in error_dir.glob("rank*.json"):
         try:
             records.append(json.loads(path.read_text()))
         except ValueError:
             continue
-    return sorted(records, key=lambda r: r["time"])
+    last = max((r.get("attempt", 0) for r in records), default=0)
+    return sorted((r for r in records if r.get("attempt", 0) == last), key=lambda r: r["time"])
 
 
 def first_worker_error(error_dir: Path) -> dict[str, Any] | None:
@@ -42,24 +44,53 @@ def launcher_reports_errors() -> bool:
     return bool(os.environ.get(ERROR_DIR_ENV))
 
 
-def record_worker_error(exc: BaseException) -> None:
+def record_worker_error(exc: BaseException, *, caused_by_peer: str | None = None) -> None:
     """Record this rank's first uncaught error for the launcher (a no-op outside ``run_torchrun``'s workers).
 
     Called where the error happens, before the process group is left: a peer notices the lost connection only
-    after that, so the recorded times put the rank that really failed first.
+    after that, so the recorded times put the rank that really failed first. ``caused_by_peer`` is the line that
+    names another rank as the cause (``liveness.Liveness.explain_failure``): this rank only followed it, and the
+    launcher says that line as it is. After an elastic restart a rank records again (``attempt``).
     """
     error_dir = os.environ.get(ERROR_DIR_ENV)
     if not error_dir or isinstance(exc, SystemExit | KeyboardInterrupt):
         return
     rank = os.environ.get("RANK", "0")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     path = Path(error_dir, f"rank{rank}.json")
-    if path.exists():  # recorded already, where it happened
+    if _recorded_attempt(path) == int(attempt):  # recorded already, where it happened
         return
-    expected = isinstance(exc, FluxgrpoError)
-    message = str(exc) if expected else f"{type(exc).__name__}: {exc}"
+    expected = isinstance(exc, FluxgrpoError) or caused_by_peer is not None
+    message = caused_by_peer or (str(exc) if isinstance(exc, FluxgrpoError) else f"{type(exc).__name__}: {exc}")
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    record = {"rank": int(rank), "error": message, "time": time.time(), "expected": expected, "traceback": tb}
+    record = {
+        "rank": int(rank),
+        "where": worker_whereabouts(int(rank)),
+        "attempt": int(attempt),
+        "error": message,
+        "peer": caused_by_peer is not None,
+        "time": time.time(),
+        "expected": expected,
+        "traceback": tb,
+    }
     path.write_text(json.dumps(record))
+
+
+def _recorded_attempt(path: Path) -> int | None:
+    """The start of the workers (torchrun's restart count) that recorded ``path``; None if none did."""
+    try:
+        return int(json.loads(path.read_text()).get("attempt", 0))
+    except (OSError, ValueError):
+        return None
+
+
+def worker_whereabouts(rank: int) -> str:
+    """``node 1 (host h) rank 5`` in a multi-node run, ``rank 5`` on one node (torchrun's variables)."""
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+        import socket
+
+        return f"node {os.environ.get('GROUP_RANK', '?')} (host {socket.gethostname()}) rank {rank}"
+    return f"rank {rank}"
 
 
 def worker_errors(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -170,7 +170,7 @@ class Evaluator:
         if ctx.is_main:
             out.mkdir(parents=True, exist_ok=True)
             clear_previous_run(out)  # a dead run's evaluation of this iteration, repeated after a resume
-        rt_dist.barrier(ctx)
+        rt_dist.wait_for_rank0(ctx, f"clearing {out}")
         request = SampleRequest(
             model=self.cfg.model,
             prompts=self.prompts,
@@ -195,7 +195,7 @@ class Evaluator:
         if ctx.is_main:
             dtype = rt_device.compute_dtype(ctx.device_type)
             values = self._finish(out, request, images, iteration, ema, dtype, parts.reward_fn)
-        rt_dist.barrier(ctx)
+        rt_dist.wait_for_rank0(ctx, f"scoring the evaluation of iteration {iteration}")  # rank 0 scores alone
         return values
 
     def _finish(

@@ -20,7 +20,8 @@ from fluxgrpo.paths import ensure_writable_dir
 from fluxgrpo.rewards import reward_weights_status
 from fluxgrpo.rewards.reward_set import run_reward_names
 from fluxgrpo.run_folder import CONFIG_FILE, LOGS_DIR, check_not_in_use, check_run_files, previous_run
-from fluxgrpo.runtime.launch import LaunchSpec, check_dies_fit, run_workers
+from fluxgrpo.runtime.dist import CollectiveTimeout
+from fluxgrpo.runtime.launch import DEFAULT_PORT, LaunchSpec, check_dies_fit, run_id_for, run_workers
 from fluxgrpo.weights.layout import check_flux_dir
 
 if TYPE_CHECKING:
@@ -266,6 +267,45 @@ def plan_training(
     )
 
 
+def launch_spec(
+    cfg: TrainConfig,
+    *,
+    dies: int,
+    nnodes: int | None = None,
+    node_rank: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    rdzv_endpoint: str | None = None,
+    max_restarts: int = 0,
+    collective_timeout: CollectiveTimeout | None = None,
+    log=print,
+) -> LaunchSpec:
+    """The launch that ``fluxgrpo train``'s flags describe; under Slurm (``srun``, one task per node) the job's
+    node count, this node's index and node 0's host fill in what the flags leave out. The elastic rendezvous
+    is named after the output folder, so two runs never meet."""
+    from fluxgrpo.runtime.nodes import slurm_job
+
+    job = slurm_job() if nnodes is None and node_rank is None and not (master_addr or rdzv_endpoint) else None
+    if job is not None:
+        nnodes, node_rank = job.nnodes, job.node_rank
+        if max_restarts:  # restarts need the elastic rendezvous, at node 0's host
+            rdzv_endpoint = f"{job.first_host}:{master_port or DEFAULT_PORT}"
+        else:
+            master_addr = job.first_host
+        log(f"Slurm: node {node_rank} of {nnodes}, node 0 is {job.first_host}")
+    return LaunchSpec(
+        nproc_per_node=dies,
+        nnodes=1 if nnodes is None else nnodes,
+        node_rank=0 if node_rank is None else node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        rdzv_endpoint=rdzv_endpoint,
+        run_id=run_id_for(cfg.output_dir),
+        max_restarts=max_restarts,
+        collective_timeout=collective_timeout,
+    )
+
+
 def launch_training(plan: TrainPlan, log=print) -> list[dict[str, Any]]:
     """Save the resolved config and run the workers, holding the output directory's lock (node 0) for the
     run's life; returns the run's metrics records (metrics.jsonl)."""
@@ -289,6 +329,10 @@ def launch_training(plan: TrainPlan, log=print) -> list[dict[str, Any]]:
         for key, value in plan.derived.items():
             log(f"  {key.replace('_', ' ')}: {value}")
         log(f"resolved config saved to {plan.resolved_path}")
-        payload = {"config": plan.cfg.to_dict(), "resume": plan.resume_checkpoint}
+        payload: dict[str, Any] = {"config": plan.cfg.to_dict(), "resume": plan.resume_checkpoint}
+        if plan.spec.max_restarts:  # restarted workers tell a restart from a first start by this token
+            import uuid
+
+            payload["launch_token"] = uuid.uuid4().hex
         run_workers(WORKER_MODULE, payload, plan.spec, plan.device_type, log_dir=output_dir / LOGS_DIR, log=log)
     return read_metrics(output_dir)

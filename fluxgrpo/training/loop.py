@@ -84,13 +84,29 @@ def restore(ctx: DistContext, parts: TrainingParts, checkpoint: Path | None) -> 
     return loaded.iteration
 
 
-def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
+def checkpoint_to_resume(
+    ctx: DistContext, output_dir: Path, resume: str | None, launch_token: str | None = None
+) -> Path | None:
+    """The checkpoint this start of the workers continues from: ``--resume``'s, or after an elastic restart
+    (``--max-restarts``) the newest complete one, with no flag (rank 0 looks, every rank loads the same)."""
+    from fluxgrpo.checkpoint import latest_checkpoint, resolve_resume
+    from fluxgrpo.runtime.nodes import restarted
+
+    marker = None if launch_token is None else output_dir / "logs" / f".started-{launch_token}"
+    if restarted(ctx, marker):
+        newest = latest_checkpoint(output_dir) if ctx.is_main else None
+        found = rt_dist.broadcast_object(ctx, None if newest is None else str(newest))
+        rt_dist.rank0_print(ctx, f"the workers started again (--max-restarts): continuing from {found or 'the start'}")
+        return None if found is None else Path(found)
+    return resolve_resume(output_dir, resume) if resume is not None else None
+
+
+def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None = None) -> list[dict[str, Any]]:
     """Run the GRPO loop on this rank; returns rank 0's metrics records (empty on other ranks).
 
     ``fluxgrpo train`` reads them back from metrics.jsonl (``worker_entry`` returns nothing through the launcher);
     the records are returned for in-process callers: `bench --algorithms` (``bench/efficiency.py``) and tests.
     """
-    from fluxgrpo.checkpoint import resolve_resume
     from fluxgrpo.grpo.latents import image_ids
     from fluxgrpo.grpo.reward_aggregation import aggregate_rewards
     from fluxgrpo.grpo.rollout import generate_rollout
@@ -98,6 +114,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
     from fluxgrpo.grpo.step_plan import PlanSettings, plan_for_iteration
     from fluxgrpo.grpo.update import UpdateSettings, policy_update, skipped_update
     from fluxgrpo.metrics import MetricsLogger, run_info
+    from fluxgrpo.runtime.nodes import check_shared_folder
     from fluxgrpo.runtime.worker import worker_session
     from fluxgrpo.training.eval import Evaluator
     from fluxgrpo.training.guards import RunMonitor
@@ -106,8 +123,9 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
     with worker_session(cfg.device) as ctx:
         rt_device.seed_everything(cfg.seed + ctx.rank)
         output_dir = Path(cfg.output_dir)
+        check_shared_folder(ctx, output_dir)  # several nodes: one folder that all of them see, or no resume
         parts = build_parts(cfg, ctx)
-        checkpoint = resolve_resume(output_dir, resume) if resume is not None else None
+        checkpoint = checkpoint_to_resume(ctx, output_dir, resume, launch_token)
         start = restore(ctx, parts, checkpoint)
         metrics = MetricsLogger(
             output_dir,
@@ -133,6 +151,7 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
         # the base model at iteration 0: every eval curve and every guard baseline starts there
         monitor.check(start, evaluator.before_training(start, parts), records)
         for iteration in range(start + 1, cfg.max_train_steps + 1):
+            rt_dist.mark(f"iteration {iteration}")  # named if this rank stops or falls behind the others
             rt_device.reset_peak_memory(ctx.device)
             clock = PhaseClock(ctx.device)
             noise_gen = torch.Generator(device=ctx.device).manual_seed(
@@ -206,6 +225,8 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
                 path = save_training_checkpoint(ctx, cfg, parts, iteration, monitor.state_dict())
                 rt_dist.rank0_print(ctx, f"saved {path}")
                 monitor.checkpoint_saved(iteration, path)
+            if iteration == start + 1:  # loading, compiling and the first rollout are behind: the short timeout
+                rt_dist.steady_state(ctx)
             if verdict.stop:
                 break
         metrics.close()
@@ -213,5 +234,6 @@ def train(cfg: TrainConfig, resume: str | None = None) -> list[dict[str, Any]]:
 
 
 def worker_entry(payload: dict[str, Any]) -> None:
-    """Every rank's part of ``fluxgrpo train`` (``runtime.launch.run_workers``): ``{"config", "resume"}``."""
-    train(TrainConfig(**payload["config"]).validate(), payload.get("resume"))
+    """Every rank's part of ``fluxgrpo train`` (``runtime.launch.run_workers``): ``{"config", "resume",
+    "launch_token"}`` (the token names this node's launcher in a restartable run: ``checkpoint_to_resume``)."""
+    train(TrainConfig(**payload["config"]).validate(), payload.get("resume"), payload.get("launch_token"))

@@ -151,6 +151,7 @@ class PhaseClock:
 
     def lap(self, phase: str) -> None:
         rt_device.synchronize(self.device)
+        rt_dist.mark_phase_done(phase)  # named if this rank stops or falls behind the others
         now = time.perf_counter()
         self.seconds[f"seconds_{phase}"] = now - self._last
         self._last = now
