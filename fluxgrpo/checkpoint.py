@@ -11,7 +11,8 @@ k, one update early, and keeps no optimizer state; see dancegrpo-spec.md §7):
                         state then holds the adapters and their optimizer state only; the frozen base comes from
                         the base model's files.
     state/              torch.distributed.checkpoint (DCP) files for {"model", "optim", "lr_scheduler", "ema"},
-                        trainer_state.json, and rng_rank{r}.pt for every rank (tensors and plain values only).
+                        trainer_state.json, rng_rank{r}.pt for every rank (tensors and plain values only), and
+                        checksums_rank{r}.json: the sha256 of each file rank r wrote, verified on resume.
     COMPLETE            written last; JSON facts about the checkpoint (iteration, world size, what it holds).
 
 Atomicity: everything is written into ``checkpoint-{k}.tmp/``; only when every rank has finished does rank 0
@@ -43,6 +44,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from fluxgrpo import run_folder
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.lora import adapter_metadata, is_lora_model, write_lora_file
 from fluxgrpo.paths import give_default_mode
@@ -58,7 +60,7 @@ TRANSFORMER_DIR = "transformer"
 EMA_TRANSFORMER_DIR = "transformer_ema"
 LORA_DIR = "lora"
 EMA_LORA_DIR = "lora_ema"
-BEST_DIR = "best"  # --keep-best: the best evaluated checkpoint, never rotated by --keep-last
+BEST_DIR = run_folder.BEST_DIR  # --keep-best: the best evaluated checkpoint, never rotated by --keep-last
 BEST_FILE = "BEST.json"  # in best/: which checkpoint it is and why (iteration, metric, value)
 STATE_DIR = "state"
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -205,11 +207,11 @@ def _not_complete_message(path: Path, output_dir: Path) -> str:
     complete = [p.name for p in list_checkpoints(output_dir)]
     if complete:
         hint = (
-            f"complete checkpoints in {output_dir}: {', '.join(complete)}; pass one of them to --resume, "
-            "or --resume with no value for the latest"
+            f"complete checkpoints in {output_dir}: {', '.join(complete)}; pass one of them to --resume-from, "
+            "or use --resume for the latest"
         )
     else:
-        hint = f"there is no complete checkpoint in {output_dir}; drop --resume to start a new run"
+        hint = f"there is no complete checkpoint in {output_dir}; drop --resume-from to start a new run"
     return f"{path} is not a complete checkpoint ({why}): {hint}"
 
 
@@ -276,7 +278,8 @@ def save_checkpoint(
     if ctx.is_main:
         root.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(root)
-        (tmp / STATE_DIR).mkdir(parents=True)
+        tmp.mkdir()  # new: never a folder (or a link to one) someone left under this name
+        (tmp / STATE_DIR).mkdir()
     # Rank 0 works alone at these points (old leftovers, the exports): the others wait on its heartbeat, not in a
     # collective that a large export would outlast (``--collective-timeout``).
     rt_dist.wait_for_rank0(ctx, f"preparing {final.name}")
@@ -305,6 +308,7 @@ def save_checkpoint(
     )
     if ctx.is_main:
         _write_durably(tmp / STATE_DIR / TRAINER_STATE_FILE, lambda f: f.write(trainer_state_json.encode()))
+    write_state_checksums(tmp / STATE_DIR, ctx.rank)
     # Every rank's files are on disk before rank 0 declares the checkpoint complete.
     rt_dist.barrier(ctx)
 
@@ -318,6 +322,7 @@ def save_checkpoint(
             "has_lr_scheduler": lr_scheduler is not None,
             "export_dtype": str(export_dtype).removeprefix("torch."),
             "lora": adapter_metadata(model) if lora else None,
+            "checksums": True,  # state/checksums_rank<r>.json: every resume verifies each rank's files
         }
         _write_durably(tmp / COMPLETE_MARKER, lambda f: f.write((json.dumps(info, indent=2) + "\n").encode()))
         _publish(tmp, final)
@@ -339,8 +344,7 @@ def publish_best(checkpoint: str | Path, facts: dict[str, Any]) -> Path:
     source = Path(checkpoint)
     final = source.parent / BEST_DIR
     tmp = final.with_name(final.name + TMP_SUFFIX)
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    _remove_tree(tmp)
 
     def link_or_copy(src: str, dst: str) -> None:
         try:
@@ -590,6 +594,8 @@ def load_checkpoint(
         state["ema"] = ema.state_dict()
     for name, holder in extra_states.items():
         state[f"extra_{name}"] = holder.state_dict()
+    if info.get("checksums"):
+        _verify_checksums(path / STATE_DIR, ctx.rank)
     # Read (and vetted) here, on every rank, before DCP's collectives start.
     reader = SafeFileSystemReader(path / STATE_DIR)
     with _quiet_single_process_dcp(), _dcp_errors("reading", path / STATE_DIR):
@@ -678,6 +684,58 @@ def _load_rng_file(rng_file: Path, rank: int) -> dict[str, Any]:
     return rng
 
 
+# --------------------------------------------------------------------------------------------- checksums
+
+CHECKSUMS_FILE = "checksums_rank{rank}.json"
+_HASH_CHUNK = 8 << 20
+
+
+def _files_of_rank(state_dir: Path, rank: int) -> list[Path]:
+    """The state files rank ``rank`` wrote: its DCP shards and RNG file (rank 0 also the metadata and trainer
+    state), so each rank hashes (and on resume verifies) its own share, in parallel."""
+    own = [*state_dir.glob(f"__{rank}_*.distcp"), state_dir / f"rng_rank{rank}.pt"]
+    if rank == 0:
+        own += [state_dir / ".metadata", state_dir / TRAINER_STATE_FILE]
+    return sorted(path for path in own if path.is_file())
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_state_checksums(state_dir: Path, rank: int) -> None:
+    sums = {path.name: _sha256(path) for path in _files_of_rank(state_dir, rank)}
+    text = json.dumps(sums, indent=2) + "\n"
+    _write_durably(state_dir / CHECKSUMS_FILE.format(rank=rank), lambda f: f.write(text.encode()))
+
+
+def _verify_checksums(state_dir: Path, rank: int) -> None:
+    """Raise FluxgrpoError (one line) when a file this rank wrote no longer has the sha256 recorded at save time:
+    corruption inside a tensor's bytes that no header check sees."""
+    record = state_dir / CHECKSUMS_FILE.format(rank=rank)
+    try:
+        sums = json.loads(record.read_text())
+        if not isinstance(sums, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        raise FluxgrpoError(f"{record} is missing or damaged ({type(exc).__name__}): {_DAMAGED_FIX}") from None
+    for name, expected in sorted(sums.items()):
+        path = state_dir / Path(str(name)).name
+        if not path.is_file():
+            raise FluxgrpoError(f"{path} is missing: the checkpoint is damaged; {_DAMAGED_FIX}")
+        if _sha256(path) != expected:
+            raise FluxgrpoError(
+                f"{path} does not match the checksum recorded when the checkpoint was saved (its bytes changed "
+                f"since): {_DAMAGED_FIX}"
+            )
+
+
 # --------------------------------------------------------------------------------------------- filesystem
 
 
@@ -713,11 +771,10 @@ def _publish(tmp: Path, final: Path) -> None:
     """Rename the finished tmp folder to its final name, replacing a checkpoint of the same iteration."""
     if final.exists():
         trash = final.with_name(final.name + TRASH_SUFFIX)
-        if trash.exists():
-            shutil.rmtree(trash)
+        _remove_tree(trash)
         _rename(final, trash)
         _rename(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
+        _remove_tree(trash)
     else:
         _rename(tmp, final)
 
@@ -725,8 +782,16 @@ def _publish(tmp: Path, final: Path) -> None:
 def _remove_leftovers(output_dir: Path) -> None:
     """Delete ``.tmp`` / ``.trash`` folders left by an interrupted save or delete."""
     for entry in output_dir.iterdir():
-        if entry.is_dir() and _LEFTOVER_NAME.match(entry.name):
-            shutil.rmtree(entry, ignore_errors=True)
+        if _LEFTOVER_NAME.match(entry.name) and (entry.is_dir() or entry.is_symlink()):
+            _remove_tree(entry)
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a folder we wrote; a link planted in its place is removed itself, never what it points at."""
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _prune(output_dir: Path, keep_last: int, keep: Path) -> None:
@@ -737,7 +802,6 @@ def _prune(output_dir: Path, keep_last: int, keep: Path) -> None:
         if path in survivors:
             continue
         trash = path.with_name(path.name + TRASH_SUFFIX)
-        if trash.exists():
-            shutil.rmtree(trash)
+        _remove_tree(trash)
         _rename(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        _remove_tree(trash)

@@ -39,6 +39,17 @@ LORA_DEFAULT_TARGETS = (
     "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2"
 )
 WANDB_MODES = ("online", "offline", "disabled")
+MAX_IMAGE_SIDE = 8192  # 4× FLUX.1-dev's largest trained side; the activations of a larger one fit no device
+# Upper bounds far past any published setting, below the values that make every update non-finite and the run
+# "succeed" with the base weights (an η of 1e9, say).
+SETTING_BOUNDS = {
+    "eta": 10.0,
+    "learning_rate": 1.0,
+    "weight_decay": 10.0,
+    "kl_beta": 1e4,
+    "guidance": 100.0,
+    "shift": 100.0,
+}
 # The algorithm options' choices (fluxgrpo/grpo implements each; listed here so validation needs no torch).
 SAMPLERS = ("dance", "flow-grpo", "cps")
 WINDOW_POLICIES = ("sliding", "random", "random-early")
@@ -270,6 +281,8 @@ class TrainConfig:
                 out.append(
                     f"--{name} {value} must be a positive multiple of 16 (FLUX packs 2×2 latents of 8× VAE pixels)"
                 )
+            elif value > MAX_IMAGE_SIDE:
+                out.append(f"--{name} {value} is out of range: at most {MAX_IMAGE_SIDE} pixels")
         positive_ints = (
             "sampling_steps",
             "num_generations",
@@ -307,11 +320,19 @@ class TrainConfig:
                     f"(--train-batch-size {self.train_batch_size} × --num-generations {self.num_generations}); "
                     f"use one of {divisors} so every batch has the same shape"
                 )
+        non_finite = [f.name for f in fields(self) if f.type == "float" and not math.isfinite(getattr(self, f.name))]
+        for name in non_finite:
+            out.append(f"--{_flag(name)} must be a finite number (got {getattr(self, name)})")
         for name in ("eta", "clip_range", "adv_clip_max", "learning_rate", "max_grad_norm"):
-            if not getattr(self, name) > 0:
+            if name not in non_finite and not getattr(self, name) > 0:
                 out.append(f"--{_flag(name)} must be positive (got {getattr(self, name)})")
-        if self.shift <= 0:
+        if "shift" not in non_finite and self.shift <= 0:
             out.append(f"--shift must be positive (got {self.shift})")
+        for name, most in SETTING_BOUNDS.items():
+            if name not in non_finite and abs(getattr(self, name)) > most:
+                out.append(f"--{_flag(name)} {getattr(self, name)} is out of range: at most {most}")
+        if self.guidance < 0 or self.kl_beta < 0:
+            out.append("--guidance and --kl-beta cannot be negative")
         if self.weight_decay < 0 or self.lr_warmup_steps < 0 or self.keep_last < 0:
             out.append("--weight-decay, --lr-warmup-steps and --keep-last cannot be negative")
         if self.save_images_every < 0 or self.images_per_save < 0:
@@ -502,6 +523,10 @@ def read_yaml(path: Path) -> dict[str, Any]:
             f"cannot read {path} ({exc.strerror or exc}): pass a readable YAML file with --config"
         ) from None
     try:
+        # An alias repeats a node without copying text: nested ones expand a few hundred bytes into gigabytes.
+        # A config has no use for them, and the event stream finds one without expanding anything.
+        if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=yaml.SafeLoader)):
+            raise UsageError(f"{path} uses YAML aliases (*name): write each value out; pass another file with --config")
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         reason = " ".join(str(exc).split())  # PyYAML's message spans lines, with a caret drawing
@@ -568,5 +593,7 @@ def save_resolved(cfg: TrainConfig, path: Path, derived: dict[str, Any], extra: 
     header += [f"#   {k}: {v}" for k, v in derived.items()]
     for k, v in (extra or {}).items():
         header.append(f"#   {k}: {v}")
+    from fluxgrpo.run_folder import write_run_file
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(header) + "\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    write_run_file(path, "\n".join(header) + "\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -9,8 +9,10 @@ transformer with diffusers' ``load_lora_adapter``, fused (W + α/r·B·A, in flo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,18 @@ class ExportResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@contextlib.contextmanager
+def _writing(destination: Path) -> Iterator[None]:
+    """A read-only or full disk while exporting is one line naming ``--out``."""
+    try:
+        yield
+    except OSError as exc:
+        raise FluxgrpoError(
+            f"cannot write the export to {destination} ({exc.strerror or exc}): free some space or pass a writable "
+            "--out (a partly written folder may be left there)"
+        ) from None
 
 
 def trained_from(checkpoint: Path) -> str | None:
@@ -57,12 +71,14 @@ def export_checkpoint(
     if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
         raise FluxgrpoError(f"--out {destination} exists and is not an empty folder: pass a new folder")
     if not read_checkpoint_info(found).get("lora"):
-        shutil.copytree(found / (EMA_TRANSFORMER_DIR if ema else TRANSFORMER_DIR), destination, dirs_exist_ok=True)
+        with _writing(destination):
+            shutil.copytree(found / (EMA_TRANSFORMER_DIR if ema else TRANSFORMER_DIR), destination, dirs_exist_ok=True)
         return ExportResult(str(found), str(destination), "transformer", merged=False, base_model=None)
     adapter = found / (EMA_LORA_DIR if ema else LORA_DIR) / LORA_WEIGHTS_NAME
     if not merge:
-        destination.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(adapter, destination / LORA_WEIGHTS_NAME)
+        with _writing(destination):
+            destination.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(adapter, destination / LORA_WEIGHTS_NAME)
         return ExportResult(str(found), str(destination), "lora", merged=False, base_model=None)
     base = model or trained_from(found)
     if base is None:
@@ -77,10 +93,26 @@ def merge_lora(model: str | Path, adapter: Path, destination: Path) -> None:
     """Base transformer (float32) + adapter, fused, saved as a diffusers folder without any LoRA layer."""
     import torch
 
+    from fluxgrpo.lora import check_adapter_file
     from fluxgrpo.models.flux import load_transformer
+    from fluxgrpo.safe_load import load_pretrained
 
+    fix = "the checkpoint is damaged: pass another --checkpoint"
+    layers = check_adapter_file(adapter, fix)
     transformer = load_transformer(model, dtype=torch.float32)
-    transformer.load_lora_adapter(str(adapter.parent), weight_name=adapter.name, prefix="transformer")
+    load_pretrained(
+        lambda: transformer.load_lora_adapter(str(adapter.parent), weight_name=adapter.name, prefix="transformer"),
+        "the LoRA adapter",
+        adapter,
+        fix,
+    )
+    loaded = sum(1 for name, _ in transformer.named_modules() if name.endswith(".lora_A"))
+    if loaded != layers:
+        raise FluxgrpoError(
+            f"{adapter} adapts {layers} layers but {loaded} of them exist in {model}'s transformer (renamed keys, or "
+            "another base model): pass the --model it was trained from, or another --checkpoint"
+        )
     transformer.fuse_lora(lora_scale=1.0)
     transformer.unload_lora()
-    transformer.save_pretrained(destination)
+    with _writing(destination):
+        transformer.save_pretrained(destination)

@@ -15,6 +15,7 @@ loads.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -153,4 +154,42 @@ def write_lora_file(directory: Path, state: dict[str, torch.Tensor], metadata: d
         weight_name=LORA_WEIGHTS_NAME,
         transformer_lora_adapter_metadata=metadata,
     )
+    from fluxgrpo.paths import give_default_mode
+
+    give_default_mode(directory / LORA_WEIGHTS_NAME)  # safetensors writes 0600; every other output is 0644
     return directory / LORA_WEIGHTS_NAME
+
+
+def check_adapter_file(path: Path, fix: str) -> int:
+    """An adapter file diffusers can load into FLUX's transformer: a readable safetensors file whose keys are all
+    ``transformer.….lora_A.weight`` / ``….lora_B.weight`` in pairs and whose values are finite. Returns the number
+    of adapted layers.
+
+    Raises:
+        FluxgrpoError: one line naming the file (truncated, not safetensors, renamed keys, NaN/inf values).
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 - safe_open is not a dict
+    except Exception as exc:  # SafetensorError, OSError: a truncated or foreign file
+        first_line = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise FluxgrpoError(f"{path} is not a readable adapter file ({first_line}): {fix}") from None
+    pattern = re.compile(r"^transformer\.(.+)\.lora_([AB])\.weight$")
+    layers: dict[str, set[str]] = {}
+    for key in tensors:
+        found = pattern.match(key)
+        if found is None:
+            raise FluxgrpoError(
+                f"{path} holds {key!r}, not a FLUX LoRA key (transformer.<module>.lora_A/lora_B.weight): {fix}"
+            )
+        layers.setdefault(found.group(1), set()).add(found.group(2))
+    unpaired = sorted(name for name, halves in layers.items() if halves != {"A", "B"})
+    if not layers or unpaired:
+        what = f"{unpaired[0]} has only one of lora_A/lora_B" if unpaired else "no adapter weights"
+        raise FluxgrpoError(f"{path} holds {what}: {fix}")
+    bad = sorted(key for key, tensor in tensors.items() if not torch.isfinite(tensor).all())
+    if bad:
+        raise FluxgrpoError(f"{path} holds non-finite values (NaN or inf) in {bad[0]}: {fix}")
+    return len(layers)

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fluxgrpo.errors import UsageError
-
-METRICS_FILE = "metrics.jsonl"
-RUN_INFO_FILE = "run_info.json"
-WANDB_ID_FILE = "wandb_run_id"
+from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.run_folder import (
+    METRICS_FILE,
+    RUN_INFO_FILE,
+    WANDB_ID_FILE,
+    open_run_file,
+    read_run_file,
+    write_run_file,
+)
 
 
 class MetricsLogger:
@@ -51,12 +57,13 @@ class MetricsLogger:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
         path = output_dir / METRICS_FILE
-        if path.is_file():
-            kept = [r for r in read_metrics(output_dir) if r.get("iteration", 0) <= resume_after]
-            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - held open for the run, closed in close()
+        if path.is_file() or path.is_symlink():
+            records = read_metrics(output_dir, on_torn_last_line=_say_torn_line_dropped)
+            kept = [r for r in records if r.get("iteration", 0) <= resume_after]
+            write_run_file(path, "".join(json.dumps(r) + "\n" for r in kept))
+        self._file = open_run_file(path, "a")  # held open for the run, closed in close()
         if run_info is not None:
-            (output_dir / RUN_INFO_FILE).write_text(json.dumps(run_info, indent=2) + "\n")
+            write_run_file(output_dir / RUN_INFO_FILE, json.dumps(run_info, indent=2) + "\n")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -139,13 +146,13 @@ def _start_wandb(output_dir: Path, config: dict[str, Any] | None, project: str, 
     except ImportError:
         raise UsageError("--wandb needs the wandb package: pip install 'fluxgrpo[wandb]'") from None
     id_file = output_dir / WANDB_ID_FILE
-    run_id = id_file.read_text().strip() if id_file.is_file() else ""
+    run_id = read_run_file(id_file).strip() if id_file.is_file() or id_file.is_symlink() else ""
     if not run_id:
         import secrets
         import string
 
         run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
-        id_file.write_text(run_id + "\n")
+        write_run_file(id_file, run_id + "\n")
     return wandb_module.init(
         project=project or "fluxgrpo",
         name=name or None,
@@ -183,11 +190,41 @@ def run_info(ctx: Any) -> dict[str, Any]:
     }
 
 
-def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
+def read_metrics(output_dir: Path, on_torn_last_line: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """The records of ``output_dir/metrics.jsonl`` ([] when there is none).
+
+    A kill during an append can leave a torn last line. With ``on_torn_last_line`` it is dropped (a resume rewrites
+    that iteration from its checkpoint anyway) and the callback is told in one line; without, it is refused like
+    a torn line anywhere else.
+
+    Raises:
+        FluxgrpoError: a line that is not a JSON object, naming the file and the line.
+    """
     path = Path(output_dir) / METRICS_FILE
-    if not path.is_file():
+    if not path.is_file() and not path.is_symlink():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(number, line) for number, line in enumerate(read_run_file(path).splitlines(), 1) if line.strip()]
+    records = []
+    for position, (number, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            where = f"{path} line {number}"
+            if position == len(lines) - 1 and on_torn_last_line is not None:
+                on_torn_last_line(f"dropped the torn last line of {where} (a run killed while writing it)")
+                break
+            raise FluxgrpoError(
+                f"{where} is not a JSON record ({exc}): the file is damaged; restore it, or move it away to start "
+                "the metrics over"
+            ) from None
+        records.append(record)
+    return records
+
+
+def _say_torn_line_dropped(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def reward_trend(records: list[dict[str, Any]], window: int = 5) -> dict[str, float] | None:

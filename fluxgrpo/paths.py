@@ -41,6 +41,46 @@ def ensure_writable_dir(folder, what: str, flag: str) -> None:
         ) from None
 
 
+def check_replaceable_output(path, flag: str, signature: bytes, what: str):
+    """``path`` may be written by a command: it is new, or a regular file that command wrote earlier (``signature``
+    is among its first 4 KiB). Never a link, a folder, an input, a checkpoint or any other file we did not write.
+
+    Returns:
+        ``path`` as a Path.
+
+    Raises:
+        FluxgrpoError: one line naming ``flag``.
+    """
+    import os
+    import stat
+    from pathlib import Path
+
+    from fluxgrpo.errors import FluxgrpoError
+
+    path = Path(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return path
+    if stat.S_ISDIR(mode):
+        raise FluxgrpoError(f"{flag} {path} is a folder: pass a file name")
+    if not stat.S_ISREG(mode):
+        raise FluxgrpoError(
+            f"{flag} {path} is not a regular file (a link?): fluxgrpo never writes through it; choose another {flag}"
+        )
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError as exc:
+        raise FluxgrpoError(f"cannot read {path} ({exc.strerror or exc}): choose another {flag}") from None
+    if signature not in head:
+        raise FluxgrpoError(
+            f"{flag} {path} already exists and is not {what}: fluxgrpo replaces only a file it wrote itself; "
+            f"choose another {flag}, or move that file away first"
+        )
+    return path
+
+
 def _umask() -> int:
     import os
 
@@ -78,8 +118,11 @@ def write_atomic(path, data, *, durable: bool = False):
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # The temporary name is predictable: never write through a link or into a file someone left there.
+    tmp.unlink(missing_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, flags, 0o666), "wb") as f:
             if isinstance(data, str):
                 f.write(data.encode("utf-8"))
             elif isinstance(data, bytes | bytearray | memoryview):

@@ -1,4 +1,11 @@
-"""A training run's output folder: one live run at a time, and never another run's files.
+"""A training run's output folder: its layout, one live run at a time, and never another run's files.
+
+- The names of what a run writes are here (``CONFIG_FILE``, ``METRICS_FILE``, ``RUN_INFO_FILE``, ``EVAL_DIR`` with
+  ``INDEX_FILE``, ``IMAGES_DIR``, ``LOGS_DIR`` with ``ERRORS_FILE``, ``LOCK_FILE``).
+- Every file the run writes by name goes through ``open_run_file`` (append/read-write, in place) or
+  ``write_run_file`` (atomic replace): neither follows a symbolic link, and each accepts only a regular file, so
+  whoever can write the folder cannot make the run overwrite a file elsewhere (a link), hang (a FIFO) or crash (a
+  directory). ``check_run_files`` refuses such an entry before anything starts, ``--dry-run`` included.
 
 - ``lock_run_folder`` holds an exclusive lock (``flock`` on ``<folder>/.fluxgrpo.lock``) for the run's life.
   A second run on the same folder is refused at once, naming the holder (pid, host, start time). The kernel
@@ -16,16 +23,131 @@ import datetime
 import json
 import os
 import socket
+import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from fluxgrpo.errors import FluxgrpoError
 
 LOCK_FILE = ".fluxgrpo.lock"
-RUN_FILES = ("config.yaml", "metrics.jsonl", "run_info.json")
+CONFIG_FILE = "config.yaml"  # the resolved config, loadable with --config
+METRICS_FILE = "metrics.jsonl"  # one JSON line per iteration (and per evaluation)
+RUN_INFO_FILE = "run_info.json"  # versions and hardware
+WANDB_ID_FILE = "wandb_run_id"
+EVAL_DIR = "eval"  # eval/iteration-<k>[-ema]/ : a `fluxgrpo sample` folder per evaluation
+INDEX_FILE = "index.json"  # written last in each evaluation (and sample) folder
+IMAGES_DIR = "images"  # --save-images-every's flux_<rank>_<idx>.png
+LOGS_DIR = "logs"  # the workers' logs
+ERRORS_FILE = "errors.txt"  # in LOGS_DIR: every rank's error and traceback after a failed run
+RUN_FILES = (CONFIG_FILE, METRICS_FILE, RUN_INFO_FILE)
 CHECKPOINT_PATTERN = "checkpoint-*"
+BEST_DIR = "best"  # --keep-best's checkpoint (checkpoint.BEST_DIR)
+# Everything a run writes in its folder besides checkpoints: what --overwrite moves aside.
+RUN_OUTPUTS = frozenset(
+    {
+        *RUN_FILES,
+        WANDB_ID_FILE,
+        EVAL_DIR,
+        IMAGES_DIR,
+        LOGS_DIR,
+        BEST_DIR,
+        "tensorboard",
+        "wandb",
+        "report.html",
+        "report.png",
+    }
+)
+# Written by name into the folder (the lock, and what a resume reads back).
+NAMED_FILES = (LOCK_FILE, *RUN_FILES, WANDB_ID_FILE)
+
+_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def _not_regular(path: Path, kind: str) -> FluxgrpoError:
+    return FluxgrpoError(
+        f"{path} is {kind}, not a regular file: fluxgrpo writes the run's files only as regular files in the "
+        "folder; remove it, or choose another --output-dir"
+    )
+
+
+def check_regular_or_absent(path: str | Path) -> None:
+    """Raise FluxgrpoError (one line) when ``path`` exists as anything but a regular file, a link included."""
+    path = Path(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise _not_regular(path, _kind(mode))
+
+
+def check_run_files(folder: str | Path) -> None:
+    """Refuse, before anything starts, a run folder whose named files (the lock, config.yaml, metrics.jsonl,
+    run_info.json, wandb_run_id) are links, directories, FIFOs or sockets, or whose eval/, images/ or logs/ is a
+    link (the run would write wherever it points)."""
+    for name in NAMED_FILES:
+        check_regular_or_absent(Path(folder, name))
+    for name in (EVAL_DIR, IMAGES_DIR, LOGS_DIR):  # folders the run writes into: real folders, not links out
+        path = Path(folder, name)
+        if path.is_symlink() or (path.exists() and not path.is_dir()):
+            raise FluxgrpoError(
+                f"{path} is {'a symbolic link' if path.is_symlink() else 'not a folder'}: the run writes its "
+                f"{name}/ files only into a real folder inside --output-dir; remove it, or choose another --output-dir"
+            )
+
+
+def _open_fd(path: Path, flags: int, mode: int = 0o666) -> int:
+    """os.open without following a link; a FIFO is opened without blocking and then refused like any non-file."""
+    try:
+        fd = os.open(path, flags | _NO_FOLLOW | os.O_NONBLOCK, mode)
+    except OSError:
+        with contextlib.suppress(OSError):
+            kind = os.lstat(path).st_mode
+            if not stat.S_ISREG(kind):
+                raise _not_regular(path, _kind(kind)) from None
+        raise
+    kind = os.fstat(fd).st_mode
+    if not stat.S_ISREG(kind):
+        os.close(fd)
+        raise _not_regular(path, _kind(kind))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def open_run_file(path: str | Path, mode: str = "a") -> IO[Any]:
+    """Open a run file in place: ``"a"`` appends (created if absent), ``"r"`` reads; never through a link, and
+    only a regular file (else one-line FluxgrpoError)."""
+    flags = {"a": os.O_WRONLY | os.O_APPEND | os.O_CREAT, "r": os.O_RDONLY}[mode]
+    fd = _open_fd(Path(path), flags)
+    return os.fdopen(fd, mode, buffering=1 if mode == "a" else -1, encoding="utf-8")
+
+
+def write_run_file(path: str | Path, text: str) -> Path:
+    """Replace ``path`` with ``text`` atomically (``paths.write_atomic``), refusing a link or non-file there."""
+    from fluxgrpo.paths import write_atomic
+
+    check_regular_or_absent(path)
+    return write_atomic(path, text)
+
+
+def read_run_file(path: str | Path) -> str:
+    """A run file's text, read without following a link (one-line FluxgrpoError for a non-file)."""
+    with open_run_file(path, "r") as f:
+        return f.read()
 
 
 def _holder_text(holder: dict[str, Any]) -> str:
@@ -63,7 +185,7 @@ def lock_run_folder(folder: str | Path) -> Iterator[dict[str, Any]]:
     import fcntl
 
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_fd(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -88,37 +210,85 @@ def lock_run_folder(folder: str | Path) -> Iterator[dict[str, Any]]:
 
 
 def check_not_in_use(folder: str | Path) -> None:
-    """Raise if a live run holds ``folder``'s lock now (a probe: the lock is released again at once)."""
-    if Path(folder, LOCK_FILE).is_file():
-        with lock_run_folder(folder):
-            pass
+    """Raise if a live run holds ``folder``'s lock now. A probe that writes nothing (``--dry-run`` uses it): a
+    shared lock, released at once, that fails while a run holds the exclusive one."""
+    path = Path(folder, LOCK_FILE)
+    check_regular_or_absent(path)
+    if sys.platform == "win32" or not path.is_file():
+        return
+    import fcntl
+
+    fd = _open_fd(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _in_use_error(Path(folder), _read_holder(fd)) from None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def previous_run(folder: str | Path) -> list[str]:
-    """The names of an earlier run's files in ``folder`` (empty when there are none)."""
+    """The names of an earlier run's files in ``folder``; empty when there are none, and when the run never
+    completed an iteration (no checkpoint, no metrics record): a start that failed (weights that cannot be loaded,
+    a full disk, out of memory at the first forward) does not block its own re-run."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
+    checkpoints = sorted(p.name for p in folder.glob(CHECKPOINT_PATTERN))
+    metrics = folder / METRICS_FILE
+    if not checkpoints and not (metrics.is_file() and metrics.stat().st_size > 0):
+        return []
     found = [name for name in RUN_FILES if (folder / name).exists()]
-    return found + sorted(p.name for p in folder.glob(CHECKPOINT_PATTERN))
+    return found + checkpoints
 
 
 def replaced_folder(folder: str | Path) -> Path:
-    """Where ``--overwrite`` moves an earlier run: ``<folder>.replaced-<UTC time>`` beside it."""
-    folder = Path(folder)
+    """Where ``--overwrite`` moves an earlier run: ``<folder>.replaced-<UTC time>`` beside it (``-2``, ``-3``, ...
+    appended when a run was already moved there within the same second)."""
+    folder = Path(os.path.abspath(folder))  # a name to put beside it even for `.` or `..`
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return folder.with_name(f"{folder.name}.replaced-{stamp}")
+    target = folder.with_name(f"{folder.name}.replaced-{stamp}")
+    count = 1
+    while target.exists() or target.is_symlink():
+        count += 1
+        target = folder.with_name(f"{folder.name}.replaced-{stamp}-{count}")
+    return target
+
+
+def run_entries(folder: str | Path) -> list[Path]:
+    """What a run wrote in ``folder`` (RUN_OUTPUTS and checkpoints, finished or not); never the lock, and never
+    another file that happens to be there (the folder may be a working directory holding the user's own files)."""
+    folder = Path(folder)
+    return sorted(
+        entry
+        for entry in folder.iterdir()
+        if entry.name in RUN_OUTPUTS
+        or entry.match(CHECKPOINT_PATTERN)
+        or entry.match(CHECKPOINT_PATTERN + ".*")
+        or entry.match(BEST_DIR + ".*")
+    )
 
 
 def move_previous_run(folder: str | Path) -> Path:
-    """Move everything in ``folder`` but its lock file to ``replaced_folder(folder)``; returns that folder.
+    """Move an earlier run's files (``run_entries``) in ``folder`` to ``replaced_folder(folder)``; returns that
+    folder. Everything else in ``folder`` stays where it is.
 
     Call it while holding the folder's lock: no live run's files are moved.
+
+    Raises:
+        FluxgrpoError: the files cannot be moved (one line naming the folder).
     """
     folder = Path(folder)
     target = replaced_folder(folder)
-    target.mkdir(parents=True)
-    for entry in sorted(folder.iterdir()):
-        if entry.name != LOCK_FILE:
+    try:
+        target.mkdir(parents=True)
+        for entry in run_entries(folder):
             entry.rename(target / entry.name)
+    except OSError as exc:
+        raise FluxgrpoError(
+            f"--overwrite could not move the earlier run in {folder} to {target} ({exc.strerror or exc}): move or "
+            "delete it yourself, or choose another --output-dir"
+        ) from None
     return target

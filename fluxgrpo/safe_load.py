@@ -18,6 +18,7 @@ import io
 import pickle
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +175,29 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
+
+
+def library_load_error(exc: Exception, what: str, where: str | Path, fix: str) -> FluxgrpoError:
+    """One line for a library loader's failure on a weights folder or file: a refused pickle says what it asked to
+    call (never torch's advice to load it with ``weights_only=False``, which would run it), anything else its first
+    line (a truncated shard, a renamed key, a missing file)."""
+    if isinstance(exc, pickle.UnpicklingError) or "Weights only load failed" in str(exc):
+        asked = refused_global(exc)
+        reason = f"it asks to call {asked}" if asked else "it is not a plain tensor pickle"
+        return FluxgrpoError(
+            f"cannot load {what} from {where}: a weights file holds more than tensors ({reason}), so it was not "
+            f"loaded (nothing in it ran): {fix}"
+        )
+    first_line = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    return FluxgrpoError(f"cannot load {what} from {where} ({type(exc).__name__}: {first_line[:300]}): {fix}")
+
+
+def load_pretrained(load: Callable[[], Any], what: str, where: str | Path, fix: str) -> Any:
+    """Run a transformers/diffusers loader (``from_pretrained``, ``load_lora_weights``); any failure is one line
+    (``library_load_error``). Both libraries read ``.bin`` files with ``torch.load(weights_only=True)``."""
+    try:
+        return load()
+    except FluxgrpoError:
+        raise
+    except Exception as exc:  # the libraries raise OSError, ValueError, RuntimeError, EOFError, SafetensorError, ...
+        raise library_load_error(exc, what, where, fix) from exc

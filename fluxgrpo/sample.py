@@ -43,8 +43,8 @@ from typing import Any
 from fluxgrpo import __version__
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.paths import DEFAULT_SAMPLES_DIR, ensure_writable_dir, write_atomic
+from fluxgrpo.run_folder import INDEX_FILE  # a sample folder's index, and each evaluation's in a run folder
 
-INDEX_FILE = "index.json"
 GRID_FILE = "grid.png"
 INDEX_FORMAT = "fluxgrpo-sample-index"
 INDEX_FORMAT_VERSION = 1
@@ -243,13 +243,17 @@ def resolve_checkpoint(path: str | Path, ema: bool) -> Path:
         weights = found / (EMA_LORA_DIR if ema else LORA_DIR) / LORA_WEIGHTS_NAME
         if not weights.is_file():
             raise FluxgrpoError(f"{weights} is missing: the checkpoint is damaged; pass another --checkpoint")
+        from fluxgrpo.lora import check_adapter_file
+
+        check_adapter_file(weights, "the checkpoint is damaged; pass another --checkpoint")
         return found
     weights = found / (EMA_TRANSFORMER_DIR if ema else TRANSFORMER_DIR)
     if not (weights / "config.json").is_file():
         raise FluxgrpoError(f"{weights}/config.json is missing: the checkpoint is damaged; pass another --checkpoint")
+    from fluxgrpo.weights.config_guard import folder_config_problems
     from fluxgrpo.weights.integrity import folder_safetensors_problems
 
-    damaged = folder_safetensors_problems(weights)
+    damaged = folder_config_problems(weights) + folder_safetensors_problems(weights)
     if damaged:
         raise FluxgrpoError(f"the checkpoint is damaged: {damaged[0]}; pass another --checkpoint")
     return found
@@ -372,14 +376,35 @@ def load_pipeline(request: SampleRequest, ctx: Any) -> Any:
 
     from fluxgrpo.runtime.adapt import adapt_transformer
     from fluxgrpo.runtime.device import compute_dtype
+    from fluxgrpo.safe_load import load_pretrained
 
     dtype = compute_dtype(ctx.device_type)
     components: dict[str, Any] = {}
+    other = "pass another --checkpoint"
     if request.transformer_dir is not None:
-        components["transformer"] = FluxTransformer2DModel.from_pretrained(request.transformer_dir, dtype=dtype)
-    pipe = FluxPipeline.from_pretrained(request.model, dtype=dtype, **components)  # its bars: worker_session
-    if request.lora_file is not None:
-        pipe.load_lora_weights(request.lora_file.parent, weight_name=request.lora_file.name)
+        transformer_dir = request.transformer_dir
+        components["transformer"] = load_pretrained(
+            lambda: FluxTransformer2DModel.from_pretrained(transformer_dir, dtype=dtype),
+            "the trained transformer",
+            transformer_dir,
+            other,
+        )
+    # model_index.json and every config in the folder were checked to name FLUX's own classes and no code
+    # (check_flux_dir); no remote code either way. Its bars: worker_session.
+    pipe = load_pretrained(
+        lambda: FluxPipeline.from_pretrained(request.model, dtype=dtype, trust_remote_code=False, **components),
+        "the FLUX pipeline",
+        request.model,
+        f"re-run `fluxgrpo fetch-weights --flux-dir {request.model}`",
+    )
+    lora_file = request.lora_file
+    if lora_file is not None:  # checked before launch (resolve_checkpoint)
+        load_pretrained(
+            lambda: pipe.load_lora_weights(lora_file.parent, weight_name=lora_file.name),
+            "the LoRA adapter",
+            lora_file,
+            other,
+        )
     pipe = pipe.to(ctx.device)
     pipe.set_progress_bar_config(disable=True)
     adapt_transformer(pipe.transformer, ctx.device_type, attention=request.settings.attention, compute_dtype=dtype)
@@ -684,6 +709,14 @@ class SampleIndex:
         return self.root / image.file
 
 
+def _inside(root: Path, name: str) -> bool:
+    """``name`` is a relative path that stays inside ``root`` (no ``..``, not absolute, no link out of it)."""
+    relative = Path(name)
+    if relative.is_absolute() or ".." in relative.parts or not name:
+        return False
+    return (root / relative).resolve().is_relative_to(root.resolve())
+
+
 def read_index(path: str | Path) -> SampleIndex:
     """Read and check a ``fluxgrpo sample`` index (``index.json``, or the folder holding it).
 
@@ -714,6 +747,8 @@ def read_index(path: str | Path) -> SampleIndex:
         raise FluxgrpoError(f"{path} has no prompt list: {fix}")
     root = path.parent
     images = []
+    listed: dict[str, int] = {}
+    positions: dict[tuple[int, int], int] = {}
     for position, entry in enumerate(document.get("images") or []):
         try:
             record = SampledImage(
@@ -731,6 +766,19 @@ def read_index(path: str | Path) -> SampleIndex:
                 f"{path}: image {record.file} has no prompt (prompt_index {record.prompt_index} does not name its "
                 f"prompt in the prompt list): {fix}"
             )
+        if not _inside(root, record.file):
+            raise FluxgrpoError(
+                f"{path}: image entry {position} names {record.file}, outside the index's folder {root} (an index "
+                f"lists only the images beside it): {fix}"
+            )
+        earlier = listed.get(record.file, positions.get((record.prompt_index, record.image_index)))
+        if earlier is not None:
+            raise FluxgrpoError(
+                f"{path}: image entry {position} ({record.file}, prompt {record.prompt_index} image "
+                f"{record.image_index}) repeats entry {earlier}; every image is listed once: {fix}"
+            )
+        listed[record.file] = position
+        positions[(record.prompt_index, record.image_index)] = position
         if not (root / record.file).is_file():
             raise FluxgrpoError(
                 f"{path} lists {record.file}, which is not in {root} (were the images moved without their "

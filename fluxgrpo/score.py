@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.paths import DEFAULT_HPS_DIR, write_atomic
+from fluxgrpo.paths import DEFAULT_HPS_DIR, check_replaceable_output, write_atomic
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 DEFAULT_SCORE_BATCH = 16
@@ -221,10 +221,24 @@ class _Pairable(Protocol):  # read-only members, so frozen dataclasses match
 
 
 def read_prompt_lines(path: str | Path) -> list[str]:
-    """One prompt per image: each line stripped, blank lines dropped, repeats kept (unlike ``read_prompts``)."""
+    """One prompt per image: each line stripped, repeats kept (unlike ``read_prompts``), blank lines at the end
+    ignored. A blank line before the last prompt is refused: dropping it would pair every later image with the
+    prompt of the one before.
+    """
     from fluxgrpo.data.prompts import read_prompts
 
-    return read_prompts(path, keep_repeats=True)
+    prompts = read_prompts(path, keep_repeats=True)  # the file's errors, and at least one prompt
+    lines = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    while lines and not lines[-1]:
+        lines.pop()
+    blank = [number for number, line in enumerate(lines, 1) if not line]
+    if blank:
+        raise FluxgrpoError(
+            f"--prompts {path} line {blank[0]} is blank: with --images each line is the prompt of one image (in "
+            "name order), so a blank line would shift every later pairing; write that image's prompt there or "
+            "remove the line and its image"
+        )
+    return prompts
 
 
 def natural_key(name: str) -> tuple[list[Any], str]:
@@ -568,13 +582,13 @@ def score(request: ScoreRequest, progress: Any = None) -> ScoreReport:
 
 CSV_COLUMNS = ("file", "prompt_index", "image_index", "seed", "prompt", "score")
 CSV_COMPARE_COLUMNS = ("other_file", "other_score", "difference")
+# The start of every CSV this command writes (one reward or several): how --out recognises its own earlier file.
+CSV_SIGNATURE = ",".join(CSV_COLUMNS[:5]).encode()
 
 
 def check_csv_destination(path: str | Path) -> Path:
     """``--out`` can be written: its folder exists and is writable, and it is not a folder itself."""
-    path = Path(path)
-    if path.is_dir():
-        raise FluxgrpoError(f"--out {path} is a folder: pass a file name such as scores.csv")
+    path = Path(check_replaceable_output(path, "--out", CSV_SIGNATURE, "a CSV that `fluxgrpo score` wrote"))
     folder = path.parent
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise FluxgrpoError(f"cannot write {path}: its folder {folder} does not exist or is not writable (--out)")

@@ -489,11 +489,14 @@ CLIP_FILES = {
 
 
 def write_random_repo(root: Path, sizes: dict[str, int], seed: int) -> Path:
-    """Files of the given sizes filled with seeded random bytes (distinct per path)."""
+    """Files of the given sizes filled with seeded random bytes (distinct per path); a ``.json`` file is a JSON
+    object of that size padded with random hex, since the weights checks read config files."""
     for rel, size in sizes.items():
         path = Path(root) / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         stream = hashlib.shake_256(f"{seed}:{rel}".encode()).digest(size)
+        if rel.endswith(".json"):
+            stream = b'{"pad": "' + stream.hex().encode()[: size - 11] + b'"}'
         path.write_bytes(stream)
     return Path(root)
 

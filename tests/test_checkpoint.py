@@ -215,3 +215,24 @@ def test_load_refuses_other_world_size_and_missing_ema(tmp_path):
         load_checkpoint(path, SINGLE, *build())
     with pytest.raises(FluxgrpoError, match="not a complete checkpoint"):
         load_checkpoint(tmp_path / "checkpoint-7", SINGLE, *build())
+
+
+def test_a_changed_byte_inside_a_state_file_is_caught_on_resume(tmp_path):
+    """Issue #23.9: every rank records the sha256 of the state files it wrote; a resume verifies them, so damage
+    inside a tensor's bytes (which no header check sees) is one line naming the file, not a silent resume."""
+    path = save(tmp_path, 1, build())
+    state = path / "state"
+    assert json.loads((path / "COMPLETE").read_text())["checksums"] is True
+    recorded = json.loads((state / "checksums_rank0.json").read_text())
+    assert set(recorded) == {"__0_0.distcp", ".metadata", "rng_rank0.pt", "trainer_state.json"}
+    load_checkpoint(path, SINGLE, *build())  # intact: verified and loaded
+    shard = state / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(FluxgrpoError, match=r"__0_0.distcp does not match the checksum recorded") as caught:
+        load_checkpoint(path, SINGLE, *build())
+    assert "\n" not in str(caught.value) and "--resume-from" in str(caught.value)
+    (state / "checksums_rank0.json").write_text("{garbled")
+    with pytest.raises(FluxgrpoError, match="checksums_rank0.json is missing or damaged"):
+        load_checkpoint(path, SINGLE, *build())

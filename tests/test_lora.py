@@ -118,6 +118,69 @@ def test_only_adapters_train_and_the_adapter_file_reproduces_the_model_in_a_pipe
         return [p.read_bytes() for p in sorted(out.glob("0*.png"))]
 
     assert sample_images(tmp_path / "lora-images", str(path)) != sample_images(tmp_path / "base-images", None)
+    assert (path / "lora" / LORA_WEIGHTS_NAME).stat().st_mode & 0o777 == 0o644  # like every other output (umask 022)
+    check_damaged_adapters_are_one_line(path, tmp_path)
+
+
+def check_damaged_adapters_are_one_line(checkpoint: Path, tmp_path: Path) -> None:
+    """Issue #23.6/9: a truncated, pickled, renamed or NaN adapter: `export --merge` and `sample --checkpoint` say
+    so in one line naming the file, exit 1, and write nothing."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from fluxgrpo.cli.app import app
+    from fluxgrpo.errors import FluxgrpoError
+    from fluxgrpo.sample import resolve_checkpoint
+
+    good = load_file(checkpoint / "lora" / LORA_WEIGHTS_NAME)
+    first = next(iter(good))
+
+    def truncate(file: Path) -> None:
+        file.write_bytes(file.read_bytes()[:100])
+
+    def pickle_it(file: Path) -> None:
+        torch.save(good, file)
+
+    def rename(file: Path) -> None:
+        save_file({k.replace("transformer.", "unet.", 1): v for k, v in good.items()}, str(file))
+
+    def rename_module(file: Path) -> None:
+        save_file({k.replace(".to_q.", ".to_nowhere."): v for k, v in good.items()}, str(file))
+
+    def poison(file: Path) -> None:
+        save_file({**good, first: torch.full_like(good[first], float("nan"))}, str(file))
+
+    for damage, says in (
+        (truncate, "is not a readable adapter file"),
+        (pickle_it, "is not a readable adapter file"),
+        (rename, "not a FLUX LoRA key"),
+        (rename_module, "of them exist in"),
+        (poison, "non-finite values"),
+    ):
+        damaged = tmp_path / f"damaged-{damage.__name__}" / checkpoint.name
+        shutil.copytree(checkpoint, damaged)
+        damage(damaged / "lora" / LORA_WEIGHTS_NAME)
+        out = tmp_path / f"merged-{damage.__name__}"
+        result = CliRunner().invoke(app, ["export", "--checkpoint", str(damaged), "--merge", "--out", str(out)])
+        assert result.exit_code == 1, result.output
+        errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+        assert "Traceback" not in result.output and len(errors) == 1, result.output
+        assert says in errors[0] and LORA_WEIGHTS_NAME in errors[0], errors[0]
+        assert not out.exists() or not any(out.iterdir())
+        if damage is not rename_module:  # a module the base lacks is found only against the model
+            with pytest.raises(FluxgrpoError, match=says):
+                resolve_checkpoint(damaged, False)
+
+    import errno
+    from unittest import mock
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with mock.patch("fluxgrpo.export.shutil.copy2", side_effect=full):
+        result = CliRunner().invoke(app, ["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "full")])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert f"cannot write the export to {tmp_path / 'full'} (No space left on device)" in result.output
 
 
 def test_lora_exact_resume_and_rising_reward(tiny_weights, tiny_embeddings, tmp_path):

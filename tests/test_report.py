@@ -221,3 +221,38 @@ def test_report_renders_in_headless_chromium(tmp_path):
     with Image.open(shot) as image:
         colours = image.convert("RGB").resize((64, 50)).getcolors(64 * 50)
     assert len(colours) > 20  # drew a page with content, not a blank or error screen
+
+
+def _damage_png(run: Path) -> None:
+    png = sorted(run.glob("eval/*/*.png"))[0]
+    png.write_bytes(png.read_bytes()[:60])
+
+
+def _extreme_metrics(run: Path) -> None:
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for number, record in enumerate(records):
+        for key, value in record.items():
+            if isinstance(value, float):
+                record[key] = (1e308, -1e308, 1e-308, "x")[number % 4]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _damage_png,
+        lambda run: (run / "config.yaml").write_bytes(b"\x00\xff\xfe binary"),
+        lambda run: (run / "run_info.json").write_text('{"versions": 5, "hardware": ["x"]}'),
+        lambda run: (run / "run_info.json").write_text("[1, 2]"),
+        _extreme_metrics,
+    ],
+    ids=["truncated-eval-png", "binary-config", "odd-run-info", "list-run-info", "extreme-metrics"],
+)
+def test_a_damaged_run_file_still_gives_a_report(tmp_path, damage):
+    """Issue #23.6: each of these was a traceback; the report now renders without what it cannot read."""
+    run = fake_run(tmp_path / "run")
+    damage(run)
+    result = runner.invoke(app, ["report", str(run), "--png"])
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    assert (run / "report.html").stat().st_size > 0 and (run / "report.png").stat().st_size > 0

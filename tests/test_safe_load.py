@@ -63,6 +63,15 @@ def saved_checkpoint(tmp_path_factory) -> Path:
     return save_checkpoint(root, 1, SINGLE, *build(), trainer_state={"iteration": 1}, keep_last=None, rng_states=rng)
 
 
+def reseal(checkpoint: Path) -> None:
+    """Record the state files' checksums as they are now, as whoever planted or damaged them could: these tests
+    are about the safe loaders behind the checksums (test_checkpoint.py tests the checksums themselves)."""
+    from fluxgrpo.checkpoint import write_state_checksums
+
+    if (checkpoint / "state").is_dir():
+        write_state_checksums(checkpoint / "state", 0)
+
+
 @pytest.fixture
 def checkpoint_copy(saved_checkpoint, tmp_path) -> Path:
     copy = tmp_path / "out" / saved_checkpoint.name
@@ -77,6 +86,7 @@ def test_a_code_running_rng_file_is_refused_and_does_not_run(checkpoint_copy, tm
     marker = tmp_path / "PWNED"
     rng_file = checkpoint_copy / "state" / "rng_rank0.pt"
     write_evil_torch_file(rng_file, marker)
+    reseal(checkpoint_copy)
     with pytest.raises(UnsafeFileError) as caught:
         load_checkpoint(checkpoint_copy, SINGLE, *build())
     message = one_line(str(caught.value))
@@ -88,6 +98,7 @@ def test_a_code_running_dcp_metadata_is_refused_and_does_not_run(checkpoint_copy
     marker = tmp_path / "PWNED"
     metadata = checkpoint_copy / "state" / ".metadata"
     write_evil_pickle(metadata, marker)
+    reseal(checkpoint_copy)
     with pytest.raises(UnsafeFileError) as caught:
         load_checkpoint(checkpoint_copy, SINGLE, *build())
     assert str(metadata) in one_line(str(caught.value))
@@ -196,6 +207,7 @@ def test_a_checkpoint_with_the_old_unsafe_rng_format_is_refused_with_a_reason(ch
 )
 def test_a_damaged_checkpoint_is_one_line_naming_what_to_do(checkpoint_copy, damage, expected):
     damage(checkpoint_copy)
+    reseal(checkpoint_copy)
     with pytest.raises(FluxgrpoError, match=expected) as caught:
         load_checkpoint(checkpoint_copy, SINGLE, *build())
     message = one_line(str(caught.value))
@@ -263,6 +275,7 @@ def test_train_resume_from_a_code_running_checkpoint_is_one_line_and_runs_nothin
     marker = tmp_path / "PWNED"
     rng_file = out / "checkpoint-1" / "state" / "rng_rank0.pt"
     write_evil_torch_file(rng_file, marker)
+    reseal(out / "checkpoint-1")
     resumed = CliRunner().invoke(app, [*command, "--max-train-steps", "2", "--resume"])
     assert resumed.exit_code == 1, resumed.output
     errors = [line for line in resumed.output.splitlines() if line.startswith("error:")]

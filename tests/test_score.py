@@ -230,7 +230,7 @@ def test_images_pair_with_prompt_lines_in_name_order(tmp_path):
     gray_png(folder / "grid.png", 255)  # sample's contact sheet: skipped
     (folder / "notes.txt").write_text("not an image")
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a cat\n\na dog\na cat\n")  # blank line dropped, the repeated "a cat" kept
+    prompts.write_text("a cat\na dog\na cat\n\n")  # blank lines at the end ignored, the repeated "a cat" kept
     report = score(ScoreRequest(images_dir=str(folder), prompts_file=str(prompts), reward="brightness", device="cpu"))
     assert [(i.file, i.prompt, i.prompt_index, i.image_index) for i in report.images] == [
         ("img1.png", "a cat", 0, 0),

@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
@@ -48,8 +49,8 @@ def handle_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except FluxgrpoError as exc:
-            if os.environ.get("FLUXGRPO_DEBUG"):
-                raise
+            if os.environ.get("FLUXGRPO_DEBUG"):  # more to read, the same exit code
+                traceback.print_exc(file=sys.stderr)
             err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from fluxgrpo.cli.common import JsonOption, err_console, handle_errors, out_console, print_json
+from fluxgrpo.cli.common import JsonOption, err_console, handle_errors, log, out_console, print_json
 
 
 @handle_errors
@@ -35,6 +35,8 @@ def command(
     from fluxgrpo.report import build_report
 
     result = build_report([run_dir, *(compare or [])], out=out, png=png)
+    for warning in result.warnings:
+        log(f"warning: {warning}")
     err_console.print(f"{len(result.panels)} curve panels, {sum(result.evaluations)} evaluations")
     if json_output:
         print_json(result.to_dict())

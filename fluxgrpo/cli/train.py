@@ -107,6 +107,8 @@ def _train(
     if dry_run:
         for line in plan.memory.lines():
             err_console.print(line, highlight=False)
+        for check in plan.skipped_checks:
+            log(f"not checked (dry run): {check}")
         print_json(
             {
                 "config": cfg.to_dict(),
@@ -115,6 +117,7 @@ def _train(
                 "worker_env": plan.worker_env,
                 "resume_from": plan.resume_checkpoint,
                 "memory_per_die": plan.memory.as_dict(),
+                "skipped_checks": plan.skipped_checks,
             }
         )
         return

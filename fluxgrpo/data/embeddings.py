@@ -148,6 +148,23 @@ class EmbeddingDataset:
         if not entries:
             raise FluxgrpoError(f"{self.json_path} lists no prompts: {self._fix} with a non-empty --prompts file")
         self.entries: list[dict[str, str]] = entries
+        self._check_entries_stay_inside()
+
+    def _check_entries_stay_inside(self) -> None:
+        """Every entry names a file in its folder beside the index: no path, no ``..``, no link out of the folder
+        (an index pointing elsewhere would be followed, and its errors would advise deleting that file)."""
+        root = self.root.resolve()
+        for position, entry in enumerate(self.entries):
+            for folder, key in _ENTRY_KEYS.items():
+                name = entry[key]
+                inside = isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name
+                if inside and "\\" not in name:
+                    inside = (self.root / folder / name).resolve().is_relative_to(root)
+                if not inside:
+                    raise FluxgrpoError(
+                        f"{self.json_path} entry {position} names {name!r} for {key}, which is not a file in "
+                        f"{self.root / folder}: an index lists only the files beside it; {self._fix}"
+                    )
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 CLIP_MAX_LENGTH = 77  # CLIP-L's context; FluxPipeline truncates the pooled prompt to it
 
 
+def _refetch(root: Path) -> str:
+    return f"re-run `fluxgrpo fetch-weights --flux-dir {root}`"
+
+
 def require_flux_dir(flux_dir: str | Path) -> Path:
     """The folder, if ``check_flux_dir`` calls it complete; otherwise FluxgrpoError listing what is missing."""
     status = check_flux_dir(flux_dir)
@@ -37,8 +41,15 @@ def load_transformer(
     import torch
     from diffusers import FluxTransformer2DModel
 
+    from fluxgrpo.safe_load import load_pretrained
+
     root = require_flux_dir(flux_dir)
-    model = FluxTransformer2DModel.from_pretrained(root, subfolder="transformer", dtype=dtype or torch.float32)
+    model = load_pretrained(
+        lambda: FluxTransformer2DModel.from_pretrained(root, subfolder="transformer", dtype=dtype or torch.float32),
+        "the FLUX transformer",
+        root / "transformer",
+        _refetch(root),
+    )
     return model.to(device)
 
 
@@ -47,8 +58,15 @@ def load_vae(flux_dir: str | Path, dtype: torch.dtype | None = None, device: Any
     import torch
     from diffusers import AutoencoderKL
 
+    from fluxgrpo.safe_load import load_pretrained
+
     root = require_flux_dir(flux_dir)
-    vae = AutoencoderKL.from_pretrained(root, subfolder="vae", dtype=dtype or torch.float32)
+    vae = load_pretrained(
+        lambda: AutoencoderKL.from_pretrained(root, subfolder="vae", dtype=dtype or torch.float32),
+        "the FLUX VAE",
+        root / "vae",
+        _refetch(root),
+    )
     return vae.to(device).eval()
 
 
@@ -104,12 +122,25 @@ def load_text_encoders(flux_dir: str | Path, dtype: torch.dtype | None = None, d
     import torch
     from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
+    from fluxgrpo.safe_load import load_pretrained
+
     root = require_flux_dir(flux_dir)
     dtype = dtype or torch.float32
-    clip = CLIPTextModel.from_pretrained(root / "text_encoder", dtype=dtype).to(device).eval().requires_grad_(False)
-    t5 = T5EncoderModel.from_pretrained(root / "text_encoder_2", dtype=dtype).to(device).eval().requires_grad_(False)
-    clip_tokenizer = CLIPTokenizer.from_pretrained(root / "tokenizer")
-    t5_tokenizer = T5Tokenizer.from_pretrained(root / "tokenizer_2")
+    fix = _refetch(root)
+    clip = load_pretrained(
+        lambda: CLIPTextModel.from_pretrained(root / "text_encoder", dtype=dtype), "CLIP", root / "text_encoder", fix
+    )
+    t5 = load_pretrained(
+        lambda: T5EncoderModel.from_pretrained(root / "text_encoder_2", dtype=dtype), "T5", root / "text_encoder_2", fix
+    )
+    clip = clip.to(device).eval().requires_grad_(False)
+    t5 = t5.to(device).eval().requires_grad_(False)
+    clip_tokenizer = load_pretrained(
+        lambda: CLIPTokenizer.from_pretrained(root / "tokenizer"), "the CLIP tokenizer", root / "tokenizer", fix
+    )
+    t5_tokenizer = load_pretrained(
+        lambda: T5Tokenizer.from_pretrained(root / "tokenizer_2"), "the T5 tokenizer", root / "tokenizer_2", fix
+    )
     return TextEncoders(clip=clip, clip_tokenizer=clip_tokenizer, t5=t5, t5_tokenizer=t5_tokenizer)
 
 

@@ -11,10 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import FluxgrpoError
-from fluxgrpo.paths import write_atomic
+from fluxgrpo.paths import check_replaceable_output, write_atomic
 
 REPORT_HTML = "report.html"
 REPORT_PNG = "report.png"
+# What a file this command wrote starts with (html.py's generator tag; figures.py's PNG Software text).
+REPORT_HTML_SIGNATURE = b"<meta name=generator content='fluxgrpo"
+REPORT_PNG_SIGNATURE = b"fluxgrpo report"
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class ReportResult:
     evaluations: list[int]  # evaluations found, per run
     panels: list[str]
     summary: str  # the first run's summary paragraph
+    warnings: list[str]  # what could not be read and was left out (a damaged evaluation index)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,13 +67,14 @@ def build_report(
         if count:
             run.name = f"{run.name} ({count + 1})"
     html_path = Path(out) if out is not None else runs[0].folder / REPORT_HTML
-    if html_path.is_dir():
-        raise FluxgrpoError(f"--out {html_path} is a folder: pass a file name such as report.html")
-    curves = panel_svgs(runs)
-    _write_atomically(html_path, render_html(runs, curves).encode("utf-8"))
+    check_replaceable_output(html_path, "--out", REPORT_HTML_SIGNATURE, "a fluxgrpo report")
     png_path = None
     if png:
         png_path = Path(png) if not isinstance(png, bool) else html_path.with_name(REPORT_PNG)
+        check_replaceable_output(png_path, "--png", REPORT_PNG_SIGNATURE, "a fluxgrpo report figure")
+    curves = panel_svgs(runs)
+    _write_atomically(html_path, render_html(runs, curves).encode("utf-8"))
+    if png_path is not None:
         columns = grid_columns(runs[0].evaluations, ema=False)
 
         def draw_strip(ax: Any) -> bool:
@@ -92,4 +97,5 @@ def build_report(
         evaluations=[len(run.evaluations) for run in runs],
         panels=[panel.title for panel, _ in curves],
         summary=summary_text(runs[0]),
+        warnings=[line for run in runs for line in run.left_out],
     )

@@ -68,10 +68,15 @@ def grid_columns(evaluations: list[Evaluation], ema: bool) -> list[GridColumn]:
 
 
 def thumbnail(path: Path, side: int = THUMBNAIL_SIDE) -> Any:
+    """The image shrunk to fit ``side``; a damaged or unreadable file becomes a gray tile (the report still
+    renders, and the gap shows where)."""
     from PIL import Image
 
-    with Image.open(path) as source:
-        image = source.convert("RGB")
+    try:
+        with Image.open(path) as source:
+            image = source.convert("RGB")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        return Image.new("RGB", (side, side), (200, 200, 200))
     image.thumbnail((side, side), Image.Resampling.LANCZOS)
     return image
 

@@ -12,17 +12,17 @@ A training ``--output-dir`` holds (all optional except ``metrics.jsonl``):
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import FluxgrpoError
-from fluxgrpo.metrics import METRICS_FILE, RUN_INFO_FILE, read_metrics
+from fluxgrpo.metrics import read_metrics
+from fluxgrpo.run_folder import CONFIG_FILE, EVAL_DIR, INDEX_FILE, METRICS_FILE, RUN_INFO_FILE
 from fluxgrpo.training.guards import GUARD_RECORD
 
-RESOLVED_CONFIG = "config.yaml"
-EVAL_DIR = "eval"
 _EVAL_FOLDER = re.compile(r"^iteration-(\d+)(-ema)?$")
 
 
@@ -60,6 +60,7 @@ class RunData:
     evaluations: list[Evaluation] = field(default_factory=list)
     guard_records: list[dict[str, Any]] = field(default_factory=list)  # one per guard check (training/guards.py)
     best: dict[str, Any] | None = None  # best/BEST.json: iteration, metric, value, checkpoint
+    left_out: list[str] = field(default_factory=list)  # one line per evaluation folder that could not be read
 
     def guard_names(self) -> list[str]:
         """The metrics the run's guards watched, in first-seen order."""
@@ -105,21 +106,19 @@ def read_run(folder: str | Path) -> RunData:
             f"cannot report on {folder}: {why}; pass the --output-dir of a `fluxgrpo train` run "
             "(metrics.jsonl appears after its first iteration)"
         )
-    try:
-        records = read_metrics(folder)
-    except ValueError as exc:
-        raise FluxgrpoError(f"{folder / METRICS_FILE} is not valid JSON lines ({exc}): is the file damaged?") from None
-    records = [r for r in records if isinstance(r, dict) and isinstance(r.get("iteration"), int)]
+    records = read_metrics(folder, on_torn_last_line=lambda _: None)  # a live run may be writing its last line
+    records = [_plottable(r) for r in records if isinstance(r, dict) and isinstance(r.get("iteration"), int)]
     records.sort(key=lambda r: r["iteration"])
     train = [r for r in records if "reward_mean" in r]
     evals = [r for r in records if any(k.startswith("eval_") for k in r)]
     guards = [r for r in records if r.get("record") == GUARD_RECORD]
-    config, derived = _read_config(folder / RESOLVED_CONFIG)
+    config, derived = _read_config(folder / CONFIG_FILE)
+    left_out: list[str] = []
     info: dict[str, Any] = {}
     if (folder / RUN_INFO_FILE).is_file():
         try:
             info = json.loads((folder / RUN_INFO_FILE).read_text(encoding="utf-8"))
-        except ValueError:
+        except (OSError, ValueError):
             info = {}
     return RunData(
         folder=folder,
@@ -128,11 +127,52 @@ def read_run(folder: str | Path) -> RunData:
         eval_records=evals,
         config=config,
         derived=derived,
-        info=info if isinstance(info, dict) else {},
-        evaluations=read_evaluations(folder),
+        info=_plain_info(info),
+        evaluations=read_evaluations(folder, left_out),
+        left_out=left_out,
         guard_records=guards,
         best=_read_best(folder),
     )
+
+
+# A metric beyond this magnitude is a diverged run, not a point to plot: left out of the curves, like NaN.
+MAX_PLOTTED_MAGNITUDE = 1e30
+
+
+def _plottable_value(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_plottable_value(item) for item in value]
+    if isinstance(value, str | bool) or value is None:
+        return value
+    if not isinstance(value, int | float):
+        return None
+    return value if math.isfinite(value) and abs(value) <= MAX_PLOTTED_MAGNITUDE else None
+
+
+def _plottable(record: dict[str, Any]) -> dict[str, Any]:
+    """A metrics record whose numbers are plottable or None (NaN, ±1e308 and the like: None). A text value stays
+    text (a guard record's ``record`` and stop line), but where a metric should be it is None."""
+    return {key: value if key == "iteration" else _clean(key, value) for key, value in record.items()}
+
+
+def _clean(key: str, value: Any) -> Any:
+    if isinstance(value, str):
+        return value if key in _TEXT_KEYS or key.startswith("guard_") else None
+    return _plottable_value(value)
+
+
+_TEXT_KEYS = frozenset({"record"})
+
+
+def _plain_info(info: Any) -> dict[str, dict[str, str]]:
+    """run_info.json's ``versions`` and ``hardware`` tables as text, whatever the file holds."""
+    if not isinstance(info, dict):
+        return {}
+    return {
+        name: {str(key): str(value) for key, value in table.items()}
+        for name, table in info.items()
+        if name in ("versions", "hardware") and isinstance(table, dict)
+    }
 
 
 def _read_best(folder: Path) -> dict[str, Any] | None:
@@ -150,7 +190,10 @@ def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
 
     if not path.is_file():
         return {}, {}
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):  # not the text config training writes: reported without it
+        return {}, {}
     derived = {}
     for line in text.splitlines():
         if line.startswith("#   ") and ": " in line:
@@ -163,15 +206,16 @@ def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     return (config if isinstance(config, dict) else {}), derived
 
 
-def read_evaluations(folder: Path) -> list[Evaluation]:
-    """Every complete evaluation (a folder with its index.json) under ``folder/eval``, by iteration, EMA last."""
+def read_evaluations(folder: Path, left_out: list[str] | None = None) -> list[Evaluation]:
+    """Every complete evaluation (a folder with its index.json) under ``folder/eval``, by iteration, EMA last; one
+    whose index.json cannot be read is appended to ``left_out`` (a line saying so) instead."""
     root = folder / EVAL_DIR
     if not root.is_dir():
         return []
     out = []
     for child in root.iterdir():
         match = _EVAL_FOLDER.match(child.name)
-        index = child / "index.json"
+        index = child / INDEX_FILE
         if not match or not index.is_file():
             continue
         try:
@@ -186,8 +230,10 @@ def read_evaluations(folder: Path) -> list[Evaluation]:
                 )
                 for entry in document.get("images") or []
             ]
-        except (ValueError, KeyError, TypeError):
-            continue  # a damaged index is left out of the report, not fatal to it
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            if left_out is not None:  # a damaged index is left out of the report, not fatal to it
+                left_out.append(f"left out {index} ({type(exc).__name__}: the index is damaged)")
+            continue
         scores = {
             str(name): {"mean": float(s["mean"]), "std": float(s["std"])}
             for name, s in (document.get("scores") or {}).items()

@@ -159,9 +159,8 @@ def read_state_dict(path: Path, fix: str) -> dict[str, Any]:
 
 def load_pretrained(load: Callable[[], Any], folder: Path, what: str, fix: str) -> Any:
     """Run a transformers ``from_pretrained`` call; any failure (a refused pickle included) is one line naming
-    ``folder``. transformers reads ``.bin`` files with ``torch.load(weights_only=True)``, so nothing in them runs."""
-    try:
-        return load()
-    except (OSError, ValueError, pickle.UnpicklingError, RuntimeError) as exc:
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        raise FluxgrpoError(f"cannot load {what} from {folder} ({type(exc).__name__}: {first_line}): {fix}") from exc
+    ``folder`` (``safe_load.load_pretrained``). transformers reads ``.bin`` files with
+    ``torch.load(weights_only=True)``, so nothing in them runs."""
+    from fluxgrpo.safe_load import load_pretrained as load_safely
+
+    return load_safely(load, what, folder, fix)

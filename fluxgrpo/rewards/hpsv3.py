@@ -296,7 +296,9 @@ def load_hpsv3(folder: str | Path, device: Any, dtype: torch.dtype) -> tuple[Any
 
     from transformers import AutoTokenizer
 
-    tokenizer = load_pretrained(lambda: AutoTokenizer.from_pretrained(base), base, "the HPSv3 tokenizer", fix)
+    tokenizer = load_pretrained(
+        lambda: AutoTokenizer.from_pretrained(base, trust_remote_code=False), base, "the HPSv3 tokenizer", fix
+    )
     # The authors' create_model_and_processor: <|Reward|> appended as a special token, embeddings resized to match.
     tokenizer.add_special_tokens({"additional_special_tokens": [REWARD_TOKEN]})
     reward_id = tokenizer.convert_tokens_to_ids(REWARD_TOKEN)

@@ -16,30 +16,27 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from fluxgrpo.errors import FluxgrpoError
-from fluxgrpo.weights.layout import reward_architecture
+from fluxgrpo.weights.config_guard import open_clip_architecture
+from fluxgrpo.weights.layout import REWARD_ARCH_FILE, reward_architecture
 
 REAL_REWARD_ARCH = "ViT-H-14"
 
 _config_dir: tempfile.TemporaryDirectory | None = None
 
 
-def register_open_clip_config(config: dict[str, Any]) -> str:
+def register_open_clip_config(config: dict[str, Any], source: Path = Path(REWARD_ARCH_FILE)) -> str:
     """Register an open_clip model config and return the name ``open_clip.create_model`` knows it by.
 
-    Accepts open_clip's model-config format (embed_dim, vision_cfg, text_cfg), or the ``{"model_cfg": ...}``
-    wrapper of open_clip's own ``open_clip_config.json``. The name is derived from the content, so registering the
-    same architecture twice is harmless and two different tiny architectures never collide.
+    Only a plain ViT CLIP's numeric architecture keys are registered (``config_guard.open_clip_architecture``,
+    which also accepts the ``{"model_cfg": ...}`` wrapper of open_clip's own ``open_clip_config.json``): a config
+    can never name a tokenizer, a Hugging Face model or keyword arguments for them. The name is derived from the
+    content, so registering the same architecture twice is harmless and two different tiny architectures never
+    collide.
     """
     global _config_dir
     import open_clip
 
-    model_cfg = config.get("model_cfg", config)
-    if not all(key in model_cfg for key in ("embed_dim", "vision_cfg", "text_cfg")):
-        raise FluxgrpoError(
-            "reward architecture file lacks embed_dim/vision_cfg/text_cfg: re-run `fluxgrpo fetch-weights` "
-            "(or delete the file to use the real ViT-H-14)"
-        )
+    model_cfg = open_clip_architecture(source, config)
     digest = hashlib.sha256(json.dumps(model_cfg, sort_keys=True).encode()).hexdigest()[:16]
     name = f"fluxgrpo-reward-{digest}"
     if name not in open_clip.list_models():

@@ -79,6 +79,14 @@ def parse_reward_list(
     repeated = [name for name in dict.fromkeys(names) if names.count(name) > 1]
     if repeated:
         problems.append(f"{flag} lists {', '.join(repeated)} more than once: give each reward once")
+    try:
+        total = math.fsum(term.weight for term in terms)
+    except OverflowError:
+        total = math.inf
+    if not math.isfinite(total):
+        problems.append(
+            f"{flag} {spec!r}: the weights add up past the largest float; scale them down (only their ratios matter)"
+        )
     return terms, problems
 
 

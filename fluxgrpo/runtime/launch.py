@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.paths import write_atomic
+from fluxgrpo.run_folder import ERRORS_FILE
 from fluxgrpo.runtime.agent import AGENT_RECORD, ERROR_DIR_ENV, PARENT_PID_ENV, describe_exit
 from fluxgrpo.runtime.dist import COLLECTIVE_TIMEOUT_ENV, CollectiveTimeout
 from fluxgrpo.runtime.npu_env import NPU_ENV_DEFAULTS
@@ -49,7 +52,6 @@ from fluxgrpo.runtime.worker_errors import first_worker_error, worker_records
 AGENT_MODULE = "fluxgrpo.runtime.agent"
 AGENT_STOP_SECONDS = 60  # after Ctrl-C: time for the agent to stop its workers before it is killed
 WORKER_MODULE = "fluxgrpo.runtime.worker"
-ERRORS_FILE = "errors.txt"  # in the log folder: every rank's error and traceback after a failed run
 
 
 @dataclass(frozen=True)
@@ -259,14 +261,15 @@ def run_torchrun(
     """
     if errors_file is not None:
         errors_file.unlink(missing_ok=True)  # what it says is always about the last run
-    with tempfile.TemporaryDirectory(prefix="fluxgrpo-errors-") as error_dir:
+    remove_stale_temp_folders()
+    with tempfile.TemporaryDirectory(prefix=f"{ERRORS_TEMP_PREFIX}{os.getpid()}-") as error_dir:
         full_env = {**os.environ, **(env or {}), ERROR_DIR_ENV: error_dir, PARENT_PID_ENV: str(os.getpid())}
         code = (runner or _run_agent)(argv, env=full_env)
         if code != 0:
             if errors_file is not None:
                 with contextlib.suppress(OSError):  # the one-line message below matters more than the file
                     errors_file.parent.mkdir(parents=True, exist_ok=True)
-                    errors_file.write_text(errors_report(Path(error_dir), code))
+                    write_atomic(errors_file, errors_report(Path(error_dir), code))
             raise FluxgrpoError(failure_message(Path(error_dir), code))
 
 
@@ -418,7 +421,8 @@ def run_workers(
         wait_for_endpoint(
             *address, timeout_s=timeouts.startup, flag="--rdzv-endpoint" if spec.elastic else "--master-addr"
         )
-    with tempfile.TemporaryDirectory(prefix="fluxgrpo-workers-") as tmp:
+    remove_stale_temp_folders()
+    with tempfile.TemporaryDirectory(prefix=f"{WORKERS_TEMP_PREFIX}{os.getpid()}-") as tmp:
         payload_path, summary_path = Path(tmp) / "payload.json", Path(tmp) / "summary.json"
         payload_path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
         args = [module, "--payload", str(payload_path), "--summary", str(summary_path)]
@@ -429,6 +433,43 @@ def run_workers(
         errors_name = ERRORS_FILE if spec.node_rank == 0 else f"errors-node{spec.node_rank}.txt"
         run_torchrun(argv, env=worker_env, errors_file=None if log_dir is None else Path(log_dir, errors_name))
         return json.loads(summary_path.read_text()) if summary_path.is_file() else None
+
+
+# Temporary folders of a launch, named with the launching process's id: one whose process is gone was left by a
+# kill -9 or SIGTERM (no cleanup ran), and the next launch removes it.
+WORKERS_TEMP_PREFIX = "fluxgrpo-workers-"
+ERRORS_TEMP_PREFIX = "fluxgrpo-errors-"
+_TEMP_NAME = re.compile(rf"^({re.escape(WORKERS_TEMP_PREFIX)}|{re.escape(ERRORS_TEMP_PREFIX)})(\d+)-")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temp_folders(root: str | Path | None = None) -> list[Path]:
+    """Remove this user's launch folders in ``root`` (default: the temporary folder) whose process has exited;
+    returns what was removed. Never follows a link, never touches another user's folder."""
+    import shutil
+
+    removed = []
+    folder = Path(root or tempfile.gettempdir())
+    with contextlib.suppress(OSError):
+        for entry in folder.iterdir():
+            found = _TEMP_NAME.match(entry.name)
+            if found is None or entry.is_symlink() or not entry.is_dir():
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat().st_uid != os.getuid() or _process_alive(int(found.group(2))):
+                    continue
+                shutil.rmtree(entry)
+                removed.append(entry)
+    return removed
 
 
 def endpoint_reachable(host: str, port: int, timeout_s: float = 2.0) -> str | None:

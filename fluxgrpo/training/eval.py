@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.config import TrainConfig
 from fluxgrpo.rewards.reward_set import eval_reward_names
+from fluxgrpo.run_folder import EVAL_DIR, INDEX_FILE
 from fluxgrpo.training.diversity import embedding_reward
 
 if TYPE_CHECKING:
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
     from fluxgrpo.runtime.dist import DistContext
     from fluxgrpo.training.parts import TrainingParts
 
-EVAL_DIR = "eval"
 EVAL_SEED = 0  # `fluxgrpo sample`'s default --seed: evaluations of different runs start from the same noise
 EVAL_PROMPTS_FILE = "eval_prompts.txt"
 
@@ -51,6 +51,14 @@ def shipped_eval_prompts_path() -> Path:
     """48 held-out prompts across HPSv2's four styles (anime, concept art, paintings, photos), none of them in
     the shipped training prompts."""
     return Path(__file__).parent.parent / "data" / EVAL_PROMPTS_FILE
+
+
+def eval_prompt_list(cfg: TrainConfig) -> list[str]:
+    """The held-out prompts ``--eval-prompts`` names (the shipped set when empty), in order."""
+    from fluxgrpo.data.benchmarks import eval_prompts_path
+    from fluxgrpo.data.prompts import read_prompts
+
+    return read_prompts(eval_prompts_path(cfg.eval_prompts) if cfg.eval_prompts else shipped_eval_prompts_path())
 
 
 def eval_folder(output_dir: str | Path, iteration: int, ema: bool = False) -> Path:
@@ -74,13 +82,9 @@ class Evaluator:
         self.enabled = cfg.eval_every > 0
         if not self.enabled:
             return
-        from fluxgrpo.data.benchmarks import eval_prompts_path
-        from fluxgrpo.data.prompts import read_prompts
         from fluxgrpo.sample import SampleSettings
 
-        self.prompts = read_prompts(
-            eval_prompts_path(cfg.eval_prompts) if cfg.eval_prompts else shipped_eval_prompts_path()
-        )
+        self.prompts = eval_prompt_list(cfg)
         self.rewards = eval_reward_names(cfg.reward, cfg.eval_rewards)
         self.settings = SampleSettings(
             height=cfg.height,
@@ -106,7 +110,7 @@ class Evaluator:
         from fluxgrpo.runtime import dist as rt_dist
 
         done = all(
-            (eval_folder(self.cfg.output_dir, start, ema) / "index.json").is_file() for ema in self._variants(parts)
+            (eval_folder(self.cfg.output_dir, start, ema) / INDEX_FILE).is_file() for ema in self._variants(parts)
         )
         if start > 0 and rt_dist.broadcast_object(self.ctx, done):
             return {}
@@ -303,7 +307,11 @@ class Evaluator:
 
             with quiet_library_progress():
                 encoders = FluxPipeline.from_pretrained(
-                    self.cfg.model, transformer=None, vae=None, dtype=rt_device.compute_dtype(self.ctx.device_type)
+                    self.cfg.model,
+                    transformer=None,
+                    vae=None,
+                    dtype=rt_device.compute_dtype(self.ctx.device_type),
+                    trust_remote_code=False,
                 )
             encoders = encoders.to(self.ctx.device)
             mine = rank_indices(len(self.prompts), self.ctx.rank, self.ctx.world_size) or [0]

@@ -9,7 +9,8 @@ arithmetic is consistent, and the output directory is writable. ``runtime.launch
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ from fluxgrpo.errors import FluxgrpoError, UsageError, not_usable
 from fluxgrpo.paths import ensure_writable_dir
 from fluxgrpo.rewards import reward_weights_status
 from fluxgrpo.rewards.reward_set import run_reward_names
-from fluxgrpo.run_folder import check_not_in_use, previous_run
+from fluxgrpo.run_folder import CONFIG_FILE, LOGS_DIR, check_not_in_use, check_run_files, previous_run
 from fluxgrpo.runtime.dist import CollectiveTimeout
 from fluxgrpo.runtime.launch import DEFAULT_PORT, LaunchSpec, check_dies_fit, run_id_for, run_workers
 from fluxgrpo.weights.layout import check_flux_dir
@@ -26,7 +27,6 @@ from fluxgrpo.weights.layout import check_flux_dir
 if TYPE_CHECKING:
     from fluxgrpo.training.memory import MemoryEstimate
 
-RESOLVED_CONFIG = "config.yaml"
 WORKER_MODULE = "fluxgrpo.training.loop"
 
 
@@ -41,6 +41,7 @@ class TrainPlan:
     resume_checkpoint: str | None  # the exact checkpoint folder, resolved once here so every rank agrees
     memory: MemoryEstimate  # per die
     overwrite: bool = False  # move an earlier run in the output directory aside (``run_folder.move_previous_run``)
+    skipped_checks: list[str] = field(default_factory=list)  # --dry-run for a device not here
 
 
 def preflight(cfg: TrainConfig) -> None:
@@ -146,6 +147,31 @@ def check_resume_compatible(cfg: TrainConfig, checkpoint: Path, world_size: int)
         )
 
 
+def check_eval_prompts_unchanged(cfg: TrainConfig, output_dir: Path) -> None:
+    """A resumed run evaluates the prompts its earlier evaluations did: one eval curve, one prompt set."""
+    if cfg.eval_every <= 0:
+        return
+    from fluxgrpo.run_folder import EVAL_DIR, INDEX_FILE
+    from fluxgrpo.training.eval import eval_prompt_list
+
+    earlier = sorted((output_dir / EVAL_DIR).glob(f"iteration-*/{INDEX_FILE}"), key=lambda p: p.stat().st_mtime)
+    for index in reversed(earlier):
+        try:
+            prompts = json.loads(index.read_text(encoding="utf-8"))["prompts"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # a damaged evaluation says nothing about the prompt set; the report leaves it out
+        now = eval_prompt_list(cfg)
+        if prompts != now:
+            source = cfg.eval_prompts or "the shipped held-out prompts"
+            raise UsageError(
+                f"--eval-prompts: {source} holds other prompts than this run's earlier evaluations "
+                f"({index.parent.name}: {len(prompts)} prompts, now {len(now)}), so the eval curve would mix two "
+                "prompt sets: pass the --eval-prompts the run started with, or start a new run with another "
+                "--output-dir"
+            )
+        return
+
+
 def check_previous_run(output_dir: Path, resume: str | None, overwrite: bool) -> None:
     """A new run never writes over an earlier one: without --resume a folder holding a run needs --overwrite."""
     if resume is not None and overwrite:
@@ -192,9 +218,18 @@ def plan_training(
             "--cpu-offload moves FSDP shards to host memory and needs more than one worker: "
             "use --dies 2 or more, or drop --cpu-offload"
         )
-    device_type = rt_device.resolve_device_type(cfg.device)
-    check_dies_fit(device_type, spec.nproc_per_node)
-    if cfg.compile:
+    skipped: list[str] = []
+    try:
+        device_type = rt_device.resolve_device_type(cfg.device)
+        check_dies_fit(device_type, spec.nproc_per_node)
+    except FluxgrpoError as exc:
+        if not dry_run or cfg.device == "auto":
+            raise
+        # Planning for a machine this is not (a laptop for the cluster): estimate for the configured device and
+        # die count, and say what could not be checked here.
+        device_type = cfg.device
+        skipped.append(f"{cfg.device} × {spec.nproc_per_node} on this machine ({exc})")
+    if cfg.compile and not skipped:
         from fluxgrpo.runtime.adapt import compile_backend
 
         compile_backend(device_type)  # refuses --compile where it is not supported, before any worker starts
@@ -205,13 +240,17 @@ def plan_training(
     output_dir = Path(cfg.output_dir)
     check_output_dir(output_dir, create=not dry_run)
     if spec.node_rank == 0:  # node 0 owns the folder; the other nodes of a shared one find node 0's run there
+        check_run_files(output_dir)
         check_not_in_use(output_dir)
         check_previous_run(output_dir, resume, overwrite)
     preflight(cfg)
     memory = plan_memory(cfg, spec.world_size, device_type)
+    if skipped:
+        skipped.append(f"the estimate against the {device_type} devices' memory (none visible here)")
     checkpoint = resolve_resume(output_dir, resume) if resume is not None else None
     if checkpoint is not None:
         check_resume_compatible(cfg, checkpoint, spec.world_size)
+        check_eval_prompts_unchanged(cfg, output_dir)
         check_resume_not_done(cfg, checkpoint)
     derived = cfg.derived(spec.world_size)
     return TrainPlan(
@@ -220,10 +259,11 @@ def plan_training(
         device_type,
         derived,
         worker_env,
-        output_dir / RESOLVED_CONFIG,
+        output_dir / CONFIG_FILE,
         None if checkpoint is None else str(checkpoint),
         memory,
         overwrite,
+        skipped,
     )
 
 
@@ -294,5 +334,5 @@ def launch_training(plan: TrainPlan, log=print) -> list[dict[str, Any]]:
             import uuid
 
             payload["launch_token"] = uuid.uuid4().hex
-        run_workers(WORKER_MODULE, payload, plan.spec, plan.device_type, log_dir=output_dir / "logs", log=log)
+        run_workers(WORKER_MODULE, payload, plan.spec, plan.device_type, log_dir=output_dir / LOGS_DIR, log=log)
     return read_metrics(output_dir)

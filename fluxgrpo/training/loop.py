@@ -135,6 +135,7 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
     from fluxgrpo.runtime.worker import worker_session
     from fluxgrpo.training.eval import Evaluator
     from fluxgrpo.training.guards import RunMonitor
+    from fluxgrpo.training.health import SkippedUpdateWatch
     from fluxgrpo.training.settings import build_objective, plan_settings
 
     with worker_session(cfg.device) as ctx:
@@ -164,6 +165,7 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
         objective = build_objective(cfg, parts.policy_copies, parts.reference)
         step_plan_settings = plan_settings(cfg)
         records: list[dict[str, Any]] = []
+        skipped_updates = SkippedUpdateWatch()
         # the base model at iteration 0: every eval curve and every guard baseline starts there
         monitor.check(start, evaluator.before_training(start, parts), records)
         for iteration in range(start + 1, cfg.max_train_steps + 1):
@@ -220,6 +222,7 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
             metrics.log(record, histograms={"reward": rewards})
             records.append(record)
             rt_dist.rank0_print(ctx, progress_line(record, cfg.max_train_steps, objective.progress))
+            skipped_updates.observe(record)  # K iterations in a row without a step: a run that cannot learn stops
             if cfg.save_images_every and iteration % cfg.save_images_every == 0:
                 save_sample_images(images, output_dir, ctx.rank, cfg.images_per_save)
             # before the checkpoint: a saved iteration has its evaluation and guard check

@@ -351,12 +351,32 @@ def _text_tokens(cfg: TrainConfig) -> int:
         return DEFAULT_TEXT_TOKENS
 
 
+def host_memory_per_worker(workers: int) -> int | None:
+    """The host's physical memory divided among ``workers`` CPU workers (None where the OS does not say)."""
+    import os
+
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return total // max(workers, 1) if total > 0 else None
+
+
+def checked_peak(estimate_: MemoryEstimate, device_type: str) -> int:
+    """The peak compared with the memory there is. On cpu the reward models are left out: their sizes are the real
+    checkpoints' (the registry's), while a CPU run uses the tiny ones, and what outgrows a host is the activations."""
+    if device_type != "cpu":
+        return estimate_.peak
+    rewards = estimate_.persistent.get("reward", 0) + estimate_.persistent.get("eval rewards (rank 0)", 0)
+    return estimate_.peak - rewards
+
+
 def check_fits(
     cfg: TrainConfig, dies: int, device_type: str, estimate_: MemoryEstimate, capacity: int | None
 ) -> list[str]:
     """Problems (empty when it fits): the estimate exceeds ``capacity`` bytes per die; each problem names the
     knobs that would bring it under, with their estimates."""
-    if capacity is None or estimate_.peak <= capacity:
+    if capacity is None or checked_peak(estimate_, device_type) <= capacity:
         return []
     import dataclasses
 
@@ -364,11 +384,16 @@ def check_fits(
     for flag, change in _knobs(cfg, dies):
         changed_cfg = dataclasses.replace(cfg, **change.get("cfg", {}))
         changed = estimate_for_config(changed_cfg, change.get("dies", dies), device_type)
-        marker = "fits" if changed.peak <= capacity else "still too much"
+        marker = "fits" if checked_peak(changed, device_type) <= capacity else "still too much"
         options.append(f"{flag}: {changed.peak / GiB:.1f} GiB ({marker})")
+    where = (
+        f"{capacity / GiB:.1f} GiB of host memory each of the {dies} cpu worker(s) can have"
+        if device_type == "cpu"
+        else f"{capacity / GiB:.1f} GiB of each {device_type} device"
+    )
     return [
-        f"estimated peak {estimate_.peak / GiB:.1f} GiB per die (during {estimate_.peak_phase}) exceeds the "
-        f"{capacity / GiB:.1f} GiB of each {device_type} device; change one of: " + "; ".join(options)
+        f"estimated peak {checked_peak(estimate_, device_type) / GiB:,.1f} GiB per die (during {estimate_.peak_phase}) exceeds the "
+        f"{where}; change one of: " + "; ".join(options)
     ]
 
 
@@ -396,14 +421,15 @@ IGNORE_ESTIMATE_ENV = "FLUXGRPO_IGNORE_MEMORY_ESTIMATE"
 
 def plan_memory(cfg: TrainConfig, dies: int, device_type: str) -> MemoryEstimate:
     """The estimate for this launch; refuses (UsageError) a config whose peak exceeds the smallest visible
-    device, naming the knobs that would fit. No check on cpu (host memory) or when no device is visible."""
+    device (on cpu: the host's memory shared by the workers), naming the knobs that would fit. No check when no
+    device is visible."""
     import os
 
     from fluxgrpo.errors import UsageError
     from fluxgrpo.runtime import device as rt_device
 
     estimate_ = estimate_for_config(cfg, dies, device_type)
-    capacity = None
+    capacity = host_memory_per_worker(dies) if device_type == "cpu" else None
     if device_type != "cpu":
         try:
             capacity = min((d.total_bytes for d in rt_device.describe_devices(device_type)), default=None)

@@ -94,11 +94,16 @@ def save_sample_images(images: torch.Tensor, output_dir: Path, rank: int, count:
     """``images/flux_{rank}_{idx}.png`` for the first ``count`` trajectories (overwritten each time)."""
     from PIL import Image
 
-    folder = output_dir / "images"
+    from fluxgrpo.paths import write_atomic
+    from fluxgrpo.run_folder import IMAGES_DIR, check_regular_or_absent
+
+    folder = output_dir / IMAGES_DIR
     folder.mkdir(parents=True, exist_ok=True)
     pixels = (images[:count].clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     for idx, array in enumerate(pixels):
-        Image.fromarray(array).save(folder / f"flux_{rank}_{idx}.png")
+        path = folder / f"flux_{rank}_{idx}.png"
+        check_regular_or_absent(path)
+        write_atomic(path, lambda f, array=array: Image.fromarray(array).save(f, format="PNG"))
 
 
 def rollout_stage(

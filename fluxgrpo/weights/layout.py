@@ -8,10 +8,16 @@ manifest is checked for the required files only.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.weights.config_guard import (
+    flux_pipeline_problems,
+    folder_config_problems,
+    open_clip_architecture,
+    read_config_document,
+)
 from fluxgrpo.weights.integrity import folder_safetensors_problems
 from fluxgrpo.weights.manifest import read_manifest, verify_manifest
 
@@ -94,6 +100,7 @@ def check_flux_dir(flux_dir: str | Path) -> PartStatus:
             status.problems.append(f"component {comp}/ is missing")
         elif comp in _MODEL_COMPONENTS and not ((sub / "config.json").is_file() and _has_weights(sub)):
             status.problems.append(f"{comp}/ has no config.json or no weights file")
+    status.problems.extend(flux_pipeline_problems(root, FLUX_COMPONENTS))
     manifest = read_manifest(root)
     if manifest is not None:
         status.source = manifest.source
@@ -138,16 +145,40 @@ def check_hps_dir(hps_dir: str | Path) -> list[PartStatus]:
 
 
 def check_clip_part(hps_dir: str | Path) -> PartStatus:
-    """Check LAION's open_clip ViT-H-14 weights alone (what clipscore needs; HPSv2 needs the HPS file as well)."""
-    return check_reward_file(hps_dir, OPEN_CLIP_WEIGHTS, "clip", CLIP_MANIFEST)
+    """Check LAION's open_clip ViT-H-14 weights alone (what clipscore needs; HPSv2 needs the HPS file as well), and
+    the architecture file beside tiny weights, which both read."""
+    status = check_reward_file(hps_dir, OPEN_CLIP_WEIGHTS, "clip", CLIP_MANIFEST)
+    problems = reward_architecture_problems(hps_dir)
+    if problems:
+        status.problems.extend(problems)
+        status.complete = False
+        status.fix = f"run `fluxgrpo fetch-weights --hps-dir {hps_dir}`"
+    return status
 
 
 def reward_architecture(hps_dir: str | Path) -> dict | None:
-    """The open_clip model config stored beside tiny reward weights, or None for the real ViT-H-14."""
+    """The open_clip architecture stored beside tiny reward weights (its numeric keys only: see
+    ``config_guard.open_clip_architecture``), or None for the real ViT-H-14.
+
+    Raises:
+        FluxgrpoError: the file is unreadable, or holds anything but a plain ViT CLIP's numeric keys.
+    """
     path = Path(hps_dir) / REWARD_ARCH_FILE
     if not path.is_file():
         return None
-    return json.loads(path.read_text())
+    document, problem = read_config_document(path)
+    if problem is not None:
+        raise FluxgrpoError(f"{problem}: re-run `fluxgrpo fetch-weights --hps-dir {hps_dir}`")
+    return open_clip_architecture(path, document)
+
+
+def reward_architecture_problems(hps_dir: str | Path) -> list[str]:
+    """``reward_architecture``'s refusal as a problem line (none when the file is absent or fine)."""
+    try:
+        reward_architecture(hps_dir)
+    except FluxgrpoError as exc:
+        return [str(exc)]
+    return []
 
 
 def pickscore_dir(hps_dir: str | Path) -> Path:
@@ -185,6 +216,7 @@ def check_pickscore_dir(folder: str | Path) -> PartStatus:
         status.problems.append(f"{processor} has no {PICKSCORE_TOKENIZER_JSON} (nor {' + '.join(PICKSCORE_BPE_FILES)})")
     sources = []
     for sub in (model, processor):
+        status.problems.extend(folder_config_problems(sub))
         manifest = read_manifest(sub)
         if manifest is not None:
             sources.append(manifest.source)
@@ -253,6 +285,7 @@ def check_subfolders_part(part: str, title: str, root: Path, required: dict[str,
     sources = []
     for sub_name in required:
         sub = root / sub_name
+        status.problems.extend(folder_config_problems(sub))
         manifest = read_manifest(sub)
         if manifest is not None:
             sources.append(manifest.source)
