@@ -310,8 +310,9 @@ def test_a_node_killed_or_a_rank_stopped_is_named_on_every_node_and_nothing_is_l
         node1.kill_tree()  # the whole node: launcher, agent, worker
     elif how == "stopped":
         os.kill(worker, signal.SIGSTOP)  # hung: alive, silent
-    else:  # files where rank 0 will publish checkpoint-4: it fails alone, after the others wrote their shards
-        (out / "checkpoint-4").write_text("")
+    else:  # rank 0 fails alone publishing checkpoint-4, after the others wrote their shards: moving the folder
+        # already there aside onto a file (a planted file is never deleted) is NotADirectoryError
+        (out / "checkpoint-4").mkdir()
         (out / "checkpoint-4.trash").write_text("")
     began = time.monotonic()
     assert node0.process.wait(timeout=steady + 10 + 60) == 1
