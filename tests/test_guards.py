@@ -122,6 +122,13 @@ def test_guard_settings_are_validated_with_the_evaluation():
     assert "--guard-action 'halt'" in problems and "set --eval-every K" in problems
     assert "--keep-best 'pickscore'" in problems
     assert "--eval-images-per-prompt 2 or more" in problems and "add clipscore or hpsv2 to --eval-rewards" in problems
+    final_samples = {"guard": "velocity_norm_ratio:max=1.05", "eval_every": 4, "objective": "nft"}
+    problems = "\n".join(TrainConfig(**{**build_config("tiny-cpu", {}).to_dict(), **final_samples}).problems())
+    assert "--objective nft does not keep" in problems
+    grpo = {**final_samples, "objective": "grpo"}
+    assert "velocity_norm_ratio" not in "\n".join(
+        TrainConfig(**{**build_config("tiny-cpu", {}).to_dict(), **grpo}).problems()
+    )
 
 
 # --------------------------------------------------------------------------------------------- diversity

@@ -198,6 +198,11 @@ def guard_problems(cfg: Any) -> list[str]:
             f"--keep-best {best!r}: use an evaluated reward ({', '.join(evaluated)}; add others with --eval-rewards), "
             "diversity, or its eval_… key"
         )
+    if cfg.objective != "grpo" and "velocity_norm_ratio" in {rule.name for rule in rules}:
+        out.append(
+            f"velocity_norm_ratio is measured on the SDE trajectory's trained steps, which --objective {cfg.objective} "
+            "does not keep (its probe reports NaN): guard diversity, group_spread or an evaluated reward instead"
+        )
     if DIVERSITY in {rule.name for rule in rules} | {best}:
         if cfg.eval_images_per_prompt < 2:
             out.append("diversity compares a prompt's images across seeds: set --eval-images-per-prompt 2 or more")
