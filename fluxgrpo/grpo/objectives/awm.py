@@ -207,13 +207,9 @@ class AwmWork:
         start, stop = self.bounds[micro_index]
         x_t, _, _ = self.batch.noised(start, stop, slot)
         compute_dtype, reference = settings.compute_dtype, self.objective.reference
-        reference_velocity = None
-        if settings.kl_beta > 0:
-            assert reference is not None  # checked on construction
-            reference_velocity = reference.reference_prediction(
-                x_t, self.cond.rows(start, stop), self.batch.fed[start:stop, slot], self.batch.guidance[start:stop],
-                self.batch.img_ids, self.device_type, compute_dtype,
-            ).to(torch.float32)  # fmt: skip
+        reference_velocity = self.batch.reference_velocity(
+            reference, settings.kl_beta, self.cond, start, stop, slot, x_t, self.device_type, compute_dtype
+        )
         velocity = self.batch.velocity(
             self.transformer, self.cond, start, stop, slot, x_t, self.device_type, compute_dtype
         )

@@ -171,6 +171,27 @@ class FlowMatchingBatch:
             self.img_ids, device_type, compute_dtype,
         ).to(torch.float32)  # fmt: skip
 
+    def reference_velocity(
+        self,
+        reference: ReferenceModel | None,
+        kl_beta: float,
+        cond: Conditioning,
+        start: int,
+        stop: int,
+        slot: int,
+        x_t: torch.Tensor,
+        device_type: str,
+        compute_dtype: torch.dtype | None,
+    ) -> torch.Tensor | None:
+        """The reference's velocity [m, L, C] fp32 at the same x_t and σ, for the KL term; None when β = 0."""
+        if kl_beta <= 0:
+            return None
+        assert reference is not None  # checked on construction
+        return reference.reference_prediction(
+            x_t, cond.rows(start, stop), self.fed[start:stop, slot], self.guidance[start:stop], self.img_ids,
+            device_type, compute_dtype,
+        ).to(torch.float32)  # fmt: skip
+
 
 def precompute_velocities(
     transformer: nn.Module,
@@ -232,13 +253,9 @@ class NftWork:
         start, stop = self.bounds[micro_index]
         x_t, t, _ = self.batch.noised(start, stop, slot)
         compute_dtype, reference = settings.compute_dtype, self.objective.reference
-        reference_velocity = None
-        if settings.kl_beta > 0:
-            assert reference is not None  # checked on construction
-            reference_velocity = reference.reference_prediction(
-                x_t, self.cond.rows(start, stop), self.batch.fed[start:stop, slot], self.batch.guidance[start:stop],
-                self.batch.img_ids, self.device_type, compute_dtype,
-            ).to(torch.float32)  # fmt: skip
+        reference_velocity = self.batch.reference_velocity(
+            reference, settings.kl_beta, self.cond, start, stop, slot, x_t, self.device_type, compute_dtype
+        )
         velocity = self.batch.velocity(
             self.transformer, self.cond, start, stop, slot, x_t, self.device_type, compute_dtype
         )
