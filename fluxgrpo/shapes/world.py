@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from itertools import product
 
 import numpy as np
@@ -40,11 +40,17 @@ FAMILIES = ("single_object", "two_object", "counting", "colors", "position", "co
 
 # Every word a caption can hold, for the tiny tokenizers (each is one token) and for the parser's error line.
 VOCABULARY = (
-    ("a", "and", "of", "left", "right", "above", "below")
-    + SHAPES
-    + tuple(PLURALS.values())
-    + tuple(COLOURS)
-    + tuple(COUNT_WORDS.values())
+    "a",
+    "and",
+    "of",
+    "left",
+    "right",
+    "above",
+    "below",
+    *SHAPES,
+    *PLURALS.values(),
+    *COLOURS,
+    *COUNT_WORDS.values(),
 )
 
 SPLIT_SEED = 0
@@ -194,7 +200,7 @@ def held_out_combinations(seed: int = SPLIT_SEED) -> HeldOut:
     triples (one per relation family, none its own mirror), and 1 of 6 count–shape pairs."""
     rng = random.Random(seed)
     colours = rng.sample(sorted(COLOURS), len(SHAPES))
-    colour_shape = frozenset(zip(colours, SHAPES))
+    colour_shape = frozenset(zip(colours, SHAPES, strict=True))
     triples = [(a, r, b) for a, b in product(SHAPES, SHAPES) if a != b for r in RELATIONS]
     chosen: list[tuple[str, str, str]] = []
     for triple in rng.sample(triples, len(triples)):
@@ -341,7 +347,7 @@ def _capped(captions: tuple[str, ...], per_family: int, seed: int) -> list[str]:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def prompt_set(name: str) -> tuple[str, ...]:
     """A named prompt set: ``shapes-train`` (RL's prompts; seen combinations) or ``shapes-heldout`` (evaluation:
     up to :data:`EVAL_PER_FAMILY` seen-combination and as many novel-combination captions per family)."""
