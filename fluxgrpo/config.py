@@ -56,10 +56,14 @@ WINDOW_POLICIES = ("sliding", "random", "random-early")
 DECODE_SAMPLES = ("x0", "final")
 ODE_SOLVERS = ("euler", "dpm2")
 RATIO_NORMALIZATIONS = ("none", "grpo-guard")
-OBJECTIVES = ("grpo", "nft", "awm")
+OBJECTIVES = ("grpo", "nft", "awm", "vgrpo", "neighbor")
+FLOW_MATCHING_OBJECTIVES = ("nft", "awm", "vgrpo")  # train on forward-noised final samples at drawn (t, ε)
 NFT_DECAY_TYPES = (0, 1, 2)
 AWM_WEIGHTINGS = ("uniform", "t", "t2", "ghuber", "huber")
-AWM_TIME_FRACTION = 0.9  # AWM trains at the sampler-grid indices 1 … int(0.9·N)−1
+AWM_TIME_FRACTION = 0.9  # AWM trains at the sampler-grid indices lo … int(0.9·N)−1
+AWM_TIME_TYPES = {"discrete": 0, "discrete_wo_init": 1}  # the authors' time_type → lo (0 includes σ = 1)
+FM_DRAWS = ("auto", "sample", "group")
+FM_TIMESTEP_RULES = ("auto", "random", "stratified")
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
@@ -125,8 +129,9 @@ class TrainConfig:
     # --- algorithm options (the peers' methods; the defaults are DanceGRPO's) ---------------------------
     objective: str = _opt(
         "grpo",
-        "Training objective: grpo (PPO-clip on the SDE's per-step log-probs), nft (DiffusionNFT) or awm "
-        "(Advantage-Weighted Matching); nft and awm roll out with the DPM-Solver++(2M) ODE and train on final samples.",
+        "Training objective: grpo (PPO-clip on the SDE's per-step log-probs), nft (DiffusionNFT), awm "
+        "(Advantage-Weighted Matching), vgrpo (V-GRPO: PPO-clip on an ELBO surrogate) or neighbor (Neighbor GRPO: "
+        "PPO-clip on a softmax-distance policy over ODE neighbours); all but grpo roll out with the DPM-Solver++(2M) ODE.",
     )
     nft_beta: float = _opt(1.0, "DiffusionNFT's β: the step of its implicit positive/negative policies.")
     nft_decay_type: int = _opt(
@@ -136,6 +141,37 @@ class TrainConfig:
     awm_weighting: str = _opt("ghuber", f"AWM's weighting of the flow-matching error: {', '.join(AWM_WEIGHTINGS)}.")
     awm_ghuber_power: float = _opt(0.25, "AWM's ghuber power p.")
     awm_ema_beta: float = _opt(1.0, "Weight of AWM's pull towards its EMA policy (0: off, no EMA copy).")
+    awm_time_type: str = _opt(
+        "discrete_wo_init",
+        "AWM's training-timestep range: discrete_wo_init (grid indices 1…int(0.9·N)−1: the authors' GenEval/OCR rule) "
+        "or discrete (from index 0, pure noise: their PickScore rule).",
+    )
+    fm_draws: str = _opt(
+        "auto",
+        "nft/awm/vgrpo: who shares a (timestep, noise) draw: sample (each sample its own; AWM's authors share the "
+        "timesteps per micro-batch), group (one set per prompt group: V-GRPO's), auto (vgrpo group, else sample).",
+    )
+    fm_timestep_rule: str = _opt(
+        "auto",
+        "nft/awm/vgrpo: how the trained timesteps are drawn from the grid: random (a random permutation's first T: "
+        "NFT's), stratified (one per stratum: AWM's, V-GRPO's), auto (nft random, else stratified).",
+    )
+    fm_timesteps: int = _opt(
+        0,
+        "nft/awm: timesteps each sample trains at (practitioners run 2-4); 0: int(trainable · --timestep-fraction).",
+    )
+    vgrpo_mc_samples: int = _opt(4, "V-GRPO's N_MC: (timestep, noise) pairs of each sample's surrogate (2 is too few).")
+    vgrpo_adv_soft_clip: float = _opt(
+        0.0, "V-GRPO's advantage soft clip η: A → η·tanh(A/η) (0: off, the authors' FLUX setting; SD3.5 stage 1: 3)."
+    )
+    neighbor_sigma: float = _opt(0.3, "Neighbor GRPO's perturbation σ: ε_i = √(1−σ²)·ε* + σ·δ_i within a group.")
+    neighbor_anchors: int = _opt(4, "Neighbor GRPO's anchors B per group trained each iteration (of the G candidates).")
+    neighbor_quasi_norm_p: float = _opt(
+        0.8, "Neighbor GRPO's group advantage reweighting A_i/(Σ|A_k|^p)^(1/p), p in (0, 2]."
+    )
+    neighbor_temperature: float = _opt(
+        1.0, "Temperature τ of Neighbor GRPO's leaping policy softmax(−‖x_i − x_θ‖²/τ) (the paper: 1)."
+    )
     sampler: str = _opt(
         "dance",
         "SDE of the rollout and its log-prob: dance (η at every step), flow-grpo (Flow-GRPO's σ-dependent noise) "
@@ -225,17 +261,31 @@ class TrainConfig:
     @property
     def trainable_timesteps(self) -> int:
         """The transitions a trajectory may train on: the SDE window, or N−1 (the last one cannot change the
-        reward, so it never trains). nft: the N sampler timesteps; awm: the grid indices 1 … int(0.9·N)−1."""
-        if self.objective == "nft":
+        reward, so it never trains). nft, vgrpo: the N sampler timesteps; awm: the grid indices lo … int(0.9·N)−1."""
+        if self.objective in ("nft", "vgrpo"):
             return self.sampling_steps
         if self.objective == "awm":
-            return max(int(self.sampling_steps * AWM_TIME_FRACTION) - 1, 0)
+            return max(int(self.sampling_steps * AWM_TIME_FRACTION) - AWM_TIME_TYPES.get(self.awm_time_type, 1), 0)
         return self.sde_window or self.sampling_steps - 1
 
     @property
     def train_timesteps(self) -> int:
-        """T_train = int(trainable·fraction): with DanceGRPO's sampler int((N−1)·fraction)."""
+        """T_train = int(trainable·fraction): with DanceGRPO's sampler int((N−1)·fraction); nft/awm: --fm-timesteps
+        when set; vgrpo: its N_MC pairs."""
+        if self.objective == "vgrpo":
+            return self.vgrpo_mc_samples
+        if self.objective in ("nft", "awm") and self.fm_timesteps:
+            return self.fm_timesteps
         return int(self.trainable_timesteps * self.timestep_fraction)
+
+    @property
+    def flow_matching_draws(self) -> tuple[str, str]:
+        """(sharing, timestep rule) of nft/awm/vgrpo's (t, ε) draws, ``auto`` resolved to the authors' rules."""
+        sharing = self.fm_draws if self.fm_draws != "auto" else ("group" if self.objective == "vgrpo" else "sample")
+        rule = self.fm_timestep_rule
+        if rule == "auto":
+            rule = "random" if self.objective == "nft" else "stratified"
+        return sharing, rule
 
     @property
     def rollout_model_calls(self) -> int:
@@ -414,11 +464,71 @@ class TrainConfig:
             out.append(f"--awm-ghuber-power {self.awm_ghuber_power} must be positive")
         if not self.awm_ema_beta >= 0:
             out.append(f"--awm-ema-beta {self.awm_ema_beta} cannot be negative (0 turns the EMA term off)")
-        if self.objective == "awm" and self.sampling_steps >= 1 and self.trainable_timesteps < 1:
+        if self.awm_time_type not in AWM_TIME_TYPES:
+            out.append(f"--awm-time-type {self.awm_time_type!r}: use one of {', '.join(AWM_TIME_TYPES)}")
+        elif self.objective == "awm" and self.sampling_steps >= 1 and self.trainable_timesteps < 1:
             out.append(
-                f"--objective awm trains at grid indices 1 … int(0.9·N)−1, none with --sampling-steps "
-                f"{self.sampling_steps}: use at least 3"
+                f"--objective awm trains at grid indices {AWM_TIME_TYPES[self.awm_time_type]} … int(0.9·N)−1, none "
+                f"with --sampling-steps {self.sampling_steps}: use at least 3"
             )
+        return out + self._estimator_problems()
+
+    def _estimator_problems(self) -> list[str]:
+        """The variance controls of nft/awm/vgrpo and the options of vgrpo and neighbor: their ranges, and each
+        refused (naming its flag) with an objective that would ignore it."""
+        out = []
+        for flag, value, allowed in (
+            ("--fm-draws", self.fm_draws, FM_DRAWS),
+            ("--fm-timestep-rule", self.fm_timestep_rule, FM_TIMESTEP_RULES),
+        ):
+            if value not in allowed:
+                out.append(f"{flag} {value!r}: use one of {', '.join(allowed)}")
+        defaults = {f.name: f.default for f in fields(self)}
+        users = {
+            "awm_time_type": ("awm",),
+            "fm_draws": FLOW_MATCHING_OBJECTIVES,
+            "fm_timestep_rule": FLOW_MATCHING_OBJECTIVES,
+            "fm_timesteps": ("nft", "awm"),
+            "vgrpo_mc_samples": ("vgrpo",),
+            "vgrpo_adv_soft_clip": ("vgrpo",),
+            "neighbor_sigma": ("neighbor",),
+            "neighbor_anchors": ("neighbor",),
+            "neighbor_quasi_norm_p": ("neighbor",),
+            "neighbor_temperature": ("neighbor",),
+        }
+        for name, objectives in users.items():
+            if getattr(self, name) != defaults[name] and self.objective not in objectives:
+                out.append(
+                    f"--{_flag(name)} {getattr(self, name)}: --objective {self.objective} ignores it (it applies to "
+                    f"--objective {' or '.join(objectives)}); leave it at its default"
+                )
+        if self.fm_timesteps < 0:
+            out.append(f"--fm-timesteps {self.fm_timesteps} cannot be negative (0: from --timestep-fraction)")
+        elif self.fm_timesteps and self.objective in ("nft", "awm") and self.fm_timesteps > self.trainable_timesteps:
+            out.append(
+                f"--fm-timesteps {self.fm_timesteps}: --objective {self.objective} has only "
+                f"{self.trainable_timesteps} timesteps to train with --sampling-steps {self.sampling_steps}"
+            )
+        if self.vgrpo_mc_samples < 1:
+            out.append(f"--vgrpo-mc-samples {self.vgrpo_mc_samples} must be at least 1 (the authors' N_MC: 4)")
+        elif self.objective == "vgrpo" and self.vgrpo_mc_samples > self.sampling_steps >= 1:
+            out.append(
+                f"--vgrpo-mc-samples {self.vgrpo_mc_samples}: one pair per stratum of the {self.sampling_steps} "
+                "--sampling-steps timesteps at most"
+            )
+        if not self.vgrpo_adv_soft_clip >= 0:
+            out.append(f"--vgrpo-adv-soft-clip {self.vgrpo_adv_soft_clip} cannot be negative (0: off)")
+        if not 0 < self.neighbor_sigma <= 1:
+            out.append(f"--neighbor-sigma {self.neighbor_sigma} must be in (0, 1] (the authors: 0.3)")
+        if not 1 <= self.neighbor_anchors <= max(self.num_generations, 1):
+            out.append(
+                f"--neighbor-anchors {self.neighbor_anchors} must be between 1 and --num-generations "
+                f"{self.num_generations} (the authors: 4 of 12)"
+            )
+        if not 0 < self.neighbor_quasi_norm_p <= 2:
+            out.append(f"--neighbor-quasi-norm-p {self.neighbor_quasi_norm_p} must be in (0, 2] (the authors: 0.8)")
+        if not self.neighbor_temperature > 0:
+            out.append(f"--neighbor-temperature {self.neighbor_temperature} must be positive")
         return out
 
     def _algorithm_problems(self) -> list[str]:

@@ -19,7 +19,9 @@ Peak bytes on one die = what lives all run long + the largest of the three phase
                 gathered     2·(2·block + root) + 4·block  bf16 parameters and one block's unsharded fp32 grads
                 activations  mb·T·D·(n_double·a_d + n_single·a_s)·c       without --gradient-checkpointing
                              mb·T·D·((n_double + n_single)·2 + a_d)·c      with it (block inputs + one recompute)
-                objective    B·T_train·(1+k)·L·64·4  nft/awm: fresh noise and each copy's velocity per trained slot
+                objective    B·T_train·(1+k)·L·64·4  nft/awm/vgrpo: the noise and each copy's velocity per trained slot
+                             (vgrpo: its N_MC pairs are one forward, so mb above is micro-batch × N_MC; neighbor: 0,
+                             its candidates' paths are the rollout term's trajectory latents)
 
 T = (H/16)·(W/16) + S image and text tokens, D the transformer width, c = compute-dtype bytes / 2. The activation
 coefficients a_d, a_s (bytes a double / single block saves for backward, per token per unit of width, in bf16)
@@ -169,7 +171,8 @@ class RunShape:
             sampling_steps=cfg.sampling_steps,
             trajectories_per_rank=cfg.trajectories_per_rank,
             rollout_batch_size=cfg.rollout_batch_size,
-            train_micro_batch_size=cfg.train_micro_batch_size,
+            # vgrpo's N_MC pairs of a micro-batch are one batched forward
+            train_micro_batch_size=cfg.train_micro_batch_size * (cfg.vgrpo_mc_samples if cfg.objective == "vgrpo" else 1),
             gradient_checkpointing=cfg.gradient_checkpointing,
             cpu_offload=cfg.cpu_offload,
             use_ema=cfg.use_ema,
@@ -177,7 +180,7 @@ class RunShape:
             frozen_reference=cfg.kl_beta > 0 and cfg.lora_rank == 0,
             policy_copies=len(policy_copy_names(cfg)),
             objective_latents=0
-            if cfg.objective == "grpo"
+            if cfg.objective in ("grpo", "neighbor")  # neighbor's path is the rollout term's trajectory
             else cfg.trajectories_per_rank * cfg.train_timesteps * (1 + len(policy_copy_names(cfg))),
             reward_bytes=2 if cfg.reward_dtype == "bf16" else 4,
             compute_bytes=compute_bytes,

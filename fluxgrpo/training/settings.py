@@ -11,7 +11,9 @@ from fluxgrpo.config import TrainConfig
 from fluxgrpo.grpo.objectives.awm import AwmObjective, AwmSettings
 from fluxgrpo.grpo.objectives.base import Objective
 from fluxgrpo.grpo.objectives.grpo import GrpoObjective, UpdateSettings
+from fluxgrpo.grpo.objectives.neighbor import NeighborObjective, NeighborSettings
 from fluxgrpo.grpo.objectives.nft import NftObjective, NftSettings
+from fluxgrpo.grpo.objectives.vgrpo import VgrpoObjective, VgrpoSettings
 from fluxgrpo.grpo.rollout import RolloutSettings
 from fluxgrpo.grpo.samplers import make_sampler
 from fluxgrpo.grpo.step_plan import PlanSettings
@@ -66,6 +68,8 @@ def policy_copy_names(cfg: TrainConfig) -> tuple[str, ...]:
 
 def build_objective(cfg: TrainConfig, policy_copies: dict[str, Any], reference: Any) -> Objective:
     """The objective of ``cfg.objective`` over the run's policy copies and KL reference."""
+    sharing, timestep_rule = cfg.flow_matching_draws
+    draws = {"sharing": sharing, "timestep_rule": timestep_rule, "group_size": cfg.num_generations}
     if cfg.objective == "nft":
         nft = NftSettings(
             num_train_timesteps=cfg.train_timesteps,
@@ -75,6 +79,7 @@ def build_objective(cfg: TrainConfig, policy_copies: dict[str, Any], reference: 
             kl_beta=cfg.kl_beta,
             adv_clip_max=cfg.adv_clip_max,
             decay_type=cfg.nft_decay_type,
+            **draws,
         )
         return NftObjective(nft, policy_copies[OLD_POLICY], reference)
     if cfg.objective == "awm":
@@ -88,6 +93,32 @@ def build_objective(cfg: TrainConfig, policy_copies: dict[str, Any], reference: 
             kl_beta=cfg.kl_beta,
             ema_beta=cfg.awm_ema_beta,
             adv_clip_max=cfg.adv_clip_max,
+            time_type=cfg.awm_time_type,
+            **draws,
         )
         return AwmObjective(awm, policy_copies.get(EMA_POLICY), reference)
+    if cfg.objective == "vgrpo":
+        vgrpo = VgrpoSettings(
+            num_mc=cfg.vgrpo_mc_samples,
+            micro_batch_size=cfg.train_micro_batch_size,
+            grad_accum_steps=cfg.gradient_accumulation_steps,
+            clip_range=cfg.clip_range,
+            adv_soft_clip=cfg.vgrpo_adv_soft_clip,
+            kl_beta=cfg.kl_beta,
+            **draws,
+        )
+        return VgrpoObjective(vgrpo, reference)
+    if cfg.objective == "neighbor":
+        neighbor = NeighborSettings(
+            num_train_timesteps=cfg.train_timesteps,
+            num_anchors=cfg.neighbor_anchors,
+            group_size=cfg.num_generations,
+            micro_batch_size=cfg.train_micro_batch_size,
+            grad_accum_steps=cfg.gradient_accumulation_steps,
+            clip_range=cfg.clip_range,
+            quasi_norm_power=cfg.neighbor_quasi_norm_p,
+            temperature=cfg.neighbor_temperature,
+            kl_beta=cfg.kl_beta,
+        )
+        return NeighborObjective(neighbor, reference)
     return GrpoObjective(update_settings(cfg), reference)

@@ -1,8 +1,9 @@
 """Training objectives behind one seam (``base.Objective``): ``grpo`` (PPO-clip on per-step log-probs),
-``nft`` (DiffusionNFT) and ``awm`` (Advantage-Weighted Matching) on final samples."""
+``nft`` (DiffusionNFT), ``awm`` (Advantage-Weighted Matching) and ``vgrpo`` (V-GRPO) on final samples, ``neighbor``
+(Neighbor GRPO) on the ODE paths of a neighbourhood of initial noises."""
 
 from fluxgrpo.grpo.objectives.base import Metric, MetricTally, Objective, StepResult, UpdateWork
 
-OBJECTIVES = ("grpo", "nft", "awm")
+OBJECTIVES = ("grpo", "nft", "awm", "vgrpo", "neighbor")
 
 __all__ = ["OBJECTIVES", "Metric", "MetricTally", "Objective", "StepResult", "UpdateWork"]

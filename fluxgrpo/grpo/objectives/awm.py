@@ -2,7 +2,8 @@
 reference §6.2, §6.3).
 
 Rollouts are the deterministic DPM-Solver++(2M) ODE, keeping the final latents x0. Each micro-batch trains on T
-timestep indices stratified over the sampler grid (the same for its samples), with fresh noise ε per sample:
+timestep indices stratified over the sampler grid (the same for its samples), with fresh noise ε per sample (the
+authors'; ``draws.py``: or one set of (t, ε) per prompt group):
 
     x_t = (1−t)·x0 + t·ε;  mse = mean_d((v_θ(x_t) − (ε − x0))²)  (fp64)
     lp  = −mse (uniform) | −mse·t | −mse·t² | ghuber: −((mse+1e-10)^p − 1e-10^p)·t/p | huber: −(√(mse+1e-10) − 1e-5)·t
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from fluxgrpo.grpo.objectives.base import Metric, StepResult
+from fluxgrpo.grpo.objectives.draws import group_bounds, indices_per_unit, linspace_strata, random_indices
 from fluxgrpo.grpo.objectives.grpo import micro_batch_bounds
 from fluxgrpo.grpo.objectives.nft import FlowMatchingBatch, precompute_velocities
 from fluxgrpo.grpo.policy_copy import PolicyCopy
@@ -29,7 +31,10 @@ from fluxgrpo.grpo.reference import ReferenceModel
 from fluxgrpo.grpo.types import Conditioning, FinalSamples
 
 WEIGHTINGS = ("uniform", "t", "t2", "ghuber", "huber")
-TIME_FRACTION, FIRST_INDEX = 0.9, 1  # the authors' grid range [1, int(N·0.9)) ("discrete_wo_init")
+TIME_FRACTION = 0.9  # the authors' grid range [lo, int(N·0.9))
+# The authors' ``time_type``: the first grid index trained. ``discrete`` (their PickScore config) includes index 0,
+# σ = 1 (pure noise); ``discrete_wo_init`` (GenEval, OCR) starts at 1.
+TIME_TYPES = {"discrete": 0, "discrete_wo_init": 1}
 
 AWM_METRICS = {
     "loss_sum": Metric("loss", "sum"),
@@ -49,17 +54,16 @@ def ema_policy_decay(optimizer_steps: int) -> float:
     return min(0.3, 0.001 * optimizer_steps)
 
 
-def trainable_range(num_steps: int) -> range:
-    """The sampler-grid indices AWM trains at: [1, int(0.9·N))."""
-    return range(FIRST_INDEX, int(num_steps * TIME_FRACTION))
+def trainable_range(num_steps: int, time_type: str = "discrete_wo_init") -> range:
+    """The sampler-grid indices AWM trains at: [lo, int(0.9·N)), lo = 1 (``discrete_wo_init``) or 0 (``discrete``)."""
+    return range(TIME_TYPES[time_type], int(num_steps * TIME_FRACTION))
 
 
-def stratified_indices(num_steps: int, count: int, generator: torch.Generator) -> torch.Tensor:
+def stratified_indices(
+    num_steps: int, count: int, generator: torch.Generator, time_type: str = "discrete_wo_init"
+) -> torch.Tensor:
     """[T] one index per stratum of ``trainable_range``: b = linspace(lo, hi, T+1).long(), b_k + ⌊u_k·(b_{k+1}−b_k)⌋."""
-    grid = trainable_range(num_steps)
-    bounds = torch.linspace(grid.start, grid.stop, count + 1).long()
-    u = torch.rand(count, generator=generator)
-    return bounds[:-1] + torch.floor(u * (bounds[1:] - bounds[:-1])).long()
+    return linspace_strata(trainable_range(num_steps, time_type), count, generator)
 
 
 def weighted_log_prob(mse: torch.Tensor, t: torch.Tensor, weighting: str, power: float) -> torch.Tensor:
@@ -107,6 +111,10 @@ class AwmSettings:
     kl_beta: float = 0.0  # kl_beta: weight of mean((v − v_ref)²)
     ema_beta: float = 0.0  # awm_ema_beta: weight of mean((v − v_ema)²)
     adv_clip_max: float = 5.0
+    time_type: str = "discrete_wo_init"  # awm_time_type (TIME_TYPES)
+    sharing: str = "sample"  # fm_draws: sample (the authors': t per micro-batch, ε per sample) or group
+    timestep_rule: str = "stratified"  # fm_timestep_rule: stratified (the authors') or random
+    group_size: int = 1  # G, the rows a group-shared draw covers
     compute_dtype: torch.dtype | None = None
 
 
@@ -164,16 +172,20 @@ class AwmWork:
         num_samples, num_steps, self.slots = rollout.num_trajectories, rollout.num_steps, settings.num_train_timesteps
         if advantages.shape != (num_samples,) or cond.num_rows != num_samples:
             raise ValueError(f"advantages {tuple(advantages.shape)} and {cond.num_rows} rows for {num_samples} samples")
-        if not 1 <= self.slots <= len(trainable_range(num_steps)):
-            raise ValueError(f"cannot train {self.slots} of {len(trainable_range(num_steps))} AWM timesteps")
+        grid = trainable_range(num_steps, settings.time_type)
+        if not 1 <= self.slots <= len(grid):
+            raise ValueError(f"cannot train {self.slots} of {len(grid)} AWM timesteps")
         device = cond.prompt_embeds.device
         self.bounds = micro_batch_bounds(num_samples, settings.micro_batch_size)
         self.num_micro_batches = len(self.bounds)
-        rows = []
-        for start, stop in self.bounds:  # one stratified draw per micro-batch, shared by its samples
-            rows.append(stratified_indices(num_steps, self.slots, generator_cpu).expand(stop - start, -1))
-        self.train_timestep_indices = torch.cat(rows)
-        self.batch = FlowMatchingBatch(rollout, self.train_timestep_indices, generator_cpu, device)
+        # One draw per micro-batch, shared by its samples (the authors'), or one per prompt group.
+        shared = settings.sharing == "group"
+        units = group_bounds(num_samples, settings.group_size) if shared else self.bounds
+        draw = linspace_strata if settings.timestep_rule == "stratified" else random_indices
+        self.train_timestep_indices = indices_per_unit(units, draw, grid, self.slots, generator_cpu)
+        self.batch = FlowMatchingBatch(
+            rollout, self.train_timestep_indices, generator_cpu, device, settings.group_size if shared else 1
+        )
         clipped = advantages.to(device=device, dtype=torch.float32).clamp(-settings.adv_clip_max, settings.adv_clip_max)
         self.advantages = clipped / settings.adv_clip_max
         self.objective, self.transformer, self.cond, self.device_type = objective, transformer, cond, device_type
