@@ -28,9 +28,12 @@ RUNS = {
     "vgrpo-lora": {"objective": "vgrpo", "clip_range": 0.01, "kl_beta": 0.01, "gradient_accumulation_steps": 1, **LORA},
     "vgrpo-full": {"objective": "vgrpo", "clip_range": 0.01, "vgrpo_mc_samples": 2, "fm_draws": "sample"},
     "neighbor-full": {
-        "objective": "neighbor", "kl_beta": 0.01, "neighbor_anchors": 2, "train_micro_batch_size": 1,
+        "objective": "neighbor",
+        "kl_beta": 0.01,
+        "neighbor_anchors": 2,
+        "train_micro_batch_size": 1,
         "gradient_accumulation_steps": 1,
-    },  # fmt: skip
+    },
     "neighbor-lora": {"objective": "neighbor", "neighbor_anchors": 4, **LORA},
 }
 # A metric each objective reports that depends on the policy copies or the off-policy ratio.

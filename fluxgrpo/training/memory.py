@@ -172,7 +172,8 @@ class RunShape:
             trajectories_per_rank=cfg.trajectories_per_rank,
             rollout_batch_size=cfg.rollout_batch_size,
             # vgrpo's N_MC pairs of a micro-batch are one batched forward
-            train_micro_batch_size=cfg.train_micro_batch_size * (cfg.vgrpo_mc_samples if cfg.objective == "vgrpo" else 1),
+            train_micro_batch_size=cfg.train_micro_batch_size
+            * (cfg.vgrpo_mc_samples if cfg.objective == "vgrpo" else 1),
             gradient_checkpointing=cfg.gradient_checkpointing,
             cpu_offload=cfg.cpu_offload,
             use_ema=cfg.use_ema,

@@ -69,7 +69,7 @@ def policy_copy_names(cfg: TrainConfig) -> tuple[str, ...]:
 def build_objective(cfg: TrainConfig, policy_copies: dict[str, Any], reference: Any) -> Objective:
     """The objective of ``cfg.objective`` over the run's policy copies and KL reference."""
     sharing, timestep_rule = cfg.flow_matching_draws
-    draws = {"sharing": sharing, "timestep_rule": timestep_rule, "group_size": cfg.num_generations}
+    group_size = cfg.num_generations
     if cfg.objective == "nft":
         nft = NftSettings(
             num_train_timesteps=cfg.train_timesteps,
@@ -79,7 +79,9 @@ def build_objective(cfg: TrainConfig, policy_copies: dict[str, Any], reference: 
             kl_beta=cfg.kl_beta,
             adv_clip_max=cfg.adv_clip_max,
             decay_type=cfg.nft_decay_type,
-            **draws,
+            sharing=sharing,
+            timestep_rule=timestep_rule,
+            group_size=group_size,
         )
         return NftObjective(nft, policy_copies[OLD_POLICY], reference)
     if cfg.objective == "awm":
@@ -94,7 +96,9 @@ def build_objective(cfg: TrainConfig, policy_copies: dict[str, Any], reference: 
             ema_beta=cfg.awm_ema_beta,
             adv_clip_max=cfg.adv_clip_max,
             time_type=cfg.awm_time_type,
-            **draws,
+            sharing=sharing,
+            timestep_rule=timestep_rule,
+            group_size=group_size,
         )
         return AwmObjective(awm, policy_copies.get(EMA_POLICY), reference)
     if cfg.objective == "vgrpo":
@@ -105,7 +109,9 @@ def build_objective(cfg: TrainConfig, policy_copies: dict[str, Any], reference: 
             clip_range=cfg.clip_range,
             adv_soft_clip=cfg.vgrpo_adv_soft_clip,
             kl_beta=cfg.kl_beta,
-            **draws,
+            sharing=sharing,
+            timestep_rule=timestep_rule,
+            group_size=group_size,
         )
         return VgrpoObjective(vgrpo, reference)
     if cfg.objective == "neighbor":
