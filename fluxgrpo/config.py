@@ -254,6 +254,13 @@ class TrainConfig:
         return self.train_batch_size * self.num_generations
 
     @property
+    def trained_samples_per_rank(self) -> int:
+        """What the update trains on per rank: every trajectory, or Neighbor GRPO's B anchors per group."""
+        if self.objective == "neighbor":
+            return self.train_batch_size * min(self.neighbor_anchors, self.num_generations)
+        return self.trajectories_per_rank
+
+    @property
     def shares_group_noise(self) -> bool:
         """Whether a group's trajectories start from one noise: with the SDE only (an ODE would repeat the image)."""
         return self.init_same_noise and self.objective == "grpo"
@@ -301,7 +308,8 @@ class TrainConfig:
     def derived(self, world_size: int) -> dict[str, Any]:
         """The numbers a user checks before spending a cluster-day."""
         per_rank = self.trajectories_per_rank
-        micro_batches = math.ceil(per_rank / self.train_micro_batch_size)
+        trained = self.trained_samples_per_rank
+        micro_batches = math.ceil(trained / self.train_micro_batch_size)
         steps = math.ceil(micro_batches / self.gradient_accumulation_steps)
         return {
             "world_size": world_size,
@@ -318,7 +326,7 @@ class TrainConfig:
             * self.train_micro_batch_size
             * self.gradient_accumulation_steps,
             "rollout_forwards_per_rank": per_rank * self.rollout_model_calls,
-            "train_forward_backward_per_rank": per_rank * self.train_timesteps,
+            "train_forward_backward_per_rank": trained * self.train_timesteps,
             "total_optimizer_steps": self.max_train_steps * steps,
         }
 
