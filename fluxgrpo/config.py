@@ -533,6 +533,14 @@ class TrainConfig:
                 f"--neighbor-anchors {self.neighbor_anchors} must be between 1 and --num-generations "
                 f"{self.num_generations} (the authors: 4 of 12)"
             )
+        elif self.objective == "neighbor" and self.train_micro_batch_size >= 1:
+            anchors = self.trained_samples_per_rank
+            if anchors % self.train_micro_batch_size:
+                out.append(
+                    f"--train-micro-batch-size {self.train_micro_batch_size} does not divide the {anchors} anchors per "
+                    f"rank (--train-batch-size {self.train_batch_size} × --neighbor-anchors {self.neighbor_anchors}), "
+                    "which the neighbor update trains on"
+                )
         if not 0 < self.neighbor_quasi_norm_p <= 2:
             out.append(f"--neighbor-quasi-norm-p {self.neighbor_quasi_norm_p} must be in (0, 2] (the authors: 0.8)")
         if not self.neighbor_temperature > 0:

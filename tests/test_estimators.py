@@ -329,6 +329,7 @@ def test_neighbor_work_trains_anchors_against_their_group(transformer):
         ({"objective": "neighbor", "neighbor_quasi_norm_p": 3.0}, "--neighbor-quasi-norm-p"),
         ({"objective": "nft", "fm_timesteps": 20, "sampling_steps": 10}, "--fm-timesteps"),
         ({"objective": "awm", "fm_draws": "per-batch"}, "--fm-draws"),
+        ({"objective": "neighbor", "neighbor_anchors": 3, "train_micro_batch_size": 2}, "--train-micro-batch-size"),
     ],
 )
 def test_bad_combinations_are_refused_naming_the_flag(options, flag):

@@ -2,8 +2,8 @@
 
     sigma_schedule → generate_rollout → (decode, reward) → group_advantages → policy_update → ShardedEMA.update
 
-``objectives/`` holds what an update trains on behind one seam (``--objective grpo|nft|awm``); ``update.run_update``
-drives any of them. Nothing here imports the run's packages (config, training, checkpoint, metrics, models).
+``objectives/`` holds what an update trains on behind one seam (``--objective grpo|nft|awm|vgrpo|neighbor``);
+``update.run_update`` drives any of them. Nothing here imports the run's packages (config, training, checkpoint, metrics, models).
 
 Every function is generic over a module with FluxTransformer2DModel's forward, plain or FSDP2-sharded.
 """
