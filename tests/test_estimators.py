@@ -343,3 +343,23 @@ def test_bad_combinations_are_refused_naming_the_flag(options, flag):
 def test_the_new_objectives_defaults_validate():
     for objective in ("vgrpo", "neighbor"):
         assert TrainConfig(objective=objective).problems() == []
+
+
+def test_memory_counts_vgrpo_batched_pairs_and_neighbor_paths():
+    from fluxgrpo.bench.models import FLUX_DEV_TRANSFORMER_CONFIG
+    from fluxgrpo.config import build_config
+    from fluxgrpo.training.memory import RunShape, VaeShape, estimate, transformer_shape
+
+    model = transformer_shape(FLUX_DEV_TRANSFORMER_CONFIG)
+
+    def update_phase(**options) -> dict[str, int]:
+        cfg = build_config("a3-16die", options)
+        return estimate(model, VaeShape(0, 0), RunShape.from_config(cfg, 16)).phases["update"]
+
+    one, four = update_phase(objective="vgrpo", vgrpo_mc_samples=1), update_phase(objective="vgrpo")
+    assert four["activations"] == 4 * one["activations"] > 0  # the N_MC pairs are one batched forward
+    assert four["objective latents"] == 4 * one["objective latents"] > 0  # a noise per pair
+    assert update_phase(objective="neighbor")["objective latents"] == 0  # its paths are the rollout's latents
+    cfg = build_config("a3-16die", {"objective": "neighbor"})
+    derived = cfg.derived(16)  # 1 prompt × 4 of its 12 candidates as anchors, K = int(15·0.6) = 9 transitions each
+    assert derived["train_forward_backward_per_rank"] == 4 * 9 and derived["micro_batches_per_iteration"] == 4
