@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import UsageError
+from fluxgrpo.grpo.objectives.catalogue import AWM_WEIGHTINGS, CATALOGUE, ObjectiveEntry, objective_names
 from fluxgrpo.paths import (
     DEFAULT_EMBEDDINGS_DIR,
     DEFAULT_FLUX_DIR,
@@ -56,10 +57,6 @@ WINDOW_POLICIES = ("sliding", "random", "random-early")
 DECODE_SAMPLES = ("x0", "final")
 ODE_SOLVERS = ("euler", "dpm2")
 RATIO_NORMALIZATIONS = ("none", "grpo-guard")
-OBJECTIVES = ("grpo", "nft", "awm")
-NFT_DECAY_TYPES = (0, 1, 2)
-AWM_WEIGHTINGS = ("uniform", "t", "t2", "ghuber", "huber")
-AWM_TIME_FRACTION = 0.9  # AWM trains at the sampler-grid indices 1 … int(0.9·N)−1
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
@@ -220,17 +217,19 @@ class TrainConfig:
     @property
     def shares_group_noise(self) -> bool:
         """Whether a group's trajectories start from one noise: with the SDE only (an ODE would repeat the image)."""
-        return self.init_same_noise and self.objective == "grpo"
+        return self.init_same_noise and self._objective_entry().keeps_trajectory
 
     @property
     def trainable_timesteps(self) -> int:
-        """The transitions a trajectory may train on: the SDE window, or N−1 (the last one cannot change the
-        reward, so it never trains). nft: the N sampler timesteps; awm: the grid indices 1 … int(0.9·N)−1."""
-        if self.objective == "nft":
-            return self.sampling_steps
-        if self.objective == "awm":
-            return max(int(self.sampling_steps * AWM_TIME_FRACTION) - 1, 0)
-        return self.sde_window or self.sampling_steps - 1
+        """The transitions a trajectory may train on (the objective's catalogue entry): grpo the SDE window, or N−1
+        (the last one cannot change the reward, so it never trains); nft the N sampler timesteps; awm the grid
+        indices 1 … int(0.9·N)−1."""
+        return self._objective_entry().trainable_timesteps(self.sampling_steps, self.sde_window)
+
+    def _objective_entry(self) -> ObjectiveEntry:
+        """The catalogue entry of ``--objective`` (an unknown name is reported by ``problems``; until then, the
+        sizes are grpo's)."""
+        return CATALOGUE.get(self.objective) or CATALOGUE["grpo"]
 
     @property
     def train_timesteps(self) -> int:
@@ -385,12 +384,13 @@ class TrainConfig:
         return out
 
     def _objective_problems(self) -> list[str]:
+        """The objective's catalogue entry checks the run; every entry checks its own flags."""
+        if self.objective not in CATALOGUE:
+            return [f"--objective {self.objective!r}: use one of {', '.join(objective_names())}"]
         out = []
-        if self.objective not in OBJECTIVES:
-            out.append(f"--objective {self.objective!r}: use one of {', '.join(OBJECTIVES)}")
-            return out
-        if self.objective != "grpo":
-            grpo_only = [
+        entry = self._objective_entry()
+        if not entry.keeps_trajectory:
+            trajectory_only = [
                 flag
                 for flag, used in (
                     ("--sde-window", self.sde_window != 0),
@@ -399,26 +399,15 @@ class TrainConfig:
                 )
                 if used
             ]
-            if grpo_only:
+            if trajectory_only:
+                keeping = ", ".join(name for name, other in CATALOGUE.items() if other.keeps_trajectory)
                 out.append(
-                    f"{', '.join(grpo_only)}: only --objective grpo has per-step log-probs; --objective "
+                    f"{', '.join(trajectory_only)}: only --objective {keeping} has per-step log-probs; --objective "
                     f"{self.objective} rolls out with the ODE (leave these at their defaults)"
                 )
-        if not self.nft_beta > 0:
-            out.append(f"--nft-beta {self.nft_beta} must be positive")
-        if self.nft_decay_type not in NFT_DECAY_TYPES:
-            out.append(f"--nft-decay-type {self.nft_decay_type}: use one of {', '.join(map(str, NFT_DECAY_TYPES))}")
-        if self.awm_weighting not in AWM_WEIGHTINGS:
-            out.append(f"--awm-weighting {self.awm_weighting!r}: use one of {', '.join(AWM_WEIGHTINGS)}")
-        if not self.awm_ghuber_power > 0:
-            out.append(f"--awm-ghuber-power {self.awm_ghuber_power} must be positive")
-        if not self.awm_ema_beta >= 0:
-            out.append(f"--awm-ema-beta {self.awm_ema_beta} cannot be negative (0 turns the EMA term off)")
-        if self.objective == "awm" and self.sampling_steps >= 1 and self.trainable_timesteps < 1:
-            out.append(
-                f"--objective awm trains at grid indices 1 … int(0.9·N)−1, none with --sampling-steps "
-                f"{self.sampling_steps}: use at least 3"
-            )
+        for other in CATALOGUE.values():
+            out.extend(other.option_problems(self))
+        out.extend(entry.run_problems(self))
         return out
 
     def _algorithm_problems(self) -> list[str]:

@@ -236,8 +236,11 @@ def test_saved_activation_bytes_counts_what_backward_keeps():
 
 def test_rollout_casts_each_weight_once_not_once_per_forward():
     from torch.utils._python_dispatch import TorchDispatchMode
+    from training_helpers import sde_rollout
 
-    from fluxgrpo.grpo import Conditioning, generate_rollout, image_ids, sigma_schedule
+    from fluxgrpo.grpo.latents import image_ids
+    from fluxgrpo.grpo.schedule import sigma_schedule
+    from fluxgrpo.grpo.types import Conditioning
 
     class CountCasts(TorchDispatchMode):
         def __init__(self) -> None:
@@ -260,7 +263,7 @@ def test_rollout_casts_each_weight_once_not_once_per_forward():
 
     def rollout(outer: contextlib.AbstractContextManager):
         with CountCasts() as counter, outer:
-            result = generate_rollout(
+            result = sde_rollout(
                 model,
                 cond,
                 noise,
