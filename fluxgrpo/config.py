@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import UsageError
+from fluxgrpo.grpo.objectives.catalogue import AWM_WEIGHTINGS, CATALOGUE, ObjectiveEntry, objective_names
 from fluxgrpo.paths import (
     DEFAULT_EMBEDDINGS_DIR,
     DEFAULT_FLUX_DIR,
@@ -56,14 +57,6 @@ WINDOW_POLICIES = ("sliding", "random", "random-early")
 DECODE_SAMPLES = ("x0", "final")
 ODE_SOLVERS = ("euler", "dpm2")
 RATIO_NORMALIZATIONS = ("none", "grpo-guard")
-OBJECTIVES = ("grpo", "nft", "awm", "vgrpo", "neighbor")
-FLOW_MATCHING_OBJECTIVES = ("nft", "awm", "vgrpo")  # train on forward-noised final samples at drawn (t, ε)
-NFT_DECAY_TYPES = (0, 1, 2)
-AWM_WEIGHTINGS = ("uniform", "t", "t2", "ghuber", "huber")
-AWM_TIME_FRACTION = 0.9  # AWM trains at the sampler-grid indices lo … int(0.9·N)−1
-AWM_TIME_TYPES = {"discrete": 0, "discrete_wo_init": 1}  # the authors' time_type → lo (0 includes σ = 1)
-FM_DRAWS = ("auto", "sample", "group")
-FM_TIMESTEP_RULES = ("auto", "random", "stratified")
 
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
@@ -256,43 +249,45 @@ class TrainConfig:
     @property
     def trained_samples_per_rank(self) -> int:
         """What the update trains on per rank: every trajectory, or Neighbor GRPO's B anchors per group."""
-        if self.objective == "neighbor":
-            return self.train_batch_size * min(self.neighbor_anchors, self.num_generations)
-        return self.trajectories_per_rank
+        trained = self._objective_entry().trained_samples
+        return self.trajectories_per_rank if trained is None else trained(self)
 
     @property
     def shares_group_noise(self) -> bool:
         """Whether a group's trajectories start from one noise: with the SDE only (an ODE would repeat the image)."""
-        return self.init_same_noise and self.objective == "grpo"
+        return self.init_same_noise and self._objective_entry().keeps_trajectory
 
     @property
     def trainable_timesteps(self) -> int:
-        """The transitions a trajectory may train on: the SDE window, or N−1 (the last one cannot change the
-        reward, so it never trains). nft, vgrpo: the N sampler timesteps; awm: the grid indices lo … int(0.9·N)−1."""
-        if self.objective in ("nft", "vgrpo"):
-            return self.sampling_steps
-        if self.objective == "awm":
-            return max(int(self.sampling_steps * AWM_TIME_FRACTION) - AWM_TIME_TYPES.get(self.awm_time_type, 1), 0)
-        return self.sde_window or self.sampling_steps - 1
+        """The transitions a trajectory may train on (the objective's catalogue entry): grpo the SDE window, or N−1
+        (the last one cannot change the reward, so it never trains); nft, vgrpo the N sampler timesteps; awm the
+        grid indices lo … int(0.9·N)−1; neighbor the N−1 transitions."""
+        return self._objective_entry().trainable_timesteps(self)
+
+    def _objective_entry(self) -> ObjectiveEntry:
+        """The catalogue entry of ``--objective`` (an unknown name is reported by ``problems``; until then, the
+        sizes are grpo's)."""
+        return CATALOGUE.get(self.objective) or CATALOGUE["grpo"]
 
     @property
     def train_timesteps(self) -> int:
         """T_train = int(trainable·fraction): with DanceGRPO's sampler int((N−1)·fraction); nft/awm: --fm-timesteps
         when set; vgrpo: its N_MC pairs."""
-        if self.objective == "vgrpo":
-            return self.vgrpo_mc_samples
-        if self.objective in ("nft", "awm") and self.fm_timesteps:
+        entry = self._objective_entry()
+        if entry.train_timesteps is not None:
+            return entry.train_timesteps(self)
+        if "fm_timesteps" in entry.options and self.fm_timesteps:
             return self.fm_timesteps
         return int(self.trainable_timesteps * self.timestep_fraction)
 
     @property
     def flow_matching_draws(self) -> tuple[str, str]:
         """(sharing, timestep rule) of nft/awm/vgrpo's (t, ε) draws, ``auto`` resolved to the authors' rules."""
-        sharing = self.fm_draws if self.fm_draws != "auto" else ("group" if self.objective == "vgrpo" else "sample")
-        rule = self.fm_timestep_rule
-        if rule == "auto":
-            rule = "random" if self.objective == "nft" else "stratified"
-        return sharing, rule
+        sharing, rule = self._objective_entry().draws
+        return (
+            sharing if self.fm_draws == "auto" else self.fm_draws,
+            rule if self.fm_timestep_rule == "auto" else self.fm_timestep_rule,
+        )
 
     @property
     def rollout_model_calls(self) -> int:
@@ -443,12 +438,13 @@ class TrainConfig:
         return out
 
     def _objective_problems(self) -> list[str]:
+        """The objective's catalogue entry checks the run; every entry checks its own flags."""
+        if self.objective not in CATALOGUE:
+            return [f"--objective {self.objective!r}: use one of {', '.join(objective_names())}"]
         out = []
-        if self.objective not in OBJECTIVES:
-            out.append(f"--objective {self.objective!r}: use one of {', '.join(OBJECTIVES)}")
-            return out
-        if self.objective != "grpo":
-            grpo_only = [
+        entry = self._objective_entry()
+        if not entry.keeps_trajectory:
+            trajectory_only = [
                 flag
                 for flag, used in (
                     ("--sde-window", self.sde_window != 0),
@@ -457,94 +453,30 @@ class TrainConfig:
                 )
                 if used
             ]
-            if grpo_only:
+            if trajectory_only:
+                keeping = ", ".join(name for name, other in CATALOGUE.items() if other.keeps_trajectory)
                 out.append(
-                    f"{', '.join(grpo_only)}: only --objective grpo has per-step log-probs; --objective "
+                    f"{', '.join(trajectory_only)}: only --objective {keeping} has per-step log-probs; --objective "
                     f"{self.objective} rolls out with the ODE (leave these at their defaults)"
                 )
-        if not self.nft_beta > 0:
-            out.append(f"--nft-beta {self.nft_beta} must be positive")
-        if self.nft_decay_type not in NFT_DECAY_TYPES:
-            out.append(f"--nft-decay-type {self.nft_decay_type}: use one of {', '.join(map(str, NFT_DECAY_TYPES))}")
-        if self.awm_weighting not in AWM_WEIGHTINGS:
-            out.append(f"--awm-weighting {self.awm_weighting!r}: use one of {', '.join(AWM_WEIGHTINGS)}")
-        if not self.awm_ghuber_power > 0:
-            out.append(f"--awm-ghuber-power {self.awm_ghuber_power} must be positive")
-        if not self.awm_ema_beta >= 0:
-            out.append(f"--awm-ema-beta {self.awm_ema_beta} cannot be negative (0 turns the EMA term off)")
-        if self.awm_time_type not in AWM_TIME_TYPES:
-            out.append(f"--awm-time-type {self.awm_time_type!r}: use one of {', '.join(AWM_TIME_TYPES)}")
-        elif self.objective == "awm" and self.sampling_steps >= 1 and self.trainable_timesteps < 1:
-            out.append(
-                f"--objective awm trains at grid indices {AWM_TIME_TYPES[self.awm_time_type]} … int(0.9·N)−1, none "
-                f"with --sampling-steps {self.sampling_steps}: use at least 3"
-            )
-        return out + self._estimator_problems()
+        for other in CATALOGUE.values():
+            out.extend(other.option_problems(self))
+        out.extend(entry.run_problems(self))
+        out.extend(self._ignored_option_problems(entry))
+        return out
 
-    def _estimator_problems(self) -> list[str]:
-        """The variance controls of nft/awm/vgrpo and the options of vgrpo and neighbor: their ranges, and each
-        refused (naming its flag) with an objective that would ignore it."""
-        out = []
-        for flag, value, allowed in (
-            ("--fm-draws", self.fm_draws, FM_DRAWS),
-            ("--fm-timestep-rule", self.fm_timestep_rule, FM_TIMESTEP_RULES),
-        ):
-            if value not in allowed:
-                out.append(f"{flag} {value!r}: use one of {', '.join(allowed)}")
+    def _ignored_option_problems(self, entry: ObjectiveEntry) -> list[str]:
+        """An objective's own flag (``ObjectiveEntry.options``) set off its default for an objective that ignores it."""
         defaults = {f.name: f.default for f in fields(self)}
-        users = {
-            "awm_time_type": ("awm",),
-            "fm_draws": FLOW_MATCHING_OBJECTIVES,
-            "fm_timestep_rule": FLOW_MATCHING_OBJECTIVES,
-            "fm_timesteps": ("nft", "awm"),
-            "vgrpo_mc_samples": ("vgrpo",),
-            "vgrpo_adv_soft_clip": ("vgrpo",),
-            "neighbor_sigma": ("neighbor",),
-            "neighbor_anchors": ("neighbor",),
-            "neighbor_quasi_norm_p": ("neighbor",),
-            "neighbor_temperature": ("neighbor",),
-        }
-        for name, objectives in users.items():
-            if getattr(self, name) != defaults[name] and self.objective not in objectives:
-                out.append(
-                    f"--{_flag(name)} {getattr(self, name)}: --objective {self.objective} ignores it (it applies to "
-                    f"--objective {' or '.join(objectives)}); leave it at its default"
-                )
-        if self.fm_timesteps < 0:
-            out.append(f"--fm-timesteps {self.fm_timesteps} cannot be negative (0: from --timestep-fraction)")
-        elif self.fm_timesteps and self.objective in ("nft", "awm") and self.fm_timesteps > self.trainable_timesteps:
+        out = []
+        for name in dict.fromkeys(option for other in CATALOGUE.values() for option in other.options):
+            if name in entry.options or getattr(self, name) == defaults[name]:
+                continue
+            users = [other.name for other in CATALOGUE.values() if name in other.options]
             out.append(
-                f"--fm-timesteps {self.fm_timesteps}: --objective {self.objective} has only "
-                f"{self.trainable_timesteps} timesteps to train with --sampling-steps {self.sampling_steps}"
+                f"--{_flag(name)} {getattr(self, name)}: --objective {self.objective} ignores it (it applies to "
+                f"--objective {' or '.join(users)}); leave it at its default"
             )
-        if self.vgrpo_mc_samples < 1:
-            out.append(f"--vgrpo-mc-samples {self.vgrpo_mc_samples} must be at least 1 (the authors' N_MC: 4)")
-        elif self.objective == "vgrpo" and self.vgrpo_mc_samples > self.sampling_steps >= 1:
-            out.append(
-                f"--vgrpo-mc-samples {self.vgrpo_mc_samples}: one pair per stratum of the {self.sampling_steps} "
-                "--sampling-steps timesteps at most"
-            )
-        if not self.vgrpo_adv_soft_clip >= 0:
-            out.append(f"--vgrpo-adv-soft-clip {self.vgrpo_adv_soft_clip} cannot be negative (0: off)")
-        if not 0 < self.neighbor_sigma <= 1:
-            out.append(f"--neighbor-sigma {self.neighbor_sigma} must be in (0, 1] (the authors: 0.3)")
-        if not 1 <= self.neighbor_anchors <= max(self.num_generations, 1):
-            out.append(
-                f"--neighbor-anchors {self.neighbor_anchors} must be between 1 and --num-generations "
-                f"{self.num_generations} (the authors: 4 of 12)"
-            )
-        elif self.objective == "neighbor" and self.train_micro_batch_size >= 1:
-            anchors = self.trained_samples_per_rank
-            if anchors % self.train_micro_batch_size:
-                out.append(
-                    f"--train-micro-batch-size {self.train_micro_batch_size} does not divide the {anchors} anchors per "
-                    f"rank (--train-batch-size {self.train_batch_size} × --neighbor-anchors {self.neighbor_anchors}), "
-                    "which the neighbor update trains on"
-                )
-        if not 0 < self.neighbor_quasi_norm_p <= 2:
-            out.append(f"--neighbor-quasi-norm-p {self.neighbor_quasi_norm_p} must be in (0, 2] (the authors: 0.8)")
-        if not self.neighbor_temperature > 0:
-            out.append(f"--neighbor-temperature {self.neighbor_temperature} must be positive")
         return out
 
     def _algorithm_problems(self) -> list[str]:

@@ -3,8 +3,8 @@ of a global batch, both ranks hold identical weights, equal to one rank's step o
 
 A DanceGRPO script once left its model unwrapped, so every rank trained its own copy on its own data with no
 gradient sync (XueZeyue/DanceGRPO#110). Here the model is sharded with the product's ``shard_transformer`` (FSDP2,
-as ``training/parts.py`` does for every run on more than one die) and updated with the product's ``policy_update``
-and optimizer; the control at the end shows the check would fail for an unsynced update.
+as ``training/parts.py`` does for every run on more than one die) and updated through the product's update driver
+(``run_update``) and optimizer; the control at the end shows the check would fail for an unsynced update.
 """
 
 from __future__ import annotations
@@ -48,8 +48,11 @@ def _rows(rollout, start: int, stop: int):
 def _worker() -> None:
     import torch.distributed as dist
     from diffusers import FluxTransformer2DModel
+    from training_helpers import grpo_update, sde_rollout  # tests/ is the script's folder: on sys.path
 
-    from fluxgrpo.grpo import Conditioning, UpdateSettings, generate_rollout, image_ids, policy_update, sigma_schedule
+    from fluxgrpo.grpo.latents import image_ids
+    from fluxgrpo.grpo.schedule import sigma_schedule
+    from fluxgrpo.grpo.types import Conditioning
     from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG
     from fluxgrpo.runtime.dist import shard_transformer
 
@@ -72,7 +75,7 @@ def _worker() -> None:
     cond = Conditioning(torch.randn(GLOBAL_BATCH, 8, 32, generator=generator),
                         torch.randn(GLOBAL_BATCH, 32, generator=generator), torch.zeros(8, 3))  # fmt: skip
     noise = torch.randn(GLOBAL_BATCH, 16, 64, generator=generator)
-    rollout = generate_rollout(
+    rollout = sde_rollout(
         sharded, cond, noise, sigma_schedule(NUM_STEPS, 3.0), eta=0.3, guidance=3.5, img_ids=image_ids(64, 64),
         rollout_batch_size=GLOBAL_BATCH, device_type="cpu", generator=torch.Generator().manual_seed(8),
     )  # fmt: skip
@@ -84,11 +87,11 @@ def _worker() -> None:
         every trainable transition of each (T = N−1), so the split does not change which steps are trained."""
         optimizer = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=1e-4)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-        settings = UpdateSettings(num_train_timesteps=NUM_STEPS - 1, clip_range=1e-4, micro_batch_size=1,
-                                  grad_accum_steps=grad_accum_steps, max_grad_norm=1.0)  # fmt: skip
-        stats = policy_update(
+        stats = grpo_update(
             module, _rows(rollout, rows.start, rows.stop), cond.rows(rows.start, rows.stop), advantages[rows],
-            settings, optimizer, scheduler, device_type="cpu", generator_cpu=torch.Generator().manual_seed(3),
+            optimizer, scheduler, num_train_timesteps=NUM_STEPS - 1, clip_range=1e-4, micro_batch_size=1,
+            grad_accum_steps=grad_accum_steps, max_grad_norm=1.0, device_type="cpu",
+            generator_cpu=torch.Generator().manual_seed(3),
         )  # fmt: skip
         assert stats.optimizer_steps == 1 and stats.skipped_steps == 0, stats
 

@@ -3,6 +3,7 @@ bitwise neutrality of the defaults, and the options refused where an objective w
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -12,8 +13,9 @@ from training_helpers import POOLED_DIM, TEXT_DIM, make_batch
 
 from fluxgrpo.config import TrainConfig
 from fluxgrpo.errors import UsageError
-from fluxgrpo.grpo import image_ids, sigma_schedule
+from fluxgrpo.grpo.latents import image_ids
 from fluxgrpo.grpo.objectives.awm import AwmObjective, AwmSettings, stratified_indices, trainable_range
+from fluxgrpo.grpo.objectives.base import CURRENT_POLICY
 from fluxgrpo.grpo.objectives.draws import group_bounds, indices_per_unit, linspace_strata, random_indices
 from fluxgrpo.grpo.objectives.neighbor import (
     NeighborObjective,
@@ -34,7 +36,8 @@ from fluxgrpo.grpo.objectives.vgrpo import (
 )
 from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.rollout import predict_velocity, sample_final_latents
-from fluxgrpo.grpo.schedule import model_timesteps
+from fluxgrpo.grpo.schedule import model_timesteps, sigma_schedule
+from fluxgrpo.grpo.update import UpdatePass, UpdatePlumbing
 
 NUM_STEPS, GUIDANCE = 8, 3.5
 
@@ -48,6 +51,14 @@ def transformer() -> nn.Module:
     torch.manual_seed(0)
     config = {**TINY_TRANSFORMER_CONFIG, "num_layers": 1, "num_single_layers": 1}
     return FluxTransformer2DModel(**{**config, "joint_attention_dim": TEXT_DIM, "pooled_projection_dim": POOLED_DIM})
+
+
+def update_pass(objective, transformer, samples, cond, advantages, micro_batch_size, grad_accum_steps, seed):
+    """The update driver's pass (``step(m, k)`` is one scaled loss step, as the update takes it)."""
+    return UpdatePass(
+        transformer, objective, samples, cond, advantages, UpdatePlumbing(micro_batch_size, grad_accum_steps, 1.0),
+        device_type="cpu", generator_cpu=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
 
 
 def rollout_of(transformer: nn.Module, rows: int, keep_path: bool = False, seed: int = 0):
@@ -65,20 +76,16 @@ def rollout_of(transformer: nn.Module, rows: int, keep_path: bool = False, seed:
 def test_nft_and_awm_default_draws_are_the_previous_code_bitwise(transformer):
     cond, _, samples = rollout_of(transformer, 4)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    nft = NftObjective(
-        NftSettings(num_train_timesteps=3, micro_batch_size=2, grad_accum_steps=2), PolicyCopy(transformer)
-    )
-    work = nft.prepare(transformer, samples, cond, advantages, device_type="cpu",
-                       generator_cpu=torch.Generator().manual_seed(5))  # fmt: skip
+    nft = NftObjective(NftSettings(num_train_timesteps=3), PolicyCopy(transformer))
+    work = update_pass(nft, transformer, samples, cond, advantages, 2, 2, seed=5).work
     # The code before the options: a permutation per sample, then the noise, from one generator.
     generator = torch.Generator().manual_seed(5)
     indices = torch.stack([torch.randperm(NUM_STEPS, generator=generator)[:3] for _ in range(4)])
     noise = torch.randn((4, 3, 16, 64), generator=generator, dtype=torch.float32)
     assert torch.equal(work.train_timestep_indices, indices) and torch.equal(work.batch.noise, noise)
 
-    awm = AwmObjective(AwmSettings(num_train_timesteps=3, micro_batch_size=2, grad_accum_steps=2))
-    work = awm.prepare(transformer, samples, cond, advantages, device_type="cpu",
-                       generator_cpu=torch.Generator().manual_seed(6))  # fmt: skip
+    awm = AwmObjective(AwmSettings(num_train_timesteps=3))
+    work = update_pass(awm, transformer, samples, cond, advantages, 2, 2, seed=6).work
     generator = torch.Generator().manual_seed(6)
     grid = range(1, int(NUM_STEPS * 0.9))
     rows = []
@@ -92,11 +99,9 @@ def test_nft_and_awm_default_draws_are_the_previous_code_bitwise(transformer):
 
 def test_group_shared_draws_are_one_set_per_group(transformer):
     cond, _, samples = rollout_of(transformer, 4)
-    settings = NftSettings(num_train_timesteps=3, micro_batch_size=1, grad_accum_steps=4, sharing="group",
-                           timestep_rule="stratified", group_size=2)  # fmt: skip
+    settings = NftSettings(num_train_timesteps=3, sharing="group", timestep_rule="stratified", group_size=2)
     nft = NftObjective(settings, PolicyCopy(transformer))
-    work = nft.prepare(transformer, samples, cond, torch.ones(4), device_type="cpu",
-                       generator_cpu=torch.Generator().manual_seed(1))  # fmt: skip
+    work = update_pass(nft, transformer, samples, cond, torch.ones(4), 1, 4, seed=1).work
     indices, noise = work.train_timestep_indices, work.batch.noise
     for first in (0, 2):  # within a group: the same (t, ε)
         assert torch.equal(indices[first], indices[first + 1]) and torch.equal(noise[first], noise[first + 1])
@@ -201,31 +206,29 @@ def authors_vgrpo_loss(transformer, samples, cond, indices, noise, advantages, o
 def test_vgrpo_loss_is_the_authors_on_and_off_policy(transformer):
     cond, _, samples = rollout_of(transformer, 4)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    settings = VgrpoSettings(num_mc=3, micro_batch_size=4, grad_accum_steps=1, group_size=2, clip_range=0.01)
-    work = VgrpoObjective(settings).prepare(transformer, samples, cond, advantages, device_type="cpu",
-                                            generator_cpu=torch.Generator().manual_seed(2))  # fmt: skip
+    objective = VgrpoObjective(VgrpoSettings(num_mc=3, group_size=2, clip_range=0.01))
+    update = update_pass(objective, transformer, samples, cond, advantages, 4, 1, seed=2)
+    work = update.work
     indices, noise = work.train_timestep_indices, work.batch.noise
     assert torch.equal(indices[0], indices[1]) and torch.equal(noise[2], noise[3])  # group-shared by default
     for column in range(3):  # tensor_split(0…7, 3) = [0,1,2], [3,4,5], [6,7]
         assert indices[:, column].min() >= (0, 3, 6)[column] and indices[:, column].max() <= (2, 5, 7)[column]
-    step = work.loss(0, 0)
+    step = update.step(0, 0)  # one micro-batch, GA 1: the loss scale 1/(GA·slots) is 1
     with torch.no_grad():
         _, on_policy = authors_vgrpo_loss(transformer, samples, cond, indices, noise, advantages,
                                           torch.zeros(4, 3), 0.01)  # fmt: skip
     expected, _ = authors_vgrpo_loss(transformer, samples, cond, indices, noise, advantages, on_policy, 0.01)
     assert torch.allclose(step.loss, expected, atol=1e-6) and torch.allclose(step.loss, -advantages.mean())
     # Off-policy (two micro-batches, GA 1: the second comes after an optimizer step): the old surrogates are the
-    # pre-update weights', the current ones a moved policy's.
-    settings = VgrpoSettings(num_mc=3, micro_batch_size=2, grad_accum_steps=1, group_size=2, clip_range=0.01)
-    off_work = VgrpoObjective(settings).prepare(transformer, samples, cond, advantages, device_type="cpu",
-                                                generator_cpu=torch.Generator().manual_seed(2))  # fmt: skip
-    assert off_work.old_log_probs is not None
-    moved = nudged(transformer)
-    off_work.transformer = moved
-    got = off_work.loss(1, 0)
+    # pre-update weights' (the driver's precomputed forward), the current ones a moved policy's.
+    policy = copy.deepcopy(transformer)
+    off = update_pass(objective, policy, samples, cond, advantages, 2, 1, seed=2)
+    assert CURRENT_POLICY in off.precomputed
+    moved = nudge_in_place(policy)
+    got = off.step(1, 0)
     rows = slice(2, 4)
     part, part_cond = rows_of(samples, rows), cond.rows(2, 4)
-    part_indices, part_noise = off_work.train_timestep_indices[rows], off_work.batch.noise[rows]
+    part_indices, part_noise = off.work.train_timestep_indices[rows], off.work.batch.noise[rows]
     with torch.no_grad():
         _, old = authors_vgrpo_loss(transformer, part, part_cond, part_indices, part_noise, advantages[rows],
                                     torch.zeros(2, 3), 0.01)  # fmt: skip
@@ -233,15 +236,12 @@ def test_vgrpo_loss_is_the_authors_on_and_off_policy(transformer):
     assert torch.allclose(got.loss, expected, atol=1e-6) and got.metrics["ratio_max"] != 1.0
 
 
-def nudged(module: nn.Module, scale: float = 0.05) -> nn.Module:
-    import copy
-
-    moved = copy.deepcopy(module)
+def nudge_in_place(module: nn.Module, scale: float = 0.05) -> nn.Module:
     generator = torch.Generator().manual_seed(11)
     with torch.no_grad():
-        for parameter in moved.parameters():
+        for parameter in module.parameters():
             parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
-    return moved
+    return module
 
 
 def rows_of(samples, rows: slice):
@@ -290,13 +290,13 @@ def test_neighbor_path_rollout_keeps_the_grid_and_changes_nothing_else(transform
 def test_neighbor_work_trains_anchors_against_their_group(transformer):
     cond, _, samples = rollout_of(transformer, 4, keep_path=True)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    settings = NeighborSettings(num_train_timesteps=2, num_anchors=1, group_size=2, micro_batch_size=1,
-                                grad_accum_steps=1, clip_range=0.01, temperature=1.0)  # fmt: skip
-    work = NeighborObjective(settings).prepare(transformer, samples, cond, advantages, device_type="cpu",
-                                               generator_cpu=torch.Generator().manual_seed(4))  # fmt: skip
+    settings = NeighborSettings(num_train_timesteps=2, num_anchors=1, group_size=2, clip_range=0.01)
+    update = update_pass(NeighborObjective(settings), transformer, samples, cond, advantages, 1, 1, seed=4)
+    work = update.work
+    assert update.layout.num_micro_batches == 2  # the micro-batches cut the 2 anchors, not the 4 trajectories
     assert work.anchor_rows.tolist()[0] in (0, 1) and work.anchor_rows.tolist()[1] in (2, 3)
-    assert work.old_log_probs is not None and work.old_log_probs.shape == (2, 2, 2)
-    first = work.loss(0, 0)  # on-policy: ρ = 1, loss = −mean_i A'_i / (GA·K) = 0 (centred)
+    assert CURRENT_POLICY in update.precomputed  # GA 1: the second anchor's step is off-policy
+    first = update.step(0, 0)  # on-policy: ρ = 1
     assert first.metrics["ratio_min"] == 1.0 and first.metrics["ratio_max"] == 1.0
     # By hand for anchor k at transition j: one Euler step of the module, softmax over the group's next latents.
     k, j = int(work.anchor_rows[0]), int(work.train_timestep_indices[0, 0])
@@ -307,7 +307,8 @@ def test_neighbor_work_trains_anchors_against_their_group(transformer):
                              torch.full((1,), GUIDANCE), samples.img_ids, "cpu")  # fmt: skip
     x_theta = x + (sigmas[j + 1] - sigmas[j]) * v
     distances = ((samples.path[0:2, j + 1] - x_theta) ** 2).sum(dim=(1, 2))
-    assert torch.allclose(work.old_log_probs[0, 0], torch.log_softmax(-distances, dim=0), atol=1e-5)
+    old = work._log_probs(update.precomputed[CURRENT_POLICY][0][0], 0, 1, 0)
+    assert torch.allclose(old[0], torch.log_softmax(-distances, dim=0), atol=1e-5)
 
 
 # --- options refused where an objective ignores them ----------------------------------------------------------------

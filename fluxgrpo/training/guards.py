@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import UsageError
+from fluxgrpo.grpo.objectives.catalogue import CATALOGUE, objective_entry
 
 GUARD_ACTIONS = ("warn", "stop")
 GUARD_STOP_EXIT_CODE = 3
@@ -198,9 +199,10 @@ def guard_problems(cfg: Any) -> list[str]:
             f"--keep-best {best!r}: use an evaluated reward ({', '.join(evaluated)}; add others with --eval-rewards), "
             "diversity, or its eval_… key"
         )
-    if cfg.objective != "grpo" and "velocity_norm_ratio" in {rule.name for rule in rules}:
+    refused = set(objective_entry(cfg.objective).refused_guards) if cfg.objective in CATALOGUE else set()
+    for name in sorted(refused & {rule.name for rule in rules}):
         out.append(
-            f"velocity_norm_ratio is measured on the SDE trajectory's trained steps, which --objective {cfg.objective} "
+            f"{name} is measured on the SDE trajectory's trained steps, which --objective {cfg.objective} "
             "does not keep (its probe reports NaN): guard diversity, group_spread or an evaluated reward instead"
         )
     if DIVERSITY in {rule.name for rule in rules} | {best}:

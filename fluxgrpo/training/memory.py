@@ -162,8 +162,10 @@ class RunShape:
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, dies: int, compute_bytes: int = 2, **extra: Any) -> RunShape:
-        from fluxgrpo.training.settings import policy_copy_names
+        from fluxgrpo.grpo.objectives.catalogue import objective_entry
 
+        objective = objective_entry(cfg.objective)
+        rows = objective.rows_per_forward(cfg) if objective.rows_per_forward is not None else 1
         return cls(
             dies=dies,
             height=cfg.height,
@@ -171,18 +173,14 @@ class RunShape:
             sampling_steps=cfg.sampling_steps,
             trajectories_per_rank=cfg.trajectories_per_rank,
             rollout_batch_size=cfg.rollout_batch_size,
-            # vgrpo's N_MC pairs of a micro-batch are one batched forward
-            train_micro_batch_size=cfg.train_micro_batch_size
-            * (cfg.vgrpo_mc_samples if cfg.objective == "vgrpo" else 1),
+            train_micro_batch_size=cfg.train_micro_batch_size * rows,  # vgrpo's N_MC pairs are one batched forward
             gradient_checkpointing=cfg.gradient_checkpointing,
             cpu_offload=cfg.cpu_offload,
             use_ema=cfg.use_ema,
             reward=cfg.reward,
             frozen_reference=cfg.kl_beta > 0 and cfg.lora_rank == 0,
-            policy_copies=len(policy_copy_names(cfg)),
-            objective_latents=0
-            if cfg.objective in ("grpo", "neighbor")  # neighbor's path is the rollout term's trajectory
-            else cfg.trajectories_per_rank * cfg.train_timesteps * (1 + len(policy_copy_names(cfg))),
+            policy_copies=len(objective.policy_copies(cfg)),
+            objective_latents=objective.update_latents(cfg),
             reward_bytes=2 if cfg.reward_dtype == "bf16" else 4,
             compute_bytes=compute_bytes,
             eval_rewards=_eval_only_reward_models(cfg),

@@ -15,9 +15,10 @@ surrogate "leaping" policy over the G candidates is the softmax of the negative 
     A'_i = A_i / (Σ_k |A_k|^p)^{1/p}                                    (Eq. 11, per group; p = 0.8)
     loss = mean_i max(−A'_i·ρ_i, −A'_i·clip(ρ_i, 1±ε)),  ρ_i = π_θ(i) / π_old(i)    (Eq. 9)
 
-scaled by 1/(GA·K); with β_KL > 0 plus β_KL·mean((v − v_ref)²) at the anchor. On the first GA micro-batches
-π_old = π_θ.detach() (ρ = 1: the weights are the rollout's); later micro-batches use π_old computed with the
-pre-update weights before the first optimizer step. The gradient of log π_i is (2/τ)·(x^(i) − E_π[x])·∇x^θ: with
+scaled by 1/(GA·K); with β_KL > 0 plus β_KL·mean((v − v_ref)²) at the anchor. The update's micro-batches cut the
+anchors (``update_size``). On the first GA micro-batches π_old = π_θ.detach() (ρ = 1: the weights are the
+rollout's); later micro-batches use π_old of the velocities the update driver computes with the pre-update weights
+before the first optimizer step. The gradient of log π_i is (2/τ)·(x^(i) − E_π[x])·∇x^θ: with
 centred advantages the anchor's step moves towards the high-advantage candidates and away from the low ones.
 """
 
@@ -25,19 +26,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from fluxgrpo.grpo.objectives.base import Metric, StepResult
-from fluxgrpo.grpo.objectives.grpo import micro_batch_bounds
-from fluxgrpo.grpo.reference import ReferenceModel
-from fluxgrpo.grpo.rollout import predict_velocity
+from fluxgrpo.grpo.objectives.base import CURRENT_POLICY, Metric, ModelInput, StepLoss, UpdateLayout, UpdateStep
+from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.schedule import model_timesteps
-from fluxgrpo.grpo.types import Conditioning, FinalSamples
+from fluxgrpo.grpo.types import FinalSamples
 
 NEIGHBOR_METRICS = {
-    "loss_sum": Metric("loss", "sum"),
     "policy_loss": Metric("policy_loss", "mean"),
     "ratio_mean": Metric("ratio_mean", "mean"),  # mean over the G candidates, per anchor
     "ratio_min": Metric("ratio_min", "min"),
@@ -84,44 +83,50 @@ class NeighborSettings:
     num_train_timesteps: int  # K of the N−1 transitions per anchor (int((N−1)·timestep_fraction))
     num_anchors: int  # neighbor_anchors: B of the G candidates per group
     group_size: int  # num_generations
-    micro_batch_size: int  # anchors per training forward
-    grad_accum_steps: int
     clip_range: float = 1e-4  # clip_range
     quasi_norm_power: float = 0.8  # neighbor_quasi_norm_p
     temperature: float = 1.0  # neighbor_temperature
     kl_beta: float = 0.0  # kl_beta: weight of mean((v − v_ref)²) at the anchor
-    compute_dtype: torch.dtype | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> NeighborSettings:
+        return cls(
+            num_train_timesteps=cfg.train_timesteps, num_anchors=cfg.neighbor_anchors, group_size=cfg.num_generations,
+            clip_range=cfg.clip_range, quasi_norm_power=cfg.neighbor_quasi_norm_p,
+            temperature=cfg.neighbor_temperature, kl_beta=cfg.kl_beta,
+        )  # fmt: skip
 
 
 class NeighborObjective:
     name = "neighbor"
     keeps_trajectory = False
+    keeps_step_means = False
     keeps_ode_path = True  # the rollout keeps every candidate's latents on the σ grid
     metrics = NEIGHBOR_METRICS
     progress = NEIGHBOR_PROGRESS
 
-    def __init__(self, settings: NeighborSettings, reference: ReferenceModel | None = None) -> None:
-        if settings.kl_beta > 0 and reference is None:
-            raise ValueError("kl_beta > 0 needs a reference model")
+    def __init__(self, settings: NeighborSettings) -> None:
         if not 1 <= settings.num_anchors <= settings.group_size:
             raise ValueError(f"{settings.num_anchors} anchors of a group of {settings.group_size}")
-        self.settings, self.reference = settings, reference
+        self.settings = settings
+        self.policy_copies: dict[str, PolicyCopy] = {}
+
+    @classmethod
+    def from_config(cls, cfg: Any, policy_copies: dict[str, PolicyCopy]) -> NeighborObjective:
+        return cls(NeighborSettings.from_config(cfg))
+
+    def update_size(self, rollout: FinalSamples) -> int:
+        """The anchors the update trains: B per group."""
+        return rollout.num_trajectories // self.settings.group_size * self.settings.num_anchors
 
     def rollout_policy(self) -> None:
         """Rollouts sample with the current policy."""
         return None
 
     def prepare(
-        self,
-        transformer: nn.Module,
-        rollout: FinalSamples,
-        cond: Conditioning,
-        advantages: torch.Tensor,
-        *,
-        device_type: str,
-        generator_cpu: torch.Generator,
+        self, rollout: FinalSamples, advantages: torch.Tensor, layout: UpdateLayout, generator_cpu: torch.Generator
     ) -> NeighborWork:
-        return NeighborWork(self, transformer, rollout, cond, advantages, device_type, generator_cpu)
+        return NeighborWork(self.settings, rollout, advantages, layout, generator_cpu)
 
     def finish(self, transformer: nn.Module, optimizer_steps: int) -> None:
         """Nothing to update: π_old is the next rollout's weights."""
@@ -130,24 +135,23 @@ class NeighborObjective:
 class NeighborWork:
     def __init__(
         self,
-        objective: NeighborObjective,
-        transformer: nn.Module,
+        settings: NeighborSettings,
         rollout: FinalSamples,
-        cond: Conditioning,
         advantages: torch.Tensor,
-        device_type: str,
+        layout: UpdateLayout,
         generator_cpu: torch.Generator,
     ) -> None:
-        settings = objective.settings
         num_samples, num_steps, self.slots = rollout.num_trajectories, rollout.num_steps, settings.num_train_timesteps
         group_size = settings.group_size
-        if advantages.shape != (num_samples,) or cond.num_rows != num_samples or num_samples % group_size:
-            raise ValueError(f"advantages {tuple(advantages.shape)} and {cond.num_rows} rows for {num_samples} samples")
+        if num_samples % group_size:
+            raise ValueError(f"{num_samples} samples do not split into groups of {group_size}")
         if rollout.path is None:
             raise ValueError("Neighbor GRPO trains on the candidates' ODE paths: roll out with keep_path")
         if not 1 <= self.slots <= num_steps - 1:
             raise ValueError(f"cannot train {self.slots} of the {num_steps - 1} transitions")
-        device = cond.prompt_embeds.device
+        self.settings, self.layout = settings, layout
+        self.wants_reference = settings.kl_beta > 0
+        device = advantages.device
         # B anchors per group (a random subset), each trained at K random transitions: CPU draws, in this order.
         anchors = [
             start + torch.randperm(group_size, generator=generator_cpu)[: settings.num_anchors]
@@ -159,93 +163,55 @@ class NeighborWork:
         )  # [A, K] transitions j → j+1
         self.path = rollout.path.to(device=device, dtype=torch.float32)  # [B, N+1, L, C]
         self.sigmas = rollout.sigmas.to(device=device, dtype=torch.float32)
-        self.guidance = torch.full((num_samples,), rollout.guidance, dtype=torch.float32, device=device)
-        self.img_ids = rollout.img_ids.to(device)
-        reweighted = quasi_norm_advantages(
-            advantages.to(device=device, dtype=torch.float32), group_size, settings.quasi_norm_power
-        )
+        reweighted = quasi_norm_advantages(advantages, group_size, settings.quasi_norm_power)
         self.group_advantages = reweighted.reshape(-1, group_size)  # [P, G]
-        self.bounds = micro_batch_bounds(len(self.anchor_rows), settings.micro_batch_size)
-        self.num_micro_batches = len(self.bounds)
-        self.objective, self.transformer, self.cond, self.device_type = objective, transformer, cond, device_type
-        self.loss_scale = 1.0 / (settings.grad_accum_steps * self.slots)
         # Off-policy micro-batches (after the first optimizer step) need π_old under the weights before it.
-        self.old_log_probs: torch.Tensor | None = None
-        if self.num_micro_batches > settings.grad_accum_steps:
-            with torch.no_grad():
-                self.old_log_probs = torch.stack(
-                    [
-                        torch.cat([self._forward(transformer, start, stop, slot)[0] for start, stop in self.bounds])
-                        for slot in range(self.slots)
-                    ],
-                    dim=1,
-                )  # [A, K, G]
+        self.precomputed_forwards = (CURRENT_POLICY,) if layout.num_micro_batches > layout.grad_accum_steps else ()
 
-    def _forward(
-        self, module: nn.Module, start: int, stop: int, slot: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(log π [m, G], velocity [m, L, C] fp32, x^(k)_j [m, L, C]) of anchors start…stop−1 at their slot-th
-        transition, under ``module``."""
-        rows = self.anchor_rows[start:stop]
-        steps = self.train_timestep_indices[start:stop, slot]
+    def model_input(self, start: int, stop: int, slot: int) -> ModelInput:
+        """The anchors start…stop−1 at their slot-th transition: x^(k)_j, σ_j, their conditioning rows."""
+        rows, steps = self._rows_and_steps(start, stop, slot)
+        return ModelInput(self.path[rows, steps], model_timesteps(self.sigmas[steps]), self.anchor_rows[start:stop])
+
+    def _rows_and_steps(self, start: int, stop: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.path.device
-        rows_d, steps_d = rows.to(device), steps.to(device)
-        x = self.path[rows_d, steps_d]
-        sigma, sigma_next = self.sigmas[steps_d], self.sigmas[steps_d + 1]
-        settings = self.objective.settings
-        velocity = predict_velocity(
-            module, x, _gather_rows(self.cond, rows), model_timesteps(sigma), self.guidance[rows_d], self.img_ids,
-            self.device_type, settings.compute_dtype,
-        ).to(torch.float32)  # fmt: skip
-        step = (sigma_next - sigma).reshape(-1, *([1] * (x.ndim - 1)))
-        prediction = x + step * velocity
-        group_start = (rows_d // settings.group_size) * settings.group_size
-        members = group_start.unsqueeze(1) + torch.arange(settings.group_size, device=device)  # [m, G]
-        candidates = self.path[members, (steps_d + 1).unsqueeze(1)]  # [m, G, L, C]
-        return leap_log_probs(candidates, prediction, settings.temperature), velocity, x
+        return self.anchor_rows[start:stop].to(device), self.train_timestep_indices[start:stop, slot].to(device)
 
-    def loss(self, micro_index: int, slot: int) -> StepResult:
-        settings = self.objective.settings
-        start, stop = self.bounds[micro_index]
-        log_probs, velocity, x = self._forward(self.transformer, start, stop, slot)
-        if micro_index < settings.grad_accum_steps or self.old_log_probs is None:
+    def _log_probs(self, velocity: torch.Tensor, start: int, stop: int, slot: int) -> torch.Tensor:
+        """[m, G] log π over each anchor's group after one Euler step of ``velocity`` [m, L, C] from x^(k)_j."""
+        rows, steps = self._rows_and_steps(start, stop, slot)
+        x = self.path[rows, steps]
+        step = (self.sigmas[steps + 1] - self.sigmas[steps]).reshape(-1, *([1] * (x.ndim - 1)))
+        prediction = x + step * velocity
+        group_size = self.settings.group_size
+        members = ((rows // group_size) * group_size).unsqueeze(1) + torch.arange(group_size, device=rows.device)
+        candidates = self.path[members, (steps + 1).unsqueeze(1)]  # [m, G, L, C]
+        return leap_log_probs(candidates, prediction, self.settings.temperature)
+
+    def loss(self, step: UpdateStep) -> StepLoss:
+        settings, start, stop, slot = self.settings, step.start, step.stop, step.slot
+        velocity = step.velocity.to(torch.float32)
+        log_probs = self._log_probs(velocity, start, stop, slot)
+        if self.layout.before_first_optimizer_step(step.micro_index) or CURRENT_POLICY not in step.precomputed:
             old_log_probs = log_probs.detach()  # on-policy: ρ = 1
         else:
-            old_log_probs = self.old_log_probs[start:stop, slot]
+            old_log_probs = self._log_probs(step.precomputed[CURRENT_POLICY], start, stop, slot)
         rows = self.anchor_rows[start:stop].to(self.path.device)
         advantages = self.group_advantages[rows // settings.group_size]  # [m, G]
         policy, ratio = neighbor_policy_loss(log_probs, old_log_probs, advantages, settings.clip_range)
         loss = policy.mean()
         metrics: dict[str, object] = {}
-        if settings.kl_beta > 0:
-            reference = self.objective.reference
-            assert reference is not None  # checked on construction
-            steps = self.train_timestep_indices[start:stop, slot].to(self.path.device)
-            reference_velocity = reference.reference_prediction(
-                x, _gather_rows(self.cond, self.anchor_rows[start:stop]), model_timesteps(self.sigmas[steps]),
-                self.guidance[rows], self.img_ids, self.device_type, settings.compute_dtype,
-            ).to(torch.float32)  # fmt: skip
-            kl = ((velocity - reference_velocity) ** 2).mean(dim=tuple(range(1, velocity.ndim)))
+        if step.reference_velocity is not None:
+            kl = ((velocity - step.reference_velocity.to(torch.float32)) ** 2).mean(dim=tuple(range(1, velocity.ndim)))
             loss = loss + settings.kl_beta * kl.mean()
             metrics["kl_mean"] = kl.detach().sum()
-        loss = loss * self.loss_scale
         detached = ratio.detach().float()
         probs = log_probs.detach().exp()
         metrics.update(
-            loss_sum=loss.detach().float(),
             policy_loss=policy.detach().float().sum(),
             ratio_mean=detached.mean(dim=1).sum(),
             ratio_min=detached.min(),
             ratio_max=detached.max(),
             leap_entropy=-(probs * log_probs.detach()).sum(dim=1).float().sum(),
         )
-        return StepResult(loss=loss, metrics=metrics, num_samples=stop - start)
-
-
-def _gather_rows(cond: Conditioning, rows: torch.Tensor) -> Conditioning:
-    """The conditioning of the given rows (any order, repeats allowed)."""
-    index = rows.to(cond.prompt_embeds.device)
-    captions = None if cond.captions is None else tuple(cond.captions[int(r)] for r in rows)
-    return Conditioning(
-        prompt_embeds=cond.prompt_embeds[index], pooled=cond.pooled[index], text_ids=cond.text_ids, captions=captions
-    )
+        return StepLoss((loss,), metrics)

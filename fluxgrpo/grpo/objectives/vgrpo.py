@@ -15,26 +15,25 @@ micro-batch go through the transformer as one batch (the authors' ``repeat_inter
 the mean over all pairs, as theirs, and one update step is one ``loss`` call (``slots`` = 1).
 
 On the first GA micro-batches lp_old = lp.detach() (ρ = 1: the weights have not moved since the rollout, so this is
-θ_old's value); later micro-batches use lp_old computed with the pre-update weights before the first optimizer step.
+θ_old's value); later micro-batches use lp_old of the velocities the update driver computes with the pre-update
+weights before the first optimizer step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from fluxgrpo.grpo.objectives.base import Metric, StepResult
+from fluxgrpo.grpo.objectives.base import CURRENT_POLICY, Metric, ModelInput, StepLoss, UpdateLayout, UpdateStep
 from fluxgrpo.grpo.objectives.draws import group_bounds, indices_per_unit, random_indices, sample_bounds
-from fluxgrpo.grpo.objectives.grpo import micro_batch_bounds
 from fluxgrpo.grpo.objectives.nft import FlowMatchingBatch
-from fluxgrpo.grpo.reference import ReferenceModel
-from fluxgrpo.grpo.rollout import predict_velocity
-from fluxgrpo.grpo.types import Conditioning, FinalSamples
+from fluxgrpo.grpo.policy_copy import PolicyCopy
+from fluxgrpo.grpo.types import FinalSamples
 
 VGRPO_METRICS = {
-    "loss_sum": Metric("loss", "sum"),
     "policy_loss": Metric("policy_loss", "mean"),
     "ratio_mean": Metric("ratio_mean", "mean"),
     "ratio_min": Metric("ratio_min", "min"),
@@ -81,45 +80,47 @@ class VgrpoSettings:
     """V-GRPO's hyperparameters (``TrainConfig``'s names in the comments)."""
 
     num_mc: int  # vgrpo_mc_samples: the (t, ε) pairs per sample
-    micro_batch_size: int
-    grad_accum_steps: int
     group_size: int  # num_generations: the rows a group-shared draw covers
     clip_range: float = 6e-3  # clip_range: the ratio clip ε (the paper: 6e-3 … 1e-2)
     adv_soft_clip: float = 0.0  # vgrpo_adv_soft_clip: η of η·tanh(A/η) (0: off)
     kl_beta: float = 0.0  # kl_beta: weight of mean((v − v_ref)²)
     sharing: str = "group"  # fm_draws
     timestep_rule: str = "stratified"  # fm_timestep_rule
-    compute_dtype: torch.dtype | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> VgrpoSettings:
+        sharing, timestep_rule = cfg.flow_matching_draws
+        return cls(
+            num_mc=cfg.vgrpo_mc_samples, group_size=cfg.num_generations, clip_range=cfg.clip_range,
+            adv_soft_clip=cfg.vgrpo_adv_soft_clip, kl_beta=cfg.kl_beta, sharing=sharing, timestep_rule=timestep_rule,
+        )  # fmt: skip
 
 
 class VgrpoObjective:
     name = "vgrpo"
     keeps_trajectory = False
+    keeps_step_means = False
     metrics = VGRPO_METRICS
     progress = VGRPO_PROGRESS
 
-    def __init__(self, settings: VgrpoSettings, reference: ReferenceModel | None = None) -> None:
-        if settings.kl_beta > 0 and reference is None:
-            raise ValueError("kl_beta > 0 needs a reference model")
+    def __init__(self, settings: VgrpoSettings) -> None:
         if settings.num_mc < 1:
             raise ValueError(f"V-GRPO needs at least one (t, ε) pair per sample, not {settings.num_mc}")
-        self.settings, self.reference = settings, reference
+        self.settings = settings
+        self.policy_copies: dict[str, PolicyCopy] = {}
+
+    @classmethod
+    def from_config(cls, cfg: Any, policy_copies: dict[str, PolicyCopy]) -> VgrpoObjective:
+        return cls(VgrpoSettings.from_config(cfg))
 
     def rollout_policy(self) -> None:
         """Rollouts sample with the current policy (θ_old is the weights at rollout time)."""
         return None
 
     def prepare(
-        self,
-        transformer: nn.Module,
-        rollout: FinalSamples,
-        cond: Conditioning,
-        advantages: torch.Tensor,
-        *,
-        device_type: str,
-        generator_cpu: torch.Generator,
+        self, rollout: FinalSamples, advantages: torch.Tensor, layout: UpdateLayout, generator_cpu: torch.Generator
     ) -> VgrpoWork:
-        return VgrpoWork(self, transformer, rollout, cond, advantages, device_type, generator_cpu)
+        return VgrpoWork(self.settings, rollout, advantages, layout, generator_cpu)
 
     def finish(self, transformer: nn.Module, optimizer_steps: int) -> None:
         """Nothing to update: θ_old is the next rollout's weights."""
@@ -130,94 +131,70 @@ class VgrpoWork:
 
     def __init__(
         self,
-        objective: VgrpoObjective,
-        transformer: nn.Module,
+        settings: VgrpoSettings,
         rollout: FinalSamples,
-        cond: Conditioning,
         advantages: torch.Tensor,
-        device_type: str,
+        layout: UpdateLayout,
         generator_cpu: torch.Generator,
     ) -> None:
-        settings = objective.settings
         num_samples, num_steps = rollout.num_trajectories, rollout.num_steps
-        if advantages.shape != (num_samples,) or cond.num_rows != num_samples:
-            raise ValueError(f"advantages {tuple(advantages.shape)} and {cond.num_rows} rows for {num_samples} samples")
         if not 1 <= settings.num_mc <= num_steps:
             raise ValueError(f"cannot draw {settings.num_mc} (t, ε) pairs from the sampler's {num_steps} timesteps")
-        device = cond.prompt_embeds.device
+        self.settings, self.layout = settings, layout
+        self.wants_reference = settings.kl_beta > 0
         shared = settings.sharing == "group"
         units = group_bounds(num_samples, settings.group_size) if shared else sample_bounds(num_samples)
         draw = tensor_split_strata if settings.timestep_rule == "stratified" else random_indices
         # The sampler's N timesteps σ_0 … σ_{N−1} (σ_N = 0 would noise nothing).
         self.train_timestep_indices = indices_per_unit(units, draw, range(num_steps), settings.num_mc, generator_cpu)
         self.batch = FlowMatchingBatch(
-            rollout, self.train_timestep_indices, generator_cpu, device, settings.group_size if shared else 1
+            rollout, self.train_timestep_indices, generator_cpu, advantages.device, settings.group_size if shared else 1
         )
-        self.bounds = micro_batch_bounds(num_samples, settings.micro_batch_size)
-        self.num_micro_batches = len(self.bounds)
-        self.advantages = soft_clipped(advantages.to(device=device, dtype=torch.float32), settings.adv_soft_clip)
-        self.objective, self.transformer, self.cond, self.device_type = objective, transformer, cond, device_type
-        self.loss_scale = 1.0 / settings.grad_accum_steps
+        self.advantages = soft_clipped(advantages, settings.adv_soft_clip)
         # Off-policy micro-batches (after the first optimizer step) need lp under the weights before it.
-        self.old_log_probs: torch.Tensor | None = None
-        if self.num_micro_batches > settings.grad_accum_steps:
-            with torch.no_grad():
-                self.old_log_probs = torch.cat(
-                    [self._forward(transformer, start, stop)[0] for start, stop in self.bounds]
-                )
+        self.precomputed_forwards = (CURRENT_POLICY,) if layout.num_micro_batches > layout.grad_accum_steps else ()
+
+    def model_input(self, start: int, stop: int, slot: int) -> ModelInput:
+        """Samples start…stop−1 at all their K pairs, sample-major (the authors' ``repeat_interleave``)."""
+        z, _, _ = self._noised(start, stop)
+        rows = torch.arange(start, stop).repeat_interleave(self.settings.num_mc)
+        return ModelInput(z, self.batch.fed[start:stop].reshape(-1), rows)
 
     def _noised(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(z [m·K, L, C], t [m·K], o [m·K, L, C]) for samples start…stop−1 at all their K pairs, sample-major."""
-        batch, count = self.batch, self.objective.settings.num_mc
+        """(z [m·K, L, C], t [m·K], o [m·K, L, C]) for samples start…stop−1 at all their K pairs."""
+        batch, count = self.batch, self.settings.num_mc
         x0 = batch.x0[start:stop].repeat_interleave(count, dim=0)
         t = batch.t[start:stop].reshape(-1)
         noise = batch.noise[start:stop].flatten(0, 1)
         t_b = t.reshape(-1, *([1] * (x0.ndim - 1)))
         return (1 - t_b) * x0 + t_b * noise, t, x0
 
-    def _forward(self, module: nn.Module, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(lp [m], velocity [m·K, L, C] fp32, z) of ``module`` for samples start…stop−1."""
-        settings, batch = self.objective.settings, self.batch
-        count = settings.num_mc
+    def _log_prob(self, velocity: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """[m] lp: the mean over the K pairs of the self-normalised surrogate of ``velocity`` [m·K, L, C]."""
         z, t, x0 = self._noised(start, stop)
-        velocity = predict_velocity(
-            module, z, self.cond.rows(start, stop).repeat_interleave(count), batch.fed[start:stop].reshape(-1),
-            batch.guidance[start:stop].repeat_interleave(count), batch.img_ids, self.device_type,
-            settings.compute_dtype,
-        ).to(torch.float32)  # fmt: skip
         t_b = t.reshape(-1, *([1] * (x0.ndim - 1)))
         surrogate = self_normalized_surrogate(z - t_b * velocity, x0)
-        return surrogate.reshape(stop - start, count).mean(dim=1), velocity, z
+        return surrogate.reshape(stop - start, self.settings.num_mc).mean(dim=1)
 
-    def loss(self, micro_index: int, slot: int) -> StepResult:
-        settings = self.objective.settings
-        start, stop = self.bounds[micro_index]
-        log_prob, velocity, z = self._forward(self.transformer, start, stop)
-        if micro_index < settings.grad_accum_steps or self.old_log_probs is None:
+    def loss(self, step: UpdateStep) -> StepLoss:
+        settings, start, stop = self.settings, step.start, step.stop
+        velocity = step.velocity.to(torch.float32)
+        log_prob = self._log_prob(velocity, start, stop)
+        if self.layout.before_first_optimizer_step(step.micro_index) or CURRENT_POLICY not in step.precomputed:
             old_log_prob = log_prob.detach()  # on-policy: ρ = 1, the gradient is −A'·∇lp
         else:
-            old_log_prob = self.old_log_probs[start:stop]
-        advantages = self.advantages[start:stop]
-        policy, ratio = vgrpo_policy_loss(log_prob, old_log_prob, advantages, settings.clip_range)
+            old_log_prob = self._log_prob(step.precomputed[CURRENT_POLICY], start, stop)
+        policy, ratio = vgrpo_policy_loss(log_prob, old_log_prob, self.advantages[start:stop], settings.clip_range)
         loss = policy.mean()
         metrics: dict[str, object] = {}
-        if settings.kl_beta > 0:
-            reference = self.objective.reference
-            assert reference is not None  # checked on construction
-            count, batch = settings.num_mc, self.batch
-            reference_velocity = reference.reference_prediction(
-                z, self.cond.rows(start, stop).repeat_interleave(count), batch.fed[start:stop].reshape(-1),
-                batch.guidance[start:stop].repeat_interleave(count), batch.img_ids, self.device_type,
-                settings.compute_dtype,
-            ).to(torch.float32)  # fmt: skip
+        if step.reference_velocity is not None:
             axes = tuple(range(1, velocity.ndim))
-            kl = ((velocity - reference_velocity) ** 2).mean(dim=axes).reshape(stop - start, count).mean(dim=1)
+            kl = ((velocity - step.reference_velocity.to(torch.float32)) ** 2).mean(dim=axes)
+            kl = kl.reshape(stop - start, settings.num_mc).mean(dim=1)
             loss = loss + settings.kl_beta * kl.mean()
             metrics["kl_mean"] = kl.detach().sum()
-        loss = loss * self.loss_scale
         detached = ratio.detach().float()
         metrics.update(
-            loss_sum=loss.detach().float(),
             policy_loss=policy.detach().float().sum(),
             ratio_mean=detached.sum(),
             ratio_min=detached.min(),
@@ -225,4 +202,4 @@ class VgrpoWork:
             clip_fraction=((detached - 1.0).abs() > settings.clip_range).float().sum(),
             surrogate=log_prob.detach().float().sum(),
         )
-        return StepResult(loss=loss, metrics=metrics, num_samples=stop - start)
+        return StepLoss((loss,), metrics)
