@@ -46,7 +46,7 @@ def _writing(destination: Path) -> Iterator[None]:
 
 def trained_from(checkpoint: Path) -> str | None:
     """The ``--model`` the run was trained from, as its checkpoint recorded it."""
-    from fluxgrpo.checkpoint import STATE_DIR, TRAINER_STATE_FILE
+    from fluxgrpo.checkpoint.layout import STATE_DIR, TRAINER_STATE_FILE
 
     try:
         return json.loads((checkpoint / STATE_DIR / TRAINER_STATE_FILE).read_text())["config"]["model"]
@@ -62,7 +62,13 @@ def export_checkpoint(
     Raises:
         FluxgrpoError: no complete checkpoint; ``out`` exists and is not empty; the base model is missing.
     """
-    from fluxgrpo.checkpoint import EMA_LORA_DIR, EMA_TRANSFORMER_DIR, LORA_DIR, TRANSFORMER_DIR, read_checkpoint_info
+    from fluxgrpo.checkpoint.layout import (
+        EMA_LORA_DIR,
+        EMA_TRANSFORMER_DIR,
+        LORA_DIR,
+        TRANSFORMER_DIR,
+        read_checkpoint_info,
+    )
     from fluxgrpo.lora import LORA_WEIGHTS_NAME
     from fluxgrpo.sample import resolve_checkpoint
 

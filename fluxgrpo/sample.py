@@ -126,7 +126,7 @@ class SampleRequest:
     def transformer_dir(self) -> Path | None:
         """The diffusers folder of the transformer to sample with; None means the base model's own (also for a
         LoRA checkpoint, whose adapter ``lora_file`` is loaded into it)."""
-        from fluxgrpo.checkpoint import EMA_TRANSFORMER_DIR, TRANSFORMER_DIR
+        from fluxgrpo.checkpoint.layout import EMA_TRANSFORMER_DIR, TRANSFORMER_DIR
 
         if self.checkpoint is None or self.lora_file is not None:
             return None
@@ -135,7 +135,7 @@ class SampleRequest:
     @property
     def lora_file(self) -> Path | None:
         """The checkpoint's adapter (``pytorch_lora_weights.safetensors``) for a LoRA run's checkpoint, else None."""
-        from fluxgrpo.checkpoint import EMA_LORA_DIR, LORA_DIR
+        from fluxgrpo.checkpoint.layout import EMA_LORA_DIR, LORA_DIR
         from fluxgrpo.lora import LORA_WEIGHTS_NAME
 
         if self.checkpoint is None:
@@ -203,7 +203,7 @@ def resolve_checkpoint(path: str | Path, ema: bool) -> Path:
     Raises:
         FluxgrpoError: no complete checkpoint there, or ``ema`` but the checkpoint holds no EMA weights.
     """
-    from fluxgrpo.checkpoint import (
+    from fluxgrpo.checkpoint.layout import (
         CHECKPOINT_PREFIX,
         EMA_LORA_DIR,
         EMA_TRANSFORMER_DIR,

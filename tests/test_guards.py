@@ -22,7 +22,8 @@ import torch
 from training_helpers import run, tiny_config, tiny_train_argv
 from typer.testing import CliRunner
 
-from fluxgrpo.checkpoint import BEST_DIR, is_best_checkpoint, latest_checkpoint, list_checkpoints, read_best
+from fluxgrpo.checkpoint.best import read_best
+from fluxgrpo.checkpoint.layout import BEST_DIR, is_best_checkpoint, latest_checkpoint, list_checkpoints
 from fluxgrpo.cli.app import app
 from fluxgrpo.config import TrainConfig, build_config
 from fluxgrpo.errors import UsageError

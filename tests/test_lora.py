@@ -44,7 +44,7 @@ def test_only_adapters_train_and_the_adapter_file_reproduces_the_model_in_a_pipe
     from diffusers import FluxPipeline
     from diffusers.optimization import get_scheduler
 
-    from fluxgrpo.checkpoint import save_checkpoint
+    from fluxgrpo.checkpoint.state import TrainingState, save_checkpoint
     from fluxgrpo.training.parts import build_transformer
 
     cfg = lora_config(tiny_weights, tiny_embeddings, tmp_path / "out")
@@ -67,7 +67,12 @@ def test_only_adapters_train_and_the_adapter_file_reproduces_the_model_in_a_pipe
     scheduler = get_scheduler("constant", optimizer)
     trainer_state = {"config": cfg.to_dict()}
     path = save_checkpoint(
-        tmp_path / "out", 1, SINGLE, model, optimizer, scheduler, trainer_state=trainer_state, keep_last=None
+        tmp_path / "out",
+        1,
+        SINGLE,
+        TrainingState(model, optimizer, scheduler),
+        trainer_state=trainer_state,
+        keep_last=None,
     )
     assert not (path / "transformer").exists()  # no 47.6 GB full export for an adapter run
     info = json.loads((path / "COMPLETE").read_text())

@@ -272,7 +272,7 @@ class RunMonitor:
         self.best_key = metric_key(cfg.keep_best.strip()) if cfg.keep_best.strip() else None
         saved: dict[str, Any] | None = None
         if checkpoint is not None:
-            from fluxgrpo.checkpoint import read_trainer_state
+            from fluxgrpo.checkpoint.layout import read_trainer_state
 
             saved = read_trainer_state(checkpoint).get(self.STATE_KEY)
         self.state = GuardState.from_dict(saved)
@@ -315,7 +315,7 @@ class RunMonitor:
         """After checkpoint ``iteration`` is complete: publish it as ``best/`` when it is the new best."""
         pending, self._pending_best = self._pending_best, None
         if self.ctx.is_main and pending is not None and pending["iteration"] == iteration:
-            from fluxgrpo.checkpoint import publish_best
+            from fluxgrpo.checkpoint.best import publish_best
             from fluxgrpo.runtime import dist as rt_dist
 
             best = publish_best(path, pending)
@@ -344,7 +344,8 @@ class RunMonitor:
         state names (when that checkpoint is still on disk), else removed."""
         import shutil
 
-        from fluxgrpo.checkpoint import BEST_DIR, checkpoint_dir, is_complete_checkpoint, publish_best, read_best
+        from fluxgrpo.checkpoint.best import publish_best, read_best
+        from fluxgrpo.checkpoint.layout import BEST_DIR, checkpoint_dir, is_complete_checkpoint
         from fluxgrpo.runtime import dist as rt_dist
 
         output_dir = Path(self.cfg.output_dir)
