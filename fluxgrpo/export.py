@@ -70,7 +70,7 @@ def export_checkpoint(
         read_checkpoint_info,
     )
     from fluxgrpo.lora import LORA_WEIGHTS_NAME
-    from fluxgrpo.sample import resolve_checkpoint
+    from fluxgrpo.sampling.checkpoints import resolve_checkpoint
 
     found = resolve_checkpoint(checkpoint, ema)
     destination = Path(out)
