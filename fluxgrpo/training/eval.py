@@ -82,7 +82,7 @@ class Evaluator:
         self.enabled = cfg.eval_every > 0
         if not self.enabled:
             return
-        from fluxgrpo.sample import SampleSettings
+        from fluxgrpo.sampling.request import SampleSettings
 
         self.prompts = eval_prompt_list(cfg)
         self.rewards = eval_reward_names(cfg.reward, cfg.eval_rewards)
@@ -163,7 +163,9 @@ class Evaluator:
         from fluxgrpo.preprocess import rank_indices
         from fluxgrpo.runtime import device as rt_device
         from fluxgrpo.runtime import dist as rt_dist
-        from fluxgrpo.sample import SampledImage, SampleRequest, clear_previous_run, generate_images
+        from fluxgrpo.sampling.folder import clear_previous_run
+        from fluxgrpo.sampling.generate import generate_images
+        from fluxgrpo.sampling.request import SampledImage, SampleRequest
 
         ctx = self.ctx
         out = eval_folder(self.cfg.output_dir, iteration, ema)
@@ -205,7 +207,7 @@ class Evaluator:
         import numpy as np
         from PIL import Image
 
-        from fluxgrpo.sample import write_grid, write_index
+        from fluxgrpo.sampling.folder import write_grid, write_index
 
         grid = write_grid(out, images, len(self.prompts), self.settings)
         scores = {name: self._score(self._scorer(name, training_rewards), out, images) for name in self.rewards}
@@ -233,7 +235,7 @@ class Evaluator:
             logged[f"{prefix}{name}_std"] = std
         embedder = embedding_reward(self.rewards)
         if embedder is not None and self.settings.images_per_prompt > 1:
-            from fluxgrpo.score import DEFAULT_SCORE_BATCH
+            from fluxgrpo.rewards.scoring import DEFAULT_SCORE_BATCH
             from fluxgrpo.training.diversity import image_diversity
 
             logged[f"{prefix}diversity"] = image_diversity(
@@ -247,7 +249,7 @@ class Evaluator:
     def _scorer(self, name: str, training: Any) -> Any:
         """The float32 reward model ``fluxgrpo score`` would load, kept for the run; the training reward's own model
         when that is the same one (``--reward-dtype fp32``), so rank 0 holds no second copy (HPSv3 is 31 GB)."""
-        from fluxgrpo.score import load_scorer
+        from fluxgrpo.rewards.scoring import load_scorer
 
         if name not in self._scorers:  # ``training``: the run's RewardSet
             if self.cfg.reward_dtype == "fp32" and name in training.names:
@@ -258,7 +260,7 @@ class Evaluator:
 
     def _score(self, scorer: Any, out: Path, images: list[Any]) -> list[float]:
         """Per-image scores, in (prompt, image) order, computed as ``fluxgrpo score --index`` computes them."""
-        from fluxgrpo.score import DEFAULT_SCORE_BATCH, ImageToScore, score_items
+        from fluxgrpo.rewards.scoring import DEFAULT_SCORE_BATCH, ImageToScore, score_items
 
         items = [
             ImageToScore(
@@ -303,7 +305,7 @@ class Evaluator:
             from fluxgrpo.preprocess import rank_indices
             from fluxgrpo.runtime import device as rt_device
             from fluxgrpo.runtime.worker import quiet_library_progress
-            from fluxgrpo.sample import encode_prompt
+            from fluxgrpo.sampling.generate import encode_prompt
 
             with quiet_library_progress():
                 encoders = FluxPipeline.from_pretrained(
@@ -326,7 +328,7 @@ class Evaluator:
         import torch
 
         from fluxgrpo.runtime.device import autocast
-        from fluxgrpo.sample import denoise
+        from fluxgrpo.sampling.generate import denoise
 
         if not self.ctx.distributed:
             return
@@ -342,7 +344,7 @@ class Evaluator:
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
     """Mean and population std, as ``fluxgrpo score`` reports them (NaN when there is no finite value)."""
-    from fluxgrpo.score import mean_std
+    from fluxgrpo.rewards.scoring import mean_std
 
     finite = [v for v in values if math.isfinite(v)]
     return mean_std(finite) if finite else (math.nan, math.nan)
