@@ -368,7 +368,7 @@ class TrainConfig:
     def _logging_problems(self) -> list[str]:
         """Held-out evaluation, guards and experiment-tracker settings."""
         from fluxgrpo.data.benchmarks import eval_prompts_problem
-        from fluxgrpo.training.guards import guard_problems
+        from fluxgrpo.training.guard_rules import guard_problems
 
         out = []
         if self.eval_every < 0:

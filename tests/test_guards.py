@@ -29,7 +29,8 @@ from fluxgrpo.config import TrainConfig, build_config
 from fluxgrpo.errors import UsageError
 from fluxgrpo.metrics import read_metrics
 from fluxgrpo.training.diversity import diversity
-from fluxgrpo.training.guards import GUARD_RECORD, GUARD_STOP_EXIT_CODE, GuardRule, parse_guard_spec
+from fluxgrpo.training.guard_rules import GuardRule, parse_guard_spec
+from fluxgrpo.training.guards import GUARD_RECORD, GUARD_STOP_EXIT_CODE
 
 runner = CliRunner()
 NOT_TRAINING = ("seconds_", "images_per_second", "peak_memory", "guards_fired")  # timings and the guards' state
