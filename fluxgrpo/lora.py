@@ -18,15 +18,12 @@ import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from fluxgrpo.config import LORA_DEFAULT_TARGETS
 from fluxgrpo.errors import FluxgrpoError
-
-if TYPE_CHECKING:
-    from fluxgrpo.config import TrainConfig
 
 ADAPTER_NAME = "default"  # peft's name for the one adapter
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # diffusers' file name
@@ -38,13 +35,6 @@ class LoraSpec:
     alpha: float
     targets: tuple[str, ...]
     dropout: float
-
-    @classmethod
-    def from_config(cls, cfg: TrainConfig) -> LoraSpec | None:
-        """The LoRA of a run, or None for full fine-tuning (``--lora-rank 0``)."""
-        if cfg.lora_rank == 0:
-            return None
-        return cls(cfg.lora_rank, cfg.lora_alpha, parse_targets(cfg.lora_targets), cfg.lora_dropout)
 
     def peft_config(self) -> Any:
         from peft import LoraConfig
