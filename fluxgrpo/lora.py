@@ -24,6 +24,8 @@ import torch
 
 from fluxgrpo.config import LORA_DEFAULT_TARGETS
 from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.models.shard_loading import own_rows
+from fluxgrpo.paths import give_default_mode
 
 ADAPTER_NAME = "default"  # peft's name for the one adapter
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # diffusers' file name
@@ -103,7 +105,6 @@ def init_adapters(transformer: torch.nn.Module, seed: int) -> None:
     Each full tensor is drawn on the host from its own generator, and each rank keeps its rows, so the values do
     not depend on the number of dies (an adapter is small: r × width).
     """
-    from fluxgrpo.models.shard_loading import own_rows
 
     rank = int(transformer.peft_config[ADAPTER_NAME].r)  # type: ignore[index, union-attr]  # set by peft's add_adapter
     for name, parameter in transformer.named_parameters():
@@ -144,7 +145,6 @@ def write_lora_file(directory: Path, state: dict[str, torch.Tensor], metadata: d
         weight_name=LORA_WEIGHTS_NAME,
         transformer_lora_adapter_metadata=metadata,
     )
-    from fluxgrpo.paths import give_default_mode
 
     give_default_mode(directory / LORA_WEIGHTS_NAME)  # safetensors writes 0600; every other output is 0644
     return directory / LORA_WEIGHTS_NAME

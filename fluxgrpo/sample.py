@@ -8,8 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.models.flux import require_flux_dir
 from fluxgrpo.paths import DEFAULT_SAMPLES_DIR
+from fluxgrpo.preprocess import rank_indices
 from fluxgrpo.run_folder import INDEX_FILE  # a sample folder's index, and each evaluation's in a run folder
+from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.runtime.adapt import compile_backend
+from fluxgrpo.runtime.device import compute_dtype, resolve_device_type
+from fluxgrpo.runtime.worker import worker_session
 from fluxgrpo.sampling.checkpoints import check_checkpoint_fits_model, resolve_checkpoint
 from fluxgrpo.sampling.folder import GRID_FILE, check_output_dir, clear_previous_run, write_grid, write_index
 from fluxgrpo.sampling.generate import generate_images, load_pipeline
@@ -62,14 +68,10 @@ def build_request(
         FluxgrpoError: incomplete weights, a missing/incomplete checkpoint or EMA weights, a checkpoint of
             another model, an unusable output folder.
     """
-    from fluxgrpo.models.flux import require_flux_dir
-    from fluxgrpo.runtime.device import resolve_device_type
 
     settings.validate()
     device_type = resolve_device_type(device)
     if settings.compile:
-        from fluxgrpo.runtime.adapt import compile_backend
-
         compile_backend(device_type)  # refuses --compile where it is not supported, before any worker starts
     if not prompts:
         raise UsageError("no prompts: pass --prompts FILE or --prompt TEXT (repeatable)")
@@ -107,16 +109,12 @@ def sample(request: SampleRequest, show_progress: bool = True) -> SampleSummary:
     Raises:
         FluxgrpoError: an image that was not written (the index is then not written either).
     """
-    from fluxgrpo.runtime.worker import worker_session
 
     with worker_session(request.device) as ctx:
         return _sample_on_rank(request, ctx, show_progress)
 
 
 def _sample_on_rank(request: SampleRequest, ctx: Any, show_progress: bool) -> SampleSummary:
-    from fluxgrpo.preprocess import rank_indices
-    from fluxgrpo.runtime import dist as rt_dist
-    from fluxgrpo.runtime.device import compute_dtype
 
     out = Path(request.out_dir)
     if ctx.is_main:

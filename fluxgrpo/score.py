@@ -40,8 +40,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.data.prompts import read_prompts
+from fluxgrpo.errors import FluxgrpoError, UsageError, not_usable
 from fluxgrpo.paths import DEFAULT_HPS_DIR, check_replaceable_output, write_atomic
+from fluxgrpo.rewards import reward_weights_status
+from fluxgrpo.rewards.reward_set import reward_names_list
 from fluxgrpo.rewards.scoring import (
     DEFAULT_SCORE_BATCH,
     ImageToScore,
@@ -51,6 +54,8 @@ from fluxgrpo.rewards.scoring import (
     mean_std,
     score_items,
 )
+from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.sampling.folder import GRID_FILE, read_index
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
@@ -186,7 +191,6 @@ class ScoreRequest:
 
     def reward_list(self) -> list[str]:
         """The reward names ``reward`` lists, in order; UsageError naming every problem with them."""
-        from fluxgrpo.rewards.reward_set import reward_names_list
 
         return reward_names_list(self.reward)
 
@@ -210,7 +214,6 @@ def read_prompt_lines(path: str | Path) -> list[str]:
     ignored. A blank line before the last prompt is refused: dropping it would pair every later image with the
     prompt of the one before.
     """
-    from fluxgrpo.data.prompts import read_prompts
 
     prompts = read_prompts(path, keep_repeats=True)  # the file's errors, and at least one prompt
     lines = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
@@ -234,7 +237,6 @@ def natural_key(name: str) -> tuple[list[Any], str]:
 
 def list_images(directory: str | Path) -> list[Path]:
     """The images directly in ``directory`` (by suffix, ``grid.png`` skipped), in ``natural_key`` order."""
-    from fluxgrpo.sampling.folder import GRID_FILE
 
     folder = Path(directory)
     if not folder.is_dir():
@@ -271,7 +273,6 @@ def images_from_folder(images_dir: str | Path, prompts_file: str | Path) -> list
 
 def images_from_index(index_path: str | Path) -> list[ImageToScore]:
     """Every image a sample index lists (``read_index`` checks it and its files)."""
-    from fluxgrpo.sampling.folder import read_index
 
     index = read_index(index_path)
     return [
@@ -428,8 +429,6 @@ def score_with_reward(
 def check_reward_weights(names: list[str], hps_dir: str | Path) -> None:
     """Refuse, naming the fetch command, when any listed reward's weights are incomplete: before the first model
     loads, not after an hour of scoring with the others."""
-    from fluxgrpo.errors import not_usable
-    from fluxgrpo.rewards import reward_weights_status
 
     for name in names:
         for part in reward_weights_status(name, hps_dir):
@@ -452,7 +451,6 @@ def score_rewards(
         FluxgrpoError: a missing, moved or unreadable input, a prompt count that does not match the images, two
             runs that cannot be compared; nothing is written in any of these cases.
     """
-    from fluxgrpo.runtime import device as rt_device
 
     names = request.validate().reward_list()
     inputs = read_inputs(request)

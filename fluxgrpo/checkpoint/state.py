@@ -45,6 +45,7 @@ from fluxgrpo.lora import adapter_metadata, is_lora_model, write_lora_file
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime.dist import DistContext
+from fluxgrpo.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_plain
 
 
 @dataclass
@@ -278,8 +279,6 @@ def load_checkpoint(path: str | Path, ctx: DistContext, state: TrainingState) ->
     """
     import torch.distributed.checkpoint as dcp
 
-    from fluxgrpo.safe_load import SafeFileSystemReader, SafeLoadPlanner
-
     model, ema, extra_states, lr_scheduler = state.model, state.ema, state.extra_states, state.lr_scheduler
     path = Path(path)
     info = read_checkpoint_info(path)
@@ -390,7 +389,6 @@ def _check_plain(value: Any, what: str) -> None:
 
 
 def _load_rng_file(rng_file: Path, rank: int) -> dict[str, Any]:
-    from fluxgrpo.safe_load import load_plain
 
     try:
         rng = load_plain(rng_file, DAMAGED_FIX)

@@ -23,10 +23,12 @@ from fluxgrpo.config.choices import (
     WINDOW_POLICIES,
     flag,
 )
+from fluxgrpo.data.benchmarks import eval_prompts_problem
 from fluxgrpo.rewards.base import REWARD_DTYPES
 from fluxgrpo.rewards.reward_set import AGGREGATIONS, parse_reward_list, reward_spec_problems
 from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 from fluxgrpo.runtime.device import DEVICE_TYPES
+from fluxgrpo.training.guard_rules import guard_problems
 
 if TYPE_CHECKING:
     from fluxgrpo.config.schema import TrainConfig
@@ -122,8 +124,6 @@ def config_problems(cfg: TrainConfig) -> list[str]:
 
 def _logging_problems(cfg: TrainConfig) -> list[str]:
     """Held-out evaluation, guards and experiment-tracker settings."""
-    from fluxgrpo.data.benchmarks import eval_prompts_problem
-    from fluxgrpo.training.guard_rules import guard_problems
 
     out = []
     if cfg.eval_every < 0:

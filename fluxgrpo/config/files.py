@@ -10,6 +10,7 @@ from typing import Any
 
 from fluxgrpo.config.schema import TrainConfig, config_fields
 from fluxgrpo.errors import UsageError
+from fluxgrpo.run_folder import write_run_file
 
 
 def shipped_configs() -> dict[str, Path]:
@@ -125,7 +126,6 @@ def save_resolved(cfg: TrainConfig, path: Path, derived: dict[str, Any], extra: 
     header += [f"#   {k}: {v}" for k, v in derived.items()]
     for k, v in (extra or {}).items():
         header.append(f"#   {k}: {v}")
-    from fluxgrpo.run_folder import write_run_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_run_file(path, "\n".join(header) + "\n" + yaml.safe_dump(cfg.to_dict(), sort_keys=False))

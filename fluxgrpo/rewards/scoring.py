@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.rewards import load_reward
+from fluxgrpo.rewards.base import pil_to_tensor
 
 DEFAULT_SCORE_BATCH = 16
 
@@ -70,7 +72,6 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 def load_scorer(name: str, hps_dir: str | Path, device: Any) -> Any:
     """The reward ``name`` on ``device``, its encoders in float32: scores compared across runs should not carry
     bf16 rounding (8 significant bits)."""
-    from fluxgrpo.rewards import load_reward
 
     return load_reward(name, hps_dir, device, reward_dtype="fp32")
 
@@ -80,8 +81,6 @@ def score_items(
 ) -> list[ScoredImage]:
     """Score ``items`` in batches of ``batch_size`` images (decoded per batch, so memory stays bounded)."""
     import torch
-
-    from fluxgrpo.rewards.base import pil_to_tensor
 
     scored: list[ScoredImage] = []
     for start in range(0, len(items), batch_size):

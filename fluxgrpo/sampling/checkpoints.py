@@ -5,7 +5,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fluxgrpo.checkpoint.layout import (
+    CHECKPOINT_PREFIX,
+    EMA_LORA_DIR,
+    EMA_TRANSFORMER_DIR,
+    LORA_DIR,
+    TRANSFORMER_DIR,
+    is_usable_checkpoint,
+    latest_checkpoint,
+    read_checkpoint_info,
+)
 from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.models.flux import read_transformer_config
+from fluxgrpo.weights.config_guard import folder_config_problems
+from fluxgrpo.weights.integrity import folder_safetensors_problems
 
 
 def resolve_checkpoint(path: str | Path, ema: bool) -> Path:
@@ -14,16 +27,6 @@ def resolve_checkpoint(path: str | Path, ema: bool) -> Path:
     Raises:
         FluxgrpoError: no complete checkpoint there, or ``ema`` but the checkpoint holds no EMA weights.
     """
-    from fluxgrpo.checkpoint.layout import (
-        CHECKPOINT_PREFIX,
-        EMA_LORA_DIR,
-        EMA_TRANSFORMER_DIR,
-        LORA_DIR,
-        TRANSFORMER_DIR,
-        is_usable_checkpoint,
-        latest_checkpoint,
-        read_checkpoint_info,
-    )
     from fluxgrpo.lora import LORA_WEIGHTS_NAME
 
     given = Path(path).expanduser()
@@ -61,8 +64,6 @@ def resolve_checkpoint(path: str | Path, ema: bool) -> Path:
     weights = found / (EMA_TRANSFORMER_DIR if ema else TRANSFORMER_DIR)
     if not (weights / "config.json").is_file():
         raise FluxgrpoError(f"{weights}/config.json is missing: the checkpoint is damaged; pass another --checkpoint")
-    from fluxgrpo.weights.config_guard import folder_config_problems
-    from fluxgrpo.weights.integrity import folder_safetensors_problems
 
     damaged = folder_config_problems(weights) + folder_safetensors_problems(weights)
     if damaged:
@@ -84,7 +85,6 @@ _SHAPE_KEYS = (
 
 def check_checkpoint_fits_model(transformer_dir: Path, model: str | Path) -> None:
     """Raise FluxgrpoError when the checkpoint's transformer was not trained from a model shaped like ``model``."""
-    from fluxgrpo.models.flux import read_transformer_config
 
     base = read_transformer_config(model)
     try:

@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.paths import write_atomic
+from fluxgrpo.runtime.adapt import adapt_transformer, compile_backend
+from fluxgrpo.runtime.device import autocast, compute_dtype
 from fluxgrpo.sampling.request import SampledImage, SampleRequest, SampleSettings, image_filename, image_seed
 
 
@@ -15,8 +17,6 @@ def load_pipeline(request: SampleRequest, ctx: Any) -> Any:
     swapped in when there is a checkpoint, adapted to the device by the runtime."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
 
-    from fluxgrpo.runtime.adapt import adapt_transformer
-    from fluxgrpo.runtime.device import compute_dtype
     from fluxgrpo.safe_load import load_pretrained
 
     dtype = compute_dtype(ctx.device_type)
@@ -51,7 +51,6 @@ def load_pipeline(request: SampleRequest, ctx: Any) -> Any:
     adapt_transformer(pipe.transformer, ctx.device_type, attention=request.settings.attention, compute_dtype=dtype)
     if request.settings.compile:
         from fluxgrpo.models.compile import compile_repeated_blocks
-        from fluxgrpo.runtime.adapt import compile_backend
 
         compile_repeated_blocks(pipe.transformer, compile_backend(ctx.device_type))
     return pipe
@@ -135,8 +134,6 @@ def encode_prompt(pipe: Any, prompt: str, ctx: Any, max_sequence_length: int) ->
     """(T5 embeddings, pooled CLIP embedding) of one prompt, encoded on its own (a batch of one)."""
     import torch
 
-    from fluxgrpo.runtime.device import autocast
-
     with torch.no_grad(), autocast(ctx.device_type):
         embeds, pooled, _ = pipe.encode_prompt(
             prompt=[prompt], prompt_2=None, device=ctx.device, max_sequence_length=max_sequence_length
@@ -157,8 +154,6 @@ def generate_images(
     ``encoded`` (prompt index → ``encode_prompt``'s output) supplies the prompts' embeddings, for a pipeline
     without text encoders (the in-training evaluation); without it each prompt is encoded when first needed."""
     import torch
-
-    from fluxgrpo.runtime.device import autocast
 
     settings = request.settings
     out = Path(request.out_dir)

@@ -7,7 +7,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from fluxgrpo.checkpoint.layout import EMA_LORA_DIR, EMA_TRANSFORMER_DIR, LORA_DIR, TRANSFORMER_DIR
 from fluxgrpo.errors import UsageError
+from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 
 # --------------------------------------------------------------------------------------------- settings
 
@@ -30,7 +32,6 @@ class SampleSettings:
     def validate(self) -> SampleSettings:
         """Raise UsageError naming the flag for the first bad value."""
         from fluxgrpo.grpo.latents import image_size_problem
-        from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 
         size_problem = image_size_problem(self.height, self.width)
         if size_problem is not None:
@@ -73,7 +74,6 @@ class SampleRequest:
     def transformer_dir(self) -> Path | None:
         """The diffusers folder of the transformer to sample with; None means the base model's own (also for a
         LoRA checkpoint, whose adapter ``lora_file`` is loaded into it)."""
-        from fluxgrpo.checkpoint.layout import EMA_TRANSFORMER_DIR, TRANSFORMER_DIR
 
         if self.checkpoint is None or self.lora_file is not None:
             return None
@@ -82,7 +82,6 @@ class SampleRequest:
     @property
     def lora_file(self) -> Path | None:
         """The checkpoint's adapter (``pytorch_lora_weights.safetensors``) for a LoRA run's checkpoint, else None."""
-        from fluxgrpo.checkpoint.layout import EMA_LORA_DIR, LORA_DIR
         from fluxgrpo.lora import LORA_WEIGHTS_NAME
 
         if self.checkpoint is None:

@@ -44,6 +44,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fluxgrpo.checkpoint.best import publish_best, read_best
+from fluxgrpo.checkpoint.layout import BEST_DIR, checkpoint_dir, is_complete_checkpoint, read_trainer_state
+from fluxgrpo.metrics import read_metrics
+from fluxgrpo.rewards.reward_set import eval_reward_names
+from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.training.guard_rules import GuardRule, metric_key, parse_guard_spec
 
 GUARD_STOP_EXIT_CODE = 3
@@ -100,7 +105,6 @@ class RunMonitor:
     STATE_KEY = "guards"  # in trainer_state
 
     def __init__(self, cfg: Any, parts: Any, metrics: Any, checkpoint: Path | None) -> None:
-        from fluxgrpo.rewards.reward_set import eval_reward_names
         from fluxgrpo.training.drift import DriftProbe
 
         self.cfg, self.ctx, self.metrics = cfg, parts.ctx, metrics
@@ -108,8 +112,6 @@ class RunMonitor:
         self.best_key = metric_key(cfg.keep_best.strip()) if cfg.keep_best.strip() else None
         saved: dict[str, Any] | None = None
         if checkpoint is not None:
-            from fluxgrpo.checkpoint.layout import read_trainer_state
-
             saved = read_trainer_state(checkpoint).get(self.STATE_KEY)
         self.state = GuardState.from_dict(saved)
         self.drift = DriftProbe(cfg, parts, self.state.drift)
@@ -133,7 +135,6 @@ class RunMonitor:
     def check(self, iteration: int, evaluation: dict[str, Any], records: list[dict[str, Any]]) -> Verdict:
         """After the evaluation of ``iteration`` (``evaluation``: its record on rank 0, ``{}`` elsewhere or when
         none ran): check every rule, log the guard record, pick the best. Call on every rank."""
-        from fluxgrpo.runtime import dist as rt_dist
 
         decided: tuple[Verdict, dict[str, Any]] | None = None
         if self.ctx.is_main:
@@ -151,9 +152,6 @@ class RunMonitor:
         """After checkpoint ``iteration`` is complete: publish it as ``best/`` when it is the new best."""
         pending, self._pending_best = self._pending_best, None
         if self.ctx.is_main and pending is not None and pending["iteration"] == iteration:
-            from fluxgrpo.checkpoint.best import publish_best
-            from fluxgrpo.runtime import dist as rt_dist
-
             best = publish_best(path, pending)
             rt_dist.rank0_print(
                 self.ctx, f"best {pending['metric']} {pending['value']:.4g} at iteration {iteration}: {best}"
@@ -163,7 +161,6 @@ class RunMonitor:
 
     def _baselines_from_metrics(self) -> None:
         """A rule added on resume has no saved baseline: an evaluation metric's is in metrics.jsonl at iteration 0."""
-        from fluxgrpo.metrics import read_metrics
 
         missing = {r.key for r in self.rules if r.relative and not r.per_iteration} - set(self.state.baselines)
         if not missing:
@@ -179,10 +176,6 @@ class RunMonitor:
         run's last may find a ``best/`` from iterations it is about to redo; it is put back to the checkpoint the
         state names (when that checkpoint is still on disk), else removed."""
         import shutil
-
-        from fluxgrpo.checkpoint.best import publish_best, read_best
-        from fluxgrpo.checkpoint.layout import BEST_DIR, checkpoint_dir, is_complete_checkpoint
-        from fluxgrpo.runtime import dist as rt_dist
 
         output_dir = Path(self.cfg.output_dir)
         on_disk = read_best(output_dir)
@@ -202,7 +195,6 @@ class RunMonitor:
             )
 
     def _check(self, iteration: int, evaluation: dict[str, Any], records: list[dict[str, Any]]) -> Verdict:
-        from fluxgrpo.runtime import dist as rt_dist
 
         state = self.state
         window = [r for r in records if state.last_evaluation < r.get("iteration", 0) <= iteration]

@@ -32,10 +32,22 @@ import torch
 from fluxgrpo.checkpoint.layout import latest_checkpoint, resolve_resume
 from fluxgrpo.checkpoint.state import TrainingState, load_checkpoint, save_checkpoint
 from fluxgrpo.config import TrainConfig
+from fluxgrpo.grpo.latents import image_ids
+from fluxgrpo.grpo.reward_aggregation import aggregate_rewards
+from fluxgrpo.grpo.schedule import sigma_schedule
+from fluxgrpo.grpo.step_plan import plan_for_iteration
+from fluxgrpo.grpo.update import run_update, skipped_update
+from fluxgrpo.metrics import MetricsLogger, run_info
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime.dist import DistContext
+from fluxgrpo.runtime.nodes import check_shared_folder, restarted
+from fluxgrpo.runtime.worker import worker_session
+from fluxgrpo.training.eval import Evaluator
+from fluxgrpo.training.guards import RunMonitor
+from fluxgrpo.training.health import SkippedUpdateWatch
 from fluxgrpo.training.parts import TrainingParts, build_parts
+from fluxgrpo.training.settings import build_objective, plan_settings
 from fluxgrpo.training.stages import (
     decode_and_score,
     draw_prompts,
@@ -105,7 +117,6 @@ def checkpoint_to_resume(
 ) -> Path | None:
     """The checkpoint this start of the workers continues from: ``--resume``'s, or after an elastic restart
     (``--max-restarts``) the newest complete one, with no flag (rank 0 looks, every rank loads the same)."""
-    from fluxgrpo.runtime.nodes import restarted
 
     marker = None if launch_token is None else output_dir / "logs" / f".started-{launch_token}"
     if restarted(ctx, marker):
@@ -122,18 +133,6 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
     ``fluxgrpo train`` reads them back from metrics.jsonl (``worker_entry`` returns nothing through the launcher);
     the records are returned for in-process callers: `bench --algorithms` (``bench/efficiency.py``) and tests.
     """
-    from fluxgrpo.grpo.latents import image_ids
-    from fluxgrpo.grpo.reward_aggregation import aggregate_rewards
-    from fluxgrpo.grpo.schedule import sigma_schedule
-    from fluxgrpo.grpo.step_plan import plan_for_iteration
-    from fluxgrpo.grpo.update import run_update, skipped_update
-    from fluxgrpo.metrics import MetricsLogger, run_info
-    from fluxgrpo.runtime.nodes import check_shared_folder
-    from fluxgrpo.runtime.worker import worker_session
-    from fluxgrpo.training.eval import Evaluator
-    from fluxgrpo.training.guards import RunMonitor
-    from fluxgrpo.training.health import SkippedUpdateWatch
-    from fluxgrpo.training.settings import build_objective, plan_settings
 
     with worker_session(cfg.device) as ctx:
         rt_device.seed_everything(cfg.seed + ctx.rank)
