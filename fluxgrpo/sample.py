@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.models.flux import require_flux_dir
@@ -20,6 +20,9 @@ from fluxgrpo.sampling.checkpoints import check_checkpoint_fits_model, resolve_c
 from fluxgrpo.sampling.folder import GRID_FILE, check_output_dir, clear_previous_run, write_grid, write_index
 from fluxgrpo.sampling.generate import generate_images, load_pipeline
 from fluxgrpo.sampling.request import SampledImage, SampleRequest, SampleSettings
+
+if TYPE_CHECKING:
+    from fluxgrpo.runtime.dist import DistContext
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,7 @@ def sample(request: SampleRequest, show_progress: bool = True) -> SampleSummary:
         return _sample_on_rank(request, ctx, show_progress)
 
 
-def _sample_on_rank(request: SampleRequest, ctx: Any, show_progress: bool) -> SampleSummary:
+def _sample_on_rank(request: SampleRequest, ctx: DistContext, show_progress: bool) -> SampleSummary:
 
     out = Path(request.out_dir)
     if ctx.is_main:

@@ -10,9 +10,18 @@ from typing import Any
 
 import torch
 
-from fluxgrpo.checkpoint.layout import fsync_path, io_error, write_durably
-from fluxgrpo.lora import adapter_metadata, write_lora_file
+from fluxgrpo.checkpoint.layout import (
+    EMA_LORA_DIR,
+    EMA_TRANSFORMER_DIR,
+    LORA_DIR,
+    TRANSFORMER_DIR,
+    fsync_path,
+    io_error,
+    write_durably,
+)
+from fluxgrpo.lora import adapter_metadata, is_lora_model, write_lora_file
 from fluxgrpo.paths import give_default_mode
+from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime.dist import DistContext
 
 DEFAULT_MAX_SHARD_SIZE = "10GB"
@@ -93,3 +102,33 @@ def write_diffusers_folder(
         index = {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename}
         index_text = json.dumps(index, indent=2, sort_keys=True) + "\n"
         write_durably(directory / SAFE_WEIGHTS_INDEX_NAME, lambda f: f.write(index_text.encode()))
+
+
+def write_exports(
+    folder: Path,
+    name: str,
+    ctx: DistContext,
+    model: torch.nn.Module,
+    ema: Any,
+    export_dtype: torch.dtype,
+    max_shard_size: int | str,
+) -> None:
+    """The weights (and the EMA's, when there is one) in diffusers' format inside the checkpoint ``folder``:
+    ``transformer/`` (``transformer_ema/``), or for a LoRA run the adapter in ``lora/`` (``lora_ema/``). A collective;
+    rank 0 writes while the others wait on its heartbeat (``name`` says which checkpoint in their messages)."""
+    lora = is_lora_model(model)
+    if lora:
+        export_lora(folder / LORA_DIR, ctx, model)
+    else:
+        export_model(folder / TRANSFORMER_DIR, ctx, model, export_dtype, max_shard_size)
+    rt_dist.wait_for_rank0(ctx, f"writing {name}'s weights")
+    if ema is not None:
+        ema_weights = ema.full_state_dict()
+        if ctx.is_main and lora:
+            write_lora_file(folder / EMA_LORA_DIR, ema_weights, adapter_metadata(model))
+        elif ctx.is_main:
+            write_diffusers_folder(
+                folder / EMA_TRANSFORMER_DIR, diffusers_config(model), ema_weights, export_dtype, max_shard_size
+            )
+        del ema_weights
+        rt_dist.wait_for_rank0(ctx, f"writing {name}'s EMA weights")

@@ -14,18 +14,12 @@ import torch
 
 from fluxgrpo.checkpoint.export import (
     DEFAULT_MAX_SHARD_SIZE,
-    diffusers_config,
-    export_lora,
-    export_model,
-    write_diffusers_folder,
+    write_exports,
 )
 from fluxgrpo.checkpoint.layout import (
     COMPLETE_MARKER,
     DAMAGED_FIX,
-    EMA_LORA_DIR,
-    EMA_TRANSFORMER_DIR,
     FORMAT_VERSION,
-    LORA_DIR,
     STATE_DIR,
     TMP_SUFFIX,
     TRAINER_STATE_FILE,
@@ -41,7 +35,7 @@ from fluxgrpo.checkpoint.layout import (
     write_durably,
 )
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.lora import adapter_metadata, is_lora_model, write_lora_file
+from fluxgrpo.lora import adapter_metadata, is_lora_model
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime.dist import DistContext
@@ -181,23 +175,7 @@ def save_checkpoint(
     # collective that a large export would outlast (``--collective-timeout``).
     rt_dist.wait_for_rank0(ctx, f"preparing {final.name}")
 
-    model, ema = state.model, state.ema
-    lora = is_lora_model(model)
-    if lora:
-        export_lora(tmp / LORA_DIR, ctx, model)
-    else:
-        export_model(tmp / TRANSFORMER_DIR, ctx, model, export_dtype, max_shard_size)
-    rt_dist.wait_for_rank0(ctx, f"writing {final.name}'s weights")
-    if ema is not None:
-        ema_weights = ema.full_state_dict()
-        if ctx.is_main and lora:
-            write_lora_file(tmp / EMA_LORA_DIR, ema_weights, adapter_metadata(model))
-        elif ctx.is_main:
-            write_diffusers_folder(
-                tmp / EMA_TRANSFORMER_DIR, diffusers_config(model), ema_weights, export_dtype, max_shard_size
-            )
-        del ema_weights
-        rt_dist.wait_for_rank0(ctx, f"writing {final.name}'s EMA weights")
+    write_exports(tmp, final.name, ctx, state.model, state.ema, export_dtype, max_shard_size)
 
     _save_training_state(tmp / STATE_DIR, ctx, state)
     write_durably(
@@ -211,23 +189,31 @@ def save_checkpoint(
     rt_dist.barrier(ctx)
 
     if ctx.is_main:
-        info = {
-            "format_version": FORMAT_VERSION,
-            "iteration": iteration,
-            "world_size": ctx.world_size,
-            "has_ema": ema is not None,
-            "extra_states": sorted(state.extra_states),
-            "has_lr_scheduler": state.lr_scheduler is not None,
-            "export_dtype": str(export_dtype).removeprefix("torch."),
-            "lora": adapter_metadata(model) if lora else None,
-            "checksums": True,  # state/checksums_rank<r>.json: every resume verifies each rank's files
-        }
+        info = _complete_facts(iteration, ctx, state, export_dtype)
         write_durably(tmp / COMPLETE_MARKER, lambda f: f.write((json.dumps(info, indent=2) + "\n").encode()))
         publish_folder(tmp, final)
         if keep_last is not None:
             prune_checkpoints(root, keep_last, keep=final)
     rt_dist.wait_for_rank0(ctx, f"finishing {final.name}")
     return final
+
+
+def _complete_facts(
+    iteration: int, ctx: DistContext, state: TrainingState, export_dtype: torch.dtype
+) -> dict[str, Any]:
+    """What the ``COMPLETE`` marker says about the checkpoint (``read_checkpoint_info`` reads it back)."""
+    lora = is_lora_model(state.model)
+    return {
+        "format_version": FORMAT_VERSION,
+        "iteration": iteration,
+        "world_size": ctx.world_size,
+        "has_ema": state.ema is not None,
+        "extra_states": sorted(state.extra_states),
+        "has_lr_scheduler": state.lr_scheduler is not None,
+        "export_dtype": str(export_dtype).removeprefix("torch."),
+        "lora": adapter_metadata(state.model) if lora else None,
+        "checksums": True,  # state/checksums_rank<r>.json: every resume verifies each rank's files
+    }
 
 
 def _save_training_state(directory: Path, ctx: DistContext, state: TrainingState) -> None:

@@ -37,6 +37,46 @@ if TYPE_CHECKING:
 def config_problems(cfg: TrainConfig) -> list[str]:
     """Every inconsistency, each saying which numbers disagree and how to fix them."""
     out: list[str] = []
+    out += _shape_problems(cfg)
+    out += _number_problems(cfg)
+    if cfg.guidance < 0 or cfg.kl_beta < 0:
+        out.append("--guidance and --kl-beta cannot be negative")
+    if cfg.weight_decay < 0 or cfg.lr_warmup_steps < 0 or cfg.keep_last < 0:
+        out.append("--weight-decay, --lr-warmup-steps and --keep-last cannot be negative")
+    if cfg.save_images_every < 0 or cfg.images_per_save < 0:
+        out.append("--save-images-every and --images-per-save cannot be negative")
+    if not 0 < cfg.ema_decay < 1:
+        out.append(f"--ema-decay {cfg.ema_decay} must be in (0, 1)")
+    if cfg.lr_scheduler not in LR_SCHEDULERS:
+        out.append(f"--lr-scheduler {cfg.lr_scheduler!r}: use one of {', '.join(LR_SCHEDULERS)}")
+    if cfg.device != "auto" and cfg.device not in DEVICE_TYPES:
+        out.append(f"--device {cfg.device!r}: use auto or one of {', '.join(DEVICE_TYPES)}")
+    out.extend(reward_spec_problems(cfg.reward))
+    if cfg.advantage_aggregation not in AGGREGATIONS:
+        out.append(f"--advantage-aggregation {cfg.advantage_aggregation!r}: use one of {', '.join(AGGREGATIONS)}")
+    if cfg.reward_dtype not in REWARD_DTYPES:
+        out.append(f"--reward-dtype {cfg.reward_dtype!r}: use one of {', '.join(REWARD_DTYPES)}")
+    if cfg.lora_rank < 0:
+        out.append(f"--lora-rank {cfg.lora_rank} cannot be negative (0 trains every weight)")
+    if cfg.lora_rank > 0:
+        if not cfg.lora_alpha > 0:
+            out.append(f"--lora-alpha must be positive (got {cfg.lora_alpha})")
+        if not 0 <= cfg.lora_dropout < 1:
+            out.append(f"--lora-dropout {cfg.lora_dropout} must be in [0, 1)")
+        if not any(part.strip() for part in cfg.lora_targets.split(",")):
+            out.append("--lora-targets is empty: name the modules to adapt, e.g. attn.to_q,attn.to_k")
+    out += _algorithm_problems(cfg)
+    if cfg.attention not in ATTENTION_BACKENDS:
+        out.append(f"--attention {cfg.attention!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        out.append(f"--seed {cfg.seed} is out of range: use 0 to {MAX_SEED} (numpy's seed range)")
+    out += _logging_problems(cfg)
+    return out
+
+
+def _shape_problems(cfg: TrainConfig) -> list[str]:
+    """The image size, the counts, the trained timesteps and the batches' division of the trajectories."""
+    out: list[str] = []
     for name in ("height", "width"):
         value = getattr(cfg, name)
         if value <= 0 or value % 16:
@@ -76,6 +116,12 @@ def config_problems(cfg: TrainConfig) -> list[str]:
                 f"(--train-batch-size {cfg.train_batch_size} × --num-generations {cfg.num_generations}); "
                 f"use one of {divisors} so every batch has the same shape"
             )
+    return out
+
+
+def _number_problems(cfg: TrainConfig) -> list[str]:
+    """Every float finite, the positive ones positive, none past its bound (``SETTING_BOUNDS``)."""
+    out: list[str] = []
     non_finite = [f.name for f in fields(cfg) if f.type == "float" and not math.isfinite(getattr(cfg, f.name))]
     for name in non_finite:
         out.append(f"--{flag(name)} must be a finite number (got {getattr(cfg, name)})")
@@ -87,38 +133,6 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     for name, most in SETTING_BOUNDS.items():
         if name not in non_finite and abs(getattr(cfg, name)) > most:
             out.append(f"--{flag(name)} {getattr(cfg, name)} is out of range: at most {most}")
-    if cfg.guidance < 0 or cfg.kl_beta < 0:
-        out.append("--guidance and --kl-beta cannot be negative")
-    if cfg.weight_decay < 0 or cfg.lr_warmup_steps < 0 or cfg.keep_last < 0:
-        out.append("--weight-decay, --lr-warmup-steps and --keep-last cannot be negative")
-    if cfg.save_images_every < 0 or cfg.images_per_save < 0:
-        out.append("--save-images-every and --images-per-save cannot be negative")
-    if not 0 < cfg.ema_decay < 1:
-        out.append(f"--ema-decay {cfg.ema_decay} must be in (0, 1)")
-    if cfg.lr_scheduler not in LR_SCHEDULERS:
-        out.append(f"--lr-scheduler {cfg.lr_scheduler!r}: use one of {', '.join(LR_SCHEDULERS)}")
-    if cfg.device != "auto" and cfg.device not in DEVICE_TYPES:
-        out.append(f"--device {cfg.device!r}: use auto or one of {', '.join(DEVICE_TYPES)}")
-    out.extend(reward_spec_problems(cfg.reward))
-    if cfg.advantage_aggregation not in AGGREGATIONS:
-        out.append(f"--advantage-aggregation {cfg.advantage_aggregation!r}: use one of {', '.join(AGGREGATIONS)}")
-    if cfg.reward_dtype not in REWARD_DTYPES:
-        out.append(f"--reward-dtype {cfg.reward_dtype!r}: use one of {', '.join(REWARD_DTYPES)}")
-    if cfg.lora_rank < 0:
-        out.append(f"--lora-rank {cfg.lora_rank} cannot be negative (0 trains every weight)")
-    if cfg.lora_rank > 0:
-        if not cfg.lora_alpha > 0:
-            out.append(f"--lora-alpha must be positive (got {cfg.lora_alpha})")
-        if not 0 <= cfg.lora_dropout < 1:
-            out.append(f"--lora-dropout {cfg.lora_dropout} must be in [0, 1)")
-        if not any(part.strip() for part in cfg.lora_targets.split(",")):
-            out.append("--lora-targets is empty: name the modules to adapt, e.g. attn.to_q,attn.to_k")
-    out += _algorithm_problems(cfg)
-    if cfg.attention not in ATTENTION_BACKENDS:
-        out.append(f"--attention {cfg.attention!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
-    if not 0 <= cfg.seed <= MAX_SEED:
-        out.append(f"--seed {cfg.seed} is out of range: use 0 to {MAX_SEED} (numpy's seed range)")
-    out += _logging_problems(cfg)
     return out
 
 

@@ -4,15 +4,20 @@ from its own seeded noise."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.paths import write_atomic
 from fluxgrpo.runtime.adapt import adapt_transformer, compile_backend
 from fluxgrpo.runtime.device import autocast, compute_dtype
 from fluxgrpo.sampling.request import SampledImage, SampleRequest, SampleSettings, image_filename, image_seed
 
+if TYPE_CHECKING:
+    import torch
 
-def load_pipeline(request: SampleRequest, ctx: Any) -> Any:
+    from fluxgrpo.runtime.dist import DistContext
+
+
+def load_pipeline(request: SampleRequest, ctx: DistContext) -> Any:
     """FluxPipeline from ``request.model`` in the compute dtype on ``ctx.device``, with the trained transformer
     swapped in when there is a checkpoint, adapted to the device by the runtime."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
@@ -56,7 +61,9 @@ def load_pipeline(request: SampleRequest, ctx: Any) -> Any:
     return pipe
 
 
-def denoise(pipe: Any, settings: SampleSettings, embeds: Any, pooled: Any, seeds: list[int], output_type: str) -> Any:
+def denoise(
+    pipe: Any, settings: SampleSettings, embeds: torch.Tensor, pooled: torch.Tensor, seeds: list[int], output_type: str
+) -> Any:
     """One FluxPipeline call with ``settings`` from each seed's initial noise: the forward `sample` makes per batch
     (and the evaluation's padding forwards repeat, so every rank runs the same sharded steps)."""
     return pipe(
@@ -72,7 +79,7 @@ def denoise(pipe: Any, settings: SampleSettings, embeds: Any, pooled: Any, seeds
     )
 
 
-def initial_latents(seeds: list[int], height: int, width: int) -> Any:
+def initial_latents(seeds: list[int], height: int, width: int) -> torch.Tensor:
     """[B, L, 64] packed float32 cpu noise, row b drawn from a generator seeded ``seeds[b]``."""
     import torch
 
@@ -130,7 +137,9 @@ class _Progress:
             self._bar.stop()
 
 
-def encode_prompt(pipe: Any, prompt: str, ctx: Any, max_sequence_length: int) -> tuple[Any, Any]:
+def encode_prompt(
+    pipe: Any, prompt: str, ctx: DistContext, max_sequence_length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(T5 embeddings, pooled CLIP embedding) of one prompt, encoded on its own (a batch of one)."""
     import torch
 
@@ -145,9 +154,9 @@ def generate_images(
     pipe: Any,
     request: SampleRequest,
     prompt_indices: list[int],
-    ctx: Any,
+    ctx: DistContext,
     show_progress: bool = False,
-    encoded: dict[int, tuple[Any, Any]] | None = None,
+    encoded: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> list[SampledImage]:
     """Generate and write every image of ``prompt_indices``, ``batch_size`` images per pipeline call.
 

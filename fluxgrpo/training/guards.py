@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.checkpoint.best import publish_best, read_best
 from fluxgrpo.checkpoint.layout import BEST_DIR, checkpoint_dir, is_complete_checkpoint, read_trainer_state
@@ -53,6 +53,14 @@ from fluxgrpo.training.guard_rules import GuardRule, metric_key, parse_guard_spe
 
 GUARD_STOP_EXIT_CODE = 3
 GUARD_RECORD = "guards"  # the value of ``record["record"]`` in metrics.jsonl for a guard check
+
+if TYPE_CHECKING:
+    import torch
+
+    from fluxgrpo.config import TrainConfig
+    from fluxgrpo.grpo.types import Conditioning, Rollout
+    from fluxgrpo.metrics import MetricsLogger
+    from fluxgrpo.training.parts import TrainingParts
 
 
 # --------------------------------------------------------------------------------------------- the run's monitor
@@ -104,7 +112,7 @@ class RunMonitor:
 
     STATE_KEY = "guards"  # in trainer_state
 
-    def __init__(self, cfg: Any, parts: Any, metrics: Any, checkpoint: Path | None) -> None:
+    def __init__(self, cfg: TrainConfig, parts: TrainingParts, metrics: MetricsLogger, checkpoint: Path | None) -> None:
         from fluxgrpo.training.drift import DriftProbe
 
         self.cfg, self.ctx, self.metrics = cfg, parts.ctx, metrics
@@ -127,7 +135,9 @@ class RunMonitor:
         self.state.drift = self.drift.state_dict()
         return self.state.to_dict()
 
-    def measure_drift(self, iteration: int, rollout: Any, cond: Any, timestep_generator: Any) -> dict[str, Any]:
+    def measure_drift(
+        self, iteration: int, rollout: Rollout, cond: Conditioning, timestep_generator: torch.Generator
+    ) -> dict[str, Any]:
         """This iteration's drift signals and guard status, for its metrics record (every rank)."""
         values = self.drift.measure(iteration, rollout, cond, timestep_generator)
         return {**values, "guards_fired": len(self.state.fired)}
