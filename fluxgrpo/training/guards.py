@@ -29,7 +29,7 @@ number is what it is without them.
 
 ``--keep-best METRIC`` (a reward name, ``diversity``, or the full key, e.g. ``eval_hpsv2_mean``; higher is better)
 keeps the checkpoint of the best evaluation after iteration 0 among those that passed every guard as
-``output_dir/best/`` (``checkpoint.publish_best``): a checkpoint is written at that iteration if none was due, and
+``output_dir/best/`` (``checkpoint/best.py``): a checkpoint is written at that iteration if none was due, and
 ``--keep-last`` never rotates ``best/`` away. ``sample`` and ``export`` take it like any checkpoint.
 
 metrics.jsonl gets one ``guards`` record after each checked evaluation (each rule's value, limit and whether it
