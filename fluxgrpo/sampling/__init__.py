@@ -21,6 +21,7 @@ Output folder (``--out``):
 A folder without ``index.json`` is an incomplete run. Re-running into the same folder first deletes the earlier
 run's index, images and grid; a folder holding anything else is refused. With ``--dies N`` prompt ``i`` belongs
 to rank ``i % N``; every rank writes its own images (the folder must be on a filesystem every rank sees), and
+rank 0 gathers the records and writes the grid and the index once every image is on disk.
 
 The modules: ``request`` (the settings and the job, the per-image seed), ``checkpoints`` (which checkpoint a
 ``--checkpoint`` names, and that it fits the base model), ``generate`` (the pipeline and the images),

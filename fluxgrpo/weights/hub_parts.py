@@ -1,6 +1,7 @@
 """What ``fetch-weights`` takes from which repository: each part's repos on both hubs, its allow-list, and where its
-files go in the standard layout (``layout.py``). Every part is here: FLUX's, the rewards' (each reward's record names its own,
-``rewards/registry.py``) and the benchmark prompt sets. ``hub.py`` plans, downloads and verifies them.
+files go in the standard layout (``layout.py``). Every part is here: FLUX's, the rewards' (each reward's record in
+``rewards/registry.py`` names its own from ``REWARD_HUB_PARTS``) and the benchmark prompt sets. ``hub.py`` plans,
+downloads and verifies them.
 """
 
 from __future__ import annotations
