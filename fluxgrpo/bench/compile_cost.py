@@ -33,6 +33,15 @@ if TYPE_CHECKING:
 COMPILE_MODES = ("eager", "regional", "whole-model")
 
 
+class ConstantSchedule:
+    """The bench's learning-rate schedule (here, below the harness that uses it too): none, the rate stays 0."""
+
+    last_epoch = 0  # the optimizer steps a run's schedule counts (``update_stage``): none that moved a weight
+
+    def step(self) -> None:
+        """The learning rate stays 0."""
+
+
 class _ModeSwitch:
     """Puts one transformer in each mode in turn; compiled code is kept across switches (compiling once)."""
 

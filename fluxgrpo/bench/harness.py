@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from fluxgrpo.bench.compile_cost import ConstantSchedule
 from fluxgrpo.bench.config import TRAINING_DEFAULTS, BenchConfig
 from fluxgrpo.bench.figures import PhaseFigure, Timing, phase_figure, summarize, with_speedups
 from fluxgrpo.bench.flops import rollout_flops, transformer_forward_flops, update_flops
@@ -90,13 +91,6 @@ class _TimedOptimizer:
         if peak is not None:
             self.step_peak_bytes = max(self.step_peak_bytes or 0, peak)
         rt_device.reset_peak_memory(self.device)  # what follows the step is the update's again
-
-
-class _ConstantSchedule:
-    last_epoch = 0  # the optimizer steps a run's schedule counts: none that moved a weight
-
-    def step(self) -> None:
-        """The learning rate stays 0."""
 
 
 @dataclass
@@ -295,7 +289,7 @@ class _Sweep:
             torch.optim.AdamW(trainable, lr=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4), ctx.device
         )
         _materialize_optimizer_state(self.optimizer.optimizer)
-        self.trainee = BenchTrainee(bench_model.transformer, self.optimizer, _ConstantSchedule())
+        self.trainee = BenchTrainee(bench_model.transformer, self.optimizer, ConstantSchedule())
 
     # ------------------------------------------------------------------ helpers
     def _measure(self, label: str, call: Callable[[], _Run]) -> tuple[Timing, Any]:

@@ -2,10 +2,9 @@
 
 The iteration is the bench's and the trainer's own code: ``bench.models.build_bench_model`` builds the model (the
 ``flux-dev-shaped`` architecture with fewer blocks on an accelerator, the tiny FLUX on cpu) adapted to the device as
-training adapts it, ``bench.harness`` draws the inputs, and ``grpo.rollout.generate_rollout``,
+training adapts it, ``bench.harness`` draws the inputs and runs ``training.stages.rollout_stage``,
 ``training.stages.decode_images`` / ``score_images`` and ``update_stage`` (through ``bench.harness.PhaseSetup``)
-run the phases. Nothing of
-the iteration is re-implemented here.
+run the phases. Nothing of the iteration is re-implemented here.
 
 **On-policy start** (one result per sampler). At learning rate 0 the update scores exactly the trajectories the
 rollout sampled with the same weights, so the PPO ratio of the first micro-batch must be 1: what it measures is

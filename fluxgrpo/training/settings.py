@@ -16,6 +16,7 @@ from fluxgrpo.grpo.rollout import RolloutSettings
 from fluxgrpo.grpo.samplers import make_sampler
 from fluxgrpo.grpo.step_plan import PlanSettings
 from fluxgrpo.grpo.update import UpdatePlumbing
+from fluxgrpo.lora import LoraSpec, parse_targets
 
 
 def update_plumbing(cfg: TrainConfig) -> UpdatePlumbing:
@@ -64,3 +65,10 @@ def build_objective(cfg: TrainConfig, policy_copies: dict[str, Any]) -> Objectiv
         builder = getattr(importlib.import_module(module), name)
     objective: Objective = builder.from_config(cfg, policy_copies)
     return objective
+
+
+def lora_spec(cfg: TrainConfig) -> LoraSpec | None:
+    """The LoRA of a run, or None for full fine-tuning (``--lora-rank 0``)."""
+    if cfg.lora_rank == 0:
+        return None
+    return LoraSpec(cfg.lora_rank, cfg.lora_alpha, parse_targets(cfg.lora_targets), cfg.lora_dropout)
