@@ -79,8 +79,8 @@ class TrainConfig:
     output_dir: str = _opt(DEFAULT_OUTPUT_DIR, "Checkpoints, metrics.jsonl, sample images and the resolved config.")
     reward: str = _opt(
         "hpsv2",
-        f"Reward model(s): {', '.join(reward_names())} (brightness, exposure, structure: smoke tests for tiny "
-        "models); several as name:weight,... (e.g. hpsv2:1,pickscore:0.5; weights normalised to sum 1).",
+        f"Reward model(s): {', '.join(reward_names())} (shapes: the shapes world's rule-based checker, no weights; "
+        "brightness, exposure, structure: smoke tests for tiny models); several as name:weight,... (e.g. hpsv2:1,pickscore:0.5; weights normalised to sum 1).",
     )
     reward_dtype: str = _opt("fp32", "Dtype the reward encoders run in: fp32 or bf16 (scores are fp32 either way).")
     # --- rollout --------------------------------------------------------------------------------------
@@ -196,8 +196,8 @@ class TrainConfig:
     )
     eval_prompts: str = _opt(
         "",
-        "Held-out prompt file, one per line, or a benchmark set fetched with fetch-weights (hpdv2); empty: the 48 "
-        "held-out prompts shipped with fluxgrpo.",
+        "Held-out prompt file, one per line, a benchmark set fetched with fetch-weights (hpdv2), or shapes-heldout "
+        "(the shapes world's held-out captions, shipped); empty: the 48 held-out prompts shipped with fluxgrpo.",
     )
     eval_images_per_prompt: int = _opt(1, "Images per held-out prompt (image j of prompt i always has the same seed).")
     eval_steps: int = _opt(28, "Denoising steps of the deterministic (ODE) evaluation sampler, as `fluxgrpo sample`.")
@@ -379,9 +379,26 @@ class TrainConfig:
         if self.eval_prompts and (problem := eval_prompts_problem(self.eval_prompts)):
             out.append(problem)
         out.extend(parse_reward_list(self.eval_rewards, "--eval-rewards", weights=False, empty_ok=True)[1])
+        out.extend(self._reward_image_size_problems())
         out.extend(guard_problems(self))
         if self.wandb_mode and self.wandb_mode not in WANDB_MODES:
             out.append(f"--wandb-mode {self.wandb_mode!r}: use one of {', '.join(WANDB_MODES)}, or leave it empty")
+        return out
+
+    def _reward_image_size_problems(self) -> list[str]:
+        """A reward that reads only some image sizes (shapes: 64² or 128²) against --height/--width."""
+        from fluxgrpo.rewards.registry import reward_record
+        from fluxgrpo.rewards.reward_set import run_reward_names
+
+        try:
+            names = run_reward_names(self.reward, self.eval_rewards, self.eval_every)
+        except UsageError:
+            return []  # the reward lists' own problems are reported above
+        out = []
+        for name in names:
+            check = reward_record(name).image_size_problems
+            if check is not None:
+                out.extend(check(self.height, self.width))
         return out
 
     def _objective_problems(self) -> list[str]:

@@ -37,7 +37,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -123,9 +123,12 @@ class ScoreReport:
     prompts: list[PromptScore]
     overall: Overall
     comparison: Comparison | None = None
+    # The reward's own numbers beside the mean (``RewardRecord.summarize``; shapes: strict, seen_*, novel_*).
+    details: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        """Stable keys: reward, source, overall, prompts, images, compare (null without --compare)."""
+        """Stable keys: reward, source, overall, details ({} for most rewards), prompts, images, compare (null
+        without --compare)."""
         compare = None
         if self.comparison is not None:
             compare = asdict(self.comparison)
@@ -147,6 +150,7 @@ class ScoreReport:
             "reward": self.reward,
             "source": self.source,
             "overall": asdict(self.overall),
+            "details": dict(self.details),
             "prompts": [asdict(p) for p in self.prompts],
             "images": [asdict(i) for i in self.images],
             "compare": compare,
@@ -516,7 +520,16 @@ def score_with_reward(
         prompts=per_prompt(images),
         overall=overall(images),
         comparison=comparison,
+        details=reward_details(name, [image.prompt for image in images], [image.score for image in images]),
     )
+
+
+def reward_details(name: str, prompts: Sequence[str], scores: Sequence[float]) -> dict[str, float]:
+    """Reward ``name``'s own numbers beside the mean (``RewardRecord.summarize``), {} for a reward without any."""
+    from fluxgrpo.rewards import reward_record
+
+    summarize = reward_record(name).summarize
+    return summarize(prompts, scores) if summarize is not None else {}
 
 
 def check_reward_weights(names: list[str], hps_dir: str | Path) -> None:
