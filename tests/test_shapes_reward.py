@@ -55,13 +55,13 @@ def test_summary_gives_the_strict_rate_and_seen_and_novel_apart():
     summary = summarize([seen, seen, novel, novel], [1.0, 0.5, 1.0, 0.25])
     assert summary == {
         "strict": 0.5,
-        "seen_mean": 0.75,
+        "seen": 0.75,
         "seen_strict": 0.5,
-        "novel_mean": 0.625,
+        "novel": 0.625,
         "novel_strict": 0.5,
     }
     assert summarize([seen], [float("nan")]) == {}
-    assert set(summarize([seen], [1.0])) == {"strict", "seen_mean", "seen_strict"}
+    assert set(summarize([seen], [1.0])) == {"strict", "seen", "seen_strict"}
 
 
 def test_a_prompt_outside_the_world_is_one_line_naming_its_words(tmp_path):
@@ -132,14 +132,14 @@ def test_score_cli_prints_the_strict_rate_and_seen_and_novel(tmp_path):
     assert [image["score"] for image in document["images"]] == [1.0, 1.0, 1.0, 0.0]
     assert document["details"] == {
         "strict": 0.75,
-        "seen_mean": 1.0,
+        "seen": 1.0,
         "seen_strict": 1.0,
-        "novel_mean": 0.5,
+        "novel": 0.5,
         "novel_strict": 0.5,
     }
     table = runner.invoke(app, [*argv, "--device", "cpu"])
     assert table.exit_code == 0
-    assert "shapes: strict 0.75000 · seen mean 1.00000 · seen strict 1.00000 · novel mean 0.50000" in table.stdout
+    assert "shapes: strict 0.75000 · seen 1.00000 · seen strict 1.00000 · novel 0.50000" in table.stdout
 
 
 def test_score_cli_refuses_an_unparseable_caption_in_one_line(tmp_path):
@@ -197,7 +197,7 @@ def test_training_on_the_world_logs_the_heldout_checker_seen_and_novel(shapes_ru
     evals = [r for r in read_metrics(out) if "eval_shapes_mean" in r]
     assert [r["iteration"] for r in evals] == [0, 1]
     for record in evals:
-        for key in ("strict", "seen_mean", "seen_strict", "novel_mean", "novel_strict"):
+        for key in ("strict", "seen", "seen_strict", "novel", "novel_strict"):
             assert 0.0 <= record[f"eval_shapes_{key}"] <= 1.0
     index = json.loads((out / "eval" / "iteration-0" / "index.json").read_text())
     per_image = index["scores"]["shapes"]["per_image"]
@@ -223,3 +223,34 @@ def test_render_caption_images_score_one_through_the_pil_path(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["overall"]["mean"] == 1.0
+
+
+def test_report_captions_each_heldout_image_with_its_claims_and_plots_seen_and_novel(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    out = run / "eval" / "iteration-0"
+    out.mkdir(parents=True)
+    captions = ["a red circle left of a yellow square", "two blue triangles"]
+    scenes = [
+        Scene(64, [PlacedObject("circle", "green", 14, 32, 8), PlacedObject("square", "yellow", 48, 30, 8)]),
+        Scene(64, [PlacedObject("triangle", "blue", 14, 14, 8), PlacedObject("triangle", "blue", 48, 14, 8)]),
+    ]
+    images = []
+    for i, (caption, scene) in enumerate(zip(captions, scenes, strict=True)):
+        Image.fromarray(render(scene)).save(out / f"{i:04d}_00.png")
+        images.append({"file": f"{i:04d}_00.png", "prompt": caption, "prompt_index": i, "image_index": 0, "seed": i})
+    index = {"format": "fluxgrpo-sample-index", "format_version": 1, "prompts": captions, "images": images}
+    index["scores"] = {"shapes": {"mean": 0.9, "std": 0.1}}
+    (out / "index.json").write_text(json.dumps(index))
+    record = {"iteration": 0, "eval_shapes_mean": 0.9, "eval_shapes_std": 0.1, "eval_shapes_strict": 0.5}
+    record |= {"eval_shapes_seen": 1.0, "eval_shapes_novel": 0.8}
+    (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    result = runner.invoke(app, ["report", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)
+    assert "Eval shapes: novel, seen, strict (held-out prompts)" in document["panels"]
+    assert "Eval shapes_seen (held-out prompts, mean ± std)" not in document["panels"]
+    page = (run / "report.html").read_text(encoding="utf-8")
+    for line in ("✓ a circle", "✗ the circle is red (green circle)", "✓ the circle is left of the square"):
+        assert f"<div class=claims>{line}</div>" in page
+    assert "<div class=claims>✓ two triangles</div><div class=claims>✓ the triangles are blue</div>" in page

@@ -74,6 +74,9 @@ class RewardRecord:
     # (prompts, per-image scores) → more numbers beside the mean, for `score` and the held-out evaluation (shapes:
     # the strict all-claims rate, seen and novel combinations apart).
     summarize: Callable[[Sequence[str], Sequence[float]], dict[str, float]] | None = None
+    # (image file, prompt) → one line per reason behind its score, for the report's grid captions (shapes: each
+    # claim ✓/✗); [] when there is nothing to say.
+    explain: Callable[[Path, str], list[str]] | None = None
     # (height, width) → problems, for a reward that reads only some image sizes; checked before any worker starts.
     image_size_problems: Callable[[int, int], list[str]] | None = None
 

@@ -65,9 +65,10 @@ class ShapesReward:
 
 
 def summarize(prompts: Sequence[str], scores: Sequence[float]) -> dict[str, float]:
-    """The strict all-claims rate (``strict``), and where the prompts hold both kinds, the mean and strict rate of
-    the seen-combination and novel-combination captions apart (``seen_mean``, ``seen_strict``, ``novel_mean``,
-    ``novel_strict``; ``shapes.world.combination_kind``). Non-finite scores are left out."""
+    """The strict all-claims rate (``strict``), and for each kind of caption the prompts hold, the mean and strict
+    rate of the seen-combination and novel-combination captions apart (``seen``, ``seen_strict``, ``novel``,
+    ``novel_strict``; ``shapes.world.combination_kind``). Non-finite scores are left out. (No key ends in ``_mean``:
+    ``eval_<name>_mean`` is a reward's own mean in metrics.jsonl.)"""
     import math
 
     from fluxgrpo.shapes.world import is_novel
@@ -79,9 +80,26 @@ def summarize(prompts: Sequence[str], scores: Sequence[float]) -> dict[str, floa
     for kind in ("seen", "novel"):
         mine = [score for prompt, score in pairs if is_novel(_caption(prompt)) == (kind == "novel")]
         if mine:
-            out[f"{kind}_mean"] = sum(mine) / len(mine)
+            out[kind] = sum(mine) / len(mine)
             out[f"{kind}_strict"] = sum(score == 1.0 for score in mine) / len(mine)
     return out
+
+
+def explain(path: Path, prompt: str) -> list[str]:
+    """Each claim of ``prompt`` on the image file, ``✓ claim`` or ``✗ claim (what was found)``; [] for an image or
+    prompt the checker cannot read (the report still renders)."""
+    import numpy as np
+    from PIL import Image
+
+    from fluxgrpo.shapes.checker import ImageSizeError, check
+    from fluxgrpo.shapes.world import CaptionError
+
+    try:
+        with Image.open(path) as image:
+            pixels = np.asarray(image.convert("RGB"))
+        return [claim.label() for claim in check(pixels, prompt).claims]
+    except (OSError, ValueError, SyntaxError, CaptionError, ImageSizeError):
+        return []
 
 
 def image_size_problems(height: int, width: int) -> list[str]:
@@ -100,4 +118,6 @@ def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> ShapesReward:
     return ShapesReward()
 
 
-RECORD = RewardRecord("shapes", _load, summarize=summarize, image_size_problems=image_size_problems)  # no weights
+RECORD = RewardRecord(  # no weights
+    "shapes", _load, summarize=summarize, explain=explain, image_size_problems=image_size_problems
+)
