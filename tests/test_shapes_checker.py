@@ -38,7 +38,29 @@ def test_strict_on_the_renderers_own_images_for_every_family(family):
 
 @pytest.mark.parametrize("family", world.FAMILIES)
 def test_strict_survives_a_blur_and_noise_like_a_vae_reconstruction(family):
-    assert _strict_rate(family, 64, 150, blur=0.7) >= 0.98
+    assert _strict_rate(family, 64, 150, blur=1.2) >= 0.99
+
+
+def test_shape_features_match_their_closed_forms_on_large_ideal_shapes():
+    side = 400
+    ys, xs = (np.indices((side, side)) + 0.5) / side - 0.5
+    square = np.ones((side, side))
+    disc = (xs**2 + ys**2 <= 0.25).astype(np.float64)
+    # equilateral, apex up (the renderer's): side 0.8, height 0.8·√3/2, apex at y = −0.35
+    height = 0.8 * np.sqrt(3) / 2
+    triangle = ((ys >= -0.35) & (ys <= -0.35 + height) & (np.abs(xs) <= (ys + 0.35) / height * 0.4)).astype(np.float64)
+    skew, ratio = checker.shape_features(square)
+    assert abs(skew) < 1e-6 and ratio == pytest.approx(2.0, abs=0.01)  # κ4 −s⁴/120 on an axis, −s⁴/240 diagonally
+    skew, ratio = checker.shape_features(disc)
+    assert abs(skew) < 1e-6 and ratio == pytest.approx(1.0, abs=0.01)  # the same in every direction
+    skew, _ = checker.shape_features(triangle)
+    assert skew == pytest.approx(-2 * np.sqrt(2) / 5, abs=0.01)  # a triangular distribution with its mode at the end
+    # A Gaussian blur adds to the variance only: the square's κ4 ratio survives it.
+    from scipy import ndimage
+
+    padded = np.pad(np.ones((40, 40)), 20)
+    assert checker.shape_features(ndimage.gaussian_filter(padded, 3.0))[1] == pytest.approx(2.0, abs=0.05)
+    assert [checker.classify_shape(m) for m in (square, disc, triangle)] == ["square", "circle", "triangle"]
 
 
 def test_strict_at_128_pixels():
