@@ -131,9 +131,9 @@ def shape_features(weights: np.ndarray) -> tuple[float, float]:
       every direction, and so does a triangle to fourth order (three-fold symmetry): 1.
     """
     total = float(weights.sum())
-    ys, xs = np.indices(weights.shape, dtype=np.float64)
-    x = xs - float((weights * xs).sum()) / total
-    y = ys - float((weights * ys).sum()) / total
+    rows, cols = np.indices(weights.shape, dtype=np.float64)
+    x = np.asarray(cols - float((weights * cols).sum()) / total)
+    y = np.asarray(rows - float((weights * rows).sum()) / total)
 
     def moment(values: np.ndarray, order: int) -> float:
         return float((weights * values**order).sum()) / total  # ** on a small crop: an object and its edge
@@ -143,7 +143,7 @@ def shape_features(weights: np.ndarray) -> tuple[float, float]:
 
     variance = (moment(x, 2) + moment(y, 2)) / 2
     skew = moment(y, 3) / variance**1.5
-    u, v = (x + y) / np.sqrt(2), (x - y) / np.sqrt(2)
+    u, v = np.asarray((x + y) / np.sqrt(2)), np.asarray((x - y) / np.sqrt(2))
     diagonal = fourth_cumulant(u) + fourth_cumulant(v)
     corner_ratio = (fourth_cumulant(x) + fourth_cumulant(y)) / diagonal if diagonal < 0 else 0.0
     return skew, corner_ratio
