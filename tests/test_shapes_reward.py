@@ -254,3 +254,22 @@ def test_report_captions_each_heldout_image_with_its_claims_and_plots_seen_and_n
     for line in ("✓ a circle", "✗ the circle is red (green circle)", "✓ the circle is left of the square"):
         assert f"<div class=claims>{line}</div>" in page
     assert "<div class=claims>✓ two triangles</div><div class=claims>✓ the triangles are blue</div>" in page
+
+
+def test_training_prompts_outside_the_world_are_refused_before_any_worker_starts(tiny_weights, tiny_embeddings):
+    from fluxgrpo.config import build_config
+    from fluxgrpo.training.launch_plan import preflight
+
+    paths = {
+        "model": str(tiny_weights.flux_dir),
+        "hps_dir": str(tiny_weights.hps_dir),
+        "data_json_path": str(tiny_embeddings.index_path),
+    }
+    with pytest.raises(UsageError, match=r"--reward shapes cannot read the prompt .*: the shapes world has no word"):
+        preflight(build_config("tiny-cpu", {**paths, "reward": "shapes"}))
+    # Evaluated only: the training prompts are brightness's business, the held-out ones the checker's.
+    preflight(
+        build_config("tiny-cpu", {**paths, "eval_every": 2, "eval_rewards": "shapes", "eval_prompts": "shapes-heldout"})
+    )
+    with pytest.raises(UsageError, match=r"evaluate on --eval-prompts shapes-heldout"):
+        preflight(build_config("tiny-cpu", {**paths, "eval_every": 2, "eval_rewards": "shapes"}))

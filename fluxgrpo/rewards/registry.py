@@ -77,6 +77,9 @@ class RewardRecord:
     # (image file, prompt) → one line per reason behind its score, for the report's grid captions (shapes: each
     # claim ✓/✗); [] when there is nothing to say.
     explain: Callable[[Path, str], list[str]] | None = None
+    # prompts → problems, for a reward that reads only some prompts (shapes: its world's captions); the training
+    # captions and the held-out prompts are checked before any worker starts.
+    prompt_problems: Callable[[Sequence[str]], list[str]] | None = None
     # (height, width) → problems, for a reward that reads only some image sizes; checked before any worker starts.
     image_size_problems: Callable[[int, int], list[str]] | None = None
 

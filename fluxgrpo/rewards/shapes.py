@@ -26,7 +26,10 @@ if TYPE_CHECKING:
 
     from fluxgrpo.shapes.world import Caption
 
-_FIX = "the shapes reward scores captions of the shapes world (`fluxgrpo preprocess --prompts shapes-train`)"
+_FIX = (
+    "the shapes reward scores captions of the shapes world (train on `fluxgrpo preprocess --prompts shapes-train`, "
+    "evaluate on --eval-prompts shapes-heldout)"
+)
 
 
 @lru_cache(maxsize=4096)
@@ -102,6 +105,16 @@ def explain(path: Path, prompt: str) -> list[str]:
         return []
 
 
+def prompt_problems(prompts: Sequence[str]) -> list[str]:
+    """The first prompt the checker cannot read, in one line naming its words (one is enough to say what to fix)."""
+    for prompt in dict.fromkeys(prompts):
+        try:
+            _caption(prompt)
+        except FluxgrpoError as exc:
+            return [str(exc)]
+    return []
+
+
 def image_size_problems(height: int, width: int) -> list[str]:
     """A run's image size the checker cannot read, said before any worker starts."""
     from fluxgrpo.shapes.checker import WORLD_SIZES
@@ -119,5 +132,10 @@ def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> ShapesReward:
 
 
 RECORD = RewardRecord(  # no weights
-    "shapes", _load, summarize=summarize, explain=explain, image_size_problems=image_size_problems
+    "shapes",
+    _load,
+    summarize=summarize,
+    explain=explain,
+    prompt_problems=prompt_problems,
+    image_size_problems=image_size_problems,
 )
