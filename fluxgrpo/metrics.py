@@ -227,6 +227,27 @@ def _say_torn_line_dropped(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def held_out_trend(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each held-out reward's mean at the run's first and last evaluation (``eval_<reward>_mean``, the live
+    weights'): ``{reward: {"first_iteration", "first", "last_iteration", "last", "change"}}``; empty with fewer than
+    two evaluations."""
+    evaluations = [r for r in records if "eval_seconds" in r]
+    if len(evaluations) < 2:
+        return {}
+    first, last = evaluations[0], evaluations[-1]
+    out = {}
+    for key, value in first.items():
+        if key.startswith("eval_") and key.endswith("_mean") and not key.startswith("eval_ema_") and key in last:
+            out[key.removeprefix("eval_").removesuffix("_mean")] = {
+                "first_iteration": first["iteration"],
+                "first": value,
+                "last_iteration": last["iteration"],
+                "last": last[key],
+                "change": last[key] - value,
+            }
+    return out
+
+
 def reward_trend(records: list[dict[str, Any]], window: int = 5) -> dict[str, float] | None:
     """Mean reward over the first and the last ``window`` iterations (None with fewer than 2 iterations)."""
     rewards = [r["reward_mean"] for r in records if r.get("reward_mean") is not None]

@@ -111,12 +111,16 @@ def test_eval_scores_equal_fluxgrpo_score_on_the_saved_images(eval_run):
 def test_eval_images_are_the_images_sample_makes_from_the_same_weights(eval_run, tmp_path):
     from fluxgrpo.sample import build_request, sample
     from fluxgrpo.sampling.request import SampleSettings
+    from fluxgrpo.training.eval import training_text_length
 
     cfg, out, _ = eval_run
-    # the same batches as the evaluation (rollout_batch_size): a batch of one can round differently in the last bit
+    # the same batches as the evaluation (rollout_batch_size): a batch of one can round differently in the last bit;
+    # the prompts padded as the training embeddings were (32 T5 tokens, tests/conftest.py)
     settings = SampleSettings(
-        height=64, width=64, steps=2, guidance=cfg.guidance, seed=0, images_per_prompt=2, batch_size=4
-    )
+        height=64, width=64, steps=2, guidance=cfg.guidance, seed=0, images_per_prompt=2, batch_size=4,
+        max_sequence_length=training_text_length(cfg),
+    )  # fmt: skip
+    assert settings.max_sequence_length == 32
     for iteration, checkpoint, ema in (
         (0, None, False),
         (4, out / "checkpoint-4", False),

@@ -26,6 +26,7 @@ class Flag:
 def known_values() -> dict[tuple[str, str], tuple[tuple[str, ...], bool]]:
     """(command, flag) → (the names the flag takes, whether a file is a value too)."""
     from fluxgrpo.bench.efficiency import ALGORITHMS
+    from fluxgrpo.cli.fetch_weights import SOURCES
     from fluxgrpo.config import shipped_configs
     from fluxgrpo.data.benchmarks import BENCHMARKS, SHIPPED_SETS
     from fluxgrpo.rewards import reward_names
@@ -43,6 +44,7 @@ def known_values() -> dict[tuple[str, str], tuple[tuple[str, ...], bool]]:
         ("bench", "--algorithms"): (tuple(ALGORITHMS), False),
         ("train", "--eval-prompts"): ((*SHIPPED_SETS, *BENCHMARKS), True),
         ("preprocess", "--prompts"): (SHIPPED_SETS, True),
+        ("fetch-weights", "--source"): (SOURCES, False),
     }
 
 

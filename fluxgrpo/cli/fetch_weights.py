@@ -12,7 +12,7 @@ from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR, DEFAULT_PROMPTS_DI
 if TYPE_CHECKING:
     from fluxgrpo.weights.hub import FetchSummary
 
-SOURCES = ("tiny", "hf", "modelscope")
+SOURCES = ("tiny", "shapes", "hf", "modelscope")
 HUB_HELP = "Hub sources (hf, modelscope)"
 
 
@@ -35,14 +35,19 @@ def _parse_only(only: str | None) -> list[str] | None:
 @handle_errors
 def command(
     source: Annotated[
-        str, typer.Option("--source", help="hf (Hugging Face), modelscope, or tiny (random tiny models, offline).")
+        str,
+        typer.Option(
+            "--source",
+            help="hf (Hugging Face), modelscope, tiny (random tiny models, offline), or shapes (the shapes world's "
+            "pretrained tiny FLUX and HPS, shipped in the package, offline).",
+        ),
     ] = "hf",
     only: Annotated[
         str | None,
         typer.Option(
             "--only",
             help="Comma-separated parts: flux, hps, clip, pickscore, imagereward, hpsv3, hpdv2-prompts (benchmark "
-            "prompts). Default: flux,hps,clip from a hub; every model part for tiny.",
+            "prompts). Default: flux,hps,clip from a hub or for shapes; every model part for tiny.",
         ),
     ] = None,
     flux_dir: Annotated[
@@ -129,13 +134,14 @@ def command(
       HF_ENDPOINT=https://hf-mirror.com fluxgrpo fetch-weights --only hps,clip,pickscore
       fluxgrpo fetch-weights --only hpsv3 --dry-run
       fluxgrpo fetch-weights --source tiny --flux-dir /tmp/flux --hps-dir /tmp/hps --seed 1
+      fluxgrpo fetch-weights --source shapes
     """
     from fluxgrpo.errors import UsageError
 
     if source not in SOURCES:
         raise UsageError(f"unknown --source {source!r}: use one of {', '.join(SOURCES)}")
     parts = _parse_only(only)
-    if source == "tiny":
+    if source in ("tiny", "shapes"):
         hub_only = {
             "--revision": revision,
             "--token": token,
@@ -146,9 +152,17 @@ def command(
         }
         given = [flag for flag, value in hub_only.items() if value not in (None, False)]
         if given:
-            raise UsageError(f"{given[0]} applies to --source hf or modelscope, not to --source tiny")
+            raise UsageError(f"{given[0]} applies to --source hf or modelscope, not to --source {source}")
         if prompts_dir != DEFAULT_PROMPTS_DIR or any(name.endswith("-prompts") for name in parts or []):
             raise UsageError("benchmark prompt sets come from a hub: fetch them with --source hf")
+        if source == "shapes":
+            if seed is not None:
+                raise UsageError(
+                    "--seed applies to --source tiny only: the shapes weights are one build's (rebuild another "
+                    "seed with `python -m fluxgrpo.shapes.build --out DIR --seed N`)"
+                )
+            _shapes(parts, flux_dir, hps_dir, json_output)
+            return
         _tiny(parts, flux_dir, hps_dir, 0 if seed is None else seed, json_output)
         return
     if seed is not None:
@@ -175,9 +189,7 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
     from fluxgrpo.errors import FluxgrpoError
     from fluxgrpo.models.tiny_weights import tiny_parts, write_tiny_weights
     from fluxgrpo.paths import ensure_writable_dir, give_default_mode
-    from fluxgrpo.rewards.registry import weights_parts
     from fluxgrpo.runtime.worker import quiet_library_progress
-    from fluxgrpo.weights.layout import check_flux_dir
 
     selected = parts or list(tiny_parts())
     if "flux" in selected:
@@ -197,9 +209,45 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
     for folder in {Path(flux_dir), Path(hps_dir)}:
         for weights in folder.rglob("*.safetensors"):
             give_default_mode(weights)  # safetensors leaves them 0600
+    _report_written("tiny", summary.part_bytes, flux_dir, hps_dir, json_output, {"seed": seed})
+
+
+def _shapes(parts: list[str] | None, flux_dir: str, hps_dir: str, json_output: bool) -> None:
+    from pathlib import Path
+
+    from fluxgrpo.errors import FluxgrpoError
+    from fluxgrpo.paths import ensure_writable_dir
+    from fluxgrpo.shapes.shipped import SHAPES_PARTS, write_shapes_weights
+
+    selected = parts or list(SHAPES_PARTS)
+    if "flux" in selected:
+        ensure_writable_dir(flux_dir, "FLUX weights", "--flux-dir")
+    if {"hps", "clip"} & set(selected):
+        ensure_writable_dir(hps_dir, "reward weights", "--hps-dir")
+    log(f"writing the shapes world's pretrained weights to {flux_dir} and {hps_dir}")
+    try:
+        written = write_shapes_weights(Path(flux_dir), Path(hps_dir), parts=selected)
+    except OSError as exc:
+        where = exc.filename or f"{flux_dir} / {hps_dir}"
+        raise FluxgrpoError(
+            f"cannot write the shapes weights to {where} ({exc.strerror or exc}): free space there or pass writable "
+            "folders with --flux-dir and --hps-dir"
+        ) from None
+    _report_written("shapes", written, flux_dir, hps_dir, json_output, {})
+
+
+def _report_written(
+    source: str, part_bytes: dict[str, int], flux_dir: str, hps_dir: str, json_output: bool, extra: dict[str, Any]
+) -> None:
+    """One row per part written (its check after writing), as a table or one JSON document."""
+    from pathlib import Path
+
+    from fluxgrpo.rewards.registry import weights_parts
+    from fluxgrpo.weights.layout import check_flux_dir
+
     rows: list[dict[str, Any]] = []
     reward_parts = weights_parts()
-    for part, size in summary.part_bytes.items():
+    for part, size in part_bytes.items():
         status = check_flux_dir(flux_dir) if part == "flux" else reward_parts[part].check(Path(hps_dir))
         rows.append(
             {
@@ -212,11 +260,11 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
             }
         )
     if json_output:
-        print_json({"source": "tiny", "seed": seed, "parts": rows})
+        print_json({"source": source, **extra, "parts": rows})
         return
     from rich.table import Table
 
-    table = Table(title="fetch-weights --source tiny", title_justify="left")
+    table = Table(title=f"fetch-weights --source {source}", title_justify="left")
     for column in ("part", "path", "source", "size", "status"):
         table.add_column(column)
     for row in rows:

@@ -85,7 +85,7 @@ def _train(
         return
     from fluxgrpo.checkpoint.best import read_best
     from fluxgrpo.config import build_config
-    from fluxgrpo.metrics import reward_trend
+    from fluxgrpo.metrics import held_out_trend, reward_trend
     from fluxgrpo.runtime.dist import CollectiveTimeout
     from fluxgrpo.training.guards import GUARD_STOP_EXIT_CODE, guard_stop
     from fluxgrpo.training.launch_plan import launch_spec, launch_training, plan_training
@@ -128,10 +128,12 @@ def _train(
     trend = reward_trend(records)
     iterations = [r for r in records if "reward_mean" in r]  # metrics.jsonl also holds evaluation and guard records
     stopped = guard_stop(records)
+    held_out = held_out_trend(records)
     result = {
         "output_dir": cfg.output_dir,
         "iterations": len(iterations),
         "reward_trend": trend,
+        "held_out": held_out,
         "final": iterations[-1] if iterations else None,
         "guard_stop": stopped["guard_stop_message"] if stopped else None,
         "best": read_best(cfg.output_dir),
@@ -145,6 +147,13 @@ def _train(
             f"and last {trend['window']} of {trend['iterations']} iterations). Checkpoints and metrics.jsonl in "
             f"{escape(cfg.output_dir)}"
         )
+    if not json_output:
+        for name, change in held_out.items():
+            out_console.print(
+                f"held-out {escape(name)} {change['first']:.4f} (iteration {change['first_iteration']}) → "
+                f"{change['last']:.4f} (iteration {change['last_iteration']}), {change['change']:+.4f}",
+                highlight=False,
+            )
     if stopped:  # a clean end, told apart from success and failure by its exit code (training/guards.py)
         err_console.print(escape(stopped["guard_stop_message"]), highlight=False)
         raise typer.Exit(GUARD_STOP_EXIT_CODE)

@@ -6,8 +6,9 @@ its deterministic flow-matching Euler sampler, η = 0, ``sample.image_seed`` wit
 grid and ``index.json``), but with the weights being trained: the pipeline wraps the live (possibly FSDP2-sharded)
 transformer and the training VAE, and the prompts are encoded once, so no text encoder stays in memory. So
 ``eval/iteration-<k>/`` holds the images ``fluxgrpo sample --checkpoint <output_dir>/checkpoint-<k> --seed 0
---steps <eval-steps> --batch-size <rollout-batch-size>`` would make (batches of ``rollout_batch_size``, known to
-fit in memory), and two evaluations differ only by the weights. With ``--use-ema`` the EMA
+--steps <eval-steps> --batch-size <rollout-batch-size> --max-sequence-length <S>`` would make (batches of
+``rollout_batch_size``, known to fit in memory; S the T5 length the training prompts were preprocessed to, FLUX's 512
+unless `preprocess --max-sequence-length` said otherwise), and two evaluations differ only by the weights. With ``--use-ema`` the EMA
 weights are evaluated too (``eval/iteration-<k>-ema/``).
 
 Prompt i is sampled by rank i % world (``preprocess.rank_indices``); every rank runs the same number of
@@ -75,6 +76,14 @@ def eval_folder(output_dir: str | Path, iteration: int, ema: bool = False) -> Pa
     return Path(output_dir) / EVAL_DIR / f"iteration-{iteration}{'-ema' if ema else ''}"
 
 
+def training_text_length(cfg: TrainConfig) -> int:
+    """S, the T5 length the training prompts were preprocessed to (512, FLUX's, unless `preprocess` was told
+    otherwise)."""
+    from fluxgrpo.data.embeddings import EmbeddingDataset
+
+    return int(EmbeddingDataset(cfg.data_json_path)[0].prompt_embeds.shape[0])
+
+
 def is_due(cfg: TrainConfig, iteration: int) -> bool:
     """Iteration 0, every ``eval_every``-th, and the last."""
     if cfg.eval_every <= 0:
@@ -104,6 +113,9 @@ class Evaluator:
             images_per_prompt=cfg.eval_images_per_prompt,
             batch_size=cfg.rollout_batch_size,
             attention=cfg.attention,
+            # The held-out prompts are padded as the training prompts were (`preprocess --max-sequence-length`):
+            # a model trained on short padded text (the shapes world's) is evaluated as it trains.
+            max_sequence_length=training_text_length(cfg),
         ).validate()
         self._pipe: Any = None
         self._encoded: dict[int, tuple[Any, Any]] | None = None

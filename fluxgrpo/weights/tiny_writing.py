@@ -11,32 +11,36 @@ from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.weights.manifest import MANIFEST_NAME, Manifest, describe_files, read_manifest, write_manifest
 
 TINY_SOURCE = "tiny"
+SHAPES_SOURCE = "shapes"  # the shapes world's pretrained weights, shipped in the package (``shapes/shipped.py``)
+# Sources written offline by fluxgrpo itself: each may replace the other's folder (never a hub's).
+OFFLINE_SOURCES = (TINY_SOURCE, SHAPES_SOURCE)
 
 
 def refuse_unless_tiny_or_empty(
-    folder: Path, manifest_names: tuple[str, ...], own_files: tuple[str, ...] | None, flag: str
+    folder: Path, manifest_names: tuple[str, ...], own_files: tuple[str, ...] | None, flag: str, making: str = "tiny"
 ) -> None:
-    """Never overwrite real weights with tiny ones: only an empty folder or an earlier tiny one is replaced."""
+    """Never overwrite real weights with tiny (or shapes, ``making``) ones: only an empty folder or an earlier
+    offline-written one (tiny or shapes) is replaced."""
     if not folder.exists():
         return
     if not folder.is_dir():
         raise FluxgrpoError(f"{folder} exists and is not a folder: choose another {flag}")
     for name in manifest_names:
         manifest = read_manifest(folder, name)
-        if manifest is not None and manifest.source != TINY_SOURCE:
+        if manifest is not None and manifest.source not in OFFLINE_SOURCES:
             raise FluxgrpoError(
-                f"{folder} holds {manifest.source} weights ({name}); refusing to overwrite them with tiny ones: "
+                f"{folder} holds {manifest.source} weights ({name}); refusing to overwrite them with {making} ones: "
                 f"choose another {flag}"
             )
     present = [p.name for p in folder.iterdir()]
     if own_files is not None:
         present = [name for name in present if name in own_files]
-    has_tiny_manifest = any(
-        (m := read_manifest(folder, name)) is not None and m.source == TINY_SOURCE for name in manifest_names
+    has_offline_manifest = any(
+        (m := read_manifest(folder, name)) is not None and m.source in OFFLINE_SOURCES for name in manifest_names
     )
-    if present and not has_tiny_manifest:
+    if present and not has_offline_manifest:
         raise FluxgrpoError(
-            f"{folder} already holds weights placed without a manifest; refusing to overwrite them with tiny "
+            f"{folder} already holds weights placed without a manifest; refusing to overwrite them with {making} "
             f"ones: choose another {flag} (or delete the folder)"
         )
 

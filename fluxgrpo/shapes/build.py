@@ -1,0 +1,508 @@
+"""Rebuild the shapes world's shipped weights from their seed: ``python -m fluxgrpo.shapes.build --out DIR``.
+
+Everything is trained on rendered images of the *training* split's captions only (``world.split().train``), on the
+CPU, seeded, in four stages:
+
+1. **VAE** (diffusers' ``AutoencoderKL``, FLUX's 16 latent channels and 8× downsampling) as an autoencoder: L1 +
+   MSE reconstruction of the sampled posterior, a small KL. Its ``shift_factor`` and ``scaling_factor`` are then
+   measured on the dataset's latents (their mean and 1/std), as FLUX's own were; then the decoder alone trains on,
+   the encoder (and so every latent) frozen.
+2. **Text encoders**: FLUX's CLIP-L and T5 classes, tiny, with the world's tokenizers (``shapes/tokenizers.py``);
+   random and frozen (seeded), as FLUX's encoders are frozen: the transformer learns to read them.
+3. **Transformer** (``FluxTransformer2DModel``) by rectified flow on the VAE's normalised, packed latents:
+   x_σ = (1 − σ)·x0 + σ·ε, target v = ε − x0, σ = FLUX's time shift (3) of a logit-normal/uniform draw, fed
+   quantised as the sampler feeds it (``grpo.schedule.model_timesteps``) with a random distilled-guidance value
+   (the model is not guidance-distilled, so it learns to ignore it). An EMA of the weights is what ships.
+4. **Tiny HPS**: an open_clip CLIP trained contrastively on (image, caption) pairs (the renders) with one hard
+   negative caption per image (a colour, shape, count or relation changed), through
+   HPSv2's own preprocessing; written in HPSv2's layout (``HPS_v2.1_compressed.pt`` + ``open_clip_config.json``).
+
+``--quick`` runs every stage a few steps (the tests). The same seed, torch version and thread count give the same
+files. ``build.json`` records the plan, the losses and the time of each stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fluxgrpo.shapes import world
+from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH, build_world_clip_tokenizer, build_world_t5_tokenizer
+
+BUILD_INFO = "build.json"
+FLUX_SUBDIR = "flux"
+HPS_SUBDIR = "hps"
+
+# FLUX's parts at laptop size. The transformer sees 16 image tokens (a 64² image) and 12 text tokens.
+WORLD_TRANSFORMER_CONFIG: dict[str, Any] = {
+    "patch_size": 1,
+    "in_channels": 64,  # 16 latent channels x 2x2 packing
+    "num_layers": 2,
+    "num_single_layers": 2,
+    "attention_head_dim": 32,
+    "num_attention_heads": 4,
+    "joint_attention_dim": 32,  # = the T5's d_model
+    "pooled_projection_dim": 32,  # = the CLIP's hidden size
+    "guidance_embeds": True,
+    "axes_dims_rope": (8, 12, 12),  # each even, summing to attention_head_dim
+}
+WORLD_VAE_CONFIG: dict[str, Any] = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ("DownEncoderBlock2D",) * 4,
+    "up_block_types": ("UpDecoderBlock2D",) * 4,
+    "block_out_channels": (8, 16, 32, 32),
+    "layers_per_block": 1,
+    "latent_channels": 16,
+    "norm_num_groups": 4,
+    "sample_size": 64,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+}
+# open_clip's model-config format, read back by ``rewards/open_clip_model.py``. The vision tower takes the 64²
+# images as they are (HPSv2's resize is then the identity); the text tower has open_clip's own vocabulary.
+WORLD_HPS_CONFIG: dict[str, Any] = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 64, "layers": 2, "width": 64, "head_width": 16, "patch_size": 8},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
+}
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """Sizes and lengths of every stage; ``FULL_PLAN`` is what ships, ``QUICK_PLAN`` what the tests run."""
+
+    seed: int = 0
+    images: int = 8000  # rendered training images (train-split captions, families weighed evenly)
+    vae_steps: int = 400
+    vae_batch: int = 16
+    vae_lr: float = 2e-3
+    decoder_steps: int = 800  # the decoder alone afterwards, the encoder frozen
+    decoder_lr: float = 1e-3
+    transformer_steps: int = 2500
+    transformer_batch: int = 48
+    transformer_lr: float = 1e-3
+    ema_decay: float = 0.998
+    hps_steps: int = 200
+    hps_batch: int = 96  # distinct captions per step, one image each
+    hps_lr: float = 2e-3
+    threads: int = 2
+
+
+FULL_PLAN = BuildPlan()
+QUICK_PLAN = BuildPlan(
+    images=16,
+    vae_steps=2,
+    vae_batch=2,
+    decoder_steps=2,
+    transformer_steps=2,
+    transformer_batch=4,
+    hps_steps=2,
+    hps_batch=8,
+)
+
+
+_START = time.monotonic()
+
+
+def _log(message: str) -> None:
+    print(f"[{time.monotonic() - _START:7.1f}s] {message}", flush=True)
+
+
+def training_captions() -> list[str]:
+    return list(world.split().train)
+
+
+def render_dataset(count: int, seed: int) -> tuple[np.ndarray, list[int]]:
+    """``count`` images [N, 64, 64, 3] uint8 of training captions, and each image's caption index.
+
+    A family is drawn first, then one of its captions, so the many position captions do not crowd out the rest.
+    """
+    captions = training_captions()
+    by_family: dict[str, list[int]] = {}
+    for index, text in enumerate(captions):
+        by_family.setdefault(world.parse_caption(text).family, []).append(index)
+    families = sorted(by_family)
+    rng = random.Random(seed)
+    images = np.empty((count, 64, 64, 3), dtype=np.uint8)
+    indices = []
+    for n in range(count):
+        index = rng.choice(by_family[rng.choice(families)])
+        images[n] = world.render(world.sample_scene(world.parse_caption(captions[index]), rng, 64))
+        indices.append(index)
+    return images, indices
+
+
+def _to_pixels(images: np.ndarray) -> Any:
+    """uint8 [N, H, W, 3] → float32 [N, 3, H, W] in [-1, 1], the VAE's input range."""
+    import torch
+
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+
+
+def _warmup_cosine(step: int, total: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))) * 0.9 + 0.1
+
+
+def train_vae(images: np.ndarray, plan: BuildPlan) -> tuple[Any, list[float]]:
+    import torch
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(plan.seed)
+    vae = AutoencoderKL(**WORLD_VAE_CONFIG)
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=plan.vae_lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(plan.seed + 10)
+    losses = []
+    vae.train()
+    for step in range(plan.vae_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = plan.vae_lr * _warmup_cosine(step, plan.vae_steps, 20)
+        batch = _to_pixels(images[torch.randint(len(images), (plan.vae_batch,), generator=generator).numpy()])
+        posterior = vae.encode(batch).latent_dist
+        latents = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
+        recon = vae.decode(latents).sample
+        kl = posterior.kl().mean() / batch[0].numel()
+        loss = (recon - batch).abs().mean() + (recon - batch).pow(2).mean() + 1e-4 * kl
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        if step % 20 == 0 or step == plan.vae_steps - 1:
+            _log(f"vae step {step}/{plan.vae_steps} loss {loss.item():.4f}")
+    return vae.eval().requires_grad_(False), losses
+
+
+def finetune_decoder(vae: Any, images: np.ndarray, plan: BuildPlan) -> list[float]:
+    """More training for the decoder alone, the encoder frozen (as Stable Diffusion's ft-MSE VAE was): the latents,
+    and so the transformer's data, stay as they are while colours and edges sharpen. In place; the loss per step."""
+    import torch
+
+    torch.manual_seed(plan.seed + 4)
+    decoder = [*vae.decoder.parameters()]
+    optimizer = torch.optim.AdamW(decoder, lr=plan.decoder_lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(plan.seed + 11)
+    losses = []
+    vae.requires_grad_(False)
+    for parameter in decoder:
+        parameter.requires_grad_(True)
+    vae.train()
+    for step in range(plan.decoder_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = plan.decoder_lr * _warmup_cosine(step, plan.decoder_steps, 20)
+        batch = _to_pixels(images[torch.randint(len(images), (plan.vae_batch,), generator=generator).numpy()])
+        with torch.no_grad():
+            posterior = vae.encode(batch).latent_dist
+            latents = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
+        recon = vae.decode(latents).sample
+        loss = (recon - batch).abs().mean() + (recon - batch).pow(2).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(decoder, 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        if step % 20 == 0 or step == plan.decoder_steps - 1:
+            _log(f"decoder step {step}/{plan.decoder_steps} loss {loss.item():.4f}")
+    vae.eval().requires_grad_(False)
+    return losses
+
+
+def encode_dataset(vae: Any, images: np.ndarray, batch: int = 256) -> Any:
+    """Posterior means [N, 16, 8, 8] of every image (no noise: the data the flow is trained to reach)."""
+    import torch
+
+    with torch.no_grad():
+        return torch.cat(
+            [vae.encode(_to_pixels(images[i : i + batch])).latent_dist.mean for i in range(0, len(images), batch)]
+        )
+
+
+def build_text_encoders(seed: int) -> tuple[Any, Any, Any, Any]:
+    """The world's CLIP-L and T5 text encoders (random, seeded, frozen) and their tokenizers."""
+    import torch
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    clip_tokenizer = build_world_clip_tokenizer()
+    t5_tokenizer = build_world_t5_tokenizer()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        clip = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=len(clip_tokenizer),
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=77,
+                projection_dim=32,
+                hidden_act="quick_gelu",
+                bos_token_id=clip_tokenizer.bos_token_id,
+                eos_token_id=clip_tokenizer.eos_token_id,
+                pad_token_id=clip_tokenizer.pad_token_id,
+            )
+        )
+        t5 = T5EncoderModel(
+            T5Config(
+                vocab_size=len(t5_tokenizer),
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                feed_forward_proj="gated-gelu",
+                is_encoder_decoder=False,
+                use_cache=False,
+                pad_token_id=0,
+                eos_token_id=1,
+                decoder_start_token_id=0,
+            )
+        )
+    return clip.eval().requires_grad_(False), clip_tokenizer, t5.eval().requires_grad_(False), t5_tokenizer
+
+
+def encode_captions(clip: Any, clip_tokenizer: Any, t5: Any, t5_tokenizer: Any, captions: list[str]) -> tuple:
+    """(prompt_embeds [n, 12, 32], pooled [n, 32]) exactly as ``models.flux.encode_prompts`` makes them."""
+    from fluxgrpo.models.flux import TextEncoders, encode_prompts
+
+    encoded = encode_prompts(TextEncoders(clip, clip_tokenizer, t5, t5_tokenizer), captions, WORLD_TEXT_LENGTH)
+    return encoded.prompt_embeds.float(), encoded.pooled.float()
+
+
+def draw_sigmas(count: int, generator: Any, shift: float = 3.0) -> Any:
+    """σ for flow-matching training: half logit-normal, half uniform, through FLUX's time shift σ = s·u/(1+(s−1)·u).
+
+    The shift is the one the RL sampler's table uses (``grpo.schedule.sigma_schedule``), so the noisy early steps,
+    where an image's layout and count are decided, get most of the training."""
+    import torch
+
+    u = torch.sigmoid(torch.randn(count, generator=generator))
+    uniform = torch.rand(count, generator=generator)
+    u = torch.where(torch.rand(count, generator=generator) < 0.5, u, uniform)
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def train_transformer(
+    latents: Any, caption_index: list[int], prompt_embeds: Any, pooled: Any, plan: BuildPlan
+) -> tuple[Any, list[float]]:
+    """Rectified-flow training; returns the EMA transformer (eval mode) and the loss per step."""
+    import copy
+
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    from fluxgrpo.grpo.latents import image_ids, pack_latents
+    from fluxgrpo.grpo.rollout import predict_velocity
+    from fluxgrpo.grpo.schedule import model_timesteps
+    from fluxgrpo.grpo.types import Conditioning
+
+    torch.manual_seed(plan.seed + 1)
+    transformer = FluxTransformer2DModel(**WORLD_TRANSFORMER_CONFIG)
+    ema = copy.deepcopy(transformer).requires_grad_(False)
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=plan.transformer_lr, weight_decay=1e-4)
+    packed = pack_latents(latents)
+    captions = torch.tensor(caption_index)
+    img_ids = image_ids(64, 64)
+    text_ids = torch.zeros(prompt_embeds.shape[1], 3)
+    generator = torch.Generator().manual_seed(plan.seed + 20)
+    losses = []
+    transformer.train()
+    for step in range(plan.transformer_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = plan.transformer_lr * _warmup_cosine(step, plan.transformer_steps, 100)
+        rows = torch.randint(len(packed), (plan.transformer_batch,), generator=generator)
+        x0 = packed[rows]
+        noise = torch.randn(x0.shape, generator=generator)
+        sigma = draw_sigmas(len(rows), generator)
+        noisy = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
+        guidance = 1 + 4 * torch.rand(len(rows), generator=generator)
+        cond = Conditioning(prompt_embeds[captions[rows]], pooled[captions[rows]], text_ids)
+        velocity = predict_velocity(transformer, noisy, cond, model_timesteps(sigma), guidance, img_ids, "cpu")
+        loss = (velocity.float() - (noise - x0)).pow(2).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        optimizer.step()
+        decay = min(plan.ema_decay, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for kept, live in zip(ema.parameters(), transformer.parameters(), strict=True):
+                kept.lerp_(live, 1 - decay)
+        losses.append(loss.item())
+        if step % 100 == 0 or step == plan.transformer_steps - 1:
+            _log(f"transformer step {step}/{plan.transformer_steps} loss {loss.item():.4f}")
+    return ema.eval(), losses
+
+
+def hard_negative(text: str, rng: random.Random) -> str | None:
+    """The caption with one claim changed (a colour, a shape, the count or the relation), seen combinations only;
+    None when no change stays in the grammar's seen part."""
+    caption = world.parse_caption(text)
+    options: list[world.Caption] = []
+    for i, spec in enumerate(caption.objects):
+        for colour in world.COLOURS:
+            if spec.colour and colour != spec.colour:
+                objects = list(caption.objects)
+                objects[i] = world.ObjectSpec(spec.shape, colour)
+                options.append(replace(caption, objects=tuple(objects)))
+        for shape in world.SHAPES:
+            others = {o.shape for j, o in enumerate(caption.objects) if j != i}
+            if shape != spec.shape and shape not in others:
+                objects = list(caption.objects)
+                objects[i] = world.ObjectSpec(shape, spec.colour)
+                options.append(replace(caption, objects=tuple(objects)))
+    if caption.count is not None:
+        options += [replace(caption, count=n) for n in (2, 3) if n != caption.count]
+    if caption.relation is not None:
+        options += [replace(caption, relation=r) for r in world.RELATIONS if r != caption.relation]
+        options.append(replace(caption, objects=caption.objects[::-1]))
+    seen = [option for option in options if not world.is_novel(option) and option.text() != text]
+    return rng.choice(seen).text() if seen else None
+
+
+def train_hps(images: np.ndarray, caption_index: list[int], plan: BuildPlan) -> tuple[Any, list[float]]:
+    """Contrastive (image, caption) training of the tiny open_clip CLIP with hard negatives; returns it in eval."""
+    import open_clip
+    import torch
+    import torch.nn.functional as F
+    from open_clip.model import CLIP
+
+    from fluxgrpo.rewards.base import normalize_clip
+    from fluxgrpo.rewards.hpsv2 import resize_longest_and_pad
+    from fluxgrpo.rewards.open_clip_model import register_open_clip_config
+
+    captions = training_captions()
+    tokenizer = open_clip.get_tokenizer(register_open_clip_config(WORLD_HPS_CONFIG))
+    torch.manual_seed(plan.seed + 2)
+    model = CLIP(**json.loads(json.dumps(WORLD_HPS_CONFIG)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=plan.hps_lr, weight_decay=0.0)
+    by_caption: dict[int, list[int]] = {}
+    for row, index in enumerate(caption_index):
+        by_caption.setdefault(index, []).append(row)
+    rng = random.Random(plan.seed + 30)
+    losses = []
+    model.train()
+    for step in range(plan.hps_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = plan.hps_lr * _warmup_cosine(step, plan.hps_steps, 50)
+        chosen = rng.sample(sorted(by_caption), min(plan.hps_batch, len(by_caption)))
+        rows = [rng.choice(by_caption[index]) for index in chosen]
+        texts = [captions[index] for index in chosen]
+        negatives = [hard_negative(text, rng) or text for text in texts]
+        pixels = torch.from_numpy(images[rows]).permute(0, 3, 1, 2).float() / 255.0
+        pixels = normalize_clip(resize_longest_and_pad(pixels, WORLD_HPS_CONFIG["vision_cfg"]["image_size"]))
+        image_features = F.normalize(model.encode_image(pixels), dim=-1)
+        text_features = F.normalize(model.encode_text(tokenizer(texts + negatives)), dim=-1)
+        logits = model.logit_scale.exp() * image_features @ text_features.T  # [b, 2b]
+        # A hard negative that equals another image's own caption is masked for that image only.
+        own = torch.tensor([[t == texts[i] for t in texts + negatives] for i in range(len(texts))])
+        own[torch.arange(len(texts)), torch.arange(len(texts))] = False
+        logits = logits.masked_fill(own, float("-inf"))
+        targets = torch.arange(len(texts))
+        loss = (F.cross_entropy(logits, targets) + F.cross_entropy(logits[:, : len(texts)].T, targets)) / 2
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            model.logit_scale.clamp_(0, math.log(100))
+        losses.append(loss.item())
+        if step % 50 == 0 or step == plan.hps_steps - 1:
+            _log(f"hps step {step}/{plan.hps_steps} loss {loss.item():.4f}")
+    return model.eval().requires_grad_(False), losses
+
+
+def write_flux(folder: Path, vae: Any, transformer: Any, clip: Any, clip_tokenizer: Any, t5: Any, t5_tokenizer: Any):
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    from fluxgrpo.models.tiny import FLUX_SCHEDULER_CONFIG
+
+    pipeline = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER_CONFIG),
+        vae=vae,
+        text_encoder=clip,
+        tokenizer=clip_tokenizer,
+        text_encoder_2=t5,
+        tokenizer_2=t5_tokenizer,
+        transformer=transformer,
+    )
+    pipeline.save_pretrained(folder)
+
+
+def write_hps(folder: Path, model: Any) -> None:
+    import torch
+
+    from fluxgrpo.weights.layout import HPS_CHECKPOINT, REWARD_ARCH_FILE
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save({"state_dict": model.state_dict()}, folder / HPS_CHECKPOINT)
+    (folder / REWARD_ARCH_FILE).write_text(json.dumps(WORLD_HPS_CONFIG, indent=2) + "\n")
+
+
+def build(out: Path, plan: BuildPlan = FULL_PLAN) -> dict[str, Any]:
+    """Run every stage and write ``out/flux`` (a diffusers FLUX folder), ``out/hps`` and ``out/build.json``."""
+    import torch
+
+    torch.set_num_threads(plan.threads)
+    out = Path(out)
+    info: dict[str, Any] = {"plan": asdict(plan), "torch": torch.__version__, "seconds": {}}
+    start = time.monotonic()
+
+    images, caption_index = render_dataset(plan.images, plan.seed)
+    info["seconds"]["render"] = round(time.monotonic() - start, 1)
+
+    stage = time.monotonic()
+    vae, vae_losses = train_vae(images, plan)
+    raw = encode_dataset(vae, images)
+    shift, scale = float(raw.mean()), float(1 / raw.std())
+    vae.register_to_config(shift_factor=round(shift, 4), scaling_factor=round(scale, 4))
+    latents = (raw - vae.config.shift_factor) * vae.config.scaling_factor
+    decoder_losses = finetune_decoder(vae, images, plan)
+    info["seconds"]["vae"] = round(time.monotonic() - stage, 1)
+    vae.save_pretrained(out / FLUX_SUBDIR / "vae")  # early, so a long build can be inspected; rewritten below
+    info["vae"] = {"final_loss": float(np.mean(vae_losses[-20:])), "shift_factor": vae.config.shift_factor,
+                   "scaling_factor": vae.config.scaling_factor,
+                   "decoder_final_loss": float(np.mean(decoder_losses[-20:]))}  # fmt: skip
+
+    stage = time.monotonic()
+    clip, clip_tokenizer, t5, t5_tokenizer = build_text_encoders(plan.seed + 3)
+    prompt_embeds, pooled = encode_captions(clip, clip_tokenizer, t5, t5_tokenizer, training_captions())
+    transformer, flow_losses = train_transformer(latents, caption_index, prompt_embeds, pooled, plan)
+    info["seconds"]["transformer"] = round(time.monotonic() - stage, 1)
+    info["transformer"] = {"final_loss": float(np.mean(flow_losses[-50:]))}
+    write_flux(out / FLUX_SUBDIR, vae, transformer, clip, clip_tokenizer, t5, t5_tokenizer)
+
+    stage = time.monotonic()
+    hps, hps_losses = train_hps(images, caption_index, plan)
+    info["seconds"]["hps"] = round(time.monotonic() - stage, 1)
+    info["hps"] = {"final_loss": float(np.mean(hps_losses[-20:]))}
+    write_hps(out / HPS_SUBDIR, hps)
+
+    info["seconds"]["total"] = round(time.monotonic() - start, 1)
+    (out / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fluxgrpo.shapes.build", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder to write flux/, hps/ and build.json into")
+    parser.add_argument("--seed", type=int, default=FULL_PLAN.seed)
+    parser.add_argument("--threads", type=int, default=FULL_PLAN.threads, help="torch CPU threads (default 2)")
+    parser.add_argument("--quick", action="store_true", help="a few steps per stage (the tests' shortened build)")
+    args = parser.parse_args(argv)
+    plan = replace(QUICK_PLAN if args.quick else FULL_PLAN, seed=args.seed, threads=args.threads)
+    info = build(Path(args.out), plan)
+    print(json.dumps(info["seconds"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,162 @@
+"""Is the shapes world learnable, not solved? ``python -m fluxgrpo.shapes.measure --flux-dir D --hps-dir H``.
+
+Measures the four properties issue 29 asks of the shipped weights, through the product's own code paths:
+
+- **base accuracy**: the base model's images of the held-out prompts (``shapes-heldout``), sampled as ``fluxgrpo
+  sample`` and the training's evaluation sample them (FluxPipeline's deterministic Euler sampler, ``image_seed``
+  seeds), checked by the rule checker: strict (all claims) rate and mean score, seen and novel combinations apart;
+- **spread**: the fraction of groups (the images of one prompt, 8 by default) whose checker scores are not all
+  equal, on the training prompts (what GRPO's groups see) and on the held-out ones;
+- **VAE**: the checker's strict rate on VAE reconstructions of rendered images of every caption;
+- **HPS agreement**: Spearman's ρ between the tiny HPS (``--reward hpsv2``'s own code) and the checker score on
+  the base samples, pooled and within prompts (the mean over prompts whose scores vary).
+
+Prints one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fluxgrpo.shapes import world
+
+
+def sample_images(
+    flux_dir: Path, prompts: list[str], per_prompt: int, steps: int, guidance: float = 3.5, seed: int = 0
+) -> list[list[np.ndarray]]:
+    """``per_prompt`` uint8 [64, 64, 3] images per prompt, exactly as ``fluxgrpo sample --seed S`` makes them."""
+    import torch
+    from diffusers import FluxPipeline
+
+    from fluxgrpo.sampling.generate import denoise
+    from fluxgrpo.sampling.request import SampleSettings, image_seed
+    from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH
+
+    pipe = FluxPipeline.from_pretrained(flux_dir, dtype=torch.float32, trust_remote_code=False)
+    pipe.set_progress_bar_config(disable=True)
+    settings = SampleSettings(
+        height=64, width=64, steps=steps, guidance=guidance, max_sequence_length=WORLD_TEXT_LENGTH
+    )
+    out = []
+    with torch.no_grad():
+        for i, prompt in enumerate(prompts):
+            embeds, pooled, _ = pipe.encode_prompt(
+                prompt=[prompt] * per_prompt, prompt_2=None, max_sequence_length=WORLD_TEXT_LENGTH
+            )
+            seeds = [image_seed(seed, i, j) for j in range(per_prompt)]
+            images = denoise(pipe, settings, embeds, pooled, seeds, "np").images
+            out.append([np.clip(np.rint(image * 255), 0, 255).astype(np.uint8) for image in images])
+    return out
+
+
+def check_groups(prompts: list[str], groups: list[list[np.ndarray]]) -> list[list[Any]]:
+    from fluxgrpo.shapes.checker import check
+
+    return [[check(image, prompt) for image in group] for prompt, group in zip(prompts, groups, strict=True)]
+
+
+def accuracy(prompts: list[str], results: list[list[Any]]) -> dict[str, Any]:
+    """Strict rate and mean score, overall and per combination kind; the share of groups with score spread."""
+    summary: dict[str, Any] = {}
+    kinds = {"all": prompts, **{k: [p for p in prompts if world.combination_kind(p) == k] for k in ("seen", "novel")}}
+    by_prompt = dict(zip(prompts, results, strict=True))
+    for kind, members in kinds.items():
+        flat = [r for p in members for r in by_prompt[p]]
+        if flat:
+            summary[kind] = {
+                "prompts": len(members),
+                "strict": round(float(np.mean([r.strict for r in flat])), 4),
+                "score": round(float(np.mean([r.score for r in flat])), 4),
+            }
+    spread = [len({r.score for r in group}) > 1 for group in results]
+    summary["groups_with_spread"] = round(float(np.mean(spread)), 4)
+    return summary
+
+
+def vae_reconstruction_strict(flux_dir: Path, per_caption: int = 2, seed: int = 0) -> dict[str, Any]:
+    """The checker's strict rate on VAE reconstructions of rendered images of every caption of the grammar."""
+    import torch
+
+    from fluxgrpo.models.flux import load_vae
+    from fluxgrpo.shapes.checker import check
+
+    vae = load_vae(flux_dir)
+    captions = [c.text() for c in world.all_captions()]
+    strict = []
+    for start in range(0, len(captions), 64):
+        chunk = captions[start : start + 64]
+        images = np.stack([world.render_caption(c, seed + k) for c in chunk for k in range(per_caption)])
+        pixels = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
+        with torch.no_grad():
+            recon = vae.decode(vae.encode(pixels).latent_dist.mean).sample
+        recon_u8 = ((recon / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        texts = [c for c in chunk for _ in range(per_caption)]
+        strict += [check(image, text).strict for image, text in zip(recon_u8, texts, strict=True)]
+    return {"images": len(strict), "strict": round(float(np.mean(strict)), 4)}
+
+
+def hps_agreement(hps_dir: Path, prompts: list[str], groups: list[list[np.ndarray]], results: list[list[Any]]):
+    """Spearman's ρ of the tiny HPS score and the checker score on the same images: pooled, and within prompts."""
+    import torch
+    from scipy.stats import spearmanr
+
+    from fluxgrpo.rewards.hpsv2 import HpsV2Reward
+
+    reward = HpsV2Reward(hps_dir)
+    hps, checker, within = [], [], []
+    for prompt, group, checked in zip(prompts, groups, results, strict=True):
+        pixels = torch.from_numpy(np.stack(group)).permute(0, 3, 1, 2).float() / 255
+        scores = reward(pixels, [prompt] * len(group)).tolist()
+        rule = [r.score for r in checked]
+        hps += scores
+        checker += rule
+        if len(set(rule)) > 1:
+            within.append(float(spearmanr(scores, rule).statistic))
+    return {
+        "spearman_pooled": round(float(spearmanr(hps, checker).statistic), 4),
+        "spearman_within_prompt_mean": round(float(np.mean(within)), 4) if within else None,
+        "prompts_with_spread": len(within),
+    }
+
+
+def measure(flux_dir: Path, hps_dir: Path | None, per_prompt: int = 8, steps: int = 12, train_prompts: int = 40):
+    heldout = list(world.prompt_set("shapes-heldout"))
+    held_groups = sample_images(flux_dir, heldout, per_prompt, steps)
+    held_results = check_groups(heldout, held_groups)
+    train = list(world.prompt_set("shapes-train"))[:: max(1, len(world.prompt_set("shapes-train")) // train_prompts)]
+    train_groups = sample_images(flux_dir, train, per_prompt, steps, seed=1)
+    report: dict[str, Any] = {
+        "settings": {"images_per_prompt": per_prompt, "steps": steps, "guidance": 3.5},
+        "heldout": accuracy(heldout, held_results),
+        "train": accuracy(train, check_groups(train, train_groups)),
+        "vae": vae_reconstruction_strict(flux_dir),
+    }
+    if hps_dir is not None:
+        report["hps"] = hps_agreement(hps_dir, heldout, held_groups, held_results)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    parser = argparse.ArgumentParser(prog="python -m fluxgrpo.shapes.measure", description=__doc__.splitlines()[0])
+    parser.add_argument("--flux-dir", default="data/flux")
+    parser.add_argument("--hps-dir", default="hps_ckpt", help="the tiny HPS; '' to skip the agreement")
+    parser.add_argument("--images-per-prompt", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12, help="sampler steps (the shapes configs' --eval-steps)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    report = measure(Path(args.flux_dir), Path(args.hps_dir) if args.hps_dir else None, args.images_per_prompt,
+                     args.steps)  # fmt: skip
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

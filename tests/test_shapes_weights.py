@@ -1,0 +1,138 @@
+"""The shapes world's pretrained weights: the world's tokenizers, the seeded builder (shortened), what ships in the
+package, and ``fetch-weights --source shapes`` writing it in the real layout through the product's loaders."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fluxgrpo.cli.app import app
+from fluxgrpo.shapes import build, world
+from fluxgrpo.shapes.shipped import shipped_weights_dir, write_shapes_weights
+from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH, build_world_clip_tokenizer, build_world_t5_tokenizer
+from fluxgrpo.weights.layout import CLIP_MANIFEST, HPS_MANIFEST, check_flux_dir, check_hps_dir
+from fluxgrpo.weights.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file, write_manifest
+
+runner = CliRunner()
+
+
+def test_world_tokenizers_know_every_world_word_whole():
+    clip, t5 = build_world_clip_tokenizer(), build_world_t5_tokenizer()
+    for word in world.VOCABULARY:
+        assert clip.tokenize(word) == [f"{word}</w>"]
+        assert t5.tokenize(word) == [f"▁{word}"]
+    longest = max((c.text() for c in world.all_captions()), key=lambda t: len(t5(t).input_ids))
+    assert len(t5(longest).input_ids) <= WORLD_TEXT_LENGTH  # no caption of the world is cut
+    assert clip.tokenize("xyz") == ["x", "y", "z</w>"]  # any other text is still spelled
+
+
+def test_hard_negative_changes_one_claim_and_stays_seen():
+    rng = random.Random(0)
+    for text in world.split().train[:60]:
+        negative = build.hard_negative(text, rng)
+        if negative is None:
+            continue
+        assert negative != text and world.combination_kind(negative) == "seen"
+        original, changed = world.parse_caption(text), world.parse_caption(negative)
+        assert original.family == changed.family
+
+
+@pytest.fixture(scope="module")
+def quick_build(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shapes-build")
+    info = build.build(out, build.QUICK_PLAN)
+    return out, info
+
+
+def test_shortened_build_writes_every_part_and_its_record(quick_build):
+    out, info = quick_build
+    assert (out / build.FLUX_SUBDIR / "model_index.json").is_file()
+    assert json.loads((out / build.BUILD_INFO).read_text()) == info
+    vae_config = json.loads((out / build.FLUX_SUBDIR / "vae" / "config.json").read_text())
+    # the latent normalisation is measured on the dataset's latents, as FLUX's was
+    assert vae_config["shift_factor"] == info["vae"]["shift_factor"]
+    assert vae_config["scaling_factor"] == info["vae"]["scaling_factor"] > 0
+    assert set(info["seconds"]) == {"render", "vae", "transformer", "hps", "total"}
+
+
+def test_the_same_seed_rebuilds_the_same_files(quick_build, tmp_path):
+    out, _ = quick_build
+    build.build(tmp_path, build.QUICK_PLAN)
+    for name in ("transformer/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors"):
+        assert sha256_file(tmp_path / build.FLUX_SUBDIR / name) == sha256_file(out / build.FLUX_SUBDIR / name)
+    hps_a = torch.load(out / build.HPS_SUBDIR / "HPS_v2.1_compressed.pt", weights_only=True)["state_dict"]
+    hps_b = torch.load(tmp_path / build.HPS_SUBDIR / "HPS_v2.1_compressed.pt", weights_only=True)["state_dict"]
+    assert all(torch.equal(hps_a[k], hps_b[k]) for k in hps_a)
+
+
+def test_fetched_build_loads_through_the_products_own_loaders(quick_build, tmp_path):
+    from fluxgrpo.models.flux import encode_prompts, load_text_encoders, load_transformer
+    from fluxgrpo.rewards.hpsv2 import HpsV2Reward
+
+    out, _ = quick_build
+    written = write_shapes_weights(tmp_path / "flux", tmp_path / "hps", source=out)
+    assert set(written) == {"flux", "hps", "clip"}
+    assert check_flux_dir(tmp_path / "flux").complete
+    assert all(part.complete and part.source == "shapes" for part in check_hps_dir(tmp_path / "hps"))
+    assert read_manifest(tmp_path / "flux").source == "shapes"
+
+    encoders = load_text_encoders(tmp_path / "flux")
+    encoded = encode_prompts(encoders, ["two blue triangles"], WORLD_TEXT_LENGTH)
+    assert tuple(encoded.prompt_embeds.shape) == (1, WORLD_TEXT_LENGTH, 32)
+    assert load_transformer(tmp_path / "flux").config.joint_attention_dim == 32
+    reward = HpsV2Reward(tmp_path / "hps")
+    scores = reward(torch.rand(2, 3, 64, 64), ["a red circle", "a red circle"])
+    assert scores.shape == (2,) and torch.isfinite(scores).all()
+
+
+def test_shapes_never_overwrites_hub_weights(quick_build, tmp_path):
+    out, _ = quick_build
+    flux_dir = tmp_path / "flux"
+    flux_dir.mkdir()
+    write_manifest(flux_dir, Manifest(part="flux", source="hf", files=[]), MANIFEST_NAME)
+    with pytest.raises(Exception, match="refusing to overwrite them with shapes ones"):
+        write_shapes_weights(flux_dir, tmp_path / "hps", parts=["flux"], source=out)
+
+
+SHIPPED = shipped_weights_dir()
+needs_shipped = pytest.mark.skipif(
+    not (SHIPPED / build.FLUX_SUBDIR).is_dir(), reason="the shapes weights are not built into this checkout"
+)
+
+
+@needs_shipped
+def test_shipped_files_fit_the_budget():
+    total = sum(p.stat().st_size for p in SHIPPED.rglob("*") if p.is_file())
+    assert total <= 30 * 2**20
+
+
+@needs_shipped
+def test_fetch_weights_source_shapes_writes_the_real_layout_offline():
+    result = runner.invoke(app, ["fetch-weights", "--source", "shapes", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["source"] == "shapes"
+    assert {row["part"]: row["complete"] for row in report["parts"]} == {"flux": True, "hps": True, "clip": True}
+    assert read_manifest(Path("data/flux")).source == "shapes"
+    assert read_manifest(Path("hps_ckpt"), HPS_MANIFEST).source == "shapes"
+    assert read_manifest(Path("hps_ckpt"), CLIP_MANIFEST).source == "shapes"
+    shipped = SHIPPED / build.FLUX_SUBDIR / "transformer" / "diffusion_pytorch_model.safetensors"
+    fetched = Path("data/flux/transformer/diffusion_pytorch_model.safetensors")
+    assert sha256_file(fetched) == sha256_file(shipped)
+    # tiny replaces an earlier shapes folder (both are written offline), and shapes replaces tiny
+    assert runner.invoke(app, ["fetch-weights", "--source", "tiny", "--only", "flux"]).exit_code == 0
+    assert read_manifest(Path("data/flux")).source == "tiny"
+
+
+def test_fetch_weights_source_shapes_refuses_hub_flags_and_seed():
+    for extra in (["--seed", "1"], ["--revision", "main"]):
+        result = runner.invoke(app, ["fetch-weights", "--source", "shapes", *extra])
+        assert result.exit_code == 2
+        assert extra[0] in result.output
+    result = runner.invoke(app, ["fetch-weights", "--source", "shapes", "--only", "pickscore"])
+    assert result.exit_code == 2 and "for --source shapes" in result.output
