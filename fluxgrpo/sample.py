@@ -313,8 +313,10 @@ def build_request(
     ema: bool,
     settings: SampleSettings,
     device: str = "auto",
+    overwrite: bool = False,
 ) -> SampleRequest:
-    """Check everything that can be checked before a model loads and return the job.
+    """Check everything that can be checked before a model loads and return the job (``overwrite``: ``--out`` may
+    lie inside a training run; the caller moves what is there aside).
 
     Raises:
         UsageError: bad settings, no prompts, ``--ema`` without ``--checkpoint``.
@@ -350,8 +352,23 @@ def build_request(
     )
     if request.transformer_dir is not None:
         check_checkpoint_fits_model(request.transformer_dir, model)
+    check_not_inside_a_run(out, overwrite)
     check_output_dir(out)
     return request
+
+
+def check_not_inside_a_run(out: Path, overwrite: bool) -> None:
+    """A training run's folders (its eval/iteration-<k>/ above all) are its record: ``--out`` there only with
+    ``--overwrite``, which moves what is there aside (``run_folder.move_aside``) instead of replacing it."""
+    from fluxgrpo.run_folder import enclosing_run
+
+    run = enclosing_run(out)
+    if run is not None and not overwrite:
+        raise UsageError(
+            f"--out {out} is inside the training run {run}, whose evaluations and checkpoints `sample` must not "
+            f"replace: pass another --out, or add --overwrite to move what is there to {out.name}.replaced-<UTC "
+            "time> first"
+        )
 
 
 def clear_previous_run(out: Path) -> int:

@@ -19,7 +19,14 @@ from fluxgrpo.errors import FluxgrpoError, UsageError, not_usable
 from fluxgrpo.paths import ensure_writable_dir
 from fluxgrpo.rewards import reward_weights_status
 from fluxgrpo.rewards.reward_set import run_reward_names
-from fluxgrpo.run_folder import CONFIG_FILE, LOGS_DIR, check_not_in_use, check_run_files, previous_run
+from fluxgrpo.run_folder import (
+    CONFIG_FILE,
+    LOGS_DIR,
+    check_not_in_use,
+    check_run_files,
+    foreign_run_files,
+    previous_run,
+)
 from fluxgrpo.runtime.dist import CollectiveTimeout
 from fluxgrpo.runtime.launch import DEFAULT_PORT, LaunchSpec, check_dies_fit, run_id_for, run_workers
 from fluxgrpo.weights.layout import check_flux_dir
@@ -176,6 +183,13 @@ def check_previous_run(output_dir: Path, resume: str | None, overwrite: bool) ->
     """A new run never writes over an earlier one: without --resume a folder holding a run needs --overwrite."""
     if resume is not None and overwrite:
         raise UsageError("--overwrite starts the run over and --resume continues it: pass one of them")
+    foreign = foreign_run_files(output_dir)
+    if foreign and not overwrite:
+        raise UsageError(
+            f"--output-dir {output_dir} holds {' and '.join(foreign)} that fluxgrpo did not write (a run's own "
+            f"{CONFIG_FILE} begins with its resolved-config header), and the run would replace it: move it away, "
+            f"choose another --output-dir, or pass --overwrite to move it to {output_dir.name}.replaced-<UTC time>"
+        )
     found = previous_run(output_dir)
     if found and resume is None and not overwrite:
         shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
