@@ -200,7 +200,11 @@ def lock_run_folder(folder: str | Path) -> Iterator[dict[str, Any]]:
         }
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
-        os.write(fd, json.dumps(record).encode())
+        try:
+            os.write(fd, json.dumps(record).encode())
+        except OSError as exc:  # a full disk: name the file, so the one line names the folder
+            exc.filename = exc.filename or str(path)
+            raise
         try:
             yield previous
         finally:

@@ -307,9 +307,7 @@ class RunMonitor:
         drift = self.state.drift
         self.state = GuardState.from_dict(state)
         self.state.drift = drift
-        if verdict.stop:
-            rt_dist.rank0_print(self.ctx, verdict.message)
-        return verdict
+        return verdict  # the stop line is printed once, by `fluxgrpo train`, from the guard record
 
     def checkpoint_saved(self, iteration: int, path: Path) -> None:
         """After checkpoint ``iteration`` is complete: publish it as ``best/`` when it is the new best."""
@@ -412,9 +410,10 @@ class RunMonitor:
             verdict.stop = verdict.save_checkpoint = True
             rule, value, baseline = fired_now[0]
             best = f"; best: iteration {state.best['iteration']} (best/)" if state.best else ""
+            # Before any update (the base model, or the checkpoint a run resumed from) the loop stops before training.
+            ends = f"the run ends with checkpoint-{iteration}" if iteration > 0 else "the run stops before training"
             verdict.message = (
-                f"stopped by guard {rule.text} at iteration {iteration}: {rule.describe(value, baseline)}; "
-                f"the run ends with checkpoint-{iteration}{best}"
+                f"stopped by guard {rule.text} at iteration {iteration}: {rule.describe(value, baseline)}; {ends}{best}"
             )
             record["guard_stop_message"] = verdict.message
         if self.rules or self.best_key:

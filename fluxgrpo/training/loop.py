@@ -167,8 +167,9 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
         records: list[dict[str, Any]] = []
         skipped_updates = SkippedUpdateWatch()
         # the base model at iteration 0: every eval curve and every guard baseline starts there
-        monitor.check(start, evaluator.before_training(start, parts), records)
-        for iteration in range(start + 1, cfg.max_train_steps + 1):
+        first = monitor.check(start, evaluator.before_training(start, parts), records)
+        last = start if first.stop else cfg.max_train_steps  # a guard the starting weights fail: nothing to train
+        for iteration in range(start + 1, last + 1):
             rt_dist.mark(f"iteration {iteration}")  # named if this rank stops or falls behind the others
             rt_device.reset_peak_memory(ctx.device)
             clock = PhaseClock(ctx.device)
