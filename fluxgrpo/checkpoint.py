@@ -139,8 +139,15 @@ def read_checkpoint_info(path: str | Path) -> dict[str, Any]:
     if not is_usable_checkpoint(path):
         raise FluxgrpoError(_not_complete_message(path, path.parent))
     info = _read_json(path / COMPLETE_MARKER)
-    if not isinstance(info, dict) or not isinstance(info.get("iteration"), int) or "world_size" not in info:
+    if (
+        not isinstance(info, dict)
+        or not isinstance(info.get("iteration"), int)
+        or not isinstance(info.get("world_size"), int)
+        or info["world_size"] < 1
+    ):
         raise FluxgrpoError(f"{path / COMPLETE_MARKER} is malformed (not the JSON fluxgrpo writes): {_DAMAGED_FIX}")
+    if path.name == BEST_DIR:  # sample/export/--resume-from best/ never take a damaged best record silently
+        _read_best_record(path)
     return info
 
 
@@ -150,9 +157,16 @@ def read_trainer_state(path: str | Path) -> dict[str, Any]:
     Raises:
         FluxgrpoError: the file is missing, truncated or not a JSON object.
     """
-    state = _read_json(Path(path) / STATE_DIR / TRAINER_STATE_FILE)
-    if not isinstance(state, dict):
-        raise FluxgrpoError(f"{Path(path) / STATE_DIR / TRAINER_STATE_FILE} is malformed: {_DAMAGED_FIX}")
+    from fluxgrpo.state_checks import check_trainer_state
+
+    file = Path(path) / STATE_DIR / TRAINER_STATE_FILE
+    info = read_checkpoint_info(path)
+    state = check_trainer_state(_read_json(file), file, info["world_size"], _DAMAGED_FIX)
+    if state["iteration"] != info["iteration"]:
+        raise FluxgrpoError(
+            f"{file} is malformed (it is the state after iteration {state['iteration']}, but {COMPLETE_MARKER} says "
+            f"{info['iteration']}): {_DAMAGED_FIX}"
+        )
     return state
 
 
@@ -365,7 +379,17 @@ def publish_best(checkpoint: str | Path, facts: dict[str, Any]) -> Path:
 def read_best(output_dir: str | Path) -> dict[str, Any] | None:
     """``best/BEST.json`` of a run (iteration, metric, value, checkpoint), or None when it keeps no best."""
     path = Path(output_dir) / BEST_DIR
-    return _read_json(path / BEST_FILE) if is_best_checkpoint(path) else None
+    return _read_best_record(path) if is_best_checkpoint(path) else None
+
+
+def _read_best_record(best: Path) -> dict[str, Any]:
+    from fluxgrpo.state_checks import best_damaged_message, check_best_record
+
+    try:
+        record = json.loads((best / BEST_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise FluxgrpoError(best_damaged_message(best / BEST_FILE, type(exc).__name__)) from None
+    return check_best_record(record, best / BEST_FILE)
 
 
 def _export_model(
@@ -718,13 +742,18 @@ def write_state_checksums(state_dir: Path, rank: int) -> None:
 def _verify_checksums(state_dir: Path, rank: int) -> None:
     """Raise FluxgrpoError (one line) when a file this rank wrote no longer has the sha256 recorded at save time:
     corruption inside a tensor's bytes that no header check sees."""
+    from fluxgrpo.state_checks import check_checksum_record
+
     record = state_dir / CHECKSUMS_FILE.format(rank=rank)
     try:
         sums = json.loads(record.read_text())
-        if not isinstance(sums, dict):
-            raise ValueError("not a JSON object")
     except (OSError, ValueError) as exc:
         raise FluxgrpoError(f"{record} is missing or damaged ({type(exc).__name__}): {_DAMAGED_FIX}") from None
+    required = [f"rng_rank{rank}.pt", *((".metadata", TRAINER_STATE_FILE) if rank == 0 else ())]
+    for name in required:
+        if not (state_dir / name).is_file():
+            raise FluxgrpoError(f"{state_dir / name} is missing: the checkpoint is damaged; {_DAMAGED_FIX}")
+    check_checksum_record(sums, record, _files_of_rank(state_dir, rank), _DAMAGED_FIX)
     for name, expected in sorted(sums.items()):
         path = state_dir / Path(str(name)).name
         if not path.is_file():

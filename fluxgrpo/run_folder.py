@@ -129,10 +129,12 @@ def _open_fd(path: Path, flags: int, mode: int = 0o666) -> int:
 
 
 def open_run_file(path: str | Path, mode: str = "a") -> IO[Any]:
-    """Open a run file in place: ``"a"`` appends (created if absent), ``"r"`` reads; never through a link, and
-    only a regular file (else one-line FluxgrpoError)."""
-    flags = {"a": os.O_WRONLY | os.O_APPEND | os.O_CREAT, "r": os.O_RDONLY}[mode]
+    """Open a run file in place: ``"a"`` appends (created if absent), ``"r"`` reads text, ``"rb"`` bytes; never
+    through a link, and only a regular file (else one-line FluxgrpoError)."""
+    flags = {"a": os.O_WRONLY | os.O_APPEND | os.O_CREAT, "r": os.O_RDONLY, "rb": os.O_RDONLY}[mode]
     fd = _open_fd(Path(path), flags)
+    if mode == "rb":
+        return os.fdopen(fd, mode)
     return os.fdopen(fd, mode, buffering=1 if mode == "a" else -1, encoding="utf-8")
 
 
@@ -203,7 +205,7 @@ def lock_run_folder(folder: str | Path) -> Iterator[dict[str, Any]]:
         try:
             os.write(fd, json.dumps(record).encode())
         except OSError as exc:  # a full disk: name the file, so the one line names the folder
-            exc.filename = exc.filename or str(path)
+            exc.filename = exc.filename or str(folder / LOCK_FILE)
             raise
         try:
             yield previous

@@ -83,7 +83,6 @@ def _train(
     if list_configs:
         _list_configs()
         return
-    from fluxgrpo.checkpoint import read_best
     from fluxgrpo.config import build_config
     from fluxgrpo.metrics import reward_trend
     from fluxgrpo.runtime.dist import CollectiveTimeout
@@ -134,7 +133,7 @@ def _train(
         "reward_trend": trend,
         "final": iterations[-1] if iterations else None,
         "guard_stop": stopped["guard_stop_message"] if stopped else None,
-        "best": read_best(cfg.output_dir),
+        "best": _best_or_none(cfg.output_dir),
     }
     if json_output:
         print_json(result)
@@ -148,6 +147,17 @@ def _train(
     if stopped:  # a clean end, told apart from success and failure by its exit code (training/guards.py)
         err_console.print(escape(stopped["guard_stop_message"]), highlight=False)
         raise typer.Exit(GUARD_STOP_EXIT_CODE)
+
+
+def _best_or_none(output_dir: str) -> dict[str, Any] | None:
+    """The run's best/ record for its summary; a damaged one was already warned about, and is not the run's result."""
+    from fluxgrpo.checkpoint import read_best
+    from fluxgrpo.errors import FluxgrpoError
+
+    try:
+        return read_best(output_dir)
+    except FluxgrpoError:
+        return None
 
 
 def command(

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fluxgrpo.errors import UsageError
+from fluxgrpo.errors import FluxgrpoError, UsageError
 
 GUARD_ACTIONS = ("warn", "stop")
 GUARD_STOP_EXIT_CODE = 3
@@ -346,7 +346,11 @@ class RunMonitor:
         from fluxgrpo.runtime import dist as rt_dist
 
         output_dir = Path(self.cfg.output_dir)
-        on_disk = read_best(output_dir)
+        try:
+            on_disk = read_best(output_dir)
+        except FluxgrpoError as exc:  # a damaged record never blocks resuming a checkpoint; the next best replaces it
+            rt_dist.rank0_print(self.ctx, f"warning: {exc}")
+            return
         wanted = self.state.best
         if on_disk is None or on_disk.get("metric") != self.best_key:
             return  # none yet, or the best by another metric: kept until a best by this one replaces it
