@@ -303,13 +303,17 @@ class TrainConfig:
             )
         if self.sampling_steps >= 2 and not 0 < self.timestep_fraction <= 1:
             out.append(f"--timestep-fraction {self.timestep_fraction} must be in (0, 1]")
-        elif self.sampling_steps >= 1 and self.train_timesteps < 1:
-            steps = (
-                f"--sde-window {self.sde_window}"
+        elif self.sampling_steps >= 1 and self.train_timesteps < 1 and 0 <= self.sde_window < self.sampling_steps:
+            # (a window out of range has its own line below)
+            steps, other = (
+                (f"--sde-window {self.sde_window}", "--sde-window")
                 if self.sde_window
-                else f"(--sampling-steps {self.sampling_steps} − 1)"
+                else (f"(--sampling-steps {self.sampling_steps} − 1)", "--sampling-steps")
             )
-            out.append(f"--timestep-fraction {self.timestep_fraction} × {steps} trains no timestep: raise either")
+            out.append(
+                f"--timestep-fraction {self.timestep_fraction} × {steps} trains no timestep: raise "
+                f"--timestep-fraction or {other}"
+            )
         per_rank = self.trajectories_per_rank
         for name in ("rollout_batch_size", "train_micro_batch_size"):
             size = getattr(self, name)

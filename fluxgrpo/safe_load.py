@@ -15,6 +15,7 @@ torch's ``weights_only`` loader (plain containers, numbers, strings, tensors). T
 from __future__ import annotations
 
 import io
+import logging
 import pickle
 import re
 import warnings
@@ -192,12 +193,28 @@ def library_load_error(exc: Exception, what: str, where: str | Path, fix: str) -
     return FluxgrpoError(f"cannot load {what} from {where} ({type(exc).__name__}: {first_line[:300]}): {fix}")
 
 
+# What diffusers logs when a folder has a ``.bin`` instead of safetensors, before reading it with
+# ``torch.load(weights_only=True)``: "unsafe" is not true of that read, and our own line says what the file held.
+_FALLBACK_LINES = ("Defaulting to unsafe serialization", "An error occurred while trying to fetch")
+
+
+class _DropPickleFallbackLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(line in record.getMessage() for line in _FALLBACK_LINES)
+
+
 def load_pretrained(load: Callable[[], Any], what: str, where: str | Path, fix: str) -> Any:
     """Run a transformers/diffusers loader (``from_pretrained``, ``load_lora_weights``); any failure is one line
-    (``library_load_error``). Both libraries read ``.bin`` files with ``torch.load(weights_only=True)``."""
+    (``library_load_error``). Both libraries read ``.bin`` files with ``torch.load(weights_only=True)``, and
+    diffusers' lines calling that read unsafe are dropped."""
+    logger = logging.getLogger("diffusers.models.modeling_utils")
+    quiet = _DropPickleFallbackLines()
+    logger.addFilter(quiet)
     try:
         return load()
     except FluxgrpoError:
         raise
     except Exception as exc:  # the libraries raise OSError, ValueError, RuntimeError, EOFError, SafetensorError, ...
         raise library_load_error(exc, what, where, fix) from exc
+    finally:
+        logger.removeFilter(quiet)

@@ -58,7 +58,8 @@ def eval_prompt_list(cfg: TrainConfig) -> list[str]:
     from fluxgrpo.data.benchmarks import eval_prompts_path
     from fluxgrpo.data.prompts import read_prompts
 
-    return read_prompts(eval_prompts_path(cfg.eval_prompts) if cfg.eval_prompts else shipped_eval_prompts_path())
+    path = eval_prompts_path(cfg.eval_prompts) if cfg.eval_prompts else shipped_eval_prompts_path()
+    return read_prompts(path, flag="--eval-prompts")
 
 
 def eval_folder(output_dir: str | Path, iteration: int, ema: bool = False) -> Path:

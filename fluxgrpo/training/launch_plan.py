@@ -71,6 +71,10 @@ def preflight(cfg: TrainConfig) -> None:
             f"run `fluxgrpo preprocess --model {cfg.model} --out {emb_dir}`, or point --data-json-path at them",
         )
     _check_embeddings_match_model(cfg)
+    if cfg.eval_every > 0:
+        from fluxgrpo.training.eval import eval_prompt_list
+
+        eval_prompt_list(cfg)  # an empty, blank or binary --eval-prompts file, refused before any run file exists
 
 
 def _check_embeddings_match_model(cfg: TrainConfig) -> None:
