@@ -210,7 +210,11 @@ def check_adapter_file(path: Path, fix: str) -> int:
         layers.setdefault(found.group(1), set()).add(found.group(2))
     unpaired = sorted(name for name, halves in layers.items() if halves != {"A", "B"})
     if not layers or unpaired:
-        what = f"{unpaired[0]} has only one of lora_A/lora_B" if unpaired else "no adapter weights"
+        what = (
+            f"an unpaired adapter: layer {unpaired[0]!r} has only one of lora_A and lora_B"
+            if unpaired
+            else "no adapter weights"
+        )
         raise FluxgrpoError(f"{path} holds {what}: {fix}")
     bad = sorted(key for key, tensor in tensors.items() if not torch.isfinite(tensor).all())
     if bad:
