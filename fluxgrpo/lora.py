@@ -175,7 +175,10 @@ def sort_header_metadata(path: Path) -> None:
         metadata = header.get("__metadata__")
         if not isinstance(metadata, dict):
             return
-        ordered = {"__metadata__": dict(sorted(metadata.items())), **{k: v for k, v in header.items() if k != "__metadata__"}}
+        ordered = {
+            "__metadata__": dict(sorted(metadata.items())),
+            **{k: v for k, v in header.items() if k != "__metadata__"},
+        }
         text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode()
         if len(text) > length:  # not the compact form safetensors writes: leave it as it is
             return

@@ -48,10 +48,12 @@ def read_config_yaml(path: Path, flag: str = "--config") -> Any:
             if isinstance(event, yaml.MappingStartEvent | yaml.SequenceStartEvent):
                 depth += 1
                 if depth > MAX_CONFIG_DEPTH:
-                    raise UsageError(f"{path} nests deeper than {MAX_CONFIG_DEPTH} levels, so it is no run config: {fix}")
+                    raise UsageError(
+                        f"{path} nests deeper than {MAX_CONFIG_DEPTH} levels, so it is no run config: {fix}"
+                    )
             elif isinstance(event, yaml.MappingEndEvent | yaml.SequenceEndEvent):
                 depth -= 1
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
     except yaml.YAMLError as exc:
         reason = " ".join(str(exc).split())  # PyYAML's message spans lines, with a caret drawing
         raise UsageError(f"{path} is not valid YAML ({reason[:300]}): fix it, or {fix}") from None

@@ -109,4 +109,6 @@ def test_sample_overwrite_moves_a_runs_evaluation_aside_never_deletes_it(tiny_we
     (aside,) = [p for p in evaluation.parent.iterdir() if p.name.startswith("iteration-2.replaced-")]
     assert (aside / "0000_00.png").read_bytes() == b"the trained model's image"
     assert json.loads((aside / "index.json").read_text())["iteration"] == 2
-    assert (evaluation / "index.json").is_file() and "iteration" not in json.loads((evaluation / "index.json").read_text())
+    assert (evaluation / "index.json").is_file() and "iteration" not in json.loads(
+        (evaluation / "index.json").read_text()
+    )

@@ -40,7 +40,9 @@ def read_prompts(path: str | Path, *, keep_repeats: bool = False, flag: str = "-
     except UnicodeDecodeError:
         raise FluxgrpoError(f"prompt file {path} is not UTF-8 text: pass a text file with {flag}") from None
     except OSError as exc:
-        raise FluxgrpoError(f"cannot read prompt file {path} ({exc.strerror or exc}): pass a readable file with {flag}") from None
+        raise FluxgrpoError(
+            f"cannot read prompt file {path} ({exc.strerror or exc}): pass a readable file with {flag}"
+        ) from None
     if path.suffix == ".json":
         lines = _json_prompts(text, path)
     else:

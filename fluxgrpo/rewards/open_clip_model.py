@@ -21,6 +21,7 @@ from fluxgrpo.weights.layout import REWARD_ARCH_FILE, reward_architecture
 
 REAL_REWARD_ARCH = "ViT-H-14"
 
+
 def register_open_clip_config(config: dict[str, Any], source: Path = Path(REWARD_ARCH_FILE)) -> str:
     """Register an open_clip model config and return the name ``open_clip.create_model`` knows it by.
 
