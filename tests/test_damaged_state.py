@@ -17,16 +17,16 @@ import pytest
 from training_helpers import run, tiny_config, tiny_train_argv
 from typer.testing import CliRunner
 
-from fluxgrpo.checkpoint import (
+from fluxgrpo.checkpoint.best import read_best
+from fluxgrpo.checkpoint.layout import (
     BEST_DIR,
     BEST_FILE,
     STATE_DIR,
     TRAINER_STATE_FILE,
-    _verify_checksums,
-    read_best,
     read_checkpoint_info,
     read_trainer_state,
 )
+from fluxgrpo.checkpoint.state import _verify_checksums
 from fluxgrpo.cli.app import app
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.metrics import METRICS_FILE, MetricsLogger, read_metrics
@@ -157,7 +157,7 @@ def test_a_damaged_best_record_is_named_by_sample_export_and_report_and_never_bl
     finished_run, tmp_path, monkeypatch, damage
 ):
     from fluxgrpo.report.run import read_run
-    from fluxgrpo.sample import resolve_checkpoint
+    from fluxgrpo.sampling.checkpoints import resolve_checkpoint
     from fluxgrpo.training.guards import GuardState, RunMonitor
 
     out = _copy(finished_run, tmp_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from training_helpers import tiny_train_argv
 from typer.testing import CliRunner
 
-from fluxgrpo.checkpoint import list_checkpoints
+from fluxgrpo.checkpoint.layout import list_checkpoints
 from fluxgrpo.cli.app import app
 from fluxgrpo.metrics import read_metrics
 from fluxgrpo.training.guards import GUARD_RECORD, GUARD_STOP_EXIT_CODE

@@ -23,14 +23,14 @@ from fluxgrpo.metrics import read_metrics
 
 WORKER = Path(__file__).with_name("_kill_worker.py")
 ITERATIONS = 3  # checkpoints after 1, 2 and 3
-# Where a run can die, with how many calls of each a 3-iteration run surely makes (the draw stays below it):
-# _write_durably writes every small file of a save (config, RNG, trainer state, checksums, COMPLETE; five or
-# more per save), _rename publishes the finished folder (once per save), MetricsLogger.log appends one line per
-# iteration.
+# Where a run can die, with how many calls of each a 3-iteration run makes (the draw stays within it): the
+# state's write_durably writes the RNG file, the trainer state, the checksum record and COMPLETE of each save;
+# rename_atomically publishes the finished folder (once per save); write_state_checksums hashes the state;
+# MetricsLogger.log appends one line per iteration.
 KILL_SITES = {
-    "fluxgrpo.checkpoint:_write_durably": 3 * 5,
-    "fluxgrpo.checkpoint:_rename": 3,
-    "fluxgrpo.checkpoint:write_state_checksums": 3,
+    "fluxgrpo.checkpoint.state:write_durably": 3 * 4,
+    "fluxgrpo.checkpoint.layout:rename_atomically": 3,
+    "fluxgrpo.checkpoint.state:write_state_checksums": 3,
     "fluxgrpo.metrics:MetricsLogger.log": 3,
 }
 OBJECTIVES = {

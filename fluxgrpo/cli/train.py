@@ -151,7 +151,7 @@ def _train(
 
 def _best_or_none(output_dir: str) -> dict[str, Any] | None:
     """The run's best/ record for its summary; a damaged one was already warned about, and is not the run's result."""
-    from fluxgrpo.checkpoint import read_best
+    from fluxgrpo.checkpoint.best import read_best
     from fluxgrpo.errors import FluxgrpoError
 
     try:

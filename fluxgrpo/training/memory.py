@@ -322,11 +322,11 @@ def estimate_for_config(cfg: TrainConfig, dies: int, device_type: str) -> Memory
     """The estimate for a validated config, reading the model's sizes from ``cfg.model`` (no weights loaded)."""
     import json
 
-    from fluxgrpo.lora import LoraSpec
     from fluxgrpo.models.flux import read_transformer_config
+    from fluxgrpo.training.settings import lora_spec
 
     config = read_transformer_config(cfg.model)
-    lora = LoraSpec.from_config(cfg)
+    lora = lora_spec(cfg)
     adapters = lora_adapter_shapes(config, lora.targets, lora.rank) if lora is not None else ()
     vae_config = json.loads((Path(cfg.model) / "vae" / "config.json").read_text())
     compute_bytes = 4 if device_type == "cpu" else 2
