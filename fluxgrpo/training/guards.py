@@ -45,11 +45,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.checkpoint.best import publish_best, read_best
-from fluxgrpo.checkpoint.layout import BEST_DIR, checkpoint_dir, is_complete_checkpoint, read_trainer_state
+from fluxgrpo.checkpoint.layout import BEST_DIR, checkpoint_dir, is_complete_checkpoint
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.metrics import read_metrics
 from fluxgrpo.rewards.reward_set import eval_reward_names
 from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.state_checks import read_training_state
 from fluxgrpo.training.guard_rules import GuardRule, metric_key, parse_guard_spec
 
 GUARD_STOP_EXIT_CODE = 3
@@ -121,7 +122,7 @@ class RunMonitor:
         self.best_key = metric_key(cfg.keep_best.strip()) if cfg.keep_best.strip() else None
         saved: dict[str, Any] | None = None
         if checkpoint is not None:
-            saved = read_trainer_state(checkpoint).get(self.STATE_KEY)
+            saved = read_training_state(checkpoint).get(self.STATE_KEY)
         self.state = GuardState.from_dict(saved)
         self.drift = DriftProbe(cfg, parts, self.state.drift)
         self._pending_best: dict[str, Any] | None = None

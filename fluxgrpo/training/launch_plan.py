@@ -133,7 +133,8 @@ def check_output_dir(output_dir: Path, create: bool) -> None:
 
 def check_resume_compatible(cfg: TrainConfig, checkpoint: Path, world_size: int) -> None:
     """A resume is exact only with the same world size and the same algorithm settings; say which differ."""
-    from fluxgrpo.checkpoint.layout import read_checkpoint_info, read_trainer_state
+    from fluxgrpo.checkpoint.layout import read_checkpoint_info
+    from fluxgrpo.state_checks import read_training_state
 
     info = read_checkpoint_info(checkpoint)
     problems = []
@@ -144,7 +145,7 @@ def check_resume_compatible(cfg: TrainConfig, checkpoint: Path, world_size: int)
         )
     if cfg.use_ema and not info.get("has_ema", False):
         problems.append("it has no EMA state but --use-ema is on: drop --use-ema")
-    saved = read_trainer_state(checkpoint).get("config", {})
+    saved = read_training_state(checkpoint)["config"]  # shape-checked: a hand-edited state is one line, here
     now = cfg.to_dict()
     for key in sorted(now):
         if key in RESUME_FREE_FIELDS or key not in saved or saved[key] == now[key]:
