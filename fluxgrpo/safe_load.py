@@ -178,12 +178,26 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
+def _causes(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
 def library_load_error(exc: Exception, what: str, where: str | Path, fix: str) -> FluxgrpoError:
     """One line for a library loader's failure on a weights folder or file: a refused pickle says what it asked to
     call (never torch's advice to load it with ``weights_only=False``, which would run it), anything else its first
     line (a truncated shard, a renamed key, a missing file)."""
-    if isinstance(exc, pickle.UnpicklingError) or "Weights only load failed" in str(exc):
-        asked = refused_global(exc)
+    # diffusers wraps torch's refusal in an OSError ("Unable to load weights from checkpoint file"): look inside
+    refusal = next(
+        (e for e in _causes(exc) if isinstance(e, pickle.UnpicklingError) or "Weights only load failed" in str(e)),
+        None,
+    )
+    if refusal is not None:
+        asked = refused_global(refusal)
         reason = f"it asks to call {asked}" if asked else "it is not a plain tensor pickle"
         return FluxgrpoError(
             f"cannot load {what} from {where}: a weights file holds more than tensors ({reason}), so it was not "
@@ -211,7 +225,10 @@ def load_pretrained(load: Callable[[], Any], what: str, where: str | Path, fix: 
     quiet = _DropPickleFallbackLines()
     logger.addFilter(quiet)
     try:
-        return load()
+        with warnings.catch_warnings():
+            # A hand-made pickle (protocol 4) makes torch warn before refusing it; the refusal says enough.
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            return load()
     except FluxgrpoError:
         raise
     except Exception as exc:  # the libraries raise OSError, ValueError, RuntimeError, EOFError, SafetensorError, ...

@@ -263,4 +263,5 @@ def test_a_pickled_bin_is_refused_without_diffusers_calling_the_read_unsafe(tiny
     printed = capfd.readouterr()
     assert "unsafe serialization" not in printed.err + printed.out
     assert "An error occurred while trying to fetch" not in printed.err + printed.out
+    assert "Detected pickle protocol" not in printed.err + printed.out
     assert not marker.exists()
