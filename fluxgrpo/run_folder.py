@@ -269,7 +269,7 @@ def _written_by_a_run(path: Path) -> bool:
             info = json.loads(head)
         except ValueError:
             return False
-        return isinstance(info, dict) and set(info) >= _RUN_INFO_KEYS
+        return isinstance(info, dict) and (not info or set(info) >= _RUN_INFO_KEYS)  # {}: a start cut short
     return True
 
 
