@@ -5,6 +5,23 @@ _fluxgrpo() {
         COMPREPLY=( $(compgen -W "bench env-check export fetch-weights preprocess report sample score train --help --version" -- "$cur") )
         return 0
     fi
+    local words=""
+    case "${COMP_WORDS[1]} ${COMP_WORDS[COMP_CWORD-1]}" in
+        "bench --algorithms") words="dance dance-t2 dance-t4 mixgrpo mixgrpo-flash mixgrpo-flash-w2 flow-grpo-fast cps nft awm" ;;
+        "bench --config") words="a3-16die a3-16die-awm-lora a3-16die-flow-grpo-fast a3-16die-mixgrpo a3-16die-mixgrpo-flash a3-16die-nft-lora a3-8die a3-8die-lora gpu-1x-lora gpu-1x-nft-lora tiny-cpu" ;;
+        "env-check --reward") words="hpsv2 pickscore clipscore imagereward hpsv3 brightness exposure structure shapes" ;;
+        "env-check --config") words="a3-16die a3-16die-awm-lora a3-16die-flow-grpo-fast a3-16die-mixgrpo a3-16die-mixgrpo-flash a3-16die-nft-lora a3-8die a3-8die-lora gpu-1x-lora gpu-1x-nft-lora tiny-cpu" ;;
+        "preprocess --prompts") words="shapes-train shapes-heldout" ;;
+        "score --reward") words="hpsv2 pickscore clipscore imagereward hpsv3 brightness exposure structure shapes" ;;
+        "train --config") words="a3-16die a3-16die-awm-lora a3-16die-flow-grpo-fast a3-16die-mixgrpo a3-16die-mixgrpo-flash a3-16die-nft-lora a3-8die a3-8die-lora gpu-1x-lora gpu-1x-nft-lora tiny-cpu" ;;
+        "train --reward") words="hpsv2 pickscore clipscore imagereward hpsv3 brightness exposure structure shapes" ;;
+        "train --eval-prompts") words="shapes-train shapes-heldout hpdv2" ;;
+        "train --eval-rewards") words="hpsv2 pickscore clipscore imagereward hpsv3 brightness exposure structure shapes" ;;
+    esac
+    if [[ -n "$words" && "$cur" != -* ]]; then
+        COMPREPLY=( $(compgen -W "$words" -- "$cur") $(compgen -f -- "$cur") )
+        return 0
+    fi
     case "${COMP_WORDS[1]}" in
         bench) opts="--model --blocks --resolution --steps --sampler --rollout-batch-sizes --micro-batch-sizes --activation-checkpointing --trajectories --train-timesteps --text-tokens --dies --device --dtype --attention --peak-tflops --repeats --warmup --reward --hps-dir --compile --seed --algorithms --iterations --vary-seed --config --json --help" ;;
         env-check) opts="--json --flux-dir --hps-dir --embeddings --device --reward --deep --quick --config --dies --report-file --nnodes --rdzv-endpoint --node-rank --master-addr --master-port --help" ;;

@@ -42,3 +42,30 @@ def test_bash_completion_offers_subcommands_and_flags():
     assert "train" in complete("fluxgrpo tr")
     assert complete("fluxgrpo train --num-gen") == ["--num-generations"]
     assert "--json" in complete("fluxgrpo env-check --js")
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="bash not installed")
+def test_bash_completion_offers_the_names_a_flag_takes():
+    script = COMPLETIONS / SHELLS["bash"]
+
+    def complete(words: str) -> list[str]:
+        cword = len(words.split()) - 1
+        probe = (
+            f'source "{script}"; COMP_WORDS=({words}); COMP_CWORD={cword}; _fluxgrpo; '
+            'printf "%s\\n" "${COMPREPLY[@]}"'
+        )
+        return subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+
+    assert complete("fluxgrpo train --reward sha") == ["shapes"]
+    assert complete("fluxgrpo train --eval-prompts shapes-h") == ["shapes-heldout"]
+    assert complete("fluxgrpo preprocess --prompts shapes-t") == ["shapes-train"]
+    assert "tiny-cpu" in complete("fluxgrpo train --config tiny")
+    assert complete("fluxgrpo bench --algorithms mixgrpo-flash-") == ["mixgrpo-flash-w2"]
+    assert complete("fluxgrpo train --num-gen") == ["--num-generations"]  # flags still complete as flags
+
+
+@pytest.mark.parametrize("shell", sorted(SHELLS))
+def test_every_script_offers_the_worlds_names(shell):
+    script = completion_script(shell)
+    for name in ("shapes-train", "shapes-heldout", "shapes"):
+        assert name in script

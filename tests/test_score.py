@@ -180,7 +180,7 @@ def test_cli_compare_on_hand_made_indexes(tmp_path):
     )
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)
-    assert list(document) == ["reward", "source", "overall", "prompts", "images", "compare"]
+    assert list(document) == ["reward", "source", "overall", "details", "prompts", "images", "compare"]
     assert document["overall"]["count"] == 4
     assert document["overall"]["mean"] == pytest.approx(0.45, abs=1e-6)
     assert document["overall"]["std"] == pytest.approx(math.sqrt(0.0275), abs=1e-6)

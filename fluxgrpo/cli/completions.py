@@ -19,6 +19,31 @@ class Flag:
     names: tuple[str, ...]  # e.g. ("--init-same-noise", "--no-init-same-noise")
     help: str
     takes_value: bool
+    values: tuple[str, ...] = ()  # the names it takes (rewards, shipped prompt sets, configs), offered on Tab
+    files_too: bool = True  # whether a file path is a value as well (--config FILE, --eval-prompts FILE)
+
+
+def known_values() -> dict[tuple[str, str], tuple[tuple[str, ...], bool]]:
+    """(command, flag) → (the names the flag takes, whether a file is a value too)."""
+    from fluxgrpo.bench.efficiency import ALGORITHMS
+    from fluxgrpo.config import shipped_configs
+    from fluxgrpo.data.benchmarks import BENCHMARKS, SHIPPED_SETS
+    from fluxgrpo.rewards import reward_names
+
+    rewards = (tuple(reward_names()), False)
+    configs = (tuple(sorted(shipped_configs())), True)
+    return {
+        ("train", "--reward"): rewards,
+        ("train", "--eval-rewards"): rewards,
+        ("score", "--reward"): rewards,
+        ("env-check", "--reward"): rewards,
+        ("train", "--config"): configs,
+        ("env-check", "--config"): configs,
+        ("bench", "--config"): configs,
+        ("bench", "--algorithms"): (tuple(ALGORITHMS), False),
+        ("train", "--eval-prompts"): ((*SHIPPED_SETS, *BENCHMARKS), True),
+        ("preprocess", "--prompts"): (SHIPPED_SETS, True),
+    }
 
 
 @dataclass(frozen=True)
@@ -35,6 +60,7 @@ def describe_cli() -> list[Subcommand]:
     from fluxgrpo.cli.app import app
 
     root = typer.main.get_command(app)
+    values = known_values()
     out = []
     for name in sorted(root.commands):  # type: ignore[attr-defined]  # an app with subcommands is a click Group
         cmd = root.commands[name]  # type: ignore[attr-defined]  # as above
@@ -44,7 +70,8 @@ def describe_cli() -> list[Subcommand]:
             if not names:
                 continue
             takes_value = not getattr(param, "is_flag", False) and not getattr(param, "count", False)
-            flags.append(Flag(names, _one_line(getattr(param, "help", "") or ""), takes_value))
+            names_taken, files_too = values.get((name, names[0]), ((), True))
+            flags.append(Flag(names, _one_line(getattr(param, "help", "") or ""), takes_value, names_taken, files_too))
         flags.append(Flag(("--help",), "Show the help and exit.", False))
         out.append(Subcommand(name, _one_line(cmd.get_short_help_str(limit=70)), tuple(flags)))
     return out
@@ -56,6 +83,13 @@ def _one_line(text: str) -> str:
 
 def bash_script(cli: list[Subcommand]) -> str:
     cases = "\n".join(f'        {c.name}) opts="{" ".join(n for f in c.flags for n in f.names)}" ;;' for c in cli)
+    value_cases = "\n".join(
+        f'        "{c.name} {n}") words="{" ".join(f.values)}" ;;'
+        for c in cli
+        for f in c.flags
+        if f.values
+        for n in f.names
+    )
     names = " ".join(c.name for c in cli)
     return (
         HEADER
@@ -63,6 +97,14 @@ def bash_script(cli: list[Subcommand]) -> str:
     local cur="${{COMP_WORDS[COMP_CWORD]}}" opts=""
     if [[ $COMP_CWORD -eq 1 ]]; then
         COMPREPLY=( $(compgen -W "{names} --help --version" -- "$cur") )
+        return 0
+    fi
+    local words=""
+    case "${{COMP_WORDS[1]}} ${{COMP_WORDS[COMP_CWORD-1]}}" in
+{value_cases}
+    esac
+    if [[ -n "$words" && "$cur" != -* ]]; then
+        COMPREPLY=( $(compgen -W "$words" -- "$cur") $(compgen -f -- "$cur") )
         return 0
     fi
     case "${{COMP_WORDS[1]}}" in
@@ -88,7 +130,7 @@ def zsh_script(cli: list[Subcommand]) -> str:
             for n in f.names:
                 specs.append(
                     f"'{n}[{f.help.replace('[', '(').replace(']', ')').replace(':', ' ')}]"
-                    + (":value:_files'" if f.takes_value else "'")
+                    + (f":value:{_zsh_action(f)}'" if f.takes_value else "'")
                 )
         cases.append(f"        {c.name}) _arguments \\\n            " + " \\\n            ".join(specs) + " ;;")
     return (
@@ -114,6 +156,13 @@ _fluxgrpo "$@"
     )
 
 
+def _zsh_action(flag: Flag) -> str:
+    if not flag.values:
+        return "_files"
+    words = " ".join(flag.values)
+    return f"{{compadd -- {words}; _files}}" if flag.files_too else f"({words})"
+
+
 def fish_script(cli: list[Subcommand]) -> str:
     lines = [HEADER.rstrip("\n"), "complete -c fluxgrpo -f"]
     for c in cli:
@@ -121,7 +170,9 @@ def fish_script(cli: list[Subcommand]) -> str:
     for c in cli:
         for f in c.flags:
             for n in f.names:
-                requirement = " -r -F" if f.takes_value else ""
+                requirement = (" -r -F" if f.files_too else " -r") if f.takes_value else ""
+                if f.values:
+                    requirement += f" -a '{' '.join(f.values)}'"
                 lines.append(
                     f"complete -c fluxgrpo -n '__fish_seen_subcommand_from {c.name}' -l {n[2:]}{requirement} -d '{f.help}'"
                 )
