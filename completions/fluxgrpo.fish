@@ -102,6 +102,7 @@ complete -c fluxgrpo -n '__fish_seen_subcommand_from sample' -l seed -r -F -d 'R
 complete -c fluxgrpo -n '__fish_seen_subcommand_from sample' -l batch-size -r -F -d 'Images per forward pass (does not change the images).'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from sample' -l dies -r -F -d 'Worker processes, one per device (torchrun); prompts are split.'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from sample' -l out -r -F -d 'Output folder; index.json is written there last. [default: data/outputs/samples/base, or .../<run>-checkpoint-<k>[-ema]]'
+complete -c fluxgrpo -n '__fish_seen_subcommand_from sample' -l overwrite -d 'Move what --out holds to <out>.replaced-<time> first, never deleting it; needed for an --out inside a training run (e.g. its eval/iteration-<k>).'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from sample' -l device -r -F -d 'auto (the best found), or one of npu, cuda, cpu.'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from sample' -l attention -r -F -d 'Attention kernel: sdpa or npu-fusion.'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from sample' -l max-sequence-length -r -F -d 'T5 tokens per prompt (padded; longer prompts are cut).'

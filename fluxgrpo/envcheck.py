@@ -70,9 +70,16 @@ def embeddings_status(embeddings_dir: str | Path) -> dict[str, Any]:
         return status
     missing = 0
     first_missing = None
-    for entry in entries:
+    for position, entry in enumerate(entries):
         for folder, key in files:
-            path = root / folder / entry[key]
+            name = entry[key]
+            if name in ("", ".", "..") or Path(name).name != name or "\\" in name:  # outside, whether it exists or not
+                status["problems"].append(
+                    f"{index} entry {position} names {name!r} for {key}, which is not a file in {root / folder}: an "
+                    "index lists only the files beside it"
+                )
+                return status
+            path = root / folder / name
             if not path.is_file():
                 missing += 1
                 first_missing = first_missing or path

@@ -25,3 +25,51 @@ def not_usable(what: str, problems: list[str], fix: str | None) -> FluxgrpoError
         fix: the command or flag that fixes it.
     """
     return FluxgrpoError(f"{what} are not usable ({'; '.join(problems)}): {fix}")
+
+
+def _chain(exc: BaseException):
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # shutil.copytree gathers its failures as text, and safetensors reports the OS error only in its message
+    text = str(exc)
+    return "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text
+
+
+def _free_text(folder) -> str:
+    import shutil
+
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB free there now"
+    except OSError:
+        return "its free space unknown"
+
+
+def disk_full_error(exc: BaseException, folder=None, need_bytes: int | None = None) -> FluxgrpoError | None:
+    """One line for a write that ran out of space (ENOSPC, EDQUOT anywhere in ``exc``'s chain), naming the folder
+    and its free space (and what the write needs, when the caller knows); None for any other error."""
+    import os
+
+    full = next((e for e in _chain(exc) if _is_disk_full(e)), None)
+    if full is None:
+        return None
+    filename = getattr(full, "filename", None)
+    if folder is None:
+        folder = os.path.dirname(os.path.abspath(filename)) if filename else os.getcwd()
+    while folder and not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)  # the free space of the filesystem it was going to
+    need = f"it needs about {need_bytes / 2**20:.1f} MiB, " if need_bytes else ""
+    return FluxgrpoError(
+        f"no space left on device writing into {folder} ({need}{_free_text(folder)}): free space there, or choose "
+        "another output folder, and run the command again"
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -26,7 +27,7 @@ from fluxgrpo.checkpoint.layout import (
     TRANSFORMER_DIR,
     read_checkpoint_info,
 )
-from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.errors import FluxgrpoError, disk_full_error
 from fluxgrpo.models.flux import load_transformer
 from fluxgrpo.sampling.checkpoints import resolve_checkpoint
 
@@ -43,15 +44,34 @@ class ExportResult:
         return asdict(self)
 
 
+def _tree_bytes(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 @contextlib.contextmanager
-def _writing(destination: Path) -> Iterator[None]:
-    """A read-only or full disk while exporting is one line naming ``--out``."""
+def _writing(destination: Path, need_bytes: int | None = None) -> Iterator[Path]:
+    """Yield a staging folder beside ``destination`` to write the export into; it becomes ``destination`` only
+    once complete, and a failed write (a full or read-only disk) leaves nothing behind: one line naming --out."""
+    staging = destination.with_name(f".{destination.name}.export-{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
     try:
-        yield
-    except OSError as exc:
+        staging.mkdir(parents=True)
+        yield staging
+        if destination.is_dir():
+            destination.rmdir()  # checked empty before the export began
+        staging.rename(destination)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        full = disk_full_error(exc, destination.parent, need_bytes)  # safetensors' errors are no OSError
+        if full is not None:
+            raise full from None
+        if not isinstance(exc, OSError):
+            raise
+        # shutil.copytree gathers its failures in one list: name the first
+        first = exc.args[0][0] if isinstance(exc, shutil.Error) and exc.args and exc.args[0] else None
+        reason = first[2] if first else (exc.strerror or str(exc))
         raise FluxgrpoError(
-            f"cannot write the export to {destination} ({exc.strerror or exc}): free some space or pass a writable "
-            "--out (a partly written folder may be left there)"
+            f"cannot write the export to {destination} ({reason}): pass a writable --out (nothing was left there)"
         ) from None
 
 
@@ -79,14 +99,14 @@ def export_checkpoint(
     if destination.exists() and (not destination.is_dir() or any(destination.iterdir())):
         raise FluxgrpoError(f"--out {destination} exists and is not an empty folder: pass a new folder")
     if not read_checkpoint_info(found).get("lora"):
-        with _writing(destination):
-            shutil.copytree(found / (EMA_TRANSFORMER_DIR if ema else TRANSFORMER_DIR), destination, dirs_exist_ok=True)
+        source = found / (EMA_TRANSFORMER_DIR if ema else TRANSFORMER_DIR)
+        with _writing(destination, _tree_bytes(source)) as staging:
+            shutil.copytree(source, staging, dirs_exist_ok=True)
         return ExportResult(str(found), str(destination), "transformer", merged=False, base_model=None)
     adapter = found / (EMA_LORA_DIR if ema else LORA_DIR) / LORA_WEIGHTS_NAME
     if not merge:
-        with _writing(destination):
-            destination.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(adapter, destination / LORA_WEIGHTS_NAME)
+        with _writing(destination, _tree_bytes(adapter)) as staging:
+            shutil.copy2(adapter, staging / LORA_WEIGHTS_NAME)
         return ExportResult(str(found), str(destination), "lora", merged=False, base_model=None)
     base = model or trained_from(found)
     if base is None:
@@ -121,5 +141,6 @@ def merge_lora(model: str | Path, adapter: Path, destination: Path) -> None:
         )
     transformer.fuse_lora(lora_scale=1.0)
     transformer.unload_lora()
-    with _writing(destination):
-        transformer.save_pretrained(destination)
+    need = sum(t.numel() * t.element_size() for t in transformer.state_dict().values())
+    with _writing(destination, need) as staging:
+        transformer.save_pretrained(staging)

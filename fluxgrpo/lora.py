@@ -146,8 +146,34 @@ def write_lora_file(directory: Path, state: dict[str, torch.Tensor], metadata: d
         transformer_lora_adapter_metadata=metadata,
     )
 
+    sort_header_metadata(directory / LORA_WEIGHTS_NAME)
     give_default_mode(directory / LORA_WEIGHTS_NAME)  # safetensors writes 0600; every other output is 0644
     return directory / LORA_WEIGHTS_NAME
+
+
+def sort_header_metadata(path: Path) -> None:
+    """Put a safetensors file's ``__metadata__`` keys in sorted order, in place, so the same adapter is the same
+    bytes: safetensors writes them from a hash map, in an order that changes from process to process. The header
+    keeps its length (only the order of its keys changes), so no tensor byte moves."""
+    import json
+    import struct
+
+    with open(path, "r+b") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        raw = f.read(length)
+        header = json.loads(raw)
+        metadata = header.get("__metadata__")
+        if not isinstance(metadata, dict):
+            return
+        ordered = {
+            "__metadata__": dict(sorted(metadata.items())),
+            **{k: v for k, v in header.items() if k != "__metadata__"},
+        }
+        text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > length:  # not the compact form safetensors writes: leave it as it is
+            return
+        f.seek(8)
+        f.write(text + b" " * (length - len(text)))  # safetensors pads its header with spaces too
 
 
 def check_adapter_file(path: Path, fix: str) -> int:
@@ -177,7 +203,11 @@ def check_adapter_file(path: Path, fix: str) -> int:
         layers.setdefault(found.group(1), set()).add(found.group(2))
     unpaired = sorted(name for name, halves in layers.items() if halves != {"A", "B"})
     if not layers or unpaired:
-        what = f"{unpaired[0]} has only one of lora_A/lora_B" if unpaired else "no adapter weights"
+        what = (
+            f"an unpaired adapter: layer {unpaired[0]!r} has only one of lora_A and lora_B"
+            if unpaired
+            else "no adapter weights"
+        )
         raise FluxgrpoError(f"{path} holds {what}: {fix}")
     bad = sorted(key for key, tensor in tensors.items() if not torch.isfinite(tensor).all())
     if bad:

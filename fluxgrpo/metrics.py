@@ -203,24 +203,37 @@ def read_metrics(output_dir: Path, on_torn_last_line: Callable[[str], None] | No
     path = Path(output_dir) / METRICS_FILE
     if not path.is_file() and not path.is_symlink():
         return []
-    lines = [(number, line) for number, line in enumerate(read_run_file(path).splitlines(), 1) if line.strip()]
+    with open_run_file(path, "rb") as f:
+        data = f.read()
+    lines = [(number, line) for number, line in enumerate(data.split(b"\n"), 1) if line.strip()]
     records = []
     for position, (number, line) in enumerate(lines):
         try:
-            record = json.loads(line)
+            record = json.loads(line.decode("utf-8"))  # binary garbage fails here, like torn JSON
             if not isinstance(record, dict):
                 raise ValueError("not a JSON object")
         except ValueError as exc:
             where = f"{path} line {number}"
-            if position == len(lines) - 1 and on_torn_last_line is not None:
-                on_torn_last_line(f"dropped the torn last line of {where} (a run killed while writing it)")
+            # A kill during an append damages only the end: torn when no good record follows (binary junk may
+            # hold newlines, so the tail can be several lines).
+            if on_torn_last_line is not None and not any(_is_record(rest) for _, rest in lines[position + 1 :]):
+                torn = f"last line of {where}" if position == len(lines) - 1 else f"tail of {where} to the end"
+                on_torn_last_line(f"dropped the torn {torn} (a run killed while writing it)")
                 break
+            reason = "binary bytes" if isinstance(exc, UnicodeDecodeError) else str(exc)
             raise FluxgrpoError(
-                f"{where} is not a JSON record ({exc}): the file is damaged; restore it, or move it away to start "
+                f"{where} is not a JSON record ({reason}): the file is damaged; restore it, or move it away to start "
                 "the metrics over"
             ) from None
         records.append(record)
     return records
+
+
+def _is_record(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line.decode("utf-8")), dict)
+    except ValueError:
+        return False
 
 
 def _say_torn_line_dropped(message: str) -> None:

@@ -129,10 +129,12 @@ def _open_fd(path: Path, flags: int, mode: int = 0o666) -> int:
 
 
 def open_run_file(path: str | Path, mode: str = "a") -> IO[Any]:
-    """Open a run file in place: ``"a"`` appends (created if absent), ``"r"`` reads; never through a link, and
-    only a regular file (else one-line FluxgrpoError)."""
-    flags = {"a": os.O_WRONLY | os.O_APPEND | os.O_CREAT, "r": os.O_RDONLY}[mode]
+    """Open a run file in place: ``"a"`` appends (created if absent), ``"r"`` reads text, ``"rb"`` bytes; never
+    through a link, and only a regular file (else one-line FluxgrpoError)."""
+    flags = {"a": os.O_WRONLY | os.O_APPEND | os.O_CREAT, "r": os.O_RDONLY, "rb": os.O_RDONLY}[mode]
     fd = _open_fd(Path(path), flags)
+    if mode == "rb":
+        return os.fdopen(fd, mode)
     return os.fdopen(fd, mode, buffering=1 if mode == "a" else -1, encoding="utf-8")
 
 
@@ -200,7 +202,11 @@ def lock_run_folder(folder: str | Path) -> Iterator[dict[str, Any]]:
         }
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
-        os.write(fd, json.dumps(record).encode())
+        try:
+            os.write(fd, json.dumps(record).encode())
+        except OSError as exc:  # a full disk: name the file, so the one line names the folder
+            exc.filename = exc.filename or str(folder / LOCK_FILE)
+            raise
         try:
             yield previous
         finally:
@@ -232,16 +238,50 @@ def check_not_in_use(folder: str | Path) -> None:
 def previous_run(folder: str | Path) -> list[str]:
     """The names of an earlier run's files in ``folder``; empty when there are none, and when the run never
     completed an iteration (no checkpoint, no metrics record): a start that failed (weights that cannot be loaded,
-    a full disk, out of memory at the first forward) does not block its own re-run."""
+    a full disk, out of memory at the first forward) does not block its own re-run. A run file fluxgrpo did not
+    write (``foreign_run_files``) always counts: it is someone's file, never a failed start's."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
     checkpoints = sorted(p.name for p in folder.glob(CHECKPOINT_PATTERN))
     metrics = folder / METRICS_FILE
     if not checkpoints and not (metrics.is_file() and metrics.stat().st_size > 0):
-        return []
+        return foreign_run_files(folder)
     found = [name for name in RUN_FILES if (folder / name).exists()]
     return found + checkpoints
+
+
+# How the files a run writes begin: config.yaml (``config.save_resolved``) and run_info.json (``metrics.run_info``).
+RESOLVED_CONFIG_HEADER = b"# Resolved fluxgrpo training config"
+_RUN_INFO_KEYS = frozenset({"versions", "hardware"})
+
+
+def _written_by_a_run(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return False  # unreadable: not provably ours
+    if path.name == CONFIG_FILE:
+        return head.startswith(RESOLVED_CONFIG_HEADER)
+    if path.name == RUN_INFO_FILE:
+        try:
+            info = json.loads(head)
+        except ValueError:
+            return False
+        return isinstance(info, dict) and (not info or set(info) >= _RUN_INFO_KEYS)  # {}: a start cut short
+    return True
+
+
+def foreign_run_files(folder: str | Path) -> list[str]:
+    """The run files in ``folder`` (config.yaml, run_info.json) that fluxgrpo did not write: a user's own
+    ``config.yaml`` is never replaced by a run's resolved one, nor taken for a failed start's."""
+    folder = Path(folder)
+    return [
+        name
+        for name in (CONFIG_FILE, RUN_INFO_FILE)
+        if (folder / name).is_file() and (folder / name).stat().st_size > 0 and not _written_by_a_run(folder / name)
+    ]
 
 
 def replaced_folder(folder: str | Path) -> Path:
@@ -290,5 +330,49 @@ def move_previous_run(folder: str | Path) -> Path:
         raise FluxgrpoError(
             f"--overwrite could not move the earlier run in {folder} to {target} ({exc.strerror or exc}): move or "
             "delete it yourself, or choose another --output-dir"
+        ) from None
+    return target
+
+
+def is_run_folder(folder: str | Path) -> bool:
+    """A training run's ``--output-dir``: it holds the run's lock, a resolved config, metrics or a checkpoint."""
+    folder = Path(folder)
+    config = folder / CONFIG_FILE
+    return (
+        (folder / LOCK_FILE).exists()
+        or (folder / METRICS_FILE).is_file()
+        or (config.is_file() and _written_by_a_run(config))
+        or any(entry.is_dir() for entry in folder.glob(CHECKPOINT_PATTERN))
+    )
+
+
+def enclosing_run(path: str | Path) -> Path | None:
+    """The training run folder ``path`` is (or lies inside), or None: a run's eval/iteration-<k>/ is its record of
+    that evaluation, never another command's output folder."""
+    path = Path(os.path.abspath(path))
+    for folder in (path, *path.parents):
+        if folder.is_dir() and is_run_folder(folder):
+            return folder
+    return None
+
+
+def move_aside(folder: str | Path, flag: str) -> Path | None:
+    """Move ``folder`` (when it holds anything) to ``replaced_folder(folder)`` beside it and leave it empty;
+    returns where it went (None when there was nothing to move). Never deletes.
+
+    Raises:
+        FluxgrpoError: it cannot be moved (one line naming ``flag``).
+    """
+    folder = Path(folder)
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return None
+    target = replaced_folder(folder)
+    try:
+        folder.rename(target)
+        folder.mkdir()
+    except OSError as exc:
+        raise FluxgrpoError(
+            f"{flag} could not move {folder} to {target} ({exc.strerror or exc}): move it yourself, or choose "
+            f"another {flag.split()[0]}"
         ) from None
     return target

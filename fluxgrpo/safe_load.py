@@ -15,6 +15,7 @@ torch's ``weights_only`` loader (plain containers, numbers, strings, tensors). T
 from __future__ import annotations
 
 import io
+import logging
 import pickle
 import re
 import warnings
@@ -177,12 +178,26 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
+def _causes(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
 def library_load_error(exc: Exception, what: str, where: str | Path, fix: str) -> FluxgrpoError:
     """One line for a library loader's failure on a weights folder or file: a refused pickle says what it asked to
     call (never torch's advice to load it with ``weights_only=False``, which would run it), anything else its first
     line (a truncated shard, a renamed key, a missing file)."""
-    if isinstance(exc, pickle.UnpicklingError) or "Weights only load failed" in str(exc):
-        asked = refused_global(exc)
+    # diffusers wraps torch's refusal in an OSError ("Unable to load weights from checkpoint file"): look inside
+    refusal = next(
+        (e for e in _causes(exc) if isinstance(e, pickle.UnpicklingError) or "Weights only load failed" in str(e)),
+        None,
+    )
+    if refusal is not None:
+        asked = refused_global(refusal)
         reason = f"it asks to call {asked}" if asked else "it is not a plain tensor pickle"
         return FluxgrpoError(
             f"cannot load {what} from {where}: a weights file holds more than tensors ({reason}), so it was not "
@@ -192,12 +207,31 @@ def library_load_error(exc: Exception, what: str, where: str | Path, fix: str) -
     return FluxgrpoError(f"cannot load {what} from {where} ({type(exc).__name__}: {first_line[:300]}): {fix}")
 
 
+# What diffusers logs when a folder has a ``.bin`` instead of safetensors, before reading it with
+# ``torch.load(weights_only=True)``: "unsafe" is not true of that read, and our own line says what the file held.
+_FALLBACK_LINES = ("Defaulting to unsafe serialization", "An error occurred while trying to fetch")
+
+
+class _DropPickleFallbackLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(line in record.getMessage() for line in _FALLBACK_LINES)
+
+
 def load_pretrained(load: Callable[[], Any], what: str, where: str | Path, fix: str) -> Any:
     """Run a transformers/diffusers loader (``from_pretrained``, ``load_lora_weights``); any failure is one line
-    (``library_load_error``). Both libraries read ``.bin`` files with ``torch.load(weights_only=True)``."""
+    (``library_load_error``). Both libraries read ``.bin`` files with ``torch.load(weights_only=True)``, and
+    diffusers' lines calling that read unsafe are dropped."""
+    logger = logging.getLogger("diffusers.models.modeling_utils")
+    quiet = _DropPickleFallbackLines()
+    logger.addFilter(quiet)
     try:
-        return load()
+        with warnings.catch_warnings():
+            # A hand-made pickle (protocol 4) makes torch warn before refusing it; the refusal says enough.
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            return load()
     except FluxgrpoError:
         raise
     except Exception as exc:  # the libraries raise OSError, ValueError, RuntimeError, EOFError, SafetensorError, ...
         raise library_load_error(exc, what, where, fix) from exc
+    finally:
+        logger.removeFilter(quiet)

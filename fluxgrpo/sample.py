@@ -17,7 +17,14 @@ from fluxgrpo.runtime.adapt import compile_backend
 from fluxgrpo.runtime.device import compute_dtype, resolve_device_type
 from fluxgrpo.runtime.worker import worker_session
 from fluxgrpo.sampling.checkpoints import check_checkpoint_fits_model, resolve_checkpoint
-from fluxgrpo.sampling.folder import GRID_FILE, check_output_dir, clear_previous_run, write_grid, write_index
+from fluxgrpo.sampling.folder import (
+    GRID_FILE,
+    check_not_inside_a_run,
+    check_output_dir,
+    clear_previous_run,
+    write_grid,
+    write_index,
+)
 from fluxgrpo.sampling.generate import generate_images, load_pipeline
 from fluxgrpo.sampling.request import SampledImage, SampleRequest, SampleSettings
 
@@ -63,8 +70,10 @@ def build_request(
     ema: bool,
     settings: SampleSettings,
     device: str = "auto",
+    overwrite: bool = False,
 ) -> SampleRequest:
-    """Check everything that can be checked before a model loads and return the job.
+    """Check everything that can be checked before a model loads and return the job (``overwrite``: ``--out`` may
+    lie inside a training run; the caller moves what is there aside).
 
     Raises:
         UsageError: bad settings, no prompts, ``--ema`` without ``--checkpoint``.
@@ -96,6 +105,7 @@ def build_request(
     )
     if request.transformer_dir is not None:
         check_checkpoint_fits_model(request.transformer_dir, model)
+    check_not_inside_a_run(out, overwrite)
     check_output_dir(out)
     return request
 

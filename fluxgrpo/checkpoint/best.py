@@ -15,7 +15,7 @@ from fluxgrpo.checkpoint.layout import (
     io_error,
     is_best_checkpoint,
     publish_folder,
-    read_json,
+    read_best_record,
     remove_tree,
     write_durably,
 )
@@ -54,4 +54,4 @@ def publish_best(checkpoint: str | Path, facts: dict[str, Any]) -> Path:
 def read_best(output_dir: str | Path) -> dict[str, Any] | None:
     """``best/BEST.json`` of a run (iteration, metric, value, checkpoint), or None when it keeps no best."""
     path = Path(output_dir) / BEST_DIR
-    return read_json(path / BEST_FILE) if is_best_checkpoint(path) else None
+    return read_best_record(path) if is_best_checkpoint(path) else None

@@ -92,8 +92,15 @@ def read_checkpoint_info(path: str | Path) -> dict[str, Any]:
     if not is_usable_checkpoint(path):
         raise FluxgrpoError(_not_complete_message(path, path.parent))
     info = read_json(path / COMPLETE_MARKER)
-    if not isinstance(info, dict) or not isinstance(info.get("iteration"), int) or "world_size" not in info:
+    if (
+        not isinstance(info, dict)
+        or not isinstance(info.get("iteration"), int)
+        or not isinstance(info.get("world_size"), int)
+        or info["world_size"] < 1
+    ):
         raise FluxgrpoError(f"{path / COMPLETE_MARKER} is malformed (not the JSON fluxgrpo writes): {DAMAGED_FIX}")
+    if path.name == BEST_DIR:  # sample/export/report never take a damaged best record silently
+        read_best_record(path)
     return info
 
 
@@ -107,6 +114,21 @@ def read_trainer_state(path: str | Path) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise FluxgrpoError(f"{Path(path) / STATE_DIR / TRAINER_STATE_FILE} is malformed: {DAMAGED_FIX}")
     return state
+
+
+def read_best_record(best: Path) -> dict[str, Any]:
+    """``best/BEST.json`` checked to have the shape fluxgrpo writes (``state_checks.check_best_record``).
+
+    Raises:
+        FluxgrpoError: one line naming the file and saying what to remove.
+    """
+    from fluxgrpo.state_checks import best_damaged_message, check_best_record
+
+    try:
+        record = json.loads((best / BEST_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise FluxgrpoError(best_damaged_message(best / BEST_FILE, type(exc).__name__)) from None
+    return check_best_record(record, best / BEST_FILE)
 
 
 # What to do about a checkpoint whose files were damaged after it was written.

@@ -419,13 +419,18 @@ def write_state_checksums(state_dir: Path, rank: int) -> None:
 def _verify_checksums(state_dir: Path, rank: int) -> None:
     """Raise FluxgrpoError (one line) when a file this rank wrote no longer has the sha256 recorded at save time:
     corruption inside a tensor's bytes that no header check sees."""
+    from fluxgrpo.state_checks import check_checksum_record
+
     record = state_dir / CHECKSUMS_FILE.format(rank=rank)
     try:
         sums = json.loads(record.read_text())
-        if not isinstance(sums, dict):
-            raise ValueError("not a JSON object")
     except (OSError, ValueError) as exc:
         raise FluxgrpoError(f"{record} is missing or damaged ({type(exc).__name__}): {DAMAGED_FIX}") from None
+    required = [f"rng_rank{rank}.pt", *((".metadata", TRAINER_STATE_FILE) if rank == 0 else ())]
+    for name in required:
+        if not (state_dir / name).is_file():
+            raise FluxgrpoError(f"{state_dir / name} is missing: the checkpoint is damaged; {DAMAGED_FIX}")
+    check_checksum_record(sums, record, _files_of_rank(state_dir, rank), DAMAGED_FIX)  # no file left unverified
     for name, expected in sorted(sums.items()):
         path = state_dir / Path(str(name)).name
         if not path.is_file():

@@ -23,7 +23,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.errors import FluxgrpoError, disk_full_error
 from fluxgrpo.paths import HPS_DIR_HELP
 from fluxgrpo.runtime.device import DEVICE_TYPES
 
@@ -56,6 +56,12 @@ def handle_errors(fn: F) -> F:
         except KeyboardInterrupt:
             err_console.print("[yellow]interrupted[/]")
             raise typer.Exit(130) from None
+        except OSError as exc:  # a full disk under any write (the run's config, an image, an embedding): one line
+            full = disk_full_error(exc)
+            if full is None or os.environ.get("FLUXGRPO_DEBUG"):
+                raise
+            err_console.print(f"[bold red]error:[/] {escape(str(full))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(full.exit_code) from None
 
     return wrapper  # type: ignore[return-value]
 

@@ -54,6 +54,14 @@ def command(
             show_default=False,
         ),
     ] = None,
+    overwrite: Annotated[
+        bool,
+        typer.Option(
+            "--overwrite",
+            help="Move what --out holds to <out>.replaced-<time> first, never deleting it; needed for an --out inside "
+            "a training run (e.g. its eval/iteration-<k>).",
+        ),
+    ] = False,
     device: DeviceOption = "auto",
     attention: Annotated[
         str, typer.Option("--attention", help=f"Attention kernel: {' or '.join(ATTENTION_BACKENDS)}.")
@@ -107,8 +115,21 @@ def command(
         compile=compile_model,
     )
     request = build_request(
-        model=model, prompts=prompts, out_dir=out, checkpoint=checkpoint, ema=ema, settings=settings, device=device
+        model=model,
+        prompts=prompts,
+        out_dir=out,
+        checkpoint=checkpoint,
+        ema=ema,
+        settings=settings,
+        device=device,
+        overwrite=overwrite,
     )
+    if overwrite:
+        from fluxgrpo.run_folder import move_aside
+
+        moved = move_aside(request.out_dir, "--overwrite")
+        if moved is not None:
+            log(f"moved what was in {request.out_dir} to {moved}")
     summary = run_workers("fluxgrpo.sample", request.to_dict(), spec, request.device, log=log)
     if json_output:
         print_json(summary)

@@ -83,7 +83,6 @@ def _train(
     if list_configs:
         _list_configs()
         return
-    from fluxgrpo.checkpoint.best import read_best
     from fluxgrpo.config import build_config
     from fluxgrpo.metrics import held_out_trend, reward_trend
     from fluxgrpo.runtime.dist import CollectiveTimeout
@@ -136,7 +135,7 @@ def _train(
         "held_out": held_out,
         "final": iterations[-1] if iterations else None,
         "guard_stop": stopped["guard_stop_message"] if stopped else None,
-        "best": read_best(cfg.output_dir),
+        "best": _best_or_none(cfg.output_dir),
     }
     if json_output:
         print_json(result)
@@ -157,6 +156,17 @@ def _train(
     if stopped:  # a clean end, told apart from success and failure by its exit code (training/guards.py)
         err_console.print(escape(stopped["guard_stop_message"]), highlight=False)
         raise typer.Exit(GUARD_STOP_EXIT_CODE)
+
+
+def _best_or_none(output_dir: str) -> dict[str, Any] | None:
+    """The run's best/ record for its summary; a damaged one was already warned about, and is not the run's result."""
+    from fluxgrpo.checkpoint.best import read_best
+    from fluxgrpo.errors import FluxgrpoError
+
+    try:
+        return read_best(output_dir)
+    except FluxgrpoError:
+        return None
 
 
 def command(

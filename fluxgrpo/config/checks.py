@@ -101,9 +101,17 @@ def _shape_problems(cfg: TrainConfig) -> list[str]:
         )
     if cfg.sampling_steps >= 2 and not 0 < cfg.timestep_fraction <= 1:
         out.append(f"--timestep-fraction {cfg.timestep_fraction} must be in (0, 1]")
-    elif cfg.sampling_steps >= 1 and cfg.train_timesteps < 1:
-        steps = f"--sde-window {cfg.sde_window}" if cfg.sde_window else f"(--sampling-steps {cfg.sampling_steps} − 1)"
-        out.append(f"--timestep-fraction {cfg.timestep_fraction} × {steps} trains no timestep: raise either")
+    elif cfg.sampling_steps >= 1 and cfg.train_timesteps < 1 and 0 <= cfg.sde_window < cfg.sampling_steps:
+        # (a window out of range has its own line below)
+        steps, other = (
+            (f"--sde-window {cfg.sde_window}", "--sde-window")
+            if cfg.sde_window
+            else (f"(--sampling-steps {cfg.sampling_steps} − 1)", "--sampling-steps")
+        )
+        out.append(
+            f"--timestep-fraction {cfg.timestep_fraction} × {steps} trains no timestep: raise --timestep-fraction "
+            f"or {other}"
+        )
     per_rank = cfg.trajectories_per_rank
     for name in ("rollout_batch_size", "train_micro_batch_size"):
         size = getattr(cfg, name)

@@ -43,27 +43,9 @@ def resolve_config_path(name_or_path: str) -> Path:
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
-    import yaml
+    from fluxgrpo.yaml_reader import read_config_yaml
 
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UsageError(
-            f"{path} is not a text file (not UTF-8), so not a YAML config: pass one with --config"
-        ) from None
-    except OSError as exc:
-        raise UsageError(
-            f"cannot read {path} ({exc.strerror or exc}): pass a readable YAML file with --config"
-        ) from None
-    try:
-        # An alias repeats a node without copying text: nested ones expand a few hundred bytes into gigabytes.
-        # A config has no use for them, and the event stream finds one without expanding anything.
-        if any(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=yaml.SafeLoader)):
-            raise UsageError(f"{path} uses YAML aliases (*name): write each value out; pass another file with --config")
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        reason = " ".join(str(exc).split())  # PyYAML's message spans lines, with a caret drawing
-        raise UsageError(f"{path} is not valid YAML ({reason}): fix it, or pass another file with --config") from None
+    data = read_config_yaml(path) or {}  # bounded in size and depth, no aliases, no key twice
     if not isinstance(data, dict):
         raise UsageError(f"{path} must hold a mapping of option names to values")
     return data
@@ -97,7 +79,9 @@ def build_config(config: str | None = None, overrides: dict[str, Any] | None = N
         except (TypeError, ValueError):
             problems.append(f"{key}: {value!r} is not a valid {known[key].type}")
     if problems:
-        raise UsageError("invalid training configuration:\n  - " + "\n  - ".join(problems))
+        from fluxgrpo.yaml_reader import capped
+
+        raise UsageError("invalid training configuration:\n  - " + "\n  - ".join(capped(problems)))
     return TrainConfig(**values).validate()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from pathlib import Path
 
 from fluxgrpo.errors import FluxgrpoError
@@ -12,7 +13,13 @@ def bundled_prompts_path() -> Path:
     return Path(__file__).with_name("prompts.txt")
 
 
-def read_prompts(path: str | Path, *, keep_repeats: bool = False) -> list[str]:
+def _text_of(line: str) -> str:
+    """A line stripped; "" when it holds only whitespace and control characters (NUL bytes are no prompt)."""
+    line = line.strip()
+    return line if any(not unicodedata.category(c).startswith("C") for c in line) else ""
+
+
+def read_prompts(path: str | Path, *, keep_repeats: bool = False, flag: str = "--prompts") -> list[str]:
     """The prompts in ``path``: each line stripped, blank lines dropped, duplicates kept once (first occurrence).
 
     A ``.json`` file is a benchmark prompt set as its authors publish it: a list of objects, each with a ``"prompt"``
@@ -22,22 +29,27 @@ def read_prompts(path: str | Path, *, keep_repeats: bool = False) -> list[str]:
     ``keep_repeats=True`` keeps every line instead (``score --images --prompts``: one line per image).
 
     Raises:
-        FluxgrpoError: the file is missing, unreadable, not UTF-8, or holds no prompt.
+        FluxgrpoError: the file is missing, unreadable, not UTF-8, or holds no prompt (naming ``flag``, the option
+            that chose the file).
     """
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise FluxgrpoError(f"prompt file {path} not found: pass an existing file with --prompts") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise FluxgrpoError(f"cannot read prompt file {path} ({exc}): pass a UTF-8 text file with --prompts") from None
+        raise FluxgrpoError(f"prompt file {path} not found: pass an existing file with {flag}") from None
+    except UnicodeDecodeError:
+        raise FluxgrpoError(f"prompt file {path} is not UTF-8 text: pass a text file with {flag}") from None
+    except OSError as exc:
+        raise FluxgrpoError(
+            f"cannot read prompt file {path} ({exc.strerror or exc}): pass a readable file with {flag}"
+        ) from None
     if path.suffix == ".json":
         lines = _json_prompts(text, path)
     else:
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        lines = [_text_of(line) for line in text.splitlines() if _text_of(line)]
     prompts = lines if keep_repeats else list(dict.fromkeys(lines))
     if not prompts:
-        raise FluxgrpoError(f"prompt file {path} holds no prompts (one per line): pass another file with --prompts")
+        raise FluxgrpoError(f"prompt file {path} holds no prompts (one per line): pass another file with {flag}")
     return prompts
 
 

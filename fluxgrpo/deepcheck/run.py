@@ -133,14 +133,20 @@ def _environment(
     }
 
 
+DAMAGED_WEIGHTS = "damaged FLUX weights"  # how a load reason that fails the check (not skips it) begins
+
+
 def _load_payload(settings: DeepCheckSettings, cfg: Any) -> tuple[dict[str, Any] | None, str | None]:
-    """The train config the load check builds the transformer with, or why it is skipped."""
+    """The train config the load check builds the transformer with, or why it does not run: weights that are
+    absent skip it; weights that are there but damaged (a truncated shard) fail it, as `train` would refuse them."""
     from fluxgrpo.models.shard_loading import transformer_weight_files
     from fluxgrpo.weights.layout import check_flux_dir
 
     status = check_flux_dir(cfg.model)
     if not status.complete:
-        return None, f"no FLUX weights at {cfg.model} ({'; '.join(status.problems)}); pass --flux-dir"
+        found = Path(cfg.model, "transformer").is_dir()
+        what = f"{DAMAGED_WEIGHTS} at" if found else "no FLUX weights at"
+        return None, f"{what} {cfg.model} ({'; '.join(status.problems)}); {status.fix or 'pass --flux-dir'}"
     size = sum(path.stat().st_size for path in transformer_weight_files(cfg.model))
     if settings.quick and size > QUICK_LOAD_LIMIT_BYTES:
         return None, f"--quick does not read {size / 2**30:.1f} GiB of FLUX weights; the full run does"
@@ -196,6 +202,8 @@ def _load_result(summary: dict[str, Any] | None, reason: str | None) -> CheckRes
     from fluxgrpo.deepcheck.workers import LOAD_SLACK_BYTES
 
     rule = "all parameters read and finite; node host rise ≤ host-resident weights + one tensor per rank + 1 GiB"
+    if reason is not None and reason.startswith(DAMAGED_WEIGHTS):
+        return CheckResult("loading", FAILED, None, "", rule, reason)
     if reason is not None:
         return skipped("loading", rule, reason)
     if summary is None:
@@ -237,7 +245,7 @@ def run_deep_check(settings: DeepCheckSettings, log: Callable[[str], None] = lam
     from fluxgrpo.rewards.reward_set import reward_spec_names
     from fluxgrpo.runtime import device as rt_device
     from fluxgrpo.runtime import dist as rt_dist
-    from fluxgrpo.runtime.launch import LaunchSpec, run_workers
+    from fluxgrpo.runtime.launch import LaunchSpec, check_dies_fit, run_workers
     from fluxgrpo.runtime.peak import device_name
     from fluxgrpo.runtime.worker import quiet_library_progress
 
@@ -253,6 +261,7 @@ def run_deep_check(settings: DeepCheckSettings, log: Callable[[str], None] = lam
         master_port=settings.master_port,
     )
     spec.validate()  # before any check runs
+    check_dies_fit(device_type, spec.nproc_per_node)  # the workers' refusal, said before minutes of checks
     reward_list = reward_spec_names(settings.reward) if settings.quick else reward_names()
     load_config, load_reason = _load_payload(settings, cfg)
     ctx = rt_dist.init_distributed(settings.device)

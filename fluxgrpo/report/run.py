@@ -131,7 +131,7 @@ def read_run(folder: str | Path) -> RunData:
         evaluations=read_evaluations(folder, left_out),
         left_out=left_out,
         guard_records=guards,
-        best=_read_best(folder),
+        best=_read_best(folder, left_out),
     )
 
 
@@ -175,13 +175,14 @@ def _plain_info(info: Any) -> dict[str, dict[str, str]]:
     }
 
 
-def _read_best(folder: Path) -> dict[str, Any] | None:
+def _read_best(folder: Path, left_out: list[str]) -> dict[str, Any] | None:
     from fluxgrpo.checkpoint.best import read_best
 
     try:
         return read_best(folder)
-    except FluxgrpoError:
-        return None  # a damaged best/ is left out of the report, not fatal to it
+    except FluxgrpoError as exc:
+        left_out.append(str(exc))  # a damaged best/ is left out of the report, and the report says so
+        return None
 
 
 def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, str]]:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import check_batch, check_pil_batch, normalize_clip, read_state_dict
-from fluxgrpo.rewards.open_clip_model import OpenClipCosine, create_empty_open_clip, reward_model_name
+from fluxgrpo.rewards.open_clip_model import OpenClipCosine, create_fitting_open_clip
 from fluxgrpo.rewards.pickscore import resize_shortest_edge
 from fluxgrpo.rewards.registry import RewardRecord
 from fluxgrpo.weights.layout import OPEN_CLIP_WEIGHTS, check_clip_part
@@ -36,11 +36,11 @@ def load_clip_model(hps_dir: str | Path) -> tuple[Any, str]:
     status = check_clip_part(hps_dir)
     if not status.complete:
         raise not_usable(f"CLIP weights in {hps_dir}", status.problems, status.fix)
-    arch = reward_model_name(hps_dir)
-    model = create_empty_open_clip(arch)
     fix = f"re-run `fluxgrpo fetch-weights --only clip --hps-dir {hps_dir}`"
+    state = read_state_dict(hps_dir / OPEN_CLIP_WEIGHTS, fix)
+    model, arch = create_fitting_open_clip(hps_dir, state, hps_dir / OPEN_CLIP_WEIGHTS, fix)
     try:
-        model.load_state_dict(read_state_dict(hps_dir / OPEN_CLIP_WEIGHTS, fix), strict=True)
+        model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
         first_line = str(exc).splitlines()[0]
         raise FluxgrpoError(

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import check_batch, check_pil_batch, normalize_clip, pil_to_tensor, read_state_dict
-from fluxgrpo.rewards.open_clip_model import OpenClipCosine, create_empty_open_clip, reward_model_name
+from fluxgrpo.rewards.open_clip_model import OpenClipCosine, create_fitting_open_clip
 from fluxgrpo.rewards.registry import RewardRecord, WeightsPart
 from fluxgrpo.weights.hub_parts import REWARD_HUB_PARTS
 from fluxgrpo.weights.layout import (
@@ -49,11 +49,10 @@ def load_hps_model(hps_dir: str | Path) -> tuple[Any, str]:
         details = "; ".join(p for found, _ in problems for p in found)
         raise not_usable(f"reward weights in {hps_dir}", [details], problems[0][1])
 
-    arch = reward_model_name(hps_dir)
-    model = create_empty_open_clip(arch)
-    expected = set(model.state_dict())
     refetch = f"re-run `fluxgrpo fetch-weights --only hps --hps-dir {hps_dir}`"
     hps_state = read_state_dict(hps_dir / HPS_CHECKPOINT, refetch)
+    model, arch = create_fitting_open_clip(hps_dir, hps_state, hps_dir / HPS_CHECKPOINT, refetch)
+    expected = set(model.state_dict())
     unexpected = sorted(set(hps_state) - expected)
     if unexpected:
         raise FluxgrpoError(

@@ -21,8 +21,6 @@ from fluxgrpo.weights.layout import REWARD_ARCH_FILE, reward_architecture
 
 REAL_REWARD_ARCH = "ViT-H-14"
 
-_config_dir: tempfile.TemporaryDirectory | None = None
-
 
 def register_open_clip_config(config: dict[str, Any], source: Path = Path(REWARD_ARCH_FILE)) -> str:
     """Register an open_clip model config and return the name ``open_clip.create_model`` knows it by.
@@ -33,20 +31,18 @@ def register_open_clip_config(config: dict[str, Any], source: Path = Path(REWARD
     content, so registering the same architecture twice is harmless and two different tiny architectures never
     collide.
     """
-    global _config_dir
     import open_clip
 
     model_cfg = open_clip_architecture(source, config)
     digest = hashlib.sha256(json.dumps(model_cfg, sort_keys=True).encode()).hexdigest()[:16]
     name = f"fluxgrpo-reward-{digest}"
     if name not in open_clip.list_models():
-        # open_clip registers configs only from files, and re-reads every registered path whenever another is
-        # added, so the file must outlive the call: it lives in a folder removed when the process exits.
-        if _config_dir is None:
-            _config_dir = tempfile.TemporaryDirectory(prefix="fluxgrpo-open-clip-")
-        path = Path(_config_dir.name) / f"{name}.json"
-        path.write_text(json.dumps(model_cfg))
-        open_clip.add_model_config(path)
+        # open_clip registers configs only from files; its registry keeps an entry whose file is gone (a rescan
+        # skips a missing path), so the file is removed at once: no folder outlives a killed or failed process.
+        with tempfile.TemporaryDirectory(prefix="fluxgrpo-open-clip-") as folder:
+            path = Path(folder) / f"{name}.json"
+            path.write_text(json.dumps(model_cfg))
+            open_clip.add_model_config(path)
     return name
 
 
@@ -155,3 +151,70 @@ class OpenClipCosine:
         with torch.no_grad(), autocast(self.device.type, dtype=self.compute_dtype):
             features = self.model.encode_text(self.tokenizer(prompts).to(self.device))
         return F.normalize(features.float(), dim=-1)
+
+
+def _resblocks(state: dict[str, Any], prefix: str) -> int:
+    found = {key[len(prefix) :].split(".", 1)[0] for key in state if key.startswith(prefix)}
+    return len({part for part in found if part.isdigit()})
+
+
+def architecture_mismatch(config: dict[str, Any], state: dict[str, Any]) -> str | None:
+    """The first size ``config`` (``config_guard.open_clip_architecture``'s) states that the checkpoint's own tensors
+    contradict, or None: an architecture is built only at the size its weights have, never at one a config file
+    names (a width of 2²⁰ would ask the allocator for many GiB before loading failed)."""
+    vision, text = config.get("vision_cfg", {}), config.get("text_cfg", {})
+
+    def dim(key: str, axis: int) -> int | None:
+        tensor = state.get(key)
+        return int(tensor.shape[axis]) if tensor is not None and tensor.dim() > axis else None
+
+    width, text_width = dim("visual.conv1.weight", 0), dim("token_embedding.weight", 1)
+    positions = dim("visual.positional_embedding", 0)
+    fc = dim("visual.transformer.resblocks.0.mlp.c_fc.weight", 0)
+    text_fc = dim("transformer.resblocks.0.mlp.c_fc.weight", 0)
+    patch = vision.get("patch_size")
+    stated: list[tuple[str, Any, Any]] = [
+        ("embed_dim", config.get("embed_dim"), dim("text_projection", 1)),
+        ("vision_cfg.width", vision.get("width"), width),
+        ("vision_cfg.patch_size", patch, dim("visual.conv1.weight", 2)),
+        ("vision_cfg.layers", vision.get("layers"), _resblocks(state, "visual.transformer.resblocks.") or None),
+        ("text_cfg.width", text.get("width"), text_width),
+        ("text_cfg.vocab_size", text.get("vocab_size"), dim("token_embedding.weight", 0)),
+        ("text_cfg.context_length", text.get("context_length"), dim("positional_embedding", 0)),
+        ("text_cfg.layers", text.get("layers"), _resblocks(state, "transformer.resblocks.") or None),
+    ]
+    if patch and positions and "image_size" in vision:
+        stated.append(("vision_cfg.image_size", (vision["image_size"] // patch) ** 2 + 1, positions))
+    if width and fc and "mlp_ratio" in vision:
+        stated.append(("vision_cfg.mlp_ratio", int(width * vision["mlp_ratio"]), fc))
+    if text_width and text_fc and "mlp_ratio" in text:
+        stated.append(("text_cfg.mlp_ratio", int(text_width * text["mlp_ratio"]), text_fc))
+    for key, value, actual in stated:
+        if value is None:
+            continue
+        if actual is None:
+            return f"{key} is {value}, but the weights hold no tensor of that size"
+        if value != actual:
+            return f"{key} is {value}, but the weights' tensors imply {actual}"
+    if width and vision.get("head_width", 1) > width:
+        return f"vision_cfg.head_width is {vision['head_width']}, wider than the tower ({width})"
+    if text_width and (text.get("heads", 1) > text_width or text_width % text.get("heads", 1)):
+        return f"text_cfg.heads is {text['heads']}, which does not divide the text width {text_width}"
+    return None
+
+
+def create_fitting_open_clip(hps_dir: str | Path, state: dict[str, Any], weights: Path, fix: str) -> tuple[Any, str]:
+    """(the empty open_clip model for ``hps_dir``, its architecture name), refused in one line when the tiny
+    architecture file disagrees with the sizes of ``state`` (the tensors read from ``weights``)."""
+    from fluxgrpo.errors import FluxgrpoError
+
+    config = reward_architecture(hps_dir)
+    if config is not None:
+        problem = architecture_mismatch(config, state)
+        if problem is not None:
+            raise FluxgrpoError(
+                f"{Path(hps_dir) / REWARD_ARCH_FILE} does not describe the weights in {weights} ({problem}), so no "
+                f"model was built: {fix}"
+            )
+    arch = REAL_REWARD_ARCH if config is None else register_open_clip_config(config, Path(hps_dir) / REWARD_ARCH_FILE)
+    return create_empty_open_clip(arch), arch

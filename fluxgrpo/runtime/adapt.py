@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -48,4 +49,19 @@ def compile_backend(device_type: str) -> str:
     (``NPU_COMPILE_REFUSAL``), raised before any worker starts."""
     if device_type == "npu":
         raise UsageError(NPU_COMPILE_REFUSAL)
+    if device_type == "cpu":
+        _drop_cuda_home_warning()
     return os.environ.get(COMPILE_BACKEND_ENV) or "inductor"
+
+
+class _DropCudaHomeWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "No CUDA runtime is found" not in record.getMessage()
+
+
+def _drop_cuda_home_warning() -> None:
+    """Inductor imports torch's C++-extension helpers, which warn at import that a CUDA toolkit folder exists but
+    no CUDA runtime does: true and irrelevant to a CPU compile, so a CPU run never prints it."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    if not any(isinstance(f, _DropCudaHomeWarning) for f in logger.filters):
+        logger.addFilter(_DropCudaHomeWarning())

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo import __version__
-from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.paths import ensure_writable_dir, write_atomic
 from fluxgrpo.run_folder import INDEX_FILE  # a sample folder's index, and each evaluation's in a run folder
 from fluxgrpo.sampling.request import SampledImage, SampleRequest, SampleSettings
@@ -45,6 +45,20 @@ def check_output_dir(out_dir: str | Path) -> Path:
             "folder with --out"
         )
     return out
+
+
+def check_not_inside_a_run(out: Path, overwrite: bool) -> None:
+    """A training run's folders (its eval/iteration-<k>/ above all) are its record: ``--out`` there only with
+    ``--overwrite``, which moves what is there aside (``run_folder.move_aside``) instead of replacing it."""
+    from fluxgrpo.run_folder import enclosing_run
+
+    run = enclosing_run(out)
+    if run is not None and not overwrite:
+        raise UsageError(
+            f"--out {out} is inside the training run {run}, whose evaluations and checkpoints `sample` must not "
+            f"replace: pass another --out, or add --overwrite to move what is there to {out.name}.replaced-<UTC "
+            "time> first"
+        )
 
 
 def clear_previous_run(out: Path) -> int:

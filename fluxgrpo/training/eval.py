@@ -69,7 +69,8 @@ def shipped_eval_prompts_path() -> Path:
 def eval_prompt_list(cfg: TrainConfig) -> list[str]:
     """The held-out prompts ``--eval-prompts`` names (the shipped set when empty), in order."""
 
-    return read_prompts(eval_prompts_path(cfg.eval_prompts) if cfg.eval_prompts else shipped_eval_prompts_path())
+    path = eval_prompts_path(cfg.eval_prompts) if cfg.eval_prompts else shipped_eval_prompts_path()
+    return read_prompts(path, flag="--eval-prompts")
 
 
 def eval_folder(output_dir: str | Path, iteration: int, ema: bool = False) -> Path:

@@ -45,10 +45,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.checkpoint.best import publish_best, read_best
-from fluxgrpo.checkpoint.layout import BEST_DIR, checkpoint_dir, is_complete_checkpoint, read_trainer_state
+from fluxgrpo.checkpoint.layout import BEST_DIR, checkpoint_dir, is_complete_checkpoint
+from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.metrics import read_metrics
 from fluxgrpo.rewards.reward_set import eval_reward_names
 from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.state_checks import read_training_state
 from fluxgrpo.training.guard_rules import GuardRule, metric_key, parse_guard_spec
 
 GUARD_STOP_EXIT_CODE = 3
@@ -120,7 +122,7 @@ class RunMonitor:
         self.best_key = metric_key(cfg.keep_best.strip()) if cfg.keep_best.strip() else None
         saved: dict[str, Any] | None = None
         if checkpoint is not None:
-            saved = read_trainer_state(checkpoint).get(self.STATE_KEY)
+            saved = read_training_state(checkpoint).get(self.STATE_KEY)
         self.state = GuardState.from_dict(saved)
         self.drift = DriftProbe(cfg, parts, self.state.drift)
         self._pending_best: dict[str, Any] | None = None
@@ -154,9 +156,7 @@ class RunMonitor:
         drift = self.state.drift
         self.state = GuardState.from_dict(state)
         self.state.drift = drift
-        if verdict.stop:
-            rt_dist.rank0_print(self.ctx, verdict.message)
-        return verdict
+        return verdict  # the stop line is printed once, by `fluxgrpo train`, from the guard record
 
     def checkpoint_saved(self, iteration: int, path: Path) -> None:
         """After checkpoint ``iteration`` is complete: publish it as ``best/`` when it is the new best."""
@@ -188,7 +188,11 @@ class RunMonitor:
         import shutil
 
         output_dir = Path(self.cfg.output_dir)
-        on_disk = read_best(output_dir)
+        try:
+            on_disk = read_best(output_dir)
+        except FluxgrpoError as exc:  # a damaged record never blocks resuming a checkpoint; the next best replaces it
+            rt_dist.rank0_print(self.ctx, f"warning: {exc}")
+            return
         wanted = self.state.best
         if on_disk is None or on_disk.get("metric") != self.best_key:
             return  # none yet, or the best by another metric: kept until a best by this one replaces it
@@ -251,9 +255,10 @@ class RunMonitor:
             verdict.stop = verdict.save_checkpoint = True
             rule, value, baseline = fired_now[0]
             best = f"; best: iteration {state.best['iteration']} (best/)" if state.best else ""
+            # Before any update (the base model, or the checkpoint a run resumed from) the loop stops before training.
+            ends = f"the run ends with checkpoint-{iteration}" if iteration > 0 else "the run stops before training"
             verdict.message = (
-                f"stopped by guard {rule.text} at iteration {iteration}: {rule.describe(value, baseline)}; "
-                f"the run ends with checkpoint-{iteration}{best}"
+                f"stopped by guard {rule.text} at iteration {iteration}: {rule.describe(value, baseline)}; {ends}{best}"
             )
             record["guard_stop_message"] = verdict.message
         if self.rules or self.best_key:

@@ -19,7 +19,14 @@ from fluxgrpo.errors import FluxgrpoError, UsageError, not_usable
 from fluxgrpo.paths import ensure_writable_dir
 from fluxgrpo.rewards import reward_weights_status
 from fluxgrpo.rewards.reward_set import run_reward_names
-from fluxgrpo.run_folder import CONFIG_FILE, LOGS_DIR, check_not_in_use, check_run_files, previous_run
+from fluxgrpo.run_folder import (
+    CONFIG_FILE,
+    LOGS_DIR,
+    check_not_in_use,
+    check_run_files,
+    foreign_run_files,
+    previous_run,
+)
 from fluxgrpo.runtime.dist import CollectiveTimeout
 from fluxgrpo.runtime.launch import DEFAULT_PORT, LaunchSpec, check_dies_fit, run_id_for, run_workers
 from fluxgrpo.weights.layout import check_flux_dir
@@ -64,6 +71,10 @@ def preflight(cfg: TrainConfig) -> None:
             f"run `fluxgrpo preprocess --model {cfg.model} --out {emb_dir}`, or point --data-json-path at them",
         )
     _check_embeddings_match_model(cfg)
+    if cfg.eval_every > 0:
+        from fluxgrpo.training.eval import eval_prompt_list
+
+        eval_prompt_list(cfg)  # an empty, blank or binary --eval-prompts file, refused before any run file exists
     _check_rewards_read_their_prompts(cfg)
 
 
@@ -153,7 +164,8 @@ def check_output_dir(output_dir: Path, create: bool) -> None:
 
 def check_resume_compatible(cfg: TrainConfig, checkpoint: Path, world_size: int) -> None:
     """A resume is exact only with the same world size and the same algorithm settings; say which differ."""
-    from fluxgrpo.checkpoint.layout import read_checkpoint_info, read_trainer_state
+    from fluxgrpo.checkpoint.layout import read_checkpoint_info
+    from fluxgrpo.state_checks import read_training_state
 
     info = read_checkpoint_info(checkpoint)
     problems = []
@@ -164,7 +176,7 @@ def check_resume_compatible(cfg: TrainConfig, checkpoint: Path, world_size: int)
         )
     if cfg.use_ema and not info.get("has_ema", False):
         problems.append("it has no EMA state but --use-ema is on: drop --use-ema")
-    saved = read_trainer_state(checkpoint).get("config", {})
+    saved = read_training_state(checkpoint)["config"]  # shape-checked: a hand-edited state is one line, here
     now = cfg.to_dict()
     for key in sorted(now):
         if key in RESUME_FREE_FIELDS or key not in saved or saved[key] == now[key]:
@@ -207,6 +219,13 @@ def check_previous_run(output_dir: Path, resume: str | None, overwrite: bool) ->
     """A new run never writes over an earlier one: without --resume a folder holding a run needs --overwrite."""
     if resume is not None and overwrite:
         raise UsageError("--overwrite starts the run over and --resume continues it: pass one of them")
+    foreign = foreign_run_files(output_dir)
+    if foreign and not overwrite:
+        raise UsageError(
+            f"--output-dir {output_dir} holds {' and '.join(foreign)} that fluxgrpo did not write (a run's own "
+            f"{CONFIG_FILE} begins with its resolved-config header), and the run would replace it: move it away, "
+            f"choose another --output-dir, or pass --overwrite to move it to {output_dir.name}.replaced-<UTC time>"
+        )
     found = previous_run(output_dir)
     if found and resume is None and not overwrite:
         shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")

@@ -43,6 +43,7 @@ from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime.dist import DistContext
 from fluxgrpo.runtime.nodes import check_shared_folder, restarted
 from fluxgrpo.runtime.worker import worker_session
+from fluxgrpo.state_checks import read_training_state
 from fluxgrpo.training.eval import Evaluator
 from fluxgrpo.training.guards import RunMonitor
 from fluxgrpo.training.health import SkippedUpdateWatch
@@ -101,6 +102,7 @@ def restore(ctx: DistContext, parts: TrainingParts, checkpoint: Path | None) -> 
     """Load a checkpoint into ``parts``; returns the iterations it had completed (0 without one)."""
     if checkpoint is None:
         return 0
+    read_training_state(checkpoint)  # its shape, before anything loads (an elastic restart skips the launch's check)
     loaded = load_checkpoint(checkpoint, ctx, training_state(parts))
     parts.sampler.load_state_dict(loaded.trainer_state["sampler"][str(ctx.rank)])
     rt_dist.rank0_print(ctx, f"resumed from {checkpoint} after iteration {loaded.iteration}")
@@ -159,8 +161,9 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
         records: list[dict[str, Any]] = []
         skipped_updates = SkippedUpdateWatch()
         # the base model at iteration 0: every eval curve and every guard baseline starts there
-        monitor.check(start, evaluator.before_training(start, parts), records)
-        for iteration in range(start + 1, cfg.max_train_steps + 1):
+        first = monitor.check(start, evaluator.before_training(start, parts), records)
+        last = start if first.stop else cfg.max_train_steps  # a guard the starting weights fail: nothing to train
+        for iteration in range(start + 1, last + 1):
             rt_dist.mark(f"iteration {iteration}")  # named if this rank stops or falls behind the others
             rt_device.reset_peak_memory(ctx.device)
             clock = PhaseClock(ctx.device)

@@ -388,6 +388,9 @@ def check_fits(
         changed = estimate_for_config(changed_cfg, change.get("dies", dies), device_type)
         marker = "fits" if checked_peak(changed, device_type) <= capacity else "still too much"
         options.append(f"{flag}: {changed.peak / GiB:.1f} GiB ({marker})")
+    smaller = _fitting_resolution(cfg, dies, device_type, capacity)
+    if smaller is not None:
+        options.append(smaller)
     where = (
         f"{capacity / GiB:.1f} GiB of host memory each of the {dies} cpu worker(s) can have"
         if device_type == "cpu"
@@ -397,6 +400,23 @@ def check_fits(
         f"estimated peak {checked_peak(estimate_, device_type) / GiB:,.1f} GiB per die (during {estimate_.peak_phase}) exceeds the "
         f"{where}; change one of: " + "; ".join(options)
     ]
+
+
+def _fitting_resolution(cfg: TrainConfig, dies: int, device_type: str, capacity: int) -> str | None:
+    """The largest smaller image (same aspect, multiples of 16, each side shrunk by √2 per try) whose estimate fits:
+    at a huge resolution the activations dominate, and no other knob brings them under."""
+    import dataclasses
+    import math
+
+    for step in range(1, 13):
+        scale = math.sqrt(2) ** -step
+        height, width = (max(16, int(side * scale) // 16 * 16) for side in (cfg.height, cfg.width))
+        changed = estimate_for_config(dataclasses.replace(cfg, height=height, width=width), dies, device_type)
+        if checked_peak(changed, device_type) <= capacity:
+            return f"--height {height} --width {width}: {changed.peak / GiB:.1f} GiB (fits)"
+        if height == 16 and width == 16:
+            break
+    return None
 
 
 def _knobs(cfg: TrainConfig, dies: int) -> list[tuple[str, dict[str, Any]]]:
