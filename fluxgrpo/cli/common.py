@@ -37,8 +37,17 @@ DeviceOption = Annotated[
 ]
 HpsDirOption = Annotated[str, typer.Option("--hps-dir", help=HPS_DIR_HELP)]
 
-err_console = Console(stderr=True)
-out_console = Console()
+
+def _console(**options: Any) -> Console:
+    """A rich console that wraps lines to a terminal's width, and never what goes to a pipe or a file (rich would
+    cut every line there at 80 columns, mid-sentence)."""
+    console = Console(**options)
+    console.soft_wrap = not console.is_terminal
+    return console
+
+
+err_console = _console(stderr=True)
+out_console = _console()
 
 
 def handle_errors(fn: F) -> F:

@@ -86,13 +86,43 @@ def command(
     if out is not None:
         write_csv(report, out)
         log(f"wrote {out}")
+    collapse = _collapse_check(request.index, request.compare)
     if json_output:
-        print_json(report.to_dict())
+        document = report.to_dict()
+        if collapse is not None:
+            document["collapse"] = collapse
+        print_json(document)
         return
     if several:
         _print_reward_tables(report)
     else:
         _print_tables(report.reports[0])
+    if collapse is not None and collapse["warning"] is not None:
+        out_console.print(collapse["warning"], markup=False, highlight=False, soft_wrap=True)
+
+
+def _collapse_check(index: str | None, compare: str | None) -> dict | None:
+    """With --compare: both runs' image spread (``training/collapse.py``) and the warning when one run's images
+    kept less than half the other's spread: a score gain with images that all look alike is not an improvement."""
+    if index is None or compare is None:
+        return None
+    from fluxgrpo.score import images_from_index
+    from fluxgrpo.training.collapse import image_spread, spread_sign, warning_line
+
+    this = image_spread([item.path for item in images_from_index(index)])
+    other = image_spread([item.path for item in images_from_index(compare)])
+    this_lost = spread_sign(other, this, "the --compare run", "this run")
+    other_lost = spread_sign(this, other, "this run", "the --compare run")
+    what_to_do = (
+        "A better score for images that all look alike is reward hacking, not an improvement: look at both runs' "
+        "grid.png"
+    )
+    warning = None
+    if this_lost is not None:
+        warning = warning_line([this_lost], what_to_do, subject=f"this run ({index})")
+    elif other_lost is not None:
+        warning = warning_line([other_lost], what_to_do, subject=f"the --compare run ({compare})")
+    return {"image_spread": this, "other_image_spread": other, "warning": warning}
 
 
 def _announce_reward(name: str, position: int, count: int) -> None:

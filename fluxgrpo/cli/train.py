@@ -7,6 +7,7 @@ help can never drift apart (and no flag exists that the trainer ignores).
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -136,6 +137,8 @@ def _train(
         "guard_stop": stopped["guard_stop_message"] if stopped else None,
         "best": read_best(cfg.output_dir),
     }
+    warning = collapse_warning(cfg.output_dir, records)
+    result["collapse_warning"] = warning
     if json_output:
         print_json(result)
     elif trend is not None:
@@ -145,9 +148,23 @@ def _train(
             f"and last {trend['window']} of {trend['iterations']} iterations). Checkpoints and metrics.jsonl in "
             f"{escape(cfg.output_dir)}"
         )
+    if warning is not None and not json_output:  # part of the summary, right under the trend it qualifies
+        out_console.print(warning, markup=False, highlight=False, soft_wrap=True)
     if stopped:  # a clean end, told apart from success and failure by its exit code (training/guards.py)
         err_console.print(escape(stopped["guard_stop_message"]), highlight=False)
         raise typer.Exit(GUARD_STOP_EXIT_CODE)
+
+
+def collapse_warning(output_dir: str, records: list[dict[str, Any]]) -> str | None:
+    """The one line saying the run looks collapsed or hacked (``training/collapse.py``), or None."""
+    from fluxgrpo.report.run import read_evaluations
+    from fluxgrpo.training.collapse import evaluation_spread_sign, record_signs, warning_line
+
+    signs = record_signs(records)
+    spread = evaluation_spread_sign(read_evaluations(Path(output_dir)))
+    if spread is not None:
+        signs.append(spread)
+    return warning_line(signs)
 
 
 def command(

@@ -87,6 +87,9 @@ def panels_for(runs: list[RunData]) -> list[Panel]:
                 ],
             )
         )
+    # From the guard records, written after each evaluation: the iteration records' own ``guards_fired`` is taken
+    # before that iteration's evaluation, so it never shows a firing at the iteration where the run stopped.
+    panels.append(Panel("Guard rules fired (at each check)", "rules", [Line("guards_fired", "fired", guard_line=True)]))
     panels += [
         Panel("Velocity-norm ratio, policy / reference (drift)", "ratio", [Line("velocity_norm_ratio", "‖v‖ ratio")]),
         Panel("Within-group reward std", "std", [Line("group_std_mean", "group std mean")]),
@@ -118,6 +121,7 @@ def panels_for(runs: list[RunData]) -> list[Panel]:
         "update_skipped",
         "sde_window_start",
         "first_abs_log_ratio",
+        "guards_fired",
     }
     claimed |= {"reward_std", "nonfinite_rewards", "advantage_abs_mean", "advantage_min", "advantage_max"}
     other_keys = sorted(

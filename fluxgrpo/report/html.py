@@ -19,6 +19,7 @@ from typing import Any
 from fluxgrpo import __version__
 from fluxgrpo.metrics import reward_trend
 from fluxgrpo.report.run import Evaluation, RunData
+from fluxgrpo.training.collapse import evaluation_spread_sign, record_signs, warning_line
 
 MAX_GRID_COLUMNS = 10  # evaluations shown side by side; the first and last always, the rest evenly spaced
 THUMBNAIL_SIDE = 160  # pixels on the long side of a grid thumbnail
@@ -132,6 +133,13 @@ def summary_text(run: RunData) -> str:
             f"The train reward moved from {_fmt(trend['first'])} to {_fmt(trend['last'])} "
             f"({trend['change']:+.4g}; means of the first and last {trend['window']} iterations)."
         )
+    warning = collapse_warning(run)
+    if warning is not None:
+        parts.append(warning[0].upper() + warning[1:])
+    fired_at = {
+        record["iteration"]: [name for name in run.guard_names() if record.get(f"guard_{name}_fired")]
+        for record in run.guard_records
+    }
     for name in run.eval_rewards():
         xs, ys = run.series(f"eval_{name}_mean", run.eval_records)
         if not xs:
@@ -139,10 +147,10 @@ def summary_text(run: RunData) -> str:
         best = max(range(len(ys)), key=lambda i: ys[i])
         parts.append(
             f"Held-out eval {name}: {_fmt(ys[0])} at iteration {xs[0]} → {_fmt(ys[-1])} at iteration {xs[-1]}; "
-            f"best {_fmt(ys[best])} at iteration {xs[best]}."
+            f"best {_fmt(ys[best])} at iteration {xs[best]}{_why_not_best(run, name, xs[best], fired_at)}."
         )
     for record in run.guard_records:
-        fired = [name for name in run.guard_names() if record.get(f"guard_{name}_fired")]
+        fired = fired_at[record["iteration"]]
         if fired:
             parts.append(
                 f"Guard{'s' if len(fired) > 1 else ''} {', '.join(fired)} fired at iteration {record['iteration']}."
@@ -151,7 +159,8 @@ def summary_text(run: RunData) -> str:
             parts.append(f"The run was stopped there by its guard ({record.get('guard_stop_message', '')}).")
     if run.best is not None:
         parts.append(
-            f"best/ is iteration {run.best.get('iteration')} ({run.best.get('metric')} {_fmt(run.best.get('value'))})."
+            f"best/ is iteration {run.best.get('iteration')} ({run.best.get('metric')} {_fmt(run.best.get('value'))}; "
+            "the best evaluation after iteration 0 at which no guard fired)."
         )
     zero = run.series("zero_std_group_fraction")[1]
     if zero and sum(zero[-5:]) / len(zero[-5:]) > 0.5:
@@ -163,6 +172,26 @@ def summary_text(run: RunData) -> str:
     if skipped:
         parts.append(f"{skipped:.0f} optimizer steps were skipped (non-finite gradients).")
     return " ".join(parts)
+
+
+def collapse_warning(run: RunData) -> str | None:
+    """``training/collapse.py``'s one line for this run: its drift signals, diversity and eval image spread."""
+    signs = record_signs([*run.records, *run.eval_records])
+    spread = evaluation_spread_sign(run.evaluations)
+    if spread is not None:
+        signs.append(spread)
+    return warning_line(signs, "Look at the eval grids below before trusting the reward.")
+
+
+def _why_not_best(run: RunData, reward: str, iteration: int, fired_at: dict[int, list[str]]) -> str:
+    """Why ``best/`` is not the best evaluation of ``reward`` at ``iteration``, when it is not (else "")."""
+    if run.best is None or run.best.get("iteration") == iteration or run.best.get("metric") != f"eval_{reward}_mean":
+        return ""
+    if fired_at.get(iteration):
+        return f" (not best/: guard {', '.join(fired_at[iteration])} fired there)"
+    if iteration == 0:
+        return " (not best/: iteration 0 is the base model)"
+    return ""
 
 
 # --------------------------------------------------------------------------------------------- HTML
