@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import UsageError
+from fluxgrpo.models.known import MODEL_FAMILIES
 from fluxgrpo.paths import (
     DEFAULT_EMBEDDINGS_DIR,
     DEFAULT_FLUX_DIR,
@@ -72,6 +73,12 @@ class TrainConfig:
 
     # --- data and weights -----------------------------------------------------------------------------
     model: str = _opt(DEFAULT_FLUX_DIR, "FLUX diffusers folder (from `fluxgrpo fetch-weights`).")
+    model_family: str = _opt(
+        "flux-dev",
+        f"The model this config is for: {', '.join(MODEL_FAMILIES)} (whatever --model holds). A --dry-run plans "
+        "from its known shapes without its weights, and says when --model holds another model.",
+    )
+    dies: int = _opt(1, "Worker processes on this node, one per accelerator die (--dies overrides a config's).")
     hps_dir: str = _opt(DEFAULT_HPS_DIR, HPS_DIR_HELP)
     data_json_path: str = _opt(
         f"{DEFAULT_EMBEDDINGS_DIR}/{EMBEDDINGS_INDEX}", "Embeddings index written by `fluxgrpo preprocess`."
@@ -284,6 +291,7 @@ class TrainConfig:
             elif value > MAX_IMAGE_SIDE:
                 out.append(f"--{name} {value} is out of range: at most {MAX_IMAGE_SIDE} pixels")
         positive_ints = (
+            "dies",
             "sampling_steps",
             "num_generations",
             "train_batch_size",
@@ -293,6 +301,8 @@ class TrainConfig:
             "max_train_steps",
             "checkpointing_steps",
         )
+        if self.model_family not in MODEL_FAMILIES:
+            out.append(f"--model-family {self.model_family!r}: use one of {', '.join(MODEL_FAMILIES)}")
         for name in positive_ints:
             if getattr(self, name) < 1:
                 out.append(f"--{_flag(name)} must be at least 1 (got {getattr(self, name)})")

@@ -314,8 +314,12 @@ def test_cli_resume_flags_and_dry_run_checks_inputs(tiny_weights, tiny_embedding
     assert not (tmp_path / "new").exists()  # a dry run creates nothing
     missing = runner.invoke(app, [*common, "--output-dir", str(tmp_path / "x"), "--resume-from", "checkpoint-9"])
     assert missing.exit_code == 1 and "checkpoint-9" in missing.output
-    no_weights = runner.invoke(app, [*common[:3], "--model", str(tmp_path / "none"), "--dry-run"])
+    no_weights = runner.invoke(app, [*common[:3], "--model", str(tmp_path / "none")])
     assert no_weights.exit_code == 1 and "fetch-weights" in no_weights.output
+    # a dry run plans without weights (from the model the config names) and says what a launch would refuse
+    planned = runner.invoke(app, [*common[:3], "--model", str(tmp_path / "none"), "--dry-run"])
+    assert planned.exit_code == 0, planned.output
+    assert "not checked (dry run): the weights" in planned.stderr and "fetch-weights" in planned.stderr
     offload = runner.invoke(app, [*common, "--cpu-offload"])
     assert offload.exit_code == 2 and "--dies 2" in offload.output
 

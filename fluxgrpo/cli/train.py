@@ -16,6 +16,8 @@ from typer.core import TyperCommand
 from fluxgrpo.cli.common import err_console, escape, handle_errors, log, out_console, print_json
 
 _PY_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+# Config keys whose flag `command` declares itself, among the launch options (the YAML key still sets it).
+HAND_DECLARED = frozenset({"dies"})
 
 
 def _hyperparameter_parameters() -> list[inspect.Parameter]:
@@ -25,6 +27,8 @@ def _hyperparameter_parameters() -> list[inspect.Parameter]:
 
     params = []
     for f in config_fields():
+        if f.name in HAND_DECLARED:
+            continue
         flag = f.name.replace("_", "-")
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         default = f.default if f.default is not MISSING else None
@@ -67,7 +71,7 @@ def _train(
     *,
     config: str | None,
     list_configs: bool,
-    dies: int,
+    dies: int | None,
     nnodes: int | None,
     node_rank: int | None,
     master_addr: str | None,
@@ -91,10 +95,10 @@ def _train(
     from fluxgrpo.training.guards import GUARD_STOP_EXIT_CODE, guard_stop
     from fluxgrpo.training.launch_plan import launch_spec, launch_training, plan_training
 
-    cfg = build_config(config, hyperparameters)
+    cfg = build_config(config, {**hyperparameters, "dies": dies})
     spec = launch_spec(
         cfg,
-        dies=dies,
+        dies=cfg.dies,
         nnodes=nnodes,
         node_rank=node_rank,
         master_addr=master_addr,
@@ -105,6 +109,8 @@ def _train(
         log=log,
     )
     plan = plan_training(cfg, spec, resume, dry_run=dry_run, overwrite=overwrite)
+    for warning in plan.memory.warnings:
+        log(f"warning: {warning}")
     if dry_run:
         for line in plan.memory.lines():
             err_console.print(line, highlight=False)
@@ -172,7 +178,13 @@ def command(
         str | None, typer.Option("--config", help="Shipped config name (see --list-configs) or a YAML file.")
     ] = None,
     list_configs: Annotated[bool, typer.Option("--list-configs", help="Show the shipped configs and exit.")] = False,
-    dies: Annotated[int, typer.Option("--dies", help="Worker processes on this node (one per accelerator die).")] = 1,
+    dies: Annotated[
+        int | None,
+        typer.Option(
+            "--dies",
+            help="Worker processes on this node (one per accelerator die). [default: the config's dies, else 1]",
+        ),
+    ] = None,
     nnodes: Annotated[
         int | None,
         typer.Option("--nnodes", help="Nodes in the job (run the same command on each). [default: 1, or Slurm's]"),

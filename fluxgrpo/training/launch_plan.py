@@ -81,6 +81,8 @@ RESUME_FREE_FIELDS = frozenset(
         "hps_dir",
         "data_json_path",
         "output_dir",
+        "model_family",  # sizes the dry-run plan only
+        "dies",  # the world size is checked on its own (check_resume_compatible)
         "device",
         "max_train_steps",
         "checkpointing_steps",
@@ -243,8 +245,14 @@ def plan_training(
         check_run_files(output_dir)
         check_not_in_use(output_dir)
         check_previous_run(output_dir, resume, overwrite)
-    preflight(cfg)
-    memory = plan_memory(cfg, spec.world_size, device_type)
+    try:
+        preflight(cfg)
+    except FluxgrpoError as exc:
+        if not dry_run:
+            raise
+        # A plan needs no weights (it is sized from the config's model): say what a launch here would refuse.
+        skipped.append(f"the weights and embeddings a launch reads ({exc})")
+    memory = plan_memory(cfg, spec.world_size, device_type, dry_run=dry_run)
     if skipped:
         skipped.append(f"the estimate against the {device_type} devices' memory (none visible here)")
     checkpoint = resolve_resume(output_dir, resume) if resume is not None else None
