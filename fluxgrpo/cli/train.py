@@ -109,8 +109,8 @@ def _train(
         log=log,
     )
     plan = plan_training(cfg, spec, resume, dry_run=dry_run, overwrite=overwrite)
-    for warning in plan.memory.warnings:
-        log(f"warning: {warning}")
+    for model_warning in plan.memory.warnings:
+        log(f"warning: {model_warning}")
     if dry_run:
         for line in plan.memory.lines():
             err_console.print(line, highlight=False)
