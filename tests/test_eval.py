@@ -308,14 +308,6 @@ def test_preflight_checks_the_weights_of_the_eval_rewards(tiny_weights, tiny_emb
         "eval_rewards": "pickscore",
     }
     with pytest.raises(FluxgrpoError, match="PickScore"):
-        plan_training(build_config("tiny-cpu", {**values, "eval_every": 5}), LaunchSpec(nproc_per_node=1))
-    # a dry run plans anyway (it needs no weights) and says what a launch would refuse
-    planned = plan_training(
-        build_config("tiny-cpu", {**values, "eval_every": 5}), LaunchSpec(nproc_per_node=1), dry_run=True
-    )
-    assert any("PickScore" in check for check in planned.skipped_checks)
+        plan_training(build_config("tiny-cpu", {**values, "eval_every": 5}), LaunchSpec(nproc_per_node=1), dry_run=True)
     # without evaluation the extra reward is never loaded, so its weights are not needed
-    planned = plan_training(
-        build_config("tiny-cpu", {**values, "eval_every": 0}), LaunchSpec(nproc_per_node=1), dry_run=True
-    )
-    assert planned.skipped_checks == []
+    plan_training(build_config("tiny-cpu", {**values, "eval_every": 0}), LaunchSpec(nproc_per_node=1), dry_run=True)

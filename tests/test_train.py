@@ -319,7 +319,7 @@ def test_cli_resume_flags_and_dry_run_checks_inputs(tiny_weights, tiny_embedding
     # a dry run plans without weights (from the model the config names) and says what a launch would refuse
     planned = runner.invoke(app, [*common[:3], "--model", str(tmp_path / "none"), "--dry-run"])
     assert planned.exit_code == 0, planned.output
-    assert "not checked (dry run): the weights" in planned.stderr and "fetch-weights" in planned.stderr
+    assert "not checked (dry run): FLUX weights" in planned.stderr and "fetch-weights" in planned.stderr
     offload = runner.invoke(app, [*common, "--cpu-offload"])
     assert offload.exit_code == 2 and "--dies 2" in offload.output
 
