@@ -1,7 +1,9 @@
 """Generate the static shell completion scripts in ``completions/`` from the CLI's own commands and flags.
 
 Run ``python -m fluxgrpo.cli.completions [DIR]`` after changing the CLI; a test fails while they are stale.
-Static scripts complete instantly (no Python start-up per Tab) and work without installing anything.
+Static scripts complete instantly (no Python start-up per Tab) and work without installing anything; a
+pip-installed fluxgrpo prints the same scripts with ``fluxgrpo completion bash|zsh|fish``. After a flag that takes
+one of a known set of values (``--config``, ``--objective``, ``--reward``, ``--sampler``, …) Tab offers those values.
 """
 
 from __future__ import annotations
@@ -26,6 +28,50 @@ class Subcommand:
     name: str
     help: str
     flags: tuple[Flag, ...]
+
+
+def value_choices() -> dict[str, tuple[str, ...]]:
+    """The values a flag takes, by flag name (the same name means the same values in every subcommand): what Tab
+    offers after it. Flags missing here complete file names."""
+    from fluxgrpo import config
+    from fluxgrpo.bench.efficiency import ALGORITHMS
+    from fluxgrpo.cli.fetch_weights import SOURCES
+    from fluxgrpo.models.known import MODEL_FAMILIES
+    from fluxgrpo.rewards import reward_names
+    from fluxgrpo.rewards.base import REWARD_DTYPES
+    from fluxgrpo.rewards.reward_set import AGGREGATIONS
+    from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
+    from fluxgrpo.runtime.device import DEVICE_TYPES
+    from fluxgrpo.training.guards import GUARD_ACTIONS
+    from fluxgrpo.weights.hub_parts import part_choices
+
+    return {
+        "--config": tuple(sorted(config.shipped_configs())),
+        "--objective": config.OBJECTIVES,
+        "--sampler": config.SAMPLERS,
+        "--sde-window-policy": config.WINDOW_POLICIES,
+        "--decode-sample": config.DECODE_SAMPLES,
+        "--ode-solver": config.ODE_SOLVERS,
+        "--ratio-normalization": config.RATIO_NORMALIZATIONS,
+        "--awm-weighting": config.AWM_WEIGHTINGS,
+        "--lr-scheduler": config.LR_SCHEDULERS,
+        "--wandb-mode": config.WANDB_MODES,
+        "--model-family": MODEL_FAMILIES,
+        "--reward": tuple(reward_names()),
+        "--eval-rewards": tuple(reward_names()),
+        "--reward-dtype": tuple(REWARD_DTYPES),
+        "--advantage-aggregation": AGGREGATIONS,
+        "--attention": ATTENTION_BACKENDS,
+        "--device": ("auto", *DEVICE_TYPES),
+        "--guard-action": GUARD_ACTIONS,
+        "--source": SOURCES,
+        "--only": part_choices(),
+        "--algorithms": tuple(ALGORITHMS),
+    }
+
+
+# Flags whose value may also be a file (a YAML config, a prompt list): Tab offers both.
+ALSO_FILES = frozenset({"--config"})
 
 
 def describe_cli() -> list[Subcommand]:
@@ -54,17 +100,32 @@ def _one_line(text: str) -> str:
     return " ".join(text.split()).replace("'", "")
 
 
+def _used_choices(cli: list[Subcommand]) -> dict[str, tuple[str, ...]]:
+    """``value_choices`` for the flags some subcommand has, in a stable order."""
+    present = {n for c in cli for f in c.flags if f.takes_value for n in f.names}
+    return {flag: values for flag, values in sorted(value_choices().items()) if flag in present}
+
+
 def bash_script(cli: list[Subcommand]) -> str:
     cases = "\n".join(f'        {c.name}) opts="{" ".join(n for f in c.flags for n in f.names)}" ;;' for c in cli)
     names = " ".join(c.name for c in cli)
+    values = []
+    for flag, choices in _used_choices(cli).items():
+        files = ' $(compgen -f -- "$cur")' if flag in ALSO_FILES else ""
+        values.append(
+            f'        {flag}) COMPREPLY=( $(compgen -W "{" ".join(choices)}" -- "$cur"){files} ); return 0 ;;'
+        )
     return (
         HEADER
         + f"""_fluxgrpo() {{
-    local cur="${{COMP_WORDS[COMP_CWORD]}}" opts=""
+    local cur="${{COMP_WORDS[COMP_CWORD]}}" prev="${{COMP_WORDS[COMP_CWORD-1]}}" opts=""
     if [[ $COMP_CWORD -eq 1 ]]; then
         COMPREPLY=( $(compgen -W "{names} --help --version" -- "$cur") )
         return 0
     fi
+    case "$prev" in
+{chr(10).join(values)}
+    esac
     case "${{COMP_WORDS[1]}}" in
 {cases}
     esac
@@ -86,10 +147,11 @@ def zsh_script(cli: list[Subcommand]) -> str:
         specs = []
         for f in c.flags:
             for n in f.names:
-                specs.append(
-                    f"'{n}[{f.help.replace('[', '(').replace(']', ')').replace(':', ' ')}]"
-                    + (":value:_files'" if f.takes_value else "'")
-                )
+                choices = _used_choices(cli).get(n)
+                action = ":value:_files'" if f.takes_value else "'"
+                if choices is not None:  # zsh offers the names only (a --config path is typed out)
+                    action = f":value:({' '.join(choices)})'"
+                specs.append(f"'{n}[{f.help.replace('[', '(').replace(']', ')').replace(':', ' ')}]" + action)
         cases.append(f"        {c.name}) _arguments \\\n            " + " \\\n            ".join(specs) + " ;;")
     return (
         "#compdef fluxgrpo\n"
@@ -122,6 +184,9 @@ def fish_script(cli: list[Subcommand]) -> str:
         for f in c.flags:
             for n in f.names:
                 requirement = " -r -F" if f.takes_value else ""
+                choices = _used_choices(cli).get(n)
+                if choices is not None:
+                    requirement = f" -r{' -F' if n in ALSO_FILES else ''} -a '{' '.join(choices)}'"
                 lines.append(
                     f"complete -c fluxgrpo -n '__fish_seen_subcommand_from {c.name}' -l {n[2:]}{requirement} -d '{f.help}'"
                 )

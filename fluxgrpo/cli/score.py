@@ -60,7 +60,8 @@ def command(
       fluxgrpo score --index data/outputs/samples/grpo-checkpoint-300/index.json \\
           --compare data/outputs/samples/base/index.json
       fluxgrpo score --images my_images --prompts my_prompts.txt --json
-      fluxgrpo score --index data/outputs/samples/base/index.json --reward hpsv2,imagereward,hpsv3
+      fluxgrpo score --index data/outputs/samples/base/index.json \\
+          --reward hpsv2,imagereward,hpsv3
 
     Several rewards (--reward hpsv2,imagereward,hpsv3) score the same images one after another, side by side:
     a column per reward in each table. --json then prints {"rewards": [...]}: one object per reward, in order,

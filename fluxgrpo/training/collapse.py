@@ -31,7 +31,7 @@ WINDOW = 5
 SPREAD_SIDE = 64  # images are compared at this size (pixels per side): cheap, and blind to resolution
 
 WHAT_TO_DO = (
-    "look at the images before trusting the reward (`fluxgrpo report` shows the eval grids), then lower "
+    "Look at the images before trusting the reward (`fluxgrpo report` shows the eval grids), then lower "
     "--learning-rate, add --kl-beta, or guard the run (--eval-every K --guard velocity_norm_ratio:max=1.05 "
     "--keep-best REWARD)"
 )
