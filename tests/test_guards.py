@@ -188,6 +188,7 @@ def test_stop_guard_fires_at_the_first_fall_exits_3_and_keeps_the_checkpoint_bef
     summary = json.loads(result.stdout)
     assert summary["guard_stop"].startswith(f"stopped by guard exposure:-{FALL_PERCENT}% at iteration {expected}")
     assert summary["guard_stop"] in result.output  # the one line on stderr too
+    assert result.stderr.count("from its baseline") == 1  # said once (it was three times: issue #31.7)
     # the last checkpoint is the stop's; best/ is the best evaluation before the fall (brightness only rises here)
     assert latest_checkpoint(out).name == f"checkpoint-{expected}"
     passing = [r for r in evals if 0 < r["iteration"] < expected]

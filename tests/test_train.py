@@ -185,7 +185,8 @@ def test_two_workers_every_parameter_changes(tiny_weights, tiny_embeddings, tmp_
     unchanged = [name for name in before if torch.equal(before[name], after[name])]
     assert not unchanged, f"parameters that did not train: {unchanged}"
     images = sorted(p.name for p in (tmp_path / "out" / "images").iterdir())
-    assert images == ["flux_0_0.png", "flux_0_1.png", "flux_1_0.png", "flux_1_1.png"]
+    # every save keeps its own set: flux_<iteration>_<rank>_<index>.png
+    assert images == [f"flux_{k}_{rank}_{i}.png" for k in (1, 2) for rank in (0, 1) for i in (0, 1)]
     assert (tmp_path / "out" / "logs").is_dir()
 
 
@@ -193,7 +194,7 @@ def test_two_workers_every_parameter_changes(tiny_weights, tiny_embeddings, tmp_
 def test_a_failing_rank_stops_the_run_and_is_named(tiny_weights, tiny_embeddings, tmp_path):
     # Only rank 1 fails: the file its first image would be saved as is a folder. (A damaged embedding no longer
     # reaches a worker: preflight reads every embedding header before launch.)
-    (tmp_path / "out" / "images" / "flux_1_0.png").mkdir(parents=True)
+    (tmp_path / "out" / "images" / "flux_1_1_0.png").mkdir(parents=True)  # iteration 1, rank 1, image 0
     cfg = tiny_config(
         tiny_weights,
         tiny_embeddings,
