@@ -257,6 +257,8 @@ def test_the_report_shows_the_guard_firing_and_why_best_is_not_the_best_evaluati
     top = max(evals, key=lambda r: r["eval_brightness_mean"])["iteration"]
     assert top == stop != best  # brightness is best where the guard fired, so best/ is the one before
     assert f"at iteration {stop} (not best/: guard exposure fired there)" in report.summary
+    page = Path(report.html).read_text()
+    assert f"<th class=best>iteration {best}" in page and f"<th class=fired>iteration {stop}" in page
 
 
 def test_warn_changes_no_training_number(stopped_run, tiny_weights, tiny_embeddings, prompts_file, tmp_path):

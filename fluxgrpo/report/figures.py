@@ -137,6 +137,8 @@ def panels_for(runs: list[RunData]) -> list[Panel]:
             and k not in ("images_per_second", "peak_memory_gib")
         }
     )
+    # a number that is the loss itself under another name (nft's policy_loss without a KL) is not drawn twice
+    other_keys = [k for k in other_keys if any(run.series(k) != run.series("loss") for run in runs)]
     panels += [Panel(key.replace("_", " ").capitalize(), key, [Line(key, key)]) for key in other_keys]
     phase_keys = sorted({k for run in runs for r in run.records for k in r if k.startswith("seconds_")})
     panels += [

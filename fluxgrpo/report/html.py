@@ -38,12 +38,16 @@ h3{font-size:15px;margin:22px 0 8px}
 .curve svg{width:100%;height:auto;display:block}
 .gridwrap{overflow-x:auto;background:#fff;border:1px solid #e3e3e3;border-radius:6px;padding:8px}
 table.grid{border-collapse:collapse}
-table.grid th{font-size:12px;font-weight:600;padding:4px 6px;white-space:nowrap}
+table.grid th{font-size:12px;font-weight:600;padding:4px 6px;vertical-align:bottom;min-width:120px}
+table.grid th .note{display:block;font-weight:400;white-space:nowrap}
+table.grid th.best{background:#e8f5e9}table.grid th.fired{background:#fdecea}
+.tag{display:inline-block;font-size:11px;font-weight:600;border-radius:3px;padding:0 4px;margin-top:2px}
+.tag.best{background:#2e7d32;color:#fff}.tag.fired{background:#c62828;color:#fff}
 table.grid td{padding:2px}
-table.grid td.prompt{font-size:12px;max-width:260px;padding-right:10px;color:#333}
+table.grid td.prompt{font-size:12px;min-width:180px;max-width:260px;padding-right:10px;color:#333}
 table.grid img{display:block;width:120px;height:auto;border-radius:3px}
 table.facts{border-collapse:collapse;font-size:13px;background:#fff}
-table.facts td{border:1px solid #e3e3e3;padding:3px 8px;vertical-align:top}
+table.facts td{border:1px solid #e3e3e3;padding:3px 8px;vertical-align:top;overflow-wrap:anywhere;max-width:520px}
 table.facts td:first-child{color:#555;white-space:nowrap}
 .columns{display:flex;flex-wrap:wrap;gap:24px}
 .note{color:#666;font-size:13px}
@@ -197,20 +201,27 @@ def _why_not_best(run: RunData, reward: str, iteration: int, fired_at: dict[int,
 # --------------------------------------------------------------------------------------------- HTML
 
 
-def _grid_html(columns: list[GridColumn], reward_names: list[str]) -> str:
+def _grid_html(
+    columns: list[GridColumn], reward_names: list[str], best: int | None = None, fired: frozenset[int] = frozenset()
+) -> str:
+    """The grid; the column of ``best`` (best/'s iteration) and those where a guard fired are marked."""
     if not columns:
         return ""
     prompt_text = {i: img.prompt for column in columns for i, img in column.images.items()}
     head = ["<tr><th>prompt</th>"]
     for column in columns:
-        scores = " · ".join(
-            f"{name} {column.evaluation.scores[name]['mean']:.4g}"
+        iteration = column.evaluation.iteration
+        scores = "".join(  # one reward a line: three rewards' scores fit a thumbnail's width
+            f"<span class=note>{html.escape(name)} {column.evaluation.scores[name]['mean']:.4g}</span>"
             for name in reward_names
             if name in column.evaluation.scores
         )
-        head.append(
-            f"<th>iteration {column.evaluation.iteration}<br><span class=note>{html.escape(scores)}</span></th>"
-        )
+        tags, kind = "", ""
+        if iteration in fired:
+            tags, kind = "<span class='tag fired'>guard fired</span>", " class=fired"
+        if iteration == best:
+            tags, kind = tags + "<span class='tag best'>best/</span>", " class=best"
+        head.append(f"<th{kind}>iteration {iteration}{scores}{tags}</th>")
     head.append("</tr>")
     rows = []
     for prompt_index in sorted(prompt_text):
@@ -244,6 +255,10 @@ def _run_section(run: RunData, several: bool) -> str:
     if several:
         out.append(f"<h2>{html.escape(run.name)}</h2><p class=summary>{html.escape(summary_text(run))}</p>")
     rewards = run.eval_rewards()
+    best = run.best.get("iteration") if run.best is not None else None
+    fired = frozenset(
+        r["iteration"] for r in run.guard_records if any(r.get(f"guard_{n}_fired") for n in run.guard_names())
+    )
     for ema in (False, True):
         columns = grid_columns(run.evaluations, ema)
         if not columns:
@@ -253,7 +268,7 @@ def _run_section(run: RunData, several: bool) -> str:
             f"<{'h3' if several else 'h2'}>Eval images over iterations ({what})</{'h3' if several else 'h2'}>"
             "<p class=note>Each row is one held-out prompt with the same seed in every column; columns differ only "
             "by the weights. Image 0 of each prompt; the full sets are in "
-            f"{html.escape(str(run.folder / 'eval'))}.</p>" + _grid_html(columns, rewards)
+            f"{html.escape(str(run.folder / 'eval'))}.</p>" + _grid_html(columns, rewards, best, fired)
         )
     if not run.evaluations:
         out.append(
