@@ -17,7 +17,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from fluxgrpo.checkpoint.layout import (
+    EMA_LORA_DIR,
+    EMA_TRANSFORMER_DIR,
+    LORA_DIR,
+    STATE_DIR,
+    TRAINER_STATE_FILE,
+    TRANSFORMER_DIR,
+    read_checkpoint_info,
+)
 from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.models.flux import load_transformer
+from fluxgrpo.sampling.checkpoints import resolve_checkpoint
 
 
 @dataclass(frozen=True)
@@ -46,7 +57,6 @@ def _writing(destination: Path) -> Iterator[None]:
 
 def trained_from(checkpoint: Path) -> str | None:
     """The ``--model`` the run was trained from, as its checkpoint recorded it."""
-    from fluxgrpo.checkpoint import STATE_DIR, TRAINER_STATE_FILE
 
     try:
         return json.loads((checkpoint / STATE_DIR / TRAINER_STATE_FILE).read_text())["config"]["model"]
@@ -62,9 +72,7 @@ def export_checkpoint(
     Raises:
         FluxgrpoError: no complete checkpoint; ``out`` exists and is not empty; the base model is missing.
     """
-    from fluxgrpo.checkpoint import EMA_LORA_DIR, EMA_TRANSFORMER_DIR, LORA_DIR, TRANSFORMER_DIR, read_checkpoint_info
     from fluxgrpo.lora import LORA_WEIGHTS_NAME
-    from fluxgrpo.sample import resolve_checkpoint
 
     found = resolve_checkpoint(checkpoint, ema)
     destination = Path(out)
@@ -94,7 +102,6 @@ def merge_lora(model: str | Path, adapter: Path, destination: Path) -> None:
     import torch
 
     from fluxgrpo.lora import check_adapter_file
-    from fluxgrpo.models.flux import load_transformer
     from fluxgrpo.safe_load import load_pretrained
 
     fix = "the checkpoint is damaged: pass another --checkpoint"

@@ -18,15 +18,14 @@ import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from fluxgrpo.config import LORA_DEFAULT_TARGETS
 from fluxgrpo.errors import FluxgrpoError
-
-if TYPE_CHECKING:
-    from fluxgrpo.config import TrainConfig
+from fluxgrpo.models.shard_loading import own_rows
+from fluxgrpo.paths import give_default_mode
 
 ADAPTER_NAME = "default"  # peft's name for the one adapter
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # diffusers' file name
@@ -38,13 +37,6 @@ class LoraSpec:
     alpha: float
     targets: tuple[str, ...]
     dropout: float
-
-    @classmethod
-    def from_config(cls, cfg: TrainConfig) -> LoraSpec | None:
-        """The LoRA of a run, or None for full fine-tuning (``--lora-rank 0``)."""
-        if cfg.lora_rank == 0:
-            return None
-        return cls(cfg.lora_rank, cfg.lora_alpha, parse_targets(cfg.lora_targets), cfg.lora_dropout)
 
     def peft_config(self) -> Any:
         from peft import LoraConfig
@@ -113,7 +105,6 @@ def init_adapters(transformer: torch.nn.Module, seed: int) -> None:
     Each full tensor is drawn on the host from its own generator, and each rank keeps its rows, so the values do
     not depend on the number of dies (an adapter is small: r × width).
     """
-    from fluxgrpo.models.shard_loading import own_rows
 
     rank = int(transformer.peft_config[ADAPTER_NAME].r)  # type: ignore[index, union-attr]  # set by peft's add_adapter
     for name, parameter in transformer.named_parameters():
@@ -154,7 +145,6 @@ def write_lora_file(directory: Path, state: dict[str, torch.Tensor], metadata: d
         weight_name=LORA_WEIGHTS_NAME,
         transformer_lora_adapter_metadata=metadata,
     )
-    from fluxgrpo.paths import give_default_mode
 
     give_default_mode(directory / LORA_WEIGHTS_NAME)  # safetensors writes 0600; every other output is 0644
     return directory / LORA_WEIGHTS_NAME

@@ -33,44 +33,34 @@ from __future__ import annotations
 import csv
 import gc
 import io
-import math
 import os
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.data.prompts import read_prompts
+from fluxgrpo.errors import FluxgrpoError, UsageError, not_usable
 from fluxgrpo.paths import DEFAULT_HPS_DIR, check_replaceable_output, write_atomic
+from fluxgrpo.rewards import reward_weights_status
+from fluxgrpo.rewards.reward_set import reward_names_list
+from fluxgrpo.rewards.scoring import (
+    DEFAULT_SCORE_BATCH,
+    ImageToScore,
+    ScoredImage,
+    check_images_readable,
+    load_scorer,
+    mean_std,
+    score_items,
+)
+from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.sampling.folder import GRID_FILE, read_index
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
-DEFAULT_SCORE_BATCH = 16
 
 
 # --------------------------------------------------------------------------------------------- data
-
-
-@dataclass(frozen=True)
-class ImageToScore:
-    """One image and what it is scored against."""
-
-    path: Path  # where it is read from
-    file: str  # how it is reported: its name inside the index's or the images' folder
-    prompt: str
-    prompt_index: int  # the run's prompt index (index mode) or the prompt group's (folder mode)
-    image_index: int  # j within its prompt
-    seed: int | None  # from the index; None in folder mode
-
-
-@dataclass(frozen=True)
-class ScoredImage:
-    file: str
-    prompt: str
-    prompt_index: int
-    image_index: int
-    seed: int | None
-    score: float
 
 
 @dataclass(frozen=True)
@@ -201,7 +191,6 @@ class ScoreRequest:
 
     def reward_list(self) -> list[str]:
         """The reward names ``reward`` lists, in order; UsageError naming every problem with them."""
-        from fluxgrpo.rewards.reward_set import reward_names_list
 
         return reward_names_list(self.reward)
 
@@ -225,7 +214,6 @@ def read_prompt_lines(path: str | Path) -> list[str]:
     ignored. A blank line before the last prompt is refused: dropping it would pair every later image with the
     prompt of the one before.
     """
-    from fluxgrpo.data.prompts import read_prompts
 
     prompts = read_prompts(path, keep_repeats=True)  # the file's errors, and at least one prompt
     lines = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
@@ -249,7 +237,6 @@ def natural_key(name: str) -> tuple[list[Any], str]:
 
 def list_images(directory: str | Path) -> list[Path]:
     """The images directly in ``directory`` (by suffix, ``grid.png`` skipped), in ``natural_key`` order."""
-    from fluxgrpo.sample import GRID_FILE
 
     folder = Path(directory)
     if not folder.is_dir():
@@ -286,7 +273,6 @@ def images_from_folder(images_dir: str | Path, prompts_file: str | Path) -> list
 
 def images_from_index(index_path: str | Path) -> list[ImageToScore]:
     """Every image a sample index lists (``read_index`` checks it and its files)."""
-    from fluxgrpo.sample import read_index
 
     index = read_index(index_path)
     return [
@@ -300,30 +286,6 @@ def images_from_index(index_path: str | Path) -> list[ImageToScore]:
         )
         for image in index.images
     ]
-
-
-def check_images_readable(items: Iterable[ImageToScore]) -> None:
-    """Open every image's header, so a file that is no image fails before any model loads."""
-    from PIL import Image, UnidentifiedImageError
-
-    for item in items:
-        try:
-            with Image.open(item.path):
-                pass
-        except (OSError, UnidentifiedImageError, ValueError) as exc:
-            raise FluxgrpoError(f"cannot read image {item.path} ({exc}): replace or remove it") from None
-
-
-def load_image(path: Path) -> Any:
-    """The image at ``path``, fully decoded, as RGB."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as image:
-            image.load()
-            return image.convert("RGB")
-    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
-        raise FluxgrpoError(f"cannot read image {path} ({exc}): replace or remove it") from None
 
 
 def match_runs(
@@ -361,12 +323,6 @@ def match_runs(
 
 
 # --------------------------------------------------------------------------------------------- arithmetic
-
-
-def mean_std(values: Sequence[float]) -> tuple[float, float]:
-    """(mean, population standard deviation) of a non-empty sequence."""
-    mean = math.fsum(values) / len(values)
-    return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
 
 
 def per_prompt(images: Sequence[ScoredImage]) -> list[PromptScore]:
@@ -423,55 +379,6 @@ def compare_runs(
 # --------------------------------------------------------------------------------------------- scoring
 
 
-def load_scorer(name: str, hps_dir: str | Path, device: Any) -> Any:
-    """The reward ``name`` on ``device``, its encoders in float32: scores compared across runs should not carry
-    bf16 rounding (8 significant bits)."""
-    from fluxgrpo.rewards import load_reward
-
-    return load_reward(name, hps_dir, device, reward_dtype="fp32")
-
-
-def score_items(
-    items: Sequence[ImageToScore], scorer: Any, batch_size: int, device: Any = "cpu", progress: Any = None
-) -> list[ScoredImage]:
-    """Score ``items`` in batches of ``batch_size`` images (decoded per batch, so memory stays bounded)."""
-    import torch
-
-    from fluxgrpo.rewards.base import pil_to_tensor
-
-    scored: list[ScoredImage] = []
-    for start in range(0, len(items), batch_size):
-        batch = items[start : start + batch_size]
-        images = [load_image(item.path) for item in batch]
-        prompts = [item.prompt for item in batch]
-        with torch.no_grad():
-            if hasattr(scorer, "score_pil"):
-                values = scorer.score_pil(images, prompts)
-            elif len({image.size for image in images}) == 1:
-                values = scorer(torch.stack([pil_to_tensor(image) for image in images]).to(device), prompts)
-            else:  # tensor rewards take [B, 3, H, W]: images of different sizes go one at a time
-                values = torch.cat(
-                    [
-                        scorer(pil_to_tensor(image).unsqueeze(0).to(device), [prompt])
-                        for image, prompt in zip(images, prompts, strict=True)
-                    ]
-                )
-        for item, value in zip(batch, values.float().cpu().tolist(), strict=True):
-            scored.append(
-                ScoredImage(
-                    file=item.file,
-                    prompt=item.prompt,
-                    prompt_index=item.prompt_index,
-                    image_index=item.image_index,
-                    seed=item.seed,
-                    score=float(value),
-                )
-            )
-        if progress is not None:
-            progress(len(batch))
-    return scored
-
-
 @dataclass(frozen=True)
 class ScoreInputs:
     """What a request scores, read and checked once for every reward."""
@@ -522,8 +429,6 @@ def score_with_reward(
 def check_reward_weights(names: list[str], hps_dir: str | Path) -> None:
     """Refuse, naming the fetch command, when any listed reward's weights are incomplete: before the first model
     loads, not after an hour of scoring with the others."""
-    from fluxgrpo.errors import not_usable
-    from fluxgrpo.rewards import reward_weights_status
 
     for name in names:
         for part in reward_weights_status(name, hps_dir):
@@ -546,7 +451,6 @@ def score_rewards(
         FluxgrpoError: a missing, moved or unreadable input, a prompt count that does not match the images, two
             runs that cannot be compared; nothing is written in any of these cases.
     """
-    from fluxgrpo.runtime import device as rt_device
 
     names = request.validate().reward_list()
     inputs = read_inputs(request)

@@ -109,7 +109,7 @@ def exact_resume_experiment(ctx, out_dir: Path, shard: bool) -> dict[str, Any]:
     """Run A and run B (see the module docstring); on rank 0 returns what the test asserts on, else {}."""
     from diffusers import FluxTransformer2DModel
 
-    from fluxgrpo.checkpoint import load_checkpoint, save_checkpoint
+    from fluxgrpo.checkpoint.state import TrainingState, load_checkpoint, save_checkpoint
     from fluxgrpo.runtime.device import seed_everything
 
     def seed_data() -> torch.Generator:
@@ -129,7 +129,7 @@ def exact_resume_experiment(ctx, out_dir: Path, shard: bool) -> dict[str, Any]:
     train_steps(model, optimizer, scheduler, ema, noise, STEPS_BEFORE_SAVE)
     trainer_state = {"iteration": STEPS_BEFORE_SAVE, "sampler": {"epoch": 0, "position": 7}}
     path = save_checkpoint(
-        out_dir, STEPS_BEFORE_SAVE, ctx, model, optimizer, scheduler, ema=ema, trainer_state=trainer_state,
+        out_dir, STEPS_BEFORE_SAVE, ctx, TrainingState(model, optimizer, scheduler, ema=ema), trainer_state=trainer_state,
         keep_last=None, rng_states={"noise": noise.get_state()},
     )  # fmt: skip
     at_save = full_weights(model)
@@ -140,7 +140,7 @@ def exact_resume_experiment(ctx, out_dir: Path, shard: bool) -> dict[str, Any]:
     seed_everything(999)
     model, optimizer, scheduler, ema = build_training(init_seed=1, shard=shard)
     noise = torch.Generator().manual_seed(12345)
-    loaded = load_checkpoint(path, ctx, model, optimizer, scheduler, ema=ema)
+    loaded = load_checkpoint(path, ctx, TrainingState(model, optimizer, scheduler, ema=ema))
     noise.set_state(loaded.rng_states["noise"])
     lr_after_load = scheduler.get_last_lr()[0]
     train_steps(model, optimizer, scheduler, ema, noise, STEPS_AFTER_SAVE)

@@ -12,14 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fluxgrpo import checkpoint
-from fluxgrpo.checkpoint import (
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    resolve_resume,
-    save_checkpoint,
-)
+from fluxgrpo.checkpoint import layout, state
+from fluxgrpo.checkpoint.layout import latest_checkpoint, list_checkpoints, resolve_resume
+from fluxgrpo.checkpoint.state import TrainingState, load_checkpoint, save_checkpoint
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.runtime.dist import DistContext
 
@@ -76,7 +71,8 @@ def build():
 def save(output_dir, iteration, objects, **kwargs):
     kwargs.setdefault("trainer_state", {"iteration": iteration})
     kwargs.setdefault("keep_last", None)
-    return save_checkpoint(output_dir, iteration, SINGLE, *objects, **kwargs)
+    ema = kwargs.pop("ema", None)
+    return save_checkpoint(output_dir, iteration, SINGLE, TrainingState(*objects, ema=ema), **kwargs)
 
 
 def names(output_dir) -> list[str]:
@@ -111,7 +107,7 @@ def test_sharded_bf16_export_loads_with_from_pretrained(tmp_path):
         assert torch.equal(value, reference[name].to(torch.bfloat16)), name
     # The resume state keeps the fp32 master weights whatever the export dtype.
     fresh = build()
-    load_checkpoint(path, SINGLE, *fresh)
+    load_checkpoint(path, SINGLE, TrainingState(*fresh))
     for name, value in fresh[0].state_dict().items():
         assert value.dtype == torch.float32 and torch.equal(value, reference[name]), name
 
@@ -124,7 +120,7 @@ def test_interrupted_saves_never_look_complete_and_are_cleaned_up(tmp_path, monk
         raise KeyboardInterrupt
 
     # Crash after every file (COMPLETE included) is in checkpoint-2.tmp, before the rename.
-    monkeypatch.setattr(checkpoint, "_rename", killed)
+    monkeypatch.setattr(layout, "rename_atomically", killed)
     with pytest.raises(KeyboardInterrupt):
         save(tmp_path, 2, objects)
     monkeypatch.undo()
@@ -134,7 +130,7 @@ def test_interrupted_saves_never_look_complete_and_are_cleaned_up(tmp_path, monk
         resolve_resume(tmp_path, str(tmp_path / "checkpoint-2.tmp"))
 
     # A worker killed in the middle of writing the training state: no marker at all.
-    monkeypatch.setattr(checkpoint, "_save_training_state", killed)
+    monkeypatch.setattr(state, "_save_training_state", killed)
     with pytest.raises(KeyboardInterrupt):
         save(tmp_path, 3, objects)
     monkeypatch.undo()
@@ -159,7 +155,7 @@ def test_saving_an_existing_iteration_replaces_it(tmp_path):
     save(tmp_path, 5, objects, trainer_state={"run": "old"})
     path = save(tmp_path, 5, objects, trainer_state={"run": "new"})
     assert names(tmp_path) == ["checkpoint-5"]
-    assert load_checkpoint(path, SINGLE, *build()).trainer_state == {"run": "new"}
+    assert load_checkpoint(path, SINGLE, TrainingState(*build())).trainer_state == {"run": "new"}
 
 
 def test_keep_last(tmp_path):
@@ -207,14 +203,14 @@ def test_load_refuses_other_world_size_and_missing_ema(tmp_path):
     objects = build()
     path = save(tmp_path, 1, objects)
     with pytest.raises(FluxgrpoError, match="has no EMA state"):
-        load_checkpoint(path, SINGLE, *build(), ema=worker.TinyEma(objects[0]))
+        load_checkpoint(path, SINGLE, TrainingState(*build(), ema=worker.TinyEma(objects[0])))
     marker = path / "COMPLETE"
     info = json.loads(marker.read_text())
     marker.write_text(json.dumps({**info, "world_size": 2}))
     with pytest.raises(FluxgrpoError, match="saved by 2 process.*this run has 1.*--dies 2"):
-        load_checkpoint(path, SINGLE, *build())
+        load_checkpoint(path, SINGLE, TrainingState(*build()))
     with pytest.raises(FluxgrpoError, match="not a complete checkpoint"):
-        load_checkpoint(tmp_path / "checkpoint-7", SINGLE, *build())
+        load_checkpoint(tmp_path / "checkpoint-7", SINGLE, TrainingState(*build()))
 
 
 def test_a_changed_byte_inside_a_state_file_is_caught_on_resume(tmp_path):
@@ -225,14 +221,14 @@ def test_a_changed_byte_inside_a_state_file_is_caught_on_resume(tmp_path):
     assert json.loads((path / "COMPLETE").read_text())["checksums"] is True
     recorded = json.loads((state / "checksums_rank0.json").read_text())
     assert set(recorded) == {"__0_0.distcp", ".metadata", "rng_rank0.pt", "trainer_state.json"}
-    load_checkpoint(path, SINGLE, *build())  # intact: verified and loaded
+    load_checkpoint(path, SINGLE, TrainingState(*build()))  # intact: verified and loaded
     shard = state / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
     with pytest.raises(FluxgrpoError, match=r"__0_0.distcp does not match the checksum recorded") as caught:
-        load_checkpoint(path, SINGLE, *build())
+        load_checkpoint(path, SINGLE, TrainingState(*build()))
     assert "\n" not in str(caught.value) and "--resume-from" in str(caught.value)
     (state / "checksums_rank0.json").write_text("{garbled")
     with pytest.raises(FluxgrpoError, match="checksums_rank0.json is missing or damaged"):
-        load_checkpoint(path, SINGLE, *build())
+        load_checkpoint(path, SINGLE, TrainingState(*build()))

@@ -181,7 +181,7 @@ def test_a_damaged_shard_without_a_manifest_is_named(
 
 
 def test_sample_refuses_a_checkpoint_whose_export_is_truncated(tmp_path):
-    from fluxgrpo.sample import resolve_checkpoint
+    from fluxgrpo.sampling.checkpoints import resolve_checkpoint
 
     checkpoint = tmp_path / "checkpoint-3"
     (checkpoint / "transformer").mkdir(parents=True)

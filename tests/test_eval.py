@@ -65,7 +65,7 @@ def eval_run(tiny_weights, tiny_embeddings, tmp_path_factory):
 
 
 def test_evaluates_at_zero_every_k_and_writes_sample_indexes(eval_run):
-    from fluxgrpo.sample import read_index
+    from fluxgrpo.sampling.folder import read_index
 
     _, out, _ = eval_run
     evals = [r for r in read_metrics(out) if "eval_brightness_mean" in r]
@@ -109,7 +109,8 @@ def test_eval_scores_equal_fluxgrpo_score_on_the_saved_images(eval_run):
 
 
 def test_eval_images_are_the_images_sample_makes_from_the_same_weights(eval_run, tmp_path):
-    from fluxgrpo.sample import SampleSettings, build_request, sample
+    from fluxgrpo.sample import build_request, sample
+    from fluxgrpo.sampling.request import SampleSettings
 
     cfg, out, _ = eval_run
     # the same batches as the evaluation (rollout_batch_size): a batch of one can round differently in the last bit

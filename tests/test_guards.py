@@ -22,13 +22,15 @@ import torch
 from training_helpers import run, tiny_config, tiny_train_argv
 from typer.testing import CliRunner
 
-from fluxgrpo.checkpoint import BEST_DIR, is_best_checkpoint, latest_checkpoint, list_checkpoints, read_best
+from fluxgrpo.checkpoint.best import read_best
+from fluxgrpo.checkpoint.layout import BEST_DIR, is_best_checkpoint, latest_checkpoint, list_checkpoints
 from fluxgrpo.cli.app import app
 from fluxgrpo.config import TrainConfig, build_config
 from fluxgrpo.errors import UsageError
 from fluxgrpo.metrics import read_metrics, reward_trend
 from fluxgrpo.training.diversity import diversity
-from fluxgrpo.training.guards import GUARD_RECORD, GUARD_STOP_EXIT_CODE, GuardRule, parse_guard_spec
+from fluxgrpo.training.guard_rules import GuardRule, parse_guard_spec
+from fluxgrpo.training.guards import GUARD_RECORD, GUARD_STOP_EXIT_CODE
 
 runner = CliRunner()
 NOT_TRAINING = ("seconds_", "images_per_second", "peak_memory", "guards_fired")  # timings and the guards' state

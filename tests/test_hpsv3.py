@@ -481,18 +481,18 @@ def test_trains_on_hpsv3_and_evaluates_with_it_as_score_does(tiny_weights, tiny_
 
     from training_helpers import run, tiny_config
 
-    import fluxgrpo.score as score_module
     from fluxgrpo.metrics import read_metrics
+    from fluxgrpo.rewards import scoring
     from fluxgrpo.score import ScoreRequest, score
 
     loaded: list[str] = []
-    real_load_scorer = score_module.load_scorer
+    real_load_scorer = scoring.load_scorer
 
     def load_scorer(name, hps_dir, device):
         loaded.append(name)
         return real_load_scorer(name, hps_dir, device)
 
-    monkeypatch.setattr(score_module, "load_scorer", load_scorer)
+    monkeypatch.setattr(scoring, "load_scorer", load_scorer)  # the evaluation looks it up there
 
     prompts = tmp_path / "eval_prompts.txt"
     prompts.write_text("a lighthouse in a storm, oil painting\na cat on a windowsill, photo\n")

@@ -44,7 +44,7 @@ def test_only_adapters_train_and_the_adapter_file_reproduces_the_model_in_a_pipe
     from diffusers import FluxPipeline
     from diffusers.optimization import get_scheduler
 
-    from fluxgrpo.checkpoint import save_checkpoint
+    from fluxgrpo.checkpoint.state import TrainingState, save_checkpoint
     from fluxgrpo.training.parts import build_transformer
 
     cfg = lora_config(tiny_weights, tiny_embeddings, tmp_path / "out")
@@ -67,7 +67,12 @@ def test_only_adapters_train_and_the_adapter_file_reproduces_the_model_in_a_pipe
     scheduler = get_scheduler("constant", optimizer)
     trainer_state = {"config": cfg.to_dict()}
     path = save_checkpoint(
-        tmp_path / "out", 1, SINGLE, model, optimizer, scheduler, trainer_state=trainer_state, keep_last=None
+        tmp_path / "out",
+        1,
+        SINGLE,
+        TrainingState(model, optimizer, scheduler),
+        trainer_state=trainer_state,
+        keep_last=None,
     )
     assert not (path / "transformer").exists()  # no 47.6 GB full export for an adapter run
     info = json.loads((path / "COMPLETE").read_text())
@@ -105,7 +110,8 @@ def test_only_adapters_train_and_the_adapter_file_reproduces_the_model_in_a_pipe
     assert (tmp_path / "adapter" / LORA_WEIGHTS_NAME).read_bytes() == (path / "lora" / LORA_WEIGHTS_NAME).read_bytes()
 
     # sample --checkpoint takes the LoRA checkpoint: its images differ from the base model's
-    from fluxgrpo.sample import SampleSettings, build_request, sample
+    from fluxgrpo.sample import build_request, sample
+    from fluxgrpo.sampling.request import SampleSettings
 
     def sample_images(out: Path, checkpoint: str | None) -> list[bytes]:
         settings = SampleSettings(height=32, width=48, steps=2, max_sequence_length=16, images_per_prompt=1)
@@ -132,7 +138,7 @@ def check_damaged_adapters_are_one_line(checkpoint: Path, tmp_path: Path) -> Non
 
     from fluxgrpo.cli.app import app
     from fluxgrpo.errors import FluxgrpoError
-    from fluxgrpo.sample import resolve_checkpoint
+    from fluxgrpo.sampling.checkpoints import resolve_checkpoint
 
     good = load_file(checkpoint / "lora" / LORA_WEIGHTS_NAME)
     first = next(iter(good))

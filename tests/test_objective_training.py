@@ -72,14 +72,14 @@ def test_each_objective_raises_the_toy_reward(tiny_weights, tiny_embeddings, tmp
 def test_dry_run_counts_the_policy_copies(tiny_weights, tiny_embeddings, tmp_path):
     from fluxgrpo.bench.models import FLUX_DEV_TRANSFORMER_CONFIG
     from fluxgrpo.config import build_config
-    from fluxgrpo.lora import LoraSpec
     from fluxgrpo.training.memory import RunShape, VaeShape, estimate, lora_adapter_shapes, transformer_shape
+    from fluxgrpo.training.settings import lora_spec
 
     model = transformer_shape(FLUX_DEV_TRANSFORMER_CONFIG)
 
     def persistent(**options) -> dict[str, int]:
         cfg = build_config("a3-16die", options)
-        lora = LoraSpec.from_config(cfg)
+        lora = lora_spec(cfg)
         adapters = lora_adapter_shapes(FLUX_DEV_TRANSFORMER_CONFIG, lora.targets, lora.rank) if lora else ()
         return estimate(model, VaeShape(0, 0), RunShape.from_config(cfg, 16, adapter_shapes=adapters)).persistent
 

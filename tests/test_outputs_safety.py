@@ -149,7 +149,7 @@ def test_a_start_that_never_finished_an_iteration_does_not_block_its_rerun(tiny_
 
 
 def test_the_resume_from_hint_names_flags_that_exist(tmp_path):
-    from fluxgrpo.checkpoint import resolve_resume
+    from fluxgrpo.checkpoint.layout import resolve_resume
 
     (tmp_path / "checkpoint-2").mkdir()  # no COMPLETE marker
     with pytest.raises(FluxgrpoError) as caught:

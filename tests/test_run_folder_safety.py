@@ -125,7 +125,7 @@ def test_a_link_at_the_atomic_writes_temporary_name_is_not_followed(tmp_path):
 
 
 def test_a_link_named_like_a_checkpoint_leftover_removes_only_the_link(tmp_path):
-    from fluxgrpo.checkpoint import _remove_leftovers
+    from fluxgrpo.checkpoint.layout import remove_leftovers as _remove_leftovers
 
     victim = _victim(tmp_path)
     out = tmp_path / "run"

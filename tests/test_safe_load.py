@@ -15,7 +15,7 @@ import pytest
 import torch
 from training_helpers import tiny_train_argv
 
-from fluxgrpo.checkpoint import load_checkpoint, save_checkpoint
+from fluxgrpo.checkpoint.state import TrainingState, load_checkpoint, save_checkpoint
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.runtime.dist import DistContext
 from fluxgrpo.safe_load import UnsafeFileError, load_plain, read_dcp_metadata
@@ -60,13 +60,15 @@ def build():
 def saved_checkpoint(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ckpt")
     rng = {"noise": torch.Generator().manual_seed(3).get_state()}
-    return save_checkpoint(root, 1, SINGLE, *build(), trainer_state={"iteration": 1}, keep_last=None, rng_states=rng)
+    return save_checkpoint(
+        root, 1, SINGLE, TrainingState(*build()), trainer_state={"iteration": 1}, keep_last=None, rng_states=rng
+    )
 
 
 def reseal(checkpoint: Path) -> None:
     """Record the state files' checksums as they are now, as whoever planted or damaged them could: these tests
     are about the safe loaders behind the checksums (test_checkpoint.py tests the checksums themselves)."""
-    from fluxgrpo.checkpoint import write_state_checksums
+    from fluxgrpo.checkpoint.state import write_state_checksums
 
     if (checkpoint / "state").is_dir():
         write_state_checksums(checkpoint / "state", 0)
@@ -88,7 +90,7 @@ def test_a_code_running_rng_file_is_refused_and_does_not_run(checkpoint_copy, tm
     write_evil_torch_file(rng_file, marker)
     reseal(checkpoint_copy)
     with pytest.raises(UnsafeFileError) as caught:
-        load_checkpoint(checkpoint_copy, SINGLE, *build())
+        load_checkpoint(checkpoint_copy, SINGLE, TrainingState(*build()))
     message = one_line(str(caught.value))
     assert str(rng_file) in message and "asks to call" in message
     assert not marker.exists()
@@ -100,7 +102,7 @@ def test_a_code_running_dcp_metadata_is_refused_and_does_not_run(checkpoint_copy
     write_evil_pickle(metadata, marker)
     reseal(checkpoint_copy)
     with pytest.raises(UnsafeFileError) as caught:
-        load_checkpoint(checkpoint_copy, SINGLE, *build())
+        load_checkpoint(checkpoint_copy, SINGLE, TrainingState(*build()))
     assert str(metadata) in one_line(str(caught.value))
     assert not marker.exists()
 
@@ -125,11 +127,16 @@ def test_a_code_running_value_inside_the_distcp_files_is_refused_and_does_not_ru
     marker = tmp_path / "PWNED"
     model, optimizer, scheduler = build()
     path = save_checkpoint(
-        tmp_path / "out", 1, SINGLE, model, optimizer, EvilScheduler(scheduler, marker), trainer_state={}, keep_last=1
+        tmp_path / "out",
+        1,
+        SINGLE,
+        TrainingState(model, optimizer, EvilScheduler(scheduler, marker)),
+        trainer_state={},
+        keep_last=1,
     )
     assert not marker.exists()  # saving only pickles the payload
     with pytest.raises(UnsafeFileError, match="base_lrs") as caught:
-        load_checkpoint(path, SINGLE, *build())
+        load_checkpoint(path, SINGLE, TrainingState(*build()))
     one_line(str(caught.value))
     assert not marker.exists()
 
@@ -177,14 +184,22 @@ def test_rng_states_that_a_safe_resume_could_not_read_are_refused_at_save(tmp_pa
     import numpy as np
 
     with pytest.raises(TypeError, match="rng_states may hold only tensors and plain values"):
-        save_checkpoint(tmp_path, 1, SINGLE, *build(), trainer_state={}, keep_last=None, rng_states={"np": np.zeros(3)})
+        save_checkpoint(
+            tmp_path,
+            1,
+            SINGLE,
+            TrainingState(*build()),
+            trainer_state={},
+            keep_last=None,
+            rng_states={"np": np.zeros(3)},
+        )
 
 
 def test_a_checkpoint_with_the_old_unsafe_rng_format_is_refused_with_a_reason(checkpoint_copy):
     info = json.loads((checkpoint_copy / "COMPLETE").read_text())
     (checkpoint_copy / "COMPLETE").write_text(json.dumps({**info, "format_version": 1}))
     with pytest.raises(FluxgrpoError, match="older fluxgrpo") as caught:
-        load_checkpoint(checkpoint_copy, SINGLE, *build())
+        load_checkpoint(checkpoint_copy, SINGLE, TrainingState(*build()))
     one_line(str(caught.value))
 
 
@@ -209,7 +224,7 @@ def test_a_damaged_checkpoint_is_one_line_naming_what_to_do(checkpoint_copy, dam
     damage(checkpoint_copy)
     reseal(checkpoint_copy)
     with pytest.raises(FluxgrpoError, match=expected) as caught:
-        load_checkpoint(checkpoint_copy, SINGLE, *build())
+        load_checkpoint(checkpoint_copy, SINGLE, TrainingState(*build()))
     message = one_line(str(caught.value))
     assert "--resume-from" in message
     assert "CheckpointException" not in message
@@ -227,7 +242,7 @@ def test_a_full_disk_during_the_dcp_save_says_so_naming_the_folder(tmp_path, mon
 
     monkeypatch.setattr(dcp_fs, "_write_item", no_space)
     with pytest.raises(FluxgrpoError) as caught:
-        save_checkpoint(tmp_path, 1, SINGLE, *build(), trainer_state={}, keep_last=None)
+        save_checkpoint(tmp_path, 1, SINGLE, TrainingState(*build()), trainer_state={}, keep_last=None)
     message = one_line(str(caught.value))
     assert message.startswith(f"no space left on device writing {tmp_path / 'checkpoint-1.tmp' / 'state'}")
     assert "CheckpointException" not in message
@@ -244,7 +259,7 @@ def test_a_full_disk_writing_the_export_says_so_naming_the_file(tmp_path, monkey
 
     monkeypatch.setattr(safetensors.torch, "save_file", no_space)
     with pytest.raises(FluxgrpoError, match=r"^no space left on device writing .*diffusion_pytorch_model.safetensors"):
-        save_checkpoint(tmp_path, 1, SINGLE, *build(), trainer_state={}, keep_last=None)
+        save_checkpoint(tmp_path, 1, SINGLE, TrainingState(*build()), trainer_state={}, keep_last=None)
 
 
 def test_train_resume_from_a_code_running_checkpoint_is_one_line_and_runs_nothing(
@@ -287,7 +302,7 @@ def test_train_resume_from_a_code_running_checkpoint_is_one_line_and_runs_nothin
 def test_checkpoint_files_are_readable_by_all(tmp_path):
     previous = os.umask(0o022)
     try:
-        path = save_checkpoint(tmp_path, 1, SINGLE, *build(), trainer_state={}, keep_last=None)
+        path = save_checkpoint(tmp_path, 1, SINGLE, TrainingState(*build()), trainer_state={}, keep_last=None)
     finally:
         os.umask(previous)
     modes = {f.relative_to(path).as_posix(): oct(f.stat().st_mode & 0o777) for f in path.rglob("*") if f.is_file()}

@@ -21,17 +21,10 @@ from typer.testing import CliRunner
 
 from fluxgrpo.cli.app import app
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.sample import (
-    GRID_GAP,
-    INDEX_FILE,
-    SampleSettings,
-    build_request,
-    grid_tile_size,
-    image_filename,
-    image_seed,
-    read_index,
-    sample,
-)
+from fluxgrpo.run_folder import INDEX_FILE
+from fluxgrpo.sample import build_request, sample
+from fluxgrpo.sampling.folder import GRID_GAP, grid_tile_size, read_index
+from fluxgrpo.sampling.request import SampleSettings, image_filename, image_seed
 
 runner = CliRunner()
 FAKE_TORCH_NPU = Path(__file__).resolve().parent / "fake_torch_npu"
@@ -161,7 +154,7 @@ def test_accelerator_precision_samples_in_bf16_close_to_fp32(tiny_weights, tmp_p
 
 
 def test_interrupted_run_never_looks_complete_and_a_rerun_replaces_it(tiny_weights, tmp_path, monkeypatch):
-    from fluxgrpo import sample as module
+    from fluxgrpo.sampling import generate as module
 
     out = tmp_path / "run"
     run_sample(tiny_weights.flux_dir, out, images_per_prompt=1)

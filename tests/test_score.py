@@ -16,14 +16,8 @@ from typer.testing import CliRunner
 
 from fluxgrpo.cli.app import app
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.score import (
-    ScoredImage,
-    ScoreRequest,
-    compare_runs,
-    mean_std,
-    natural_key,
-    score,
-)
+from fluxgrpo.rewards.scoring import ScoredImage, mean_std
+from fluxgrpo.score import ScoreRequest, compare_runs, natural_key, score
 
 runner = CliRunner()
 # OpenAI CLIP's pixel statistics, as hpsv2 normalises with them (written out here, not imported from fluxgrpo).
@@ -304,7 +298,8 @@ def test_usage_errors_exit_2(tmp_path):
 
 
 def test_sample_then_score_hpsv2_by_index_equals_by_folder(tiny_weights, tmp_path):
-    from fluxgrpo.sample import SampleSettings, build_request, sample
+    from fluxgrpo.sample import build_request, sample
+    from fluxgrpo.sampling.request import SampleSettings
 
     settings = SampleSettings(height=32, width=48, steps=2, max_sequence_length=16, images_per_prompt=2)
     request = build_request(

@@ -115,7 +115,7 @@ def _index(folder, entries: list[dict]) -> None:
 def test_an_index_entry_outside_its_folder_or_listed_twice_is_refused(tmp_path, entries, says):
     from PIL import Image
 
-    from fluxgrpo.sample import read_index
+    from fluxgrpo.sampling.folder import read_index
 
     _gray_images(tmp_path / "run", 2)
     Image.new("RGB", (8, 8)).save(tmp_path / "outside.png")

@@ -34,6 +34,13 @@ if TYPE_CHECKING:
 COMPILE_MODES = ("eager", "regional", "whole-model")
 
 
+class ConstantSchedule:
+    """The bench's learning-rate schedule (here, below the harness that uses it too): none, the rate stays 0."""
+
+    def step(self) -> None:
+        """The learning rate stays 0."""
+
+
 class _ModeSwitch:
     """Puts one transformer in each mode in turn; compiled code is kept across switches (compiling once)."""
 
@@ -62,7 +69,6 @@ def _iteration(sweep: _Sweep, inputs: _Inputs, checkpointing: bool) -> tuple[flo
     import torch
 
     from fluxgrpo.bench.config import TRAINING_DEFAULTS
-    from fluxgrpo.bench.harness import _ConstantSchedule
     from fluxgrpo.grpo.rollout import generate_rollout
     from fluxgrpo.grpo.update import UpdateSettings, policy_update
     from fluxgrpo.runtime import device as rt_device
@@ -111,7 +117,7 @@ def _iteration(sweep: _Sweep, inputs: _Inputs, checkpointing: bool) -> tuple[flo
         inputs.advantages,
         settings,
         sweep.optimizer,  # type: ignore[arg-type]  # duck-typed: step() timed, the rest forwarded
-        _ConstantSchedule(),
+        ConstantSchedule(),
         device_type=ctx.device_type,
         generator_cpu=torch.Generator().manual_seed(cfg.seed + 29),
     )

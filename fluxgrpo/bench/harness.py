@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from fluxgrpo.bench.compile_cost import ConstantSchedule
 from fluxgrpo.bench.config import TRAINING_DEFAULTS, BenchConfig
 from fluxgrpo.bench.figures import PhaseFigure, Timing, phase_figure, summarize, with_speedups
 from fluxgrpo.bench.flops import rollout_flops, transformer_forward_flops, update_flops
@@ -88,11 +89,6 @@ class _TimedOptimizer:
         if peak is not None:
             self.step_peak_bytes = max(self.step_peak_bytes or 0, peak)
         rt_device.reset_peak_memory(self.device)  # what follows the step is the update's again
-
-
-class _ConstantSchedule:
-    def step(self) -> None:
-        """The learning rate stays 0."""
 
 
 def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -390,7 +386,7 @@ class _Sweep:
                         inputs.advantages,
                         settings,
                         optimizer,  # type: ignore[arg-type]  # duck-typed: step() timed, the rest forwarded
-                        _ConstantSchedule(),
+                        ConstantSchedule(),
                         device_type=self.ctx.device_type,
                         generator_cpu=torch.Generator().manual_seed(self.cfg.seed + 29),
                     )

@@ -33,20 +33,21 @@ class Subcommand:
 def value_choices() -> dict[str, tuple[str, ...]]:
     """The values a flag takes, by flag name (the same name means the same values in every subcommand): what Tab
     offers after it. Flags missing here complete file names."""
-    from fluxgrpo import config
     from fluxgrpo.bench.efficiency import ALGORITHMS
     from fluxgrpo.cli.fetch_weights import SOURCES
+    from fluxgrpo.config import choices as config
+    from fluxgrpo.config import shipped_configs
     from fluxgrpo.models.known import MODEL_FAMILIES
     from fluxgrpo.rewards import reward_names
     from fluxgrpo.rewards.base import REWARD_DTYPES
     from fluxgrpo.rewards.reward_set import AGGREGATIONS
     from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
     from fluxgrpo.runtime.device import DEVICE_TYPES
-    from fluxgrpo.training.guards import GUARD_ACTIONS
+    from fluxgrpo.training.guard_rules import GUARD_ACTIONS
     from fluxgrpo.weights.hub_parts import part_choices
 
     return {
-        "--config": tuple(sorted(config.shipped_configs())),
+        "--config": tuple(sorted(shipped_configs())),
         "--objective": config.OBJECTIVES,
         "--sampler": config.SAMPLERS,
         "--sde-window-policy": config.WINDOW_POLICIES,

@@ -84,7 +84,8 @@ def command(
     from fluxgrpo.data.prompts import read_prompts
     from fluxgrpo.errors import UsageError
     from fluxgrpo.runtime.launch import LaunchSpec, run_workers
-    from fluxgrpo.sample import SampleSettings, build_request
+    from fluxgrpo.sample import build_request
+    from fluxgrpo.sampling.request import SampleSettings
 
     spec = LaunchSpec(nproc_per_node=dies)
     spec.validate()

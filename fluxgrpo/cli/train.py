@@ -97,7 +97,7 @@ def _train(
     if list_configs:
         _list_configs()
         return
-    from fluxgrpo.checkpoint import read_best
+    from fluxgrpo.checkpoint.best import read_best
     from fluxgrpo.config import build_config
     from fluxgrpo.metrics import reward_trend
     from fluxgrpo.runtime.dist import CollectiveTimeout

@@ -176,7 +176,7 @@ def _plain_info(info: Any) -> dict[str, dict[str, str]]:
 
 
 def _read_best(folder: Path) -> dict[str, Any] | None:
-    from fluxgrpo.checkpoint import read_best
+    from fluxgrpo.checkpoint.best import read_best
 
     try:
         return read_best(folder)

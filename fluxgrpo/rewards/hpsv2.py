@@ -17,7 +17,7 @@ from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import check_batch, check_pil_batch, normalize_clip, pil_to_tensor, read_state_dict
 from fluxgrpo.rewards.open_clip_model import OpenClipCosine, create_empty_open_clip, reward_model_name
 from fluxgrpo.rewards.registry import RewardRecord, WeightsPart
-from fluxgrpo.weights.hub_part import CLIP_MIRROR_REPO, CLIP_REPO, HubPart
+from fluxgrpo.weights.hub_parts import REWARD_HUB_PARTS
 from fluxgrpo.weights.layout import (
     CLIP_MANIFEST,
     HPS_CHECKPOINT,
@@ -155,32 +155,12 @@ RECORD = RewardRecord(
         WeightsPart(
             "hps",
             lambda hps_dir: check_hps_dir(hps_dir)[0],
-            hub=(
-                HubPart(
-                    "hps",
-                    {"hf": ("xswu/HPSv2",), "modelscope": ("AI-ModelScope/HPSv2",)},
-                    allow=(HPS_CHECKPOINT,),
-                    root="hps",
-                    manifest_name=HPS_MANIFEST,
-                    # The tiny reward's architecture file would make the loader build the tiny model around real
-                    # weights.
-                    replaces=(REWARD_ARCH_FILE,),
-                ),
-            ),
+            hub=REWARD_HUB_PARTS["hps"],
         ),
         WeightsPart(
             "clip",
             check_clip_part,
-            hub=(
-                HubPart(
-                    "clip",
-                    # ModelScope's copy under the laion id has only one source; AI-ModelScope's is the known fallback.
-                    {"hf": (CLIP_REPO,), "modelscope": (CLIP_REPO, CLIP_MIRROR_REPO)},
-                    allow=(OPEN_CLIP_WEIGHTS,),
-                    root="hps",
-                    manifest_name=CLIP_MANIFEST,
-                ),
-            ),
+            hub=REWARD_HUB_PARTS["clip"],
         ),
     ),
     write_tiny=_write_tiny,

@@ -41,17 +41,14 @@ from typing import TYPE_CHECKING, Any
 from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import check_batch, check_pil_batch, load_pretrained, normalize_clip, resize_like_pil
 from fluxgrpo.rewards.registry import RewardRecord, WeightsPart
-from fluxgrpo.weights.hub_part import HubPart
+from fluxgrpo.weights.hub_parts import REWARD_HUB_PARTS
 from fluxgrpo.weights.layout import (
     HPSV3_BASE_DIR,
-    HPSV3_BASE_FILES,
     HPSV3_CHECKPOINT,
-    HPSV3_DIR,
     HPSV3_MODEL_DIR,
     check_hpsv3_dir,
     hpsv3_dir,
 )
-from fluxgrpo.weights.manifest import MANIFEST_NAME
 from fluxgrpo.weights.tiny_writing import fresh_subfolders, write_subfolder_manifests
 
 if TYPE_CHECKING:
@@ -501,28 +498,7 @@ RECORD = RewardRecord(
         WeightsPart(
             "hpsv3",
             lambda hps_dir: check_hpsv3_dir(hpsv3_dir(hps_dir)),
-            hub=(
-                HubPart(
-                    "hpsv3-model",
-                    # The authors' inference code downloads HPSv3.safetensors from MizzenAI/HPSv3 on Hugging Face;
-                    # DiffSynth-Studio and VideoX-Fun point at the same id on ModelScope.
-                    {"hf": ("MizzenAI/HPSv3",), "modelscope": ("MizzenAI/HPSv3",)},
-                    allow=(HPSV3_CHECKPOINT,),
-                    root="hps",
-                    manifest_name=MANIFEST_NAME,
-                    subdir=f"{HPSV3_DIR}/{HPSV3_MODEL_DIR}",
-                ),
-                HubPart(
-                    "hpsv3-base",
-                    # Only the config and tokenizer of the base model: HPSv3.safetensors holds every weight (16 GB
-                    # saved).
-                    {"hf": ("Qwen/Qwen2-VL-7B-Instruct",), "modelscope": ("Qwen/Qwen2-VL-7B-Instruct",)},
-                    allow=HPSV3_BASE_FILES,
-                    root="hps",
-                    manifest_name=MANIFEST_NAME,
-                    subdir=f"{HPSV3_DIR}/{HPSV3_BASE_DIR}",
-                ),
-            ),
+            hub=REWARD_HUB_PARTS["hpsv3"],
         ),
     ),
     write_tiny=_write_tiny,

@@ -30,19 +30,16 @@ from fluxgrpo.rewards.base import check_batch, check_pil_batch, load_pretrained,
 from fluxgrpo.rewards.clipscore import center_crop_rounded
 from fluxgrpo.rewards.pickscore import resize_shortest_edge
 from fluxgrpo.rewards.registry import RewardRecord, WeightsPart
-from fluxgrpo.weights.hub_part import HubPart
+from fluxgrpo.weights.hub_parts import REWARD_HUB_PARTS
 from fluxgrpo.weights.layout import (
     IMAGEREWARD_CHECKPOINT,
-    IMAGEREWARD_DIR,
     IMAGEREWARD_MED_CONFIG,
     IMAGEREWARD_MODEL_DIR,
     IMAGEREWARD_TOKENIZER_DIR,
-    IMAGEREWARD_TOKENIZER_FILES,
     IMAGEREWARD_VISION_ARCH_FILE,
     check_imagereward_dir,
     imagereward_dir,
 )
-from fluxgrpo.weights.manifest import MANIFEST_NAME
 from fluxgrpo.weights.tiny_writing import fresh_subfolders, write_subfolder_manifests
 
 if TYPE_CHECKING:
@@ -331,28 +328,7 @@ RECORD = RewardRecord(
         WeightsPart(
             "imagereward",
             lambda hps_dir: check_imagereward_dir(imagereward_dir(hps_dir)),
-            hub=(
-                HubPart(
-                    "imagereward-model",
-                    # No ModelScope copy of THUDM/ImageReward was found (DiffSynth-Studio's QualityMetric repo holds
-                    # a safetensors conversion in another layout), so this part is Hugging Face only.
-                    {"hf": ("THUDM/ImageReward",), "modelscope": ()},
-                    allow=(IMAGEREWARD_CHECKPOINT, IMAGEREWARD_MED_CONFIG),
-                    root="hps",
-                    manifest_name=MANIFEST_NAME,
-                    subdir=f"{IMAGEREWARD_DIR}/{IMAGEREWARD_MODEL_DIR}",
-                    replaces=(IMAGEREWARD_VISION_ARCH_FILE,),  # the tiny vision shape would misbuild the real ViT-L
-                ),
-                HubPart(
-                    "imagereward-tokenizer",
-                    # What BLIP's init_tokenizer loads ('bert-base-uncased'); a ModelScope copy was not verified.
-                    {"hf": ("google-bert/bert-base-uncased",), "modelscope": ()},
-                    allow=IMAGEREWARD_TOKENIZER_FILES,
-                    root="hps",
-                    manifest_name=MANIFEST_NAME,
-                    subdir=f"{IMAGEREWARD_DIR}/{IMAGEREWARD_TOKENIZER_DIR}",
-                ),
-            ),
+            hub=REWARD_HUB_PARTS["imagereward"],
         ),
     ),
     write_tiny=_write_tiny,

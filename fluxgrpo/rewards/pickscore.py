@@ -18,18 +18,14 @@ from typing import TYPE_CHECKING, Any
 from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import TextFeatureCache, check_batch, check_pil_batch, load_pretrained, resize_like_pil
 from fluxgrpo.rewards.registry import RewardRecord, WeightsPart
-from fluxgrpo.weights.hub_part import CLIP_MIRROR_REPO, CLIP_REPO, HubPart
+from fluxgrpo.weights.hub_parts import REWARD_HUB_PARTS
 from fluxgrpo.weights.layout import (
     PICKSCORE_BPE_FILES,
-    PICKSCORE_DIR,
     PICKSCORE_MODEL_DIR,
     PICKSCORE_PROCESSOR_DIR,
-    PICKSCORE_TOKENIZER_JSON,
-    PICKSCORE_WEIGHTS,
     check_pickscore_dir,
     pickscore_dir,
 )
-from fluxgrpo.weights.manifest import MANIFEST_NAME
 from fluxgrpo.weights.tiny_writing import fresh_subfolders, write_subfolder_manifests
 
 if TYPE_CHECKING:
@@ -240,33 +236,7 @@ RECORD = RewardRecord(
         WeightsPart(
             "pickscore",
             lambda hps_dir: check_pickscore_dir(pickscore_dir(hps_dir)),
-            hub=(
-                HubPart(
-                    "pickscore-model",
-                    # AI-ModelScope/PickScore_v1 is the copy DiffSynth-Studio's PickScore metric downloads.
-                    {"hf": ("yuvalkirstain/PickScore_v1",), "modelscope": ("AI-ModelScope/PickScore_v1",)},
-                    allow=("config.json", PICKSCORE_WEIGHTS),
-                    root="hps",
-                    manifest_name=MANIFEST_NAME,
-                    subdir=f"{PICKSCORE_DIR}/{PICKSCORE_MODEL_DIR}",
-                ),
-                HubPart(
-                    "pickscore-processor",
-                    # PickScore was trained with laion's CLIP-H processor; the AI-ModelScope copy is the one
-                    # DiffSynth-Studio loads it from, the laion id on ModelScope is the fallback.
-                    {"hf": (CLIP_REPO,), "modelscope": (CLIP_MIRROR_REPO, CLIP_REPO)},
-                    # The tokenizer in either form is required; whichever other files of it the repo has come along.
-                    allow=(
-                        "preprocessor_config.json",
-                        "tokenizer_config.json",
-                        (PICKSCORE_TOKENIZER_JSON, PICKSCORE_BPE_FILES[0]),
-                    ),
-                    optional=(PICKSCORE_TOKENIZER_JSON, *PICKSCORE_BPE_FILES, "special_tokens_map.json"),
-                    root="hps",
-                    manifest_name=MANIFEST_NAME,
-                    subdir=f"{PICKSCORE_DIR}/{PICKSCORE_PROCESSOR_DIR}",
-                ),
-            ),
+            hub=REWARD_HUB_PARTS["pickscore"],
         ),
     ),
     write_tiny=_write_tiny,

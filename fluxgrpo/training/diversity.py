@@ -18,6 +18,8 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from fluxgrpo.rewards.scoring import load_image
+
 if TYPE_CHECKING:
     import torch
 
@@ -59,8 +61,6 @@ def diversity(features: torch.Tensor, prompt_indices: Sequence[int]) -> float:
 def image_diversity(scorer: Any, paths: Sequence[Any], prompt_indices: Sequence[int], batch_size: int) -> float:
     """``diversity`` of the images at ``paths`` in ``scorer.embed_pil``'s features, read back from disk."""
     import torch
-
-    from fluxgrpo.score import load_image
 
     rows = []
     for start in range(0, len(paths), batch_size):

@@ -34,9 +34,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.config import TrainConfig
+from fluxgrpo.data.benchmarks import eval_prompts_path
+from fluxgrpo.data.prompts import read_prompts
+from fluxgrpo.preprocess import rank_indices
+from fluxgrpo.rewards import scoring
 from fluxgrpo.rewards.reward_set import eval_reward_names
+from fluxgrpo.rewards.scoring import DEFAULT_SCORE_BATCH, ImageToScore, mean_std, score_items
 from fluxgrpo.run_folder import EVAL_DIR, INDEX_FILE
-from fluxgrpo.training.diversity import embedding_reward
+from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.runtime.device import autocast
+from fluxgrpo.runtime.worker import quiet_library_progress
+from fluxgrpo.sampling.folder import clear_previous_run, write_grid, write_index
+from fluxgrpo.sampling.generate import denoise, encode_prompt, generate_images
+from fluxgrpo.sampling.request import SampledImage, SampleRequest, SampleSettings
+from fluxgrpo.training.diversity import embedding_reward, image_diversity
 
 if TYPE_CHECKING:
     from fluxgrpo.metrics import MetricsLogger
@@ -55,8 +67,6 @@ def shipped_eval_prompts_path() -> Path:
 
 def eval_prompt_list(cfg: TrainConfig) -> list[str]:
     """The held-out prompts ``--eval-prompts`` names (the shipped set when empty), in order."""
-    from fluxgrpo.data.benchmarks import eval_prompts_path
-    from fluxgrpo.data.prompts import read_prompts
 
     return read_prompts(eval_prompts_path(cfg.eval_prompts) if cfg.eval_prompts else shipped_eval_prompts_path())
 
@@ -82,7 +92,6 @@ class Evaluator:
         self.enabled = cfg.eval_every > 0
         if not self.enabled:
             return
-        from fluxgrpo.sample import SampleSettings
 
         self.prompts = eval_prompt_list(cfg)
         self.rewards = eval_reward_names(cfg.reward, cfg.eval_rewards)
@@ -107,7 +116,6 @@ class Evaluator:
         returns the record (rank 0; ``{}`` elsewhere or when none ran)."""
         if not self.enabled or not is_due(self.cfg, start):
             return {}
-        from fluxgrpo.runtime import dist as rt_dist
 
         done = all(
             (eval_folder(self.cfg.output_dir, start, ema) / INDEX_FILE).is_file() for ema in self._variants(parts)
@@ -125,8 +133,6 @@ class Evaluator:
 
     def run(self, iteration: int, parts: TrainingParts) -> dict[str, Any]:
         """Evaluate the current weights (and the EMA's); returns the metrics record (rank 0; ``{}`` elsewhere)."""
-        from fluxgrpo.runtime import device as rt_device
-        from fluxgrpo.runtime import dist as rt_dist
 
         began = time.perf_counter()
         record: dict[str, Any] = {"iteration": iteration}
@@ -160,10 +166,6 @@ class Evaluator:
 
     def _evaluate(self, iteration: int, parts: Any, ema: bool) -> dict[str, float]:
         from fluxgrpo.grpo.rollout import reshard_sharded_modules
-        from fluxgrpo.preprocess import rank_indices
-        from fluxgrpo.runtime import device as rt_device
-        from fluxgrpo.runtime import dist as rt_dist
-        from fluxgrpo.sample import SampledImage, SampleRequest, clear_previous_run, generate_images
 
         ctx = self.ctx
         out = eval_folder(self.cfg.output_dir, iteration, ema)
@@ -205,8 +207,6 @@ class Evaluator:
         import numpy as np
         from PIL import Image
 
-        from fluxgrpo.sample import write_grid, write_index
-
         grid = write_grid(out, images, len(self.prompts), self.settings)
         scores = {name: self._score(self._scorer(name, training_rewards), out, images) for name in self.rewards}
         run = {
@@ -233,9 +233,6 @@ class Evaluator:
             logged[f"{prefix}{name}_std"] = std
         embedder = embedding_reward(self.rewards)
         if embedder is not None and self.settings.images_per_prompt > 1:
-            from fluxgrpo.score import DEFAULT_SCORE_BATCH
-            from fluxgrpo.training.diversity import image_diversity
-
             logged[f"{prefix}diversity"] = image_diversity(
                 self._scorer(embedder, training_rewards),
                 [out / image.file for image in images],
@@ -247,18 +244,16 @@ class Evaluator:
     def _scorer(self, name: str, training: Any) -> Any:
         """The float32 reward model ``fluxgrpo score`` would load, kept for the run; the training reward's own model
         when that is the same one (``--reward-dtype fp32``), so rank 0 holds no second copy (HPSv3 is 31 GB)."""
-        from fluxgrpo.score import load_scorer
 
         if name not in self._scorers:  # ``training``: the run's RewardSet
             if self.cfg.reward_dtype == "fp32" and name in training.names:
                 self._scorers[name] = training.rewards[training.names.index(name)]
             else:
-                self._scorers[name] = load_scorer(name, self.cfg.hps_dir, self.ctx.device)
+                self._scorers[name] = scoring.load_scorer(name, self.cfg.hps_dir, self.ctx.device)
         return self._scorers[name]
 
     def _score(self, scorer: Any, out: Path, images: list[Any]) -> list[float]:
         """Per-image scores, in (prompt, image) order, computed as ``fluxgrpo score --index`` computes them."""
-        from fluxgrpo.score import DEFAULT_SCORE_BATCH, ImageToScore, score_items
 
         items = [
             ImageToScore(
@@ -300,11 +295,6 @@ class Evaluator:
         if self._encoded is None:
             from diffusers import FluxPipeline
 
-            from fluxgrpo.preprocess import rank_indices
-            from fluxgrpo.runtime import device as rt_device
-            from fluxgrpo.runtime.worker import quiet_library_progress
-            from fluxgrpo.sample import encode_prompt
-
             with quiet_library_progress():
                 encoders = FluxPipeline.from_pretrained(
                     self.cfg.model,
@@ -325,9 +315,6 @@ class Evaluator:
         """Discarded pipeline calls so this rank runs as many sharded forwards as the busiest rank."""
         import torch
 
-        from fluxgrpo.runtime.device import autocast
-        from fluxgrpo.sample import denoise
-
         if not self.ctx.distributed:
             return
         settings = self.settings
@@ -342,7 +329,6 @@ class Evaluator:
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
     """Mean and population std, as ``fluxgrpo score`` reports them (NaN when there is no finite value)."""
-    from fluxgrpo.score import mean_std
 
     finite = [v for v in values if math.isfinite(v)]
     return mean_std(finite) if finite else (math.nan, math.nan)

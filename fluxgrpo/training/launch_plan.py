@@ -139,7 +139,7 @@ def check_output_dir(output_dir: Path, create: bool) -> None:
 
 def check_resume_compatible(cfg: TrainConfig, checkpoint: Path, world_size: int) -> None:
     """A resume is exact only with the same world size and the same algorithm settings; say which differ."""
-    from fluxgrpo.checkpoint import read_checkpoint_info, read_trainer_state
+    from fluxgrpo.checkpoint.layout import read_checkpoint_info, read_trainer_state
 
     info = read_checkpoint_info(checkpoint)
     problems = []
@@ -205,7 +205,7 @@ def check_previous_run(output_dir: Path, resume: str | None, overwrite: bool) ->
 
 def check_resume_not_done(cfg: TrainConfig, checkpoint: Path) -> None:
     """A resume must have iterations left to run; one already at --max-train-steps would silently do nothing."""
-    from fluxgrpo.checkpoint import read_checkpoint_info
+    from fluxgrpo.checkpoint.layout import read_checkpoint_info
 
     done = int(read_checkpoint_info(checkpoint)["iteration"])
     if done >= cfg.max_train_steps:
@@ -223,7 +223,7 @@ def plan_training(
     overwritten), logging back-ends and the checkpoint to resume from."""
     import importlib.util
 
-    from fluxgrpo.checkpoint import resolve_resume
+    from fluxgrpo.checkpoint.layout import resolve_resume
     from fluxgrpo.runtime import device as rt_device
     from fluxgrpo.runtime.launch import worker_env_defaults
     from fluxgrpo.training.memory import plan_memory

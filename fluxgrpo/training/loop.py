@@ -29,11 +29,25 @@ from typing import Any
 
 import torch
 
+from fluxgrpo.checkpoint.layout import latest_checkpoint, resolve_resume
+from fluxgrpo.checkpoint.state import TrainingState, load_checkpoint, save_checkpoint
 from fluxgrpo.config import TrainConfig
+from fluxgrpo.grpo.latents import image_ids
+from fluxgrpo.grpo.reward_aggregation import aggregate_rewards
+from fluxgrpo.grpo.schedule import sigma_schedule
+from fluxgrpo.grpo.step_plan import plan_for_iteration
+from fluxgrpo.grpo.update import run_update, skipped_update
+from fluxgrpo.metrics import MetricsLogger, run_info
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime.dist import DistContext
+from fluxgrpo.runtime.nodes import check_shared_folder, restarted
+from fluxgrpo.runtime.worker import worker_session
+from fluxgrpo.training.eval import Evaluator
+from fluxgrpo.training.guards import RunMonitor
+from fluxgrpo.training.health import SkippedUpdateWatch
 from fluxgrpo.training.parts import TrainingParts, build_parts
+from fluxgrpo.training.settings import build_objective, plan_settings
 from fluxgrpo.training.stages import (
     decode_and_score,
     draw_prompts,
@@ -58,8 +72,6 @@ def save_training_checkpoint(
 ) -> Path:
     """The state after ``iteration``: weights, optimizer, scheduler, EMA, RNGs, every rank's sampler position and
     the guards' state (baselines, best: ``training/guards.py``)."""
-    from fluxgrpo.checkpoint import save_checkpoint
-
     samplers = rt_dist.all_gather_object(ctx, parts.sampler.state_dict())
     trainer_state = {
         "iteration": iteration,
@@ -71,26 +83,24 @@ def save_training_checkpoint(
         Path(cfg.output_dir),
         iteration,
         ctx,
-        parts.transformer,
-        parts.optimizer,
-        parts.lr_scheduler,
-        ema=parts.ema,
+        training_state(parts),
         trainer_state=trainer_state,
         keep_last=cfg.keep_last or None,
-        extra_states=parts.policy_copies,
+    )
+
+
+def training_state(parts: TrainingParts) -> TrainingState:
+    """What a checkpoint saves and a resume restores in place of the run's parts."""
+    return TrainingState(
+        parts.transformer, parts.optimizer, parts.lr_scheduler, ema=parts.ema, extra_states=parts.policy_copies
     )
 
 
 def restore(ctx: DistContext, parts: TrainingParts, checkpoint: Path | None) -> int:
     """Load a checkpoint into ``parts``; returns the iterations it had completed (0 without one)."""
-    from fluxgrpo.checkpoint import load_checkpoint
-
     if checkpoint is None:
         return 0
-    loaded = load_checkpoint(
-        checkpoint, ctx, parts.transformer, parts.optimizer, parts.lr_scheduler, ema=parts.ema,
-        extra_states=parts.policy_copies,
-    )  # fmt: skip
+    loaded = load_checkpoint(checkpoint, ctx, training_state(parts))
     parts.sampler.load_state_dict(loaded.trainer_state["sampler"][str(ctx.rank)])
     rt_dist.rank0_print(ctx, f"resumed from {checkpoint} after iteration {loaded.iteration}")
     return loaded.iteration
@@ -107,8 +117,6 @@ def checkpoint_to_resume(
 ) -> Path | None:
     """The checkpoint this start of the workers continues from: ``--resume``'s, or after an elastic restart
     (``--max-restarts``) the newest complete one, with no flag (rank 0 looks, every rank loads the same)."""
-    from fluxgrpo.checkpoint import latest_checkpoint, resolve_resume
-    from fluxgrpo.runtime.nodes import restarted
 
     marker = None if launch_token is None else output_dir / "logs" / f".started-{launch_token}"
     if restarted(ctx, marker):
@@ -125,18 +133,6 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
     ``fluxgrpo train`` reads them back from metrics.jsonl (``worker_entry`` returns nothing through the launcher);
     the records are returned for in-process callers: `bench --algorithms` (``bench/efficiency.py``) and tests.
     """
-    from fluxgrpo.grpo.latents import image_ids
-    from fluxgrpo.grpo.reward_aggregation import aggregate_rewards
-    from fluxgrpo.grpo.schedule import sigma_schedule
-    from fluxgrpo.grpo.step_plan import plan_for_iteration
-    from fluxgrpo.grpo.update import run_update, skipped_update
-    from fluxgrpo.metrics import MetricsLogger, run_info
-    from fluxgrpo.runtime.nodes import check_shared_folder
-    from fluxgrpo.runtime.worker import worker_session
-    from fluxgrpo.training.eval import Evaluator
-    from fluxgrpo.training.guards import RunMonitor
-    from fluxgrpo.training.health import SkippedUpdateWatch
-    from fluxgrpo.training.settings import build_objective, plan_settings
 
     with worker_session(cfg.device) as ctx:
         rt_device.seed_everything(cfg.seed + ctx.rank)

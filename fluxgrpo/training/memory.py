@@ -384,10 +384,10 @@ def estimate_for_config(cfg: TrainConfig, dies: int, device_type: str, from_fami
     ``from_family`` from the known shapes of the model the config names (``model_source``)."""
     import dataclasses
 
-    from fluxgrpo.lora import LoraSpec
+    from fluxgrpo.training.settings import lora_spec
 
     source = model_source(cfg, from_family)
-    lora = LoraSpec.from_config(cfg)
+    lora = lora_spec(cfg)
     adapters = lora_adapter_shapes(source.transformer, lora.targets, lora.rank) if lora is not None else ()
     compute_bytes = 4 if device_type == "cpu" else 2
     run = RunShape.from_config(

@@ -110,11 +110,12 @@ def build_transformer(cfg: TrainConfig, ctx: DistContext) -> torch.nn.Module:
     Built on the meta device and sharded before any weight exists; each rank then reads only its own shards from
     the safetensors, so the job holds one copy of the weights in host memory, not one per rank.
     """
-    from fluxgrpo.lora import LoraSpec, add_lora, base_weight_name, init_adapters
+    from fluxgrpo.lora import add_lora, base_weight_name, init_adapters
     from fluxgrpo.models.shard_loading import empty_transformer, fill_transformer
+    from fluxgrpo.training.settings import lora_spec
 
     compute_dtype = rt_device.compute_dtype(ctx.device_type)
-    lora = LoraSpec.from_config(cfg)
+    lora = lora_spec(cfg)
     transformer = empty_transformer(cfg.model)
     if lora is not None:
         add_lora(transformer, lora, compute_dtype)

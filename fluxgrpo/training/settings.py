@@ -15,6 +15,7 @@ from fluxgrpo.grpo.objectives.nft import NftObjective, NftSettings
 from fluxgrpo.grpo.rollout import RolloutSettings
 from fluxgrpo.grpo.samplers import make_sampler
 from fluxgrpo.grpo.step_plan import PlanSettings
+from fluxgrpo.lora import LoraSpec, parse_targets
 
 OLD_POLICY, EMA_POLICY = "old_policy", "ema_policy"  # the names policy copies are saved under
 
@@ -91,3 +92,10 @@ def build_objective(cfg: TrainConfig, policy_copies: dict[str, Any], reference: 
         )
         return AwmObjective(awm, policy_copies.get(EMA_POLICY), reference)
     return GrpoObjective(update_settings(cfg), reference)
+
+
+def lora_spec(cfg: TrainConfig) -> LoraSpec | None:
+    """The LoRA of a run, or None for full fine-tuning (``--lora-rank 0``)."""
+    if cfg.lora_rank == 0:
+        return None
+    return LoraSpec(cfg.lora_rank, cfg.lora_alpha, parse_targets(cfg.lora_targets), cfg.lora_dropout)

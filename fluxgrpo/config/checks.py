@@ -1,0 +1,235 @@
+"""Every check of a training configuration, each problem saying which numbers disagree and how to fix them: the
+functions ``TrainConfig.problems`` calls (``validate`` raises them all at once)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from typing import TYPE_CHECKING
+
+from fluxgrpo.config.choices import (
+    AWM_WEIGHTINGS,
+    DECODE_SAMPLES,
+    LR_SCHEDULERS,
+    MAX_IMAGE_SIDE,
+    MAX_SEED,
+    NFT_DECAY_TYPES,
+    OBJECTIVES,
+    ODE_SOLVERS,
+    RATIO_NORMALIZATIONS,
+    SAMPLERS,
+    SETTING_BOUNDS,
+    WANDB_MODES,
+    WINDOW_POLICIES,
+    flag,
+)
+from fluxgrpo.data.benchmarks import eval_prompts_problem
+from fluxgrpo.models.known import MODEL_FAMILIES
+from fluxgrpo.rewards.base import REWARD_DTYPES
+from fluxgrpo.rewards.reward_set import AGGREGATIONS, parse_reward_list, reward_spec_problems
+from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
+from fluxgrpo.runtime.device import DEVICE_TYPES
+from fluxgrpo.training.guard_rules import guard_problems
+
+if TYPE_CHECKING:
+    from fluxgrpo.config.schema import TrainConfig
+
+
+def config_problems(cfg: TrainConfig) -> list[str]:
+    """Every inconsistency, each saying which numbers disagree and how to fix them."""
+    out: list[str] = []
+    out += _shape_problems(cfg)
+    out += _number_problems(cfg)
+    if cfg.guidance < 0 or cfg.kl_beta < 0:
+        out.append("--guidance and --kl-beta cannot be negative")
+    if cfg.weight_decay < 0 or cfg.lr_warmup_steps < 0 or cfg.keep_last < 0:
+        out.append("--weight-decay, --lr-warmup-steps and --keep-last cannot be negative")
+    if cfg.save_images_every < 0 or cfg.images_per_save < 0:
+        out.append("--save-images-every and --images-per-save cannot be negative")
+    if not 0 < cfg.ema_decay < 1:
+        out.append(f"--ema-decay {cfg.ema_decay} must be in (0, 1)")
+    if cfg.lr_scheduler not in LR_SCHEDULERS:
+        out.append(f"--lr-scheduler {cfg.lr_scheduler!r}: use one of {', '.join(LR_SCHEDULERS)}")
+    if cfg.device != "auto" and cfg.device not in DEVICE_TYPES:
+        out.append(f"--device {cfg.device!r}: use auto or one of {', '.join(DEVICE_TYPES)}")
+    out.extend(reward_spec_problems(cfg.reward))
+    if cfg.advantage_aggregation not in AGGREGATIONS:
+        out.append(f"--advantage-aggregation {cfg.advantage_aggregation!r}: use one of {', '.join(AGGREGATIONS)}")
+    if cfg.reward_dtype not in REWARD_DTYPES:
+        out.append(f"--reward-dtype {cfg.reward_dtype!r}: use one of {', '.join(REWARD_DTYPES)}")
+    if cfg.lora_rank < 0:
+        out.append(f"--lora-rank {cfg.lora_rank} cannot be negative (0 trains every weight)")
+    if cfg.lora_rank > 0:
+        if not cfg.lora_alpha > 0:
+            out.append(f"--lora-alpha must be positive (got {cfg.lora_alpha})")
+        if not 0 <= cfg.lora_dropout < 1:
+            out.append(f"--lora-dropout {cfg.lora_dropout} must be in [0, 1)")
+        if not any(part.strip() for part in cfg.lora_targets.split(",")):
+            out.append("--lora-targets is empty: name the modules to adapt, e.g. attn.to_q,attn.to_k")
+    out += _algorithm_problems(cfg)
+    if cfg.attention not in ATTENTION_BACKENDS:
+        out.append(f"--attention {cfg.attention!r}: use one of {', '.join(ATTENTION_BACKENDS)}")
+    if not 0 <= cfg.seed <= MAX_SEED:
+        out.append(f"--seed {cfg.seed} is out of range: use 0 to {MAX_SEED} (numpy's seed range)")
+    out += _logging_problems(cfg)
+    return out
+
+
+def _shape_problems(cfg: TrainConfig) -> list[str]:
+    """The image size, the counts, the trained timesteps and the batches' division of the trajectories."""
+    out: list[str] = []
+    for name in ("height", "width"):
+        value = getattr(cfg, name)
+        if value <= 0 or value % 16:
+            out.append(f"--{name} {value} must be a positive multiple of 16 (FLUX packs 2×2 latents of 8× VAE pixels)")
+        elif value > MAX_IMAGE_SIDE:
+            out.append(f"--{name} {value} is out of range: at most {MAX_IMAGE_SIDE} pixels")
+    positive_ints = (
+        "dies",
+        "sampling_steps",
+        "num_generations",
+        "train_batch_size",
+        "rollout_batch_size",
+        "gradient_accumulation_steps",
+        "train_micro_batch_size",
+        "max_train_steps",
+        "checkpointing_steps",
+    )
+    if cfg.model_family not in MODEL_FAMILIES:
+        out.append(f"--model-family {cfg.model_family!r}: use one of {', '.join(MODEL_FAMILIES)}")
+    for name in positive_ints:
+        if getattr(cfg, name) < 1:
+            out.append(f"--{flag(name)} must be at least 1 (got {getattr(cfg, name)})")
+    if cfg.num_generations < 2:
+        out.append(
+            f"--num-generations {cfg.num_generations}: GRPO needs at least 2 trajectories per prompt "
+            "to compute a group advantage"
+        )
+    if cfg.sampling_steps >= 2 and not 0 < cfg.timestep_fraction <= 1:
+        out.append(f"--timestep-fraction {cfg.timestep_fraction} must be in (0, 1]")
+    elif cfg.sampling_steps >= 1 and cfg.train_timesteps < 1:
+        steps = f"--sde-window {cfg.sde_window}" if cfg.sde_window else f"(--sampling-steps {cfg.sampling_steps} − 1)"
+        out.append(f"--timestep-fraction {cfg.timestep_fraction} × {steps} trains no timestep: raise either")
+    per_rank = cfg.trajectories_per_rank
+    for name in ("rollout_batch_size", "train_micro_batch_size"):
+        size = getattr(cfg, name)
+        if size >= 1 and per_rank >= 1 and per_rank % size:
+            divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+            out.append(
+                f"--{flag(name)} {size} does not divide the {per_rank} trajectories per rank "
+                f"(--train-batch-size {cfg.train_batch_size} × --num-generations {cfg.num_generations}); "
+                f"use one of {divisors} so every batch has the same shape"
+            )
+    return out
+
+
+def _number_problems(cfg: TrainConfig) -> list[str]:
+    """Every float finite, the positive ones positive, none past its bound (``SETTING_BOUNDS``)."""
+    out: list[str] = []
+    non_finite = [f.name for f in fields(cfg) if f.type == "float" and not math.isfinite(getattr(cfg, f.name))]
+    for name in non_finite:
+        out.append(f"--{flag(name)} must be a finite number (got {getattr(cfg, name)})")
+    for name in ("eta", "clip_range", "adv_clip_max", "learning_rate", "max_grad_norm"):
+        if name not in non_finite and not getattr(cfg, name) > 0:
+            out.append(f"--{flag(name)} must be positive (got {getattr(cfg, name)})")
+    if "shift" not in non_finite and cfg.shift <= 0:
+        out.append(f"--shift must be positive (got {cfg.shift})")
+    for name, most in SETTING_BOUNDS.items():
+        if name not in non_finite and abs(getattr(cfg, name)) > most:
+            out.append(f"--{flag(name)} {getattr(cfg, name)} is out of range: at most {most}")
+    return out
+
+
+def _logging_problems(cfg: TrainConfig) -> list[str]:
+    """Held-out evaluation, guards and experiment-tracker settings."""
+
+    out = []
+    if cfg.eval_every < 0:
+        out.append(f"--eval-every must be 0 (off) or a number of iterations (got {cfg.eval_every})")
+    for name in ("eval_images_per_prompt", "eval_steps"):
+        if getattr(cfg, name) < 1:
+            out.append(f"--{flag(name)} must be at least 1 (got {getattr(cfg, name)})")
+    if cfg.eval_prompts and (problem := eval_prompts_problem(cfg.eval_prompts)):
+        out.append(problem)
+    out.extend(parse_reward_list(cfg.eval_rewards, "--eval-rewards", weights=False, empty_ok=True)[1])
+    out.extend(guard_problems(cfg))
+    if cfg.wandb_mode and cfg.wandb_mode not in WANDB_MODES:
+        out.append(f"--wandb-mode {cfg.wandb_mode!r}: use one of {', '.join(WANDB_MODES)}, or leave it empty")
+    return out
+
+
+def _objective_problems(cfg: TrainConfig) -> list[str]:
+    out = []
+    if cfg.objective not in OBJECTIVES:
+        out.append(f"--objective {cfg.objective!r}: use one of {', '.join(OBJECTIVES)}")
+        return out
+    if cfg.objective != "grpo":
+        grpo_only = [
+            flag
+            for flag, used in (
+                ("--sde-window", cfg.sde_window != 0),
+                ("--ratio-normalization grpo-guard", cfg.ratio_normalization != "none"),
+                ("--ode-solver dpm2", cfg.ode_solver != "euler"),
+            )
+            if used
+        ]
+        if grpo_only:
+            out.append(
+                f"{', '.join(grpo_only)}: only --objective grpo has per-step log-probs; --objective "
+                f"{cfg.objective} rolls out with the ODE (leave these at their defaults)"
+            )
+    if not cfg.nft_beta > 0:
+        out.append(f"--nft-beta {cfg.nft_beta} must be positive")
+    if cfg.nft_decay_type not in NFT_DECAY_TYPES:
+        out.append(f"--nft-decay-type {cfg.nft_decay_type}: use one of {', '.join(map(str, NFT_DECAY_TYPES))}")
+    if cfg.awm_weighting not in AWM_WEIGHTINGS:
+        out.append(f"--awm-weighting {cfg.awm_weighting!r}: use one of {', '.join(AWM_WEIGHTINGS)}")
+    if not cfg.awm_ghuber_power > 0:
+        out.append(f"--awm-ghuber-power {cfg.awm_ghuber_power} must be positive")
+    if not cfg.awm_ema_beta >= 0:
+        out.append(f"--awm-ema-beta {cfg.awm_ema_beta} cannot be negative (0 turns the EMA term off)")
+    if cfg.objective == "awm" and cfg.sampling_steps >= 1 and cfg.trainable_timesteps < 1:
+        out.append(
+            f"--objective awm trains at grid indices 1 … int(0.9·N)−1, none with --sampling-steps "
+            f"{cfg.sampling_steps}: use at least 3"
+        )
+    return out
+
+
+def _algorithm_problems(cfg: TrainConfig) -> list[str]:
+    out = _objective_problems(cfg)
+    for name, allowed in (
+        ("sampler", SAMPLERS),
+        ("sde_window_policy", WINDOW_POLICIES),
+        ("decode_sample", DECODE_SAMPLES),
+        ("ode_solver", ODE_SOLVERS),
+        ("ratio_normalization", RATIO_NORMALIZATIONS),
+    ):
+        if getattr(cfg, name) not in allowed:
+            out.append(f"--{flag(name)} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
+    if not 0 <= cfg.sde_window <= cfg.sampling_steps - 1:
+        out.append(
+            f"--sde-window {cfg.sde_window} must be between 0 (off) and the {cfg.sampling_steps - 1} trainable "
+            f"steps of --sampling-steps {cfg.sampling_steps}"
+        )
+    if cfg.sde_window_policy == "random-early" and cfg.sde_window > cfg.sampling_steps // 2:
+        out.append(
+            f"--sde-window-policy random-early starts the window in 0…N/2−W: --sde-window {cfg.sde_window} is "
+            f"more than half of --sampling-steps {cfg.sampling_steps}"
+        )
+    if cfg.sde_window_shift_every < 0 or cfg.sde_window_stride < 0:
+        out.append("--sde-window-shift-every and --sde-window-stride cannot be negative")
+    if cfg.ode_solver == "dpm2" and cfg.sde_window == 0:
+        out.append("--ode-solver dpm2 integrates the steps outside an SDE window: set --sde-window too")
+    if not 0 < cfg.ode_compress_ratio <= 1:
+        out.append(f"--ode-compress-ratio {cfg.ode_compress_ratio} must be in (0, 1]")
+    if not cfg.kl_beta >= 0:
+        out.append(f"--kl-beta {cfg.kl_beta} cannot be negative (0 turns the KL off)")
+    if cfg.ratio_normalization == "grpo-guard" and cfg.sampler == "cps":
+        out.append(
+            "--ratio-normalization grpo-guard needs a Gaussian log-prob: use --sampler dance or flow-grpo "
+            "(cps's log-prob has its constants removed)"
+        )
+    if cfg.sampler == "cps" and not cfg.eta < 1:
+        out.append(f"--eta {cfg.eta} with --sampler cps must be below 1 (the noise is σ'·sin(η·π/2))")
+    return out

@@ -1,0 +1,115 @@
+"""Scoring saved images with a reward, as ``fluxgrpo score`` and the in-training evaluation both do: each image
+read back from disk and decoded as RGB, scored in batches through the reward's PIL path when it has one (its
+encoders in float32), the statistics as population mean and std."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.rewards import load_reward
+from fluxgrpo.rewards.base import pil_to_tensor
+
+DEFAULT_SCORE_BATCH = 16
+
+
+@dataclass(frozen=True)
+class ImageToScore:
+    """One image and what it is scored against."""
+
+    path: Path  # where it is read from
+    file: str  # how it is reported: its name inside the index's or the images' folder
+    prompt: str
+    prompt_index: int  # the run's prompt index (index mode) or the prompt group's (folder mode)
+    image_index: int  # j within its prompt
+    seed: int | None  # from the index; None in folder mode
+
+
+@dataclass(frozen=True)
+class ScoredImage:
+    file: str
+    prompt: str
+    prompt_index: int
+    image_index: int
+    seed: int | None
+    score: float
+
+
+def check_images_readable(items: Iterable[ImageToScore]) -> None:
+    """Open every image's header, so a file that is no image fails before any model loads."""
+    from PIL import Image, UnidentifiedImageError
+
+    for item in items:
+        try:
+            with Image.open(item.path):
+                pass
+        except (OSError, UnidentifiedImageError, ValueError) as exc:
+            raise FluxgrpoError(f"cannot read image {item.path} ({exc}): replace or remove it") from None
+
+
+def load_image(path: Path) -> Any:
+    """The image at ``path``, fully decoded, as RGB."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image.convert("RGB")
+    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
+        raise FluxgrpoError(f"cannot read image {path} ({exc}): replace or remove it") from None
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, population standard deviation) of a non-empty sequence."""
+    mean = math.fsum(values) / len(values)
+    return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
+
+
+def load_scorer(name: str, hps_dir: str | Path, device: Any) -> Any:
+    """The reward ``name`` on ``device``, its encoders in float32: scores compared across runs should not carry
+    bf16 rounding (8 significant bits)."""
+
+    return load_reward(name, hps_dir, device, reward_dtype="fp32")
+
+
+def score_items(
+    items: Sequence[ImageToScore], scorer: Any, batch_size: int, device: Any = "cpu", progress: Any = None
+) -> list[ScoredImage]:
+    """Score ``items`` in batches of ``batch_size`` images (decoded per batch, so memory stays bounded)."""
+    import torch
+
+    scored: list[ScoredImage] = []
+    for start in range(0, len(items), batch_size):
+        batch = items[start : start + batch_size]
+        images = [load_image(item.path) for item in batch]
+        prompts = [item.prompt for item in batch]
+        with torch.no_grad():
+            if hasattr(scorer, "score_pil"):
+                values = scorer.score_pil(images, prompts)
+            elif len({image.size for image in images}) == 1:
+                values = scorer(torch.stack([pil_to_tensor(image) for image in images]).to(device), prompts)
+            else:  # tensor rewards take [B, 3, H, W]: images of different sizes go one at a time
+                values = torch.cat(
+                    [
+                        scorer(pil_to_tensor(image).unsqueeze(0).to(device), [prompt])
+                        for image, prompt in zip(images, prompts, strict=True)
+                    ]
+                )
+        for item, value in zip(batch, values.float().cpu().tolist(), strict=True):
+            scored.append(
+                ScoredImage(
+                    file=item.file,
+                    prompt=item.prompt,
+                    prompt_index=item.prompt_index,
+                    image_index=item.image_index,
+                    seed=item.seed,
+                    score=float(value),
+                )
+            )
+        if progress is not None:
+            progress(len(batch))
+    return scored
