@@ -118,8 +118,9 @@ def test_score_compare_says_when_the_better_scored_images_all_look_alike(tmp_pat
     warning = [line for line in table.stdout.splitlines() if line.startswith("warning:")]
     assert len(warning) == 1 and "looks collapsed" in warning[0] and "→ 0.0 (this run) of 255" in warning[0]
     document = json.loads(runner.invoke(app, [*argv, "--json"]).stdout)
-    assert document["collapse"]["image_spread"] == 0.0 and document["collapse"]["other_image_spread"] > 50
-    assert document["collapse"]["warning"] == warning[0]
+    collapse = document["compare"]["collapse"]
+    assert collapse["image_spread"] == 0.0 and collapse["other_image_spread"] > 50
+    assert collapse["warning"] == warning[0]
     # two runs as varied as each other: no warning
     varied = sample_index(tmp_path / "varied", [(10, 10, 10), (190, 190, 190), (60, 80, 170), (240, 40, 40)])
     calm = runner.invoke(app, ["score", "--index", str(varied), "--compare", str(base), "--reward", "brightness"])

@@ -90,8 +90,9 @@ def command(
     collapse = _collapse_check(request.index, request.compare)
     if json_output:
         document = report.to_dict()
-        if collapse is not None:
-            document["collapse"] = collapse
+        if collapse is not None:  # each reward's comparison says it, so several rewards print each one's alone
+            for one in document["rewards"] if "rewards" in document else [document]:
+                one["compare"]["collapse"] = collapse
         print_json(document)
         return
     if several:
