@@ -91,7 +91,7 @@ def command(
     if json_output:
         document = report.to_dict()
         if collapse is not None:  # each reward's comparison says it, so several rewards print each one's alone
-            for one in document["rewards"] if "rewards" in document else [document]:
+            for one in document.get("rewards", [document]):
                 one["compare"]["collapse"] = collapse
         print_json(document)
         return
