@@ -14,6 +14,7 @@ complete -c fluxgrpo -n '__fish_seen_subcommand_from bench' -l model -r -F -d 't
 complete -c fluxgrpo -n '__fish_seen_subcommand_from bench' -l blocks -r -F -d 'D,S double and single blocks (FLUX.1-dev: 19,38); fewer to fit one device.'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from bench' -l resolution -r -F -d 'Image sizes to measure in turn: 512,720 (squares) or 720x1280 (default: 64 for tiny, else 720).'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from bench' -l steps -r -F -d 'Sampling steps N per trajectory.'
+complete -c fluxgrpo -n '__fish_seen_subcommand_from bench' -l sampler -r -a 'dance flow-grpo cps' -d 'The SDE step the rollout samples with and the update scores with, as `fluxgrpo train --sampler`: dance, flow-grpo, cps (at trains default --eta).'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from bench' -l rollout-batch-sizes -r -F -d 'Trajectories per forward to compare (rollout, decode, reward).'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from bench' -l micro-batch-sizes -r -F -d 'Training micro-batch sizes to compare (update).'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from bench' -l activation-checkpointing -r -F -d 'Update with checkpointing: both, on or off.'

@@ -8,14 +8,15 @@ import copy
 import pytest
 import torch
 from torch import nn
-from training_helpers import POOLED_DIM, TEXT_DIM, make_batch
+from training_helpers import POOLED_DIM, TEXT_DIM, grpo_update, make_batch, sde_rollout
 
 from fluxgrpo.config import build_config
 from fluxgrpo.errors import UsageError
-from fluxgrpo.grpo import UpdateSettings, generate_rollout, image_ids, policy_update, sigma_schedule
-from fluxgrpo.grpo.ratio import guard_log_ratio
+from fluxgrpo.grpo.latents import image_ids
+from fluxgrpo.grpo.objectives.grpo import guard_log_ratio
 from fluxgrpo.grpo.reference import FrozenReference
-from fluxgrpo.grpo.samplers import sampler_step
+from fluxgrpo.grpo.samplers import make_sampler
+from fluxgrpo.grpo.schedule import sigma_schedule
 from fluxgrpo.grpo.step_plan import PlanSettings, StepPlan, plan_for_iteration, tail_schedule, window_start
 
 NUM_STEPS, ETA, GUIDANCE = 6, 0.3, 3.5
@@ -46,7 +47,7 @@ class CallCounter(nn.Module):
 
 
 def rollout_of(transformer, cond, noise, seed=1, eta=ETA, **options):
-    return generate_rollout(
+    return sde_rollout(
         transformer,
         cond,
         noise,
@@ -64,11 +65,10 @@ def rollout_of(transformer, cond, noise, seed=1, eta=ETA, **options):
 def update_of(transformer, rollout, cond, advantages, *, lr=1e-3, num_train=3, grad_accum_steps=8, **options):
     optimizer = torch.optim.SGD(transformer.parameters(), lr=lr)
     reference = options.pop("reference", None)
-    settings = UpdateSettings(num_train_timesteps=num_train, clip_range=1e-2, micro_batch_size=2,
-                              grad_accum_steps=grad_accum_steps, max_grad_norm=1.0, **options)  # fmt: skip
-    return policy_update(
-        transformer, rollout, cond, advantages, settings, optimizer, torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda _: 1.0), device_type="cpu", generator_cpu=torch.Generator().manual_seed(2),
+    return grpo_update(
+        transformer, rollout, cond, advantages, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+        num_train_timesteps=num_train, clip_range=1e-2, micro_batch_size=2, grad_accum_steps=grad_accum_steps,
+        max_grad_norm=1.0, **options, device_type="cpu", generator_cpu=torch.Generator().manual_seed(2),
         reference=reference,
     )  # fmt: skip
 
@@ -199,11 +199,11 @@ def test_dpm2_tail_saves_model_calls_and_lands_near_the_euler_image(base_transfo
     assert tail.shape == (5,) and tail[0] == sigmas[4] and tail[-1] == 0
     run = dict(sigmas=sigmas, eta=ETA, guidance=GUIDANCE, img_ids=image_ids(64, 64), rollout_batch_size=2,
                device_type="cpu")  # fmt: skip
-    dpm = generate_rollout(counter, cond, noise, **run, generator=torch.Generator().manual_seed(1),
+    dpm = sde_rollout(counter, cond, noise, **run, generator=torch.Generator().manual_seed(1),
                            plan=StepPlan(0, 4, tail_sigmas=tail))  # fmt: skip
     assert counter.calls == 4 + 4 and dpm.latents.shape[1] == 5
     counter.calls = 0
-    euler = generate_rollout(counter, cond, noise, **run, generator=torch.Generator().manual_seed(1),
+    euler = sde_rollout(counter, cond, noise, **run, generator=torch.Generator().manual_seed(1),
                              plan=StepPlan(0, 4))  # fmt: skip
     assert counter.calls == 16
     assert torch.equal(dpm.latents, euler.latents[:, :5]) and torch.equal(dpm.log_probs[:, :4], euler.log_probs[:, :4])
@@ -243,13 +243,14 @@ def test_guard_log_ratio_is_the_noise_projection_with_zero_mean():
     x, velocity = torch.randn(1, 8, 4, generator=generator), torch.randn(1, 8, 4, generator=generator)
     shifted = velocity + 0.05 * torch.randn(1, 8, 4, generator=generator)
     sigma, sigma_next = torch.tensor([0.7]), torch.tensor([0.6])
-    old = sampler_step("dance", x, velocity, sigma, sigma_next, ETA, 0.9, noise=torch.zeros_like(x))
+    dance = make_sampler("dance", ETA, 0.9)
+    old = dance.step(x, velocity, sigma, sigma_next, noise=torch.zeros_like(x))
     normalised, raw = [], []
     for _ in range(2000):
         xi = torch.randn(1, 8, 4, generator=generator)
         x_next = old.mean + old.std * xi
-        old_lp = sampler_step("dance", x, velocity, sigma, sigma_next, ETA, 0.9, prev_sample=x_next).log_prob
-        new = sampler_step("dance", x, shifted, sigma, sigma_next, ETA, 0.9, prev_sample=x_next)
+        old_lp = dance.step(x, velocity, sigma, sigma_next, prev_sample=x_next).log_prob
+        new = dance.step(x, shifted, sigma, sigma_next, prev_sample=x_next)
         guard = guard_log_ratio(new, old_lp, old.mean)
         assert torch.allclose(guard, (xi * (new.mean - old.mean)).mean(dim=(1, 2)), atol=1e-6)
         normalised.append(guard.item())

@@ -236,8 +236,11 @@ def test_saved_activation_bytes_counts_what_backward_keeps():
 
 def test_rollout_casts_each_weight_once_not_once_per_forward():
     from torch.utils._python_dispatch import TorchDispatchMode
+    from training_helpers import sde_rollout
 
-    from fluxgrpo.grpo import Conditioning, generate_rollout, image_ids, sigma_schedule
+    from fluxgrpo.grpo.latents import image_ids
+    from fluxgrpo.grpo.schedule import sigma_schedule
+    from fluxgrpo.grpo.types import Conditioning
 
     class CountCasts(TorchDispatchMode):
         def __init__(self) -> None:
@@ -260,7 +263,7 @@ def test_rollout_casts_each_weight_once_not_once_per_forward():
 
     def rollout(outer: contextlib.AbstractContextManager):
         with CountCasts() as counter, outer:
-            result = generate_rollout(
+            result = sde_rollout(
                 model,
                 cond,
                 noise,
@@ -544,3 +547,31 @@ def test_each_phase_reports_its_own_memory_peak(monkeypatch):
         handle.remove()
     peaks = {r["phase"]: r["peak_memory_bytes"] for r in records if r["record"] == "figure"}
     assert peaks == {"rollout": 300, "decode": 0, "reward": 0, "update": 500, "optimizer": 1000}
+
+
+def test_bench_honours_the_sampler(monkeypatch):
+    """`bench --sampler` reaches the rollout the bench measures and the update that scores it (it was ignored)."""
+    from fluxgrpo.training import stages
+
+    real_stage, seen = stages.rollout_stage, []
+
+    def recording_stage(*args, **kwargs):
+        rollout = real_stage(*args, **kwargs)
+        seen.append(rollout)
+        return rollout
+
+    monkeypatch.setattr(stages, "rollout_stage", recording_stage)
+    options = dict(steps=3, rollout_batch_sizes="2", micro_batch_sizes="2", activation_checkpointing="off")
+    by_sampler = {}
+    for sampler in ("dance", "cps"):
+        seen.clear()
+        records = run_bench(build_bench_config(**options, repeats=1, warmup=0, sampler=sampler), log=lambda _: None)
+        assert records[0]["sampler"] == sampler and {rollout.sampler.name for rollout in seen} == {sampler}
+        update = next(r for r in records if r["record"] == "figure" and r["phase"] == "update")
+        assert update["error"] is None and update["max_abs_log_ratio"] < 1e-3  # scored with the rollout's sampler
+        by_sampler[sampler] = seen[-1]
+    dance, cps = by_sampler["dance"], by_sampler["cps"]
+    assert torch.equal(dance.latents[:, 0], cps.latents[:, 0])  # the same inputs and step noise …
+    assert not torch.allclose(dance.log_probs[:, :-1], cps.log_probs[:, :-1])  # … another step: other log-probs
+    with pytest.raises(UsageError, match="--sampler 'euler'"):
+        build_bench_config(sampler="euler")

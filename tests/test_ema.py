@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fluxgrpo.errors import FluxgrpoError
-from fluxgrpo.grpo import ShardedEMA
+from fluxgrpo.grpo.ema import ShardedEMA
 
 
 def two_weight_model() -> nn.Module:
@@ -153,8 +153,11 @@ def _worker() -> None:
     # --- rollout + policy update on a sharded tiny FLUX, with different data per rank.
     from diffusers import FluxTransformer2DModel
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
+    from training_helpers import grpo_update, sde_rollout  # tests/ is the script's folder: on sys.path
 
-    from fluxgrpo.grpo import Conditioning, UpdateSettings, generate_rollout, image_ids, policy_update, sigma_schedule
+    from fluxgrpo.grpo.latents import image_ids
+    from fluxgrpo.grpo.schedule import sigma_schedule
+    from fluxgrpo.grpo.types import Conditioning
     from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG
 
     torch.manual_seed(0)  # identical initial weights on both ranks
@@ -168,7 +171,7 @@ def _worker() -> None:
     generator = torch.Generator().manual_seed(100 + rank)
     cond = Conditioning(torch.randn(3, 8, 32, generator=generator), torch.randn(3, 32, generator=generator),
                         torch.zeros(8, 3))  # fmt: skip
-    rollout = generate_rollout(
+    rollout = sde_rollout(
         transformer, cond, torch.randn(3, 16, 64, generator=generator), sigma_schedule(4, 3.0), eta=0.3,
         guidance=3.5, img_ids=image_ids(64, 64), rollout_batch_size=3, device_type="cpu",
         generator=torch.Generator().manual_seed(200 + rank),
@@ -179,10 +182,9 @@ def _worker() -> None:
 
     def update(advantages: torch.Tensor, optimizer=optimizer, max_grad_norm=1.0, ema=ema):
         # T = int((4 − 1)·0.7) = 2 timesteps per trajectory
-        settings = UpdateSettings(num_train_timesteps=2, clip_range=1e-4, micro_batch_size=1, grad_accum_steps=3,
-                                  max_grad_norm=max_grad_norm)  # fmt: skip
-        stats = policy_update(transformer, rollout, cond, advantages, settings, optimizer, scheduler,
-                              device_type="cpu", generator_cpu=torch.Generator().manual_seed(3))  # fmt: skip
+        stats = grpo_update(transformer, rollout, cond, advantages, optimizer, scheduler, num_train_timesteps=2,
+                            clip_range=1e-4, micro_batch_size=1, grad_accum_steps=3, max_grad_norm=max_grad_norm,
+                            device_type="cpu", generator_cpu=torch.Generator().manual_seed(3))  # fmt: skip
         if ema is not None and stats.optimizer_steps:
             ema.update(transformer)  # once per iteration that stepped, as the training loop does
         return stats

@@ -8,17 +8,11 @@ import pytest
 import torch
 
 from fluxgrpo.config import TrainConfig
-from fluxgrpo.grpo import (
-    clipped_policy_loss,
-    group_advantages,
-    image_ids,
-    latent_shape,
-    model_timesteps,
-    pack_latents,
-    sde_step,
-    sigma_schedule,
-    unpack_latents,
-)
+from fluxgrpo.grpo.advantages import group_advantages
+from fluxgrpo.grpo.latents import image_ids, latent_shape, pack_latents, unpack_latents
+from fluxgrpo.grpo.objectives.grpo import clipped_policy_loss
+from fluxgrpo.grpo.samplers import dance_step
+from fluxgrpo.grpo.schedule import model_timesteps, sigma_schedule
 
 HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)  # 0.9189385…
 
@@ -122,7 +116,7 @@ def test_sde_step_closed_form():
     # log p = mean(−ξ²/2) − log 0.25 − ½log 2π = −1.25 + 1.3862944 − 0.9189385 = −0.7826441
     x = torch.tensor([[1.0, 2.0]])
     v = torch.tensor([[0.5, -1.0]])
-    result = sde_step(x, v, 0.5, 0.25, 0.5, noise=torch.tensor([[1.0, -2.0]]))
+    result = dance_step(x, v, 0.5, 0.25, 0.5, noise=torch.tensor([[1.0, -2.0]]))
     assert torch.equal(result.x0_pred, torch.tensor([[0.75, 2.5]]))
     assert torch.equal(result.prev_sample, torch.tensor([[1.046875, 1.65625]]))
     assert result.log_prob.shape == (1,)
@@ -133,7 +127,7 @@ def test_sde_step_closed_form():
 def test_sde_step_scoring_a_given_sample():
     # Same step, scoring x' = μ (ξ = 0): log p = −log 0.25 − ½log 2π = 0.4673559.
     x, v = torch.tensor([[1.0, 2.0]]), torch.tensor([[0.5, -1.0]])
-    result = sde_step(x, v, 0.5, 0.25, 0.5, prev_sample=torch.tensor([[0.796875, 2.15625]]))
+    result = dance_step(x, v, 0.5, 0.25, 0.5, prev_sample=torch.tensor([[0.796875, 2.15625]]))
     assert result.log_prob.item() == pytest.approx(0.4673559, abs=1e-6)
 
 
@@ -143,7 +137,7 @@ def test_sampled_log_prob_matches_its_noise():
     v = torch.randn(3, 16, 64, generator=generator)
     noise = torch.randn(3, 16, 64, generator=generator)
     sigma, sigma_next, eta = 0.9, 0.8684, 0.3
-    result = sde_step(x, v, sigma, sigma_next, eta, noise=noise)
+    result = dance_step(x, v, sigma, sigma_next, eta, noise=noise)
     std = eta * math.sqrt(sigma - sigma_next)
     expected = (-(noise**2) / 2).mean(dim=(1, 2)) - math.log(std) - HALF_LOG_TWO_PI
     assert torch.allclose(result.log_prob, expected, atol=1e-4)
@@ -152,8 +146,8 @@ def test_sampled_log_prob_matches_its_noise():
 def test_recomputed_log_prob_gives_ratio_exactly_one():
     generator = torch.Generator().manual_seed(1)
     x, v, noise = (torch.randn(2, 8, 64, generator=generator) for _ in range(3))
-    sampled = sde_step(x, v, 0.5, 0.4091, 0.3, noise=noise)
-    rescored = sde_step(x, v.clone(), 0.5, 0.4091, 0.3, prev_sample=sampled.prev_sample)
+    sampled = dance_step(x, v, 0.5, 0.4091, 0.3, noise=noise)
+    rescored = dance_step(x, v.clone(), 0.5, 0.4091, 0.3, prev_sample=sampled.prev_sample)
     assert torch.equal(torch.exp(rescored.log_prob - sampled.log_prob), torch.ones(2))
 
 
@@ -161,9 +155,9 @@ def test_per_sample_sigmas_equal_separate_calls():
     generator = torch.Generator().manual_seed(2)
     x, v, noise = (torch.randn(2, 4, 8, generator=generator) for _ in range(3))
     sigmas, sigmas_next = torch.tensor([0.9, 0.3]), torch.tensor([0.8684, 0.1667])
-    batched = sde_step(x, v, sigmas, sigmas_next, 0.3, noise=noise)
+    batched = dance_step(x, v, sigmas, sigmas_next, 0.3, noise=noise)
     for row in range(2):
-        single = sde_step(x[row : row + 1], v[row : row + 1], float(sigmas[row]), float(sigmas_next[row]), 0.3,
+        single = dance_step(x[row : row + 1], v[row : row + 1], float(sigmas[row]), float(sigmas_next[row]), 0.3,
                           noise=noise[row : row + 1])  # fmt: skip
         assert torch.allclose(batched.prev_sample[row], single.prev_sample[0], atol=1e-6)
         assert torch.allclose(batched.log_prob[row], single.log_prob[0], atol=1e-6)
@@ -173,7 +167,7 @@ def test_sde_step_gradient_flows_through_mean_only():
     x = torch.tensor([[1.0, 2.0]])
     v = torch.tensor([[0.5, -1.0]], requires_grad=True)
     target = torch.tensor([[1.046875, 1.65625]], requires_grad=True)
-    result = sde_step(x, v, 0.5, 0.25, 0.5, prev_sample=target)
+    result = dance_step(x, v, 0.5, 0.25, 0.5, prev_sample=target)
     result.log_prob.sum().backward()
     assert target.grad is None
     # Scoring x' = μ + 0.25·ξ with ξ = [1, −2] (the closed-form case above), D = 2 elements:
@@ -240,10 +234,10 @@ def test_group_with_one_finite_reward_is_all_zero():
 
 
 def test_loss_unclipped_branch_at_ratio_one():
-    # ρ = 1 everywhere: loss = mean(−A) · scale = −(2 − 1)/2 · 0.5 = −0.25.
+    # ρ = 1 everywhere: loss = mean(−A) = −(2 − 1)/2 = −0.5.
     zeros = torch.zeros(2)
-    loss, stats = clipped_policy_loss(zeros, torch.tensor([2.0, -1.0]), 0.1, scale=0.5)
-    assert loss.item() == pytest.approx(-0.25)
+    loss, stats = clipped_policy_loss(zeros, torch.tensor([2.0, -1.0]), 0.1)
+    assert loss.item() == pytest.approx(-0.5)
     assert stats.ratio_mean.item() == 1.0 and stats.clip_fraction.item() == 0.0
 
 
@@ -256,7 +250,7 @@ def test_loss_clipped_branches():
     # mean = (−1.1 + 1.6487213 − 0.6065307 + 0.9)/4 = 0.2105477; all four ratios are outside [0.9, 1.1].
     new = torch.tensor([0.5, 0.5, -0.5, -0.5])
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
-    loss, stats = clipped_policy_loss(new, advantages, 0.1, scale=1.0)
+    loss, stats = clipped_policy_loss(new, advantages, 0.1)
     assert loss.item() == pytest.approx(0.2105477, abs=1e-6)
     assert stats.clip_fraction.item() == 1.0
     assert stats.ratio_max.item() == pytest.approx(math.exp(0.5))
@@ -268,7 +262,7 @@ def test_loss_gradient_only_through_unclipped_samples():
     # At ρ = e^{0.5} with A = +1 the clipped branch wins: no gradient; with A = −1 the unclipped one does:
     # d/dnew of −A·e^{new−old} = −A·ρ = e^{0.5}, divided by M = 2.
     new = torch.tensor([0.5, 0.5], requires_grad=True)
-    loss, _ = clipped_policy_loss(new, torch.tensor([1.0, -1.0]), 0.1, scale=1.0)
+    loss, _ = clipped_policy_loss(new, torch.tensor([1.0, -1.0]), 0.1)
     loss.backward()
     assert torch.allclose(new.grad, torch.tensor([0.0, math.exp(0.5) / 2]))
 
@@ -287,12 +281,12 @@ def test_summed_scaled_gradients_equal_gradient_of_mean_surrogate():
     for g in range(ga):
         for k in range(t_train):
             log_ratio = features[g, k] @ accumulated - old[g, k]
-            loss, _ = clipped_policy_loss(log_ratio, advantages[g], 1e-4, scale=1.0 / (ga * t_train))
-            loss.backward()
+            loss, _ = clipped_policy_loss(log_ratio, advantages[g], 1e-4)
+            (loss * (1.0 / (ga * t_train))).backward()  # the update driver's scale
 
     direct = weights.clone().requires_grad_(True)
     surrogates = [
-        clipped_policy_loss(features[g, k] @ direct - old[g, k], advantages[g], 1e-4, scale=1.0)[0]
+        clipped_policy_loss(features[g, k] @ direct - old[g, k], advantages[g], 1e-4)[0]
         for g in range(ga)
         for k in range(t_train)
     ]
@@ -302,7 +296,7 @@ def test_summed_scaled_gradients_equal_gradient_of_mean_surrogate():
 
 
 def test_finite_mean_std_leaves_non_finite_values_out_by_hand():
-    from fluxgrpo.grpo.finite_stats import finite_mean_std
+    from fluxgrpo.grpo.advantages import finite_mean_std
 
     values = torch.tensor([[1.0, 2.0, float("nan"), 4.0], [float("inf"), 3.0, float("nan"), float("-inf")]])
     stats = finite_mean_std(values, dim=1)

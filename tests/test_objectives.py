@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 from training_helpers import POOLED_DIM, TEXT_DIM, make_batch
 
-from fluxgrpo.grpo import image_ids, sigma_schedule
+from fluxgrpo.grpo.latents import image_ids
 from fluxgrpo.grpo.objectives.awm import (
     AwmObjective,
     AwmSettings,
@@ -26,6 +25,8 @@ from fluxgrpo.grpo.objectives.nft import NftObjective, NftSettings, nft_policy_l
 from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.rollout import sample_final_latents
 from fluxgrpo.grpo.samplers import euler_step
+from fluxgrpo.grpo.schedule import sigma_schedule
+from fluxgrpo.grpo.update import UpdatePass, UpdatePlumbing
 
 NUM_STEPS, GUIDANCE = 8, 3.5
 
@@ -62,20 +63,34 @@ def weights(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: parameter.detach().clone() for name, parameter in module.named_parameters()}
 
 
-def nft(transformer, old: PolicyCopy, **overrides) -> NftObjective:
-    values = {"num_train_timesteps": 3, "micro_batch_size": 2, "grad_accum_steps": 2, **overrides}
-    return NftObjective(NftSettings(**values), old)
+def _plumbing(overrides: dict) -> UpdatePlumbing:
+    return UpdatePlumbing(overrides.pop("micro_batch_size", 2), overrides.pop("grad_accum_steps", 2), 1.0)
 
 
-def awm(ema: PolicyCopy | None = None, **overrides) -> AwmObjective:
-    values = {"num_train_timesteps": 3, "micro_batch_size": 2, "grad_accum_steps": 2, "ema_beta": 0.0, **overrides}
-    return AwmObjective(AwmSettings(**values), ema)
+def nft(transformer, old: PolicyCopy, **overrides) -> tuple[NftObjective, UpdatePlumbing]:
+    plumbing = _plumbing(overrides)
+    return NftObjective(NftSettings(**{"num_train_timesteps": 3, **overrides}), old), plumbing
 
 
-def prepare(objective, transformer, samples, cond, advantages, seed=5):
-    return objective.prepare(
-        transformer, samples, cond, advantages, device_type="cpu", generator_cpu=torch.Generator().manual_seed(seed)
-    )
+def awm(ema: PolicyCopy | None = None, **overrides) -> tuple[AwmObjective, UpdatePlumbing]:
+    plumbing = _plumbing(overrides)
+    return AwmObjective(AwmSettings(**{"num_train_timesteps": 3, "ema_beta": 0.0, **overrides}), ema), plumbing
+
+
+def prepare(objective_and_plumbing, transformer, samples, cond, advantages, seed=5) -> UpdatePass:
+    """The update driver's pass over the rollout: ``step(m, k)`` is one scaled loss step, as the update takes it."""
+    objective, plumbing = objective_and_plumbing
+    return UpdatePass(
+        transformer, objective, samples, cond, advantages, plumbing, device_type="cpu",
+        generator_cpu=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+
+
+def velocity_at(update: UpdatePass, module: nn.Module, start: int, stop: int, slot: int) -> torch.Tensor:
+    """``module``'s velocity at the update's input for samples start…stop−1 at their slot-th timestep (fp32)."""
+    model_input = update.work.model_input(start, stop, slot)
+    with torch.no_grad():
+        return update.forwards.velocity(model_input, start, stop, module).to(torch.float32)
 
 
 # --------------------------------------------------------------------------------------------- the seam
@@ -168,9 +183,9 @@ def test_nft_gradient_is_zero_at_the_old_policy_without_advantage(base_transform
     cond, noise = make_batch(4)
     samples = final_samples(policy, cond, noise)
     work = prepare(nft(policy, PolicyCopy(policy)), policy, samples, cond, torch.zeros(4))
-    for micro_index in range(work.num_micro_batches):
-        for slot in range(work.slots):
-            work.loss(micro_index, slot).loss.backward()
+    for micro_index in range(work.layout.num_micro_batches):
+        for slot in range(work.work.slots):
+            work.step(micro_index, slot).loss.backward()
     gradients = [parameter.grad for parameter in policy.parameters() if parameter.grad is not None]
     assert gradients and all(torch.count_nonzero(gradient) == 0 for gradient in gradients)
 
@@ -196,32 +211,34 @@ def test_nft_with_positive_advantage_moves_the_prediction_towards_the_sample(bas
                    torch.full((2,), 5.0))  # fmt: skip
 
     def x0_error() -> float:
-        x_t, t, _ = work.batch.noised(0, 2, 0)
-        with torch.no_grad():
-            velocity = work.batch.velocity(policy, cond, 0, 2, 0, x_t, "cpu", None)
-        return float(((x_t - t.reshape(-1, 1, 1) * velocity - work.batch.x0) ** 2).mean())
+        x_t, t, _ = work.work.batch.noised(0, 2, 0)
+        velocity = velocity_at(work, policy, 0, 2, 0)
+        return float(((x_t - t.reshape(-1, 1, 1) * velocity - work.work.batch.x0) ** 2).mean())
 
     before = x0_error()
     optimizer = torch.optim.SGD(policy.parameters(), lr=1e-2)
-    work.loss(0, 0).loss.backward()
+    work.step(0, 0).loss.backward()
     optimizer.step()
     assert x0_error() < before
 
 
 def test_nft_rolls_out_with_the_old_policy(base_transformer):
+    from fluxgrpo.grpo.rollout import RolloutSettings
+    from fluxgrpo.grpo.samplers import make_sampler
     from fluxgrpo.training.stages import rollout_stage
 
     old_weights = nudged(base_transformer, seed=4)
     policy = copy.deepcopy(old_weights)
-    objective = nft(policy, PolicyCopy(policy))
+    objective, _ = nft(policy, PolicyCopy(policy))
     with torch.no_grad():
         for parameter in policy.parameters():
             parameter.add_(0.05)
     cond, noise = make_batch(2)
-    parts = SimpleNamespace(ctx=SimpleNamespace(device_type="cpu"), transformer=policy)
-    cfg = SimpleNamespace(guidance=GUIDANCE, rollout_batch_size=2)
+    settings = RolloutSettings(make_sampler("dance", 0.3, 0.0), GUIDANCE, 2)  # the ODE reads guidance and batch size
     sigmas = sigma_schedule(NUM_STEPS, 3.0)
-    rolled = rollout_stage(parts, cfg, objective, cond, noise, sigmas, image_ids(64, 64), None, None)  # type: ignore[arg-type]
+    rolled = rollout_stage(
+        policy, objective, settings, cond, noise, sigmas, image_ids(64, 64), device_type="cpu", generator=None
+    )
     assert torch.equal(rolled.final_x0, final_samples(old_weights, cond, noise).final_x0)
     assert not torch.allclose(rolled.final_x0, final_samples(policy, cond, noise).final_x0, atol=1e-4)
 
@@ -255,12 +272,12 @@ def test_awm_at_unit_advantage_is_plain_flow_matching(base_transformer):
     samples = final_samples(policy, cond, noise)
     objective = awm(weighting="uniform", micro_batch_size=2, grad_accum_steps=1)
     work = prepare(objective, policy, samples, cond, torch.full((2,), 5.0))  # A' = clamp(A, ±5)/5 = 1
-    for slot in range(work.slots):
-        work.loss(0, slot).loss.backward()
-    for slot in range(work.slots):  # Σ_slots mean_b mse / T, on the same noise and timesteps
-        x_t, _, eps = work.batch.noised(0, 2, slot)
-        velocity = work.batch.velocity(twin, cond, 0, 2, slot, x_t, "cpu", None)
-        ((velocity - (eps - work.batch.x0)) ** 2).mean(dim=(1, 2)).mean().div(work.slots).backward()
+    for slot in range(work.work.slots):
+        work.step(0, slot).loss.backward()
+    for slot in range(work.work.slots):  # Σ_slots mean_b mse / T, on the same noise and timesteps
+        _, _, eps = work.work.batch.noised(0, 2, slot)
+        velocity = work.forwards.velocity(work.work.model_input(0, 2, slot), 0, 2, twin).to(torch.float32)
+        ((velocity - (eps - work.work.batch.x0)) ** 2).mean(dim=(1, 2)).mean().div(work.work.slots).backward()
     for (name, parameter), expected in zip(policy.named_parameters(), twin.parameters(), strict=True):
         if expected.grad is not None:
             assert torch.allclose(parameter.grad, expected.grad, rtol=1e-4, atol=1e-7), name
@@ -273,11 +290,11 @@ def test_awm_ratio_is_one_on_policy_then_measures_the_step(base_transformer):
     work = prepare(awm(micro_batch_size=1, grad_accum_steps=2), policy, samples, cond, torch.tensor([5.0, -5, 2, -2]))
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.05)
     for micro_index in range(2):
-        step = work.loss(micro_index, 0)
+        step = work.step(micro_index, 0)
         assert step.metrics["ratio_min"].item() == 1.0 and step.metrics["ratio_max"].item() == 1.0
         step.loss.backward()
     optimizer.step()
-    after = work.loss(2, 0)  # off-policy: lp_old from the weights before the step
+    after = work.step(2, 0)  # off-policy: lp_old from the weights before the step
     assert after.metrics["ratio_max"].item() != 1.0
 
 
@@ -291,7 +308,7 @@ def test_awm_pulls_towards_its_ema_policy(base_transformer):
     samples = final_samples(policy, cond, noise)
     work = prepare(awm(ema, ema_beta=1.0, micro_batch_size=2, grad_accum_steps=1), policy, samples, cond,
                    torch.zeros(2))  # fmt: skip
-    step = work.loss(0, 0)
+    step = work.step(0, 0)
     assert step.metrics["ema_deviation"].item() > 0
     assert ema_policy_decay(0) == 0.0 and ema_policy_decay(100) == 0.1 and ema_policy_decay(10_000) == 0.3
 

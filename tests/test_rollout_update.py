@@ -7,19 +7,13 @@ import copy
 import pytest
 import torch
 from torch import nn
-from training_helpers import POOLED_DIM, TEXT_DIM, make_batch
+from training_helpers import POOLED_DIM, TEXT_DIM, grpo_update, make_batch, sde_rollout
 
-from fluxgrpo.grpo import (
-    UpdateSettings,
-    generate_rollout,
-    group_advantages,
-    image_ids,
-    model_timesteps,
-    policy_update,
-    predict_velocity,
-    sde_step,
-    sigma_schedule,
-)
+from fluxgrpo.grpo.advantages import group_advantages
+from fluxgrpo.grpo.latents import image_ids
+from fluxgrpo.grpo.rollout import predict_velocity
+from fluxgrpo.grpo.samplers import dance_step
+from fluxgrpo.grpo.schedule import model_timesteps, sigma_schedule
 
 NUM_STEPS = 6  # N
 NUM_TRAIN = 3  # T_train = int(5·0.6), DanceGRPO's fraction 0.6
@@ -45,7 +39,7 @@ def base_transformer() -> nn.Module:
 
 
 def rollout_of(transformer, cond, noise, rollout_batch_size=2, seed=1):
-    return generate_rollout(
+    return sde_rollout(
         transformer,
         cond,
         noise,
@@ -71,15 +65,16 @@ def update_of(transformer, rollout, cond, advantages, *, micro_batch_size=1, gra
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=1e-3, weight_decay=0.0)
     scheduler = CountingScheduler()
     values = {"num_train_timesteps": NUM_TRAIN, "clip_range": 1e-4, "max_grad_norm": 1.0, **extra}
-    settings = UpdateSettings(micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps, **values)
-    stats = policy_update(
+    stats = grpo_update(
         transformer,
         rollout,
         cond,
         advantages,
-        settings,
         optimizer,
         scheduler,
+        micro_batch_size=micro_batch_size,
+        grad_accum_steps=grad_accum_steps,
+        **values,
         device_type="cpu",
         generator_cpu=torch.Generator().manual_seed(seed),
     )
@@ -109,7 +104,7 @@ def test_rollout_shapes_and_stored_values(base_transformer):
     with torch.no_grad():
         v_0 = predict_velocity(transformer, noise, cond, fed[0].expand(3), torch.full((3,), GUIDANCE),
                                rollout.img_ids, "cpu")  # fmt: skip
-        redone = sde_step(noise, v_0, sigmas[0], sigmas[1], ETA, noise=xi_0)
+        redone = dance_step(noise, v_0, sigmas[0], sigmas[1], ETA, noise=xi_0)
         last = NUM_STEPS - 1
         v_last = predict_velocity(transformer, rollout.latents[:, last], cond, fed[last].expand(3),
                                   torch.full((3,), GUIDANCE), rollout.img_ids, "cpu")  # fmt: skip

@@ -7,11 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from fluxgrpo.grpo.samplers import cps_step, dpm_solver_2m_step, euler_step, sampler_step
+from fluxgrpo.grpo.samplers import SdeStep, cps_step, dpm_solver_2m_step, euler_step, make_sampler
 from fluxgrpo.grpo.schedule import sigma_schedule
 
 # Written by tests/fixtures/make_sampler_cases.py from Flow-GRPO's sde_step_with_logprob and DanceGRPO's flux_step.
 CASES = torch.load(Path(__file__).parent / "fixtures" / "sampler_cases.pt", weights_only=True)
+
+
+def sampler_step(name, x, velocity, sigma, sigma_next, noise_level, sigma_max, **given) -> SdeStep:
+    """One step of the sampler ``name`` as the rollout and the update take it (``make_sampler(...).step``)."""
+    return make_sampler(name, noise_level, sigma_max).step(x, velocity, sigma, sigma_next, **given)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c['sampler']}-{c['sigmas'].shape[0] - 1}" for c in CASES])

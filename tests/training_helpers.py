@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from fluxgrpo.config import TrainConfig, build_config
-from fluxgrpo.grpo import Conditioning
+from fluxgrpo.grpo.types import Conditioning, Rollout, UpdateStats
 from fluxgrpo.runtime.launch import LaunchSpec
 from fluxgrpo.training.launch_plan import launch_training, plan_training
 
@@ -78,3 +78,55 @@ def tiny_train_argv(tiny_weights, tiny_embeddings, *extra: str) -> list[str]:
 def run(cfg: TrainConfig, dies: int = 1, resume: str | None = None) -> list[dict[str, Any]]:
     """Pre-flight and launch as `fluxgrpo train` does, quietly; rank 0's metrics records."""
     return launch_training(plan_training(cfg, LaunchSpec(nproc_per_node=dies), resume), log=lambda _: None)
+
+
+def sde_rollout(
+    transformer: torch.nn.Module,
+    cond: Conditioning,
+    noise: torch.Tensor,
+    sigmas: torch.Tensor,
+    *,
+    eta: float,
+    generator: torch.Generator,
+    sampler: str = "dance",
+    **settings: Any,
+) -> Rollout:
+    """The trainer's SDE rollout (``sample_trajectories``) with ``sampler`` at noise level ``eta``; ``settings``:
+    guidance, rollout_batch_size, compute_dtype, keep_means (``RolloutSettings``), img_ids, device_type, plan."""
+    from fluxgrpo.grpo.rollout import RolloutSettings, sample_trajectories
+    from fluxgrpo.grpo.samplers import make_sampler
+
+    sigma_max = float(sigmas[1]) if sigmas.shape[0] > 2 else 0.0
+    keys = ("guidance", "rollout_batch_size", "compute_dtype", "keep_means")
+    rollout_settings = RolloutSettings(
+        make_sampler(sampler, eta, sigma_max), **{key: settings.pop(key) for key in keys if key in settings}
+    )
+    return sample_trajectories(transformer, cond, noise, sigmas, rollout_settings, generator=generator, **settings)
+
+
+def grpo_update(
+    transformer: torch.nn.Module,
+    rollout: Rollout,
+    cond: Conditioning,
+    advantages: torch.Tensor,
+    optimizer: Any,
+    lr_scheduler: Any,
+    *,
+    num_train_timesteps: int,
+    clip_range: float,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    max_grad_norm: float,
+    kl_beta: float = 0.0,
+    ratio_normalization: str = "none",
+    compute_dtype: torch.dtype | None = None,
+    **driver: Any,
+) -> UpdateStats:
+    """One ``--objective grpo`` update through the update driver (``run_update``); ``driver``: device_type,
+    generator_cpu, reference."""
+    from fluxgrpo.grpo.objectives.grpo import GrpoObjective, GrpoSettings
+    from fluxgrpo.grpo.update import UpdatePlumbing, run_update
+
+    objective = GrpoObjective(GrpoSettings(num_train_timesteps, clip_range, kl_beta, ratio_normalization))
+    plumbing = UpdatePlumbing(micro_batch_size, grad_accum_steps, max_grad_norm, compute_dtype)
+    return run_update(transformer, objective, rollout, cond, advantages, optimizer, lr_scheduler, plumbing, **driver)

@@ -20,7 +20,6 @@ micro-batch is reported (1 is the ratio of a compiled rollout to a compiled upda
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -36,6 +35,8 @@ COMPILE_MODES = ("eager", "regional", "whole-model")
 
 class ConstantSchedule:
     """The bench's learning-rate schedule (here, below the harness that uses it too): none, the rate stays 0."""
+
+    last_epoch = 0  # the optimizer steps a run's schedule counts (``update_stage``): none that moved a weight
 
     def step(self) -> None:
         """The learning rate stays 0."""
@@ -66,17 +67,11 @@ class _ModeSwitch:
 
 def _iteration(sweep: _Sweep, inputs: _Inputs, checkpointing: bool) -> tuple[float, Any, float]:
     """One GRPO iteration; returns its seconds, the rollout's final x̂0 and the update's first |log ρ|."""
-    import torch
-
-    from fluxgrpo.bench.config import TRAINING_DEFAULTS
-    from fluxgrpo.grpo.rollout import generate_rollout
-    from fluxgrpo.grpo.update import UpdateSettings, policy_update
     from fluxgrpo.runtime import device as rt_device
     from fluxgrpo.training.stages import decode_images, score_images
 
     cfg, ctx, model = sweep.cfg, sweep.ctx, sweep.model
     rollout_size, micro_size = max(cfg.rollout_batch_sizes), max(cfg.micro_batch_sizes)
-    count = cfg.num_trajectories
     transformer = model.transformer
     if checkpointing:
         transformer.enable_gradient_checkpointing()  # type: ignore[operator]  # a diffusers method reached through nn.Module.__getattr__
@@ -84,43 +79,13 @@ def _iteration(sweep: _Sweep, inputs: _Inputs, checkpointing: bool) -> tuple[flo
         transformer.disable_gradient_checkpointing()  # type: ignore[operator]  # a diffusers method reached through nn.Module.__getattr__
     rt_device.synchronize(ctx.device)
     start = time.perf_counter()
-    rollout = generate_rollout(
-        transformer,
-        inputs.cond,
-        inputs.noise,
-        inputs.sigmas,
-        eta=TRAINING_DEFAULTS.eta,
-        guidance=TRAINING_DEFAULTS.guidance,
-        img_ids=inputs.img_ids,
-        rollout_batch_size=rollout_size,
-        device_type=ctx.device_type,
-        generator=torch.Generator(device=ctx.device).manual_seed(cfg.seed + 17),
-        compute_dtype=sweep.compute_dtype,
-    )
+    rollout = sweep.setup.rollout(transformer, inputs, rollout_size, sweep.compute_dtype)
     images = decode_images(
         model.vae, rollout.final_x0, inputs.height, inputs.width, rollout_size, ctx.device_type, sweep.compute_dtype
     )
     score_images(model.reward, images, inputs.cond.captions or (), rollout_size)
     sweep.optimizer.reset()
-    settings = UpdateSettings(
-        num_train_timesteps=cfg.num_train_timesteps,
-        clip_range=TRAINING_DEFAULTS.clip_range,
-        micro_batch_size=micro_size,
-        grad_accum_steps=math.ceil(count / micro_size),
-        max_grad_norm=TRAINING_DEFAULTS.max_grad_norm,
-        compute_dtype=sweep.compute_dtype,
-    )
-    stats = policy_update(
-        transformer,
-        rollout,
-        inputs.cond,
-        inputs.advantages,
-        settings,
-        sweep.optimizer,  # type: ignore[arg-type]  # duck-typed: step() timed, the rest forwarded
-        ConstantSchedule(),
-        device_type=ctx.device_type,
-        generator_cpu=torch.Generator().manual_seed(cfg.seed + 29),
-    )
+    stats = sweep.setup.update(sweep.trainee, rollout, inputs, micro_size, sweep.compute_dtype)
     rt_device.synchronize(ctx.device)
     return time.perf_counter() - start, rollout.final_x0, stats.as_floats()["first_abs_log_ratio"]
 

@@ -9,7 +9,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fluxgrpo.config import TrainConfig
+from fluxgrpo.config import SAMPLERS, TrainConfig
 from fluxgrpo.errors import UsageError
 from fluxgrpo.paths import DEFAULT_HPS_DIR, HPS_DIR_HELP
 
@@ -56,6 +56,11 @@ class BenchConfig:
         name="resolution",
     )
     steps: int = _flag(16, "Sampling steps N per trajectory.")
+    sampler: str = _flag(
+        "dance",
+        "The SDE step the rollout samples with and the update scores with, as `fluxgrpo train --sampler`: "
+        f"{', '.join(SAMPLERS)} (at train's default --eta).",
+    )
     rollout_batch_sizes: tuple[int, ...] = _flag(
         (1, 2, 4, 8), "Trajectories per forward to compare (rollout, decode, reward).", typed=(str, "1,2,4,8")
     )
@@ -131,6 +136,8 @@ class BenchConfig:
                 out.append(f"--resolution {height}x{width}: both sides must be positive multiples of 16")
         if self.steps < 2:
             out.append(f"--steps {self.steps}: at least 2 (the last transition is never trained)")
+        if self.sampler not in SAMPLERS:
+            out.append(f"--sampler {self.sampler!r}: use one of {', '.join(SAMPLERS)}")
         for flag, sizes in (
             ("--rollout-batch-sizes", self.rollout_batch_sizes),
             ("--micro-batch-sizes", self.micro_batch_sizes),

@@ -3,11 +3,13 @@
 One GRPO iteration is five phases, each timed between device synchronisations after ``--warmup`` untimed runs,
 ``--repeats`` times (the median is reported):
 
-- **rollout**: B trajectories × N SDE steps, ``generate_rollout`` in chunks of each ``--rollout-batch-sizes`` value;
+- **rollout**: B trajectories × N SDE steps of ``--sampler``, the trainer's ``rollout_stage`` in chunks of each
+  ``--rollout-batch-sizes`` value;
 - **decode**: the VAE turning the B final x̂0 into images, in the same chunk sizes;
 - **reward**: scoring the B images (HPS's scoring path: resize and pad to 224, CLIP normalisation, image tower,
   cached text features, cosine), in the same chunk sizes;
-- **update**: ``policy_update`` over the B trajectories' T trained timesteps at each ``--micro-batch-sizes`` value,
+- **update**: the trainer's ``update_stage`` (``--objective grpo``) over the B trajectories' T trained timesteps at
+  each ``--micro-batch-sizes`` value,
   with activation checkpointing on and/or off (forward + backward + gradient clipping, optimizer steps excluded);
 - **optimizer**: one AdamW step over the transformer (its time is taken out of the update's).
 
@@ -50,7 +52,7 @@ BENCH_CAPTION = "a photograph of a red fox in the snow"
 class _TimedOptimizer:
     """Delegates to an optimizer, timing each ``step()`` between device synchronisations.
 
-    ``policy_update`` only calls ``step`` and ``zero_grad``. The update's own peak memory up to the step is read
+    The update only calls ``step`` and ``zero_grad``. The update's own peak memory up to the step is read
     before the allocator's peak is reset for the step, so the two phases' peaks stay apart.
     """
 
@@ -89,6 +91,75 @@ class _TimedOptimizer:
         if peak is not None:
             self.step_peak_bytes = max(self.step_peak_bytes or 0, peak)
         rt_device.reset_peak_memory(self.device)  # what follows the step is the update's again
+
+
+@dataclass
+class BenchTrainee:
+    """What the bench's update trains (``training.stages.TrainedModel``): no KL reference, no EMA."""
+
+    transformer: Any
+    optimizer: Any
+    lr_scheduler: Any
+    reference: None = None
+    ema: None = None
+
+
+@dataclass(frozen=True)
+class PhaseSetup:
+    """How the bench and the deep check run the trainer's own rollout and update stages (GRPO, learning rate 0)."""
+
+    sampler: str  # --sampler
+    eta: float
+    guidance: float
+    clip_range: float
+    max_grad_norm: float
+    num_train_timesteps: int
+    device_type: str
+    seed: int
+
+    def objective(self) -> Any:
+        from fluxgrpo.grpo.objectives.grpo import GrpoObjective, GrpoSettings
+
+        return GrpoObjective(GrpoSettings(self.num_train_timesteps, self.clip_range))
+
+    def rollout(self, transformer: Any, inputs: _Inputs, batch_size: int, compute_dtype: torch.dtype | None) -> Rollout:
+        """B trajectories by ``training.stages.rollout_stage``, ``batch_size`` per forward."""
+        import torch
+
+        from fluxgrpo.grpo.rollout import RolloutSettings
+        from fluxgrpo.grpo.samplers import make_sampler
+        from fluxgrpo.training.stages import rollout_stage
+
+        sigma_max = float(inputs.sigmas[1]) if inputs.sigmas.shape[0] > 2 else 0.0
+        settings = RolloutSettings(
+            make_sampler(self.sampler, self.eta, sigma_max), self.guidance, batch_size, compute_dtype
+        )
+        generator = torch.Generator(device=inputs.noise.device).manual_seed(self.seed + 17)
+        rollout = rollout_stage(
+            transformer, self.objective(), settings, inputs.cond, inputs.noise, inputs.sigmas, inputs.img_ids,
+            device_type=self.device_type, generator=generator,
+        )  # fmt: skip
+        return rollout  # type: ignore[return-value]  # a GRPO objective keeps the trajectory
+
+    def update(
+        self, trainee: BenchTrainee, rollout: Rollout, inputs: _Inputs, micro_batch_size: int,
+        compute_dtype: torch.dtype | None,
+    ) -> Any:  # fmt: skip
+        """``training.stages.update_stage`` on the rollout, one optimizer step at any micro-batch size."""
+        import torch
+
+        from fluxgrpo.grpo.update import UpdatePlumbing
+        from fluxgrpo.training.stages import update_stage
+
+        count = rollout.num_trajectories
+        # one optimizer step per update at every micro-batch size: rows differ only in batching
+        plumbing = UpdatePlumbing(
+            micro_batch_size, math.ceil(count / micro_batch_size), self.max_grad_norm, compute_dtype
+        )
+        return update_stage(
+            trainee, self.objective(), rollout, inputs.cond, inputs.advantages, plumbing,
+            device_type=self.device_type, generator_cpu=torch.Generator().manual_seed(self.seed + 29),
+        )  # fmt: skip
 
 
 def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -208,12 +279,17 @@ class _Sweep:
         self.compute_dtype, self.peak_tflops = compute_dtype, peak_tflops
         self.emit, self.log = emit, log
         self.figures: list[PhaseFigure] = []
+        self.setup = PhaseSetup(
+            cfg.sampler, TRAINING_DEFAULTS.eta, TRAINING_DEFAULTS.guidance, TRAINING_DEFAULTS.clip_range,
+            TRAINING_DEFAULTS.max_grad_norm, cfg.num_train_timesteps, ctx.device_type, cfg.seed,
+        )  # fmt: skip
         trainable = [p for p in bench_model.transformer.parameters() if p.requires_grad]
         # Learning rate 0: the full AdamW arithmetic, weights unchanged (see the module docstring).
         self.optimizer = _TimedOptimizer(
             torch.optim.AdamW(trainable, lr=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4), ctx.device
         )
         _materialize_optimizer_state(self.optimizer.optimizer)
+        self.trainee = BenchTrainee(bench_model.transformer, self.optimizer, ConstantSchedule())
 
     # ------------------------------------------------------------------ helpers
     def _measure(self, label: str, call: Callable[[], _Run]) -> tuple[Timing, Any]:
@@ -267,32 +343,13 @@ class _Sweep:
     # ------------------------------------------------------------------ phases
     def rollout(self, inputs: _Inputs, resolution: str) -> Rollout | None:
         """Rollout rows; returns a rollout for the later phases (None if every size ran out of memory)."""
-        import torch
-
-        from fluxgrpo.grpo.rollout import generate_rollout
-
         count = self.cfg.num_trajectories
         flops = rollout_flops(self.model.shape, inputs.image_tokens, self.cfg.text_tokens, count, self.cfg.steps)
         kept, figures = None, []
         for size in self.cfg.rollout_batch_sizes:
 
             def call(size: int = size) -> _Run:
-                generator = torch.Generator(device=self.ctx.device).manual_seed(self.cfg.seed + 17)
-                return _Run(
-                    generate_rollout(
-                        self.model.transformer,
-                        inputs.cond,
-                        inputs.noise,
-                        inputs.sigmas,
-                        eta=TRAINING_DEFAULTS.eta,
-                        guidance=TRAINING_DEFAULTS.guidance,
-                        img_ids=inputs.img_ids,
-                        rollout_batch_size=size,
-                        device_type=self.ctx.device_type,
-                        generator=generator,
-                        compute_dtype=self.compute_dtype,
-                    )
-                )
+                return _Run(self.setup.rollout(self.model.transformer, inputs, size, self.compute_dtype))
 
             label = f"rollout {resolution} batch {size}"
             timing, result, error = self._attempt(label, lambda label=label, call=call: self._measure(label, call))  # type: ignore[misc]  # default arguments bind the loop values
@@ -351,10 +408,6 @@ class _Sweep:
 
     def update(self, rollout: Rollout, inputs: _Inputs, resolution: str) -> None:
         """Update rows for every (checkpointing, micro-batch size), then one optimizer row."""
-        import torch
-
-        from fluxgrpo.grpo.update import UpdateSettings, policy_update
-
         count, trained = self.cfg.num_trajectories, self.cfg.num_train_timesteps
         flops = update_flops(self.model.shape, inputs.image_tokens, self.cfg.text_tokens, count, trained)
         transformer, optimizer = self.model.transformer, self.optimizer
@@ -370,26 +423,7 @@ class _Sweep:
 
                 def call(size: int = size) -> _Run:
                     optimizer.reset()
-                    settings = UpdateSettings(
-                        num_train_timesteps=trained,
-                        clip_range=TRAINING_DEFAULTS.clip_range,
-                        micro_batch_size=size,
-                        # one optimizer step per update at every micro-batch size: rows differ only in batching
-                        grad_accum_steps=math.ceil(count / size),
-                        max_grad_norm=TRAINING_DEFAULTS.max_grad_norm,
-                        compute_dtype=self.compute_dtype,
-                    )
-                    stats = policy_update(
-                        transformer,
-                        rollout,
-                        inputs.cond,
-                        inputs.advantages,
-                        settings,
-                        optimizer,  # type: ignore[arg-type]  # duck-typed: step() timed, the rest forwarded
-                        ConstantSchedule(),
-                        device_type=self.ctx.device_type,
-                        generator_cpu=torch.Generator().manual_seed(self.cfg.seed + 29),
-                    )
+                    stats = self.setup.update(self.trainee, rollout, inputs, size, self.compute_dtype)
                     return _Run(stats, optimizer.seconds_since_reset, optimizer.update_peak_bytes)
 
                 label = f"update {resolution} micro-batch {size} checkpointing {'on' if checkpointing else 'off'}"
@@ -433,7 +467,6 @@ class _Sweep:
 
         from fluxgrpo.grpo.rollout import predict_velocity
         from fluxgrpo.grpo.schedule import model_timesteps
-        from fluxgrpo.grpo.sde import sde_step
 
         transformer = self.model.transformer
         transformer.train()
@@ -452,9 +485,7 @@ class _Sweep:
                 self.ctx.device_type,
                 self.compute_dtype,
             )
-            step = sde_step(
-                current, velocity, inputs.sigmas[0], inputs.sigmas[1], TRAINING_DEFAULTS.eta, prev_sample=following
-            )
+            step = rollout.sampler.step(current, velocity, inputs.sigmas[0], inputs.sigmas[1], prev_sample=following)
             return step.log_prob.mean()
 
         held, loss = saved_activation_bytes(forward, list(transformer.parameters()))

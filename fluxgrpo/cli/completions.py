@@ -37,6 +37,7 @@ def value_choices() -> dict[str, tuple[str, ...]]:
     from fluxgrpo.cli.fetch_weights import SOURCES
     from fluxgrpo.config import choices as config
     from fluxgrpo.config import shipped_configs
+    from fluxgrpo.grpo.objectives.catalogue import AWM_WEIGHTINGS, objective_names
     from fluxgrpo.models.known import MODEL_FAMILIES
     from fluxgrpo.rewards import reward_names
     from fluxgrpo.rewards.base import REWARD_DTYPES
@@ -48,13 +49,13 @@ def value_choices() -> dict[str, tuple[str, ...]]:
 
     return {
         "--config": tuple(sorted(shipped_configs())),
-        "--objective": config.OBJECTIVES,
+        "--objective": objective_names(),
         "--sampler": config.SAMPLERS,
         "--sde-window-policy": config.WINDOW_POLICIES,
         "--decode-sample": config.DECODE_SAMPLES,
         "--ode-solver": config.ODE_SOLVERS,
         "--ratio-normalization": config.RATIO_NORMALIZATIONS,
-        "--awm-weighting": config.AWM_WEIGHTINGS,
+        "--awm-weighting": AWM_WEIGHTINGS,
         "--lr-scheduler": config.LR_SCHEDULERS,
         "--wandb-mode": config.WANDB_MODES,
         "--model-family": MODEL_FAMILIES,

@@ -8,13 +8,10 @@ from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from fluxgrpo.config.choices import (
-    AWM_WEIGHTINGS,
     DECODE_SAMPLES,
     LR_SCHEDULERS,
     MAX_IMAGE_SIDE,
     MAX_SEED,
-    NFT_DECAY_TYPES,
-    OBJECTIVES,
     ODE_SOLVERS,
     RATIO_NORMALIZATIONS,
     SAMPLERS,
@@ -24,6 +21,7 @@ from fluxgrpo.config.choices import (
     flag,
 )
 from fluxgrpo.data.benchmarks import eval_prompts_problem
+from fluxgrpo.grpo.objectives.catalogue import CATALOGUE, objective_names
 from fluxgrpo.models.known import MODEL_FAMILIES
 from fluxgrpo.rewards.base import REWARD_DTYPES
 from fluxgrpo.rewards.reward_set import AGGREGATIONS, parse_reward_list, reward_spec_problems
@@ -159,12 +157,13 @@ def _logging_problems(cfg: TrainConfig) -> list[str]:
 
 
 def _objective_problems(cfg: TrainConfig) -> list[str]:
+    """The objective's catalogue entry checks the run; every entry checks its own flags."""
+    if cfg.objective not in CATALOGUE:
+        return [f"--objective {cfg.objective!r}: use one of {', '.join(objective_names())}"]
     out = []
-    if cfg.objective not in OBJECTIVES:
-        out.append(f"--objective {cfg.objective!r}: use one of {', '.join(OBJECTIVES)}")
-        return out
-    if cfg.objective != "grpo":
-        grpo_only = [
+    entry = CATALOGUE[cfg.objective]
+    if not entry.keeps_trajectory:
+        trajectory_only = [
             flag
             for flag, used in (
                 ("--sde-window", cfg.sde_window != 0),
@@ -173,26 +172,15 @@ def _objective_problems(cfg: TrainConfig) -> list[str]:
             )
             if used
         ]
-        if grpo_only:
+        if trajectory_only:
+            keeping = ", ".join(name for name, other in CATALOGUE.items() if other.keeps_trajectory)
             out.append(
-                f"{', '.join(grpo_only)}: only --objective grpo has per-step log-probs; --objective "
+                f"{', '.join(trajectory_only)}: only --objective {keeping} has per-step log-probs; --objective "
                 f"{cfg.objective} rolls out with the ODE (leave these at their defaults)"
             )
-    if not cfg.nft_beta > 0:
-        out.append(f"--nft-beta {cfg.nft_beta} must be positive")
-    if cfg.nft_decay_type not in NFT_DECAY_TYPES:
-        out.append(f"--nft-decay-type {cfg.nft_decay_type}: use one of {', '.join(map(str, NFT_DECAY_TYPES))}")
-    if cfg.awm_weighting not in AWM_WEIGHTINGS:
-        out.append(f"--awm-weighting {cfg.awm_weighting!r}: use one of {', '.join(AWM_WEIGHTINGS)}")
-    if not cfg.awm_ghuber_power > 0:
-        out.append(f"--awm-ghuber-power {cfg.awm_ghuber_power} must be positive")
-    if not cfg.awm_ema_beta >= 0:
-        out.append(f"--awm-ema-beta {cfg.awm_ema_beta} cannot be negative (0 turns the EMA term off)")
-    if cfg.objective == "awm" and cfg.sampling_steps >= 1 and cfg.trainable_timesteps < 1:
-        out.append(
-            f"--objective awm trains at grid indices 1 … int(0.9·N)−1, none with --sampling-steps "
-            f"{cfg.sampling_steps}: use at least 3"
-        )
+    for other in CATALOGUE.values():
+        out.extend(other.option_problems(cfg))
+    out.extend(entry.run_problems(cfg))
     return out
 
 

@@ -30,10 +30,7 @@ WINDOW_POLICIES = ("sliding", "random", "random-early")
 DECODE_SAMPLES = ("x0", "final")
 ODE_SOLVERS = ("euler", "dpm2")
 RATIO_NORMALIZATIONS = ("none", "grpo-guard")
-OBJECTIVES = ("grpo", "nft", "awm")
-NFT_DECAY_TYPES = (0, 1, 2)
-AWM_WEIGHTINGS = ("uniform", "t", "t2", "ghuber", "huber")
-AWM_TIME_FRACTION = 0.9  # AWM trains at the sampler-grid indices 1 … int(0.9·N)−1
+# The objectives (--objective), their own choices and what each needs: grpo/objectives/catalogue.py (torch-free).
 
 
 def flag(name: str) -> str:

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fluxgrpo.config.checks import config_problems
-from fluxgrpo.config.choices import AWM_TIME_FRACTION, AWM_WEIGHTINGS, LORA_DEFAULT_TARGETS, LR_SCHEDULERS, WANDB_MODES
+from fluxgrpo.config.choices import LORA_DEFAULT_TARGETS, LR_SCHEDULERS, WANDB_MODES
 from fluxgrpo.errors import UsageError
+from fluxgrpo.grpo.objectives.catalogue import AWM_WEIGHTINGS, CATALOGUE, ObjectiveEntry
 from fluxgrpo.models.known import MODEL_FAMILIES
 from fluxgrpo.paths import (
     DEFAULT_EMBEDDINGS_DIR,
@@ -189,17 +190,19 @@ class TrainConfig:
     @property
     def shares_group_noise(self) -> bool:
         """Whether a group's trajectories start from one noise: with the SDE only (an ODE would repeat the image)."""
-        return self.init_same_noise and self.objective == "grpo"
+        return self.init_same_noise and self._objective_entry().keeps_trajectory
 
     @property
     def trainable_timesteps(self) -> int:
-        """The transitions a trajectory may train on: the SDE window, or N−1 (the last one cannot change the
-        reward, so it never trains). nft: the N sampler timesteps; awm: the grid indices 1 … int(0.9·N)−1."""
-        if self.objective == "nft":
-            return self.sampling_steps
-        if self.objective == "awm":
-            return max(int(self.sampling_steps * AWM_TIME_FRACTION) - 1, 0)
-        return self.sde_window or self.sampling_steps - 1
+        """The transitions a trajectory may train on (the objective's catalogue entry): grpo the SDE window, or N−1
+        (the last one cannot change the reward, so it never trains); nft the N sampler timesteps; awm the grid
+        indices 1 … int(0.9·N)−1."""
+        return self._objective_entry().trainable_timesteps(self.sampling_steps, self.sde_window)
+
+    def _objective_entry(self) -> ObjectiveEntry:
+        """The catalogue entry of ``--objective`` (an unknown name is reported by ``problems``; until then, the
+        sizes are grpo's)."""
+        return CATALOGUE.get(self.objective) or CATALOGUE["grpo"]
 
     @property
     def train_timesteps(self) -> int:

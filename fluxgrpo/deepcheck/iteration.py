@@ -2,9 +2,9 @@
 
 The iteration is the bench's and the trainer's own code: ``bench.models.build_bench_model`` builds the model (the
 ``flux-dev-shaped`` architecture with fewer blocks on an accelerator, the tiny FLUX on cpu) adapted to the device as
-training adapts it, ``bench.harness`` draws the inputs, and ``grpo.rollout.generate_rollout``,
-``training.stages.decode_images`` / ``score_images`` and ``grpo.update.policy_update`` run the phases. Nothing of
-the iteration is re-implemented here.
+training adapts it, ``bench.harness`` draws the inputs and runs ``training.stages.rollout_stage``,
+``training.stages.decode_images`` / ``score_images`` and ``update_stage`` (through ``bench.harness.PhaseSetup``)
+run the phases. Nothing of the iteration is re-implemented here.
 
 **On-policy start** (one result per sampler). At learning rate 0 the update scores exactly the trajectories the
 rollout sampled with the same weights, so the PPO ratio of the first micro-batch must be 1: what it measures is
@@ -138,11 +138,9 @@ def run_iteration(
     """
     import torch
 
-    from fluxgrpo.bench.harness import _make_inputs, _materialize_optimizer_state
+    from fluxgrpo.bench.harness import BenchTrainee, PhaseSetup, _make_inputs, _materialize_optimizer_state
     from fluxgrpo.bench.models import build_bench_model
     from fluxgrpo.deepcheck.hostmem import HostPeak
-    from fluxgrpo.grpo.rollout import generate_rollout
-    from fluxgrpo.grpo.update import UpdateSettings, policy_update
     from fluxgrpo.runtime import device as rt_device
     from fluxgrpo.training.stages import decode_images, score_images
 
@@ -165,33 +163,17 @@ def run_iteration(
         peaks.start()
         peaks.stop("persistent")  # right after a reset the peak is what is allocated now
         inputs = _make_inputs(bench_cfg, model, settings.height, settings.width, ctx.device, ctx.rank)
-        update_settings = UpdateSettings(
-            num_train_timesteps=settings.train_timesteps,
-            clip_range=settings.clip_range,
-            micro_batch_size=settings.micro_batch_size,
-            grad_accum_steps=math.ceil(settings.trajectories / settings.micro_batch_size),
-            max_grad_norm=settings.max_grad_norm,
-            compute_dtype=compute_dtype,
-        )
+        trainee = BenchTrainee(transformer, optimizer, _NoSchedule())
         reference_dtype = torch.float32 if compute_dtype == torch.bfloat16 else torch.bfloat16
 
         def on_policy(sampler: str, dtype: torch.dtype, first: bool) -> dict[str, float]:
             """Rollout with forwards in ``dtype``, (decode and score once), update: the update's statistics."""
             peaks.start()
-            rollout = generate_rollout(
-                transformer,
-                inputs.cond,
-                inputs.noise,
-                inputs.sigmas,
-                eta=settings.eta,
-                guidance=settings.guidance,
-                img_ids=inputs.img_ids,
-                rollout_batch_size=settings.rollout_batch_size,
-                device_type=ctx.device_type,
-                generator=torch.Generator(device=ctx.device).manual_seed(settings.seed + 17),
-                compute_dtype=dtype,
-                sampler=sampler,
-            )
+            setup = PhaseSetup(
+                sampler, settings.eta, settings.guidance, settings.clip_range, settings.max_grad_norm,
+                settings.train_timesteps, ctx.device_type, settings.seed,
+            )  # fmt: skip
+            rollout = setup.rollout(transformer, inputs, settings.rollout_batch_size, dtype)
             peaks.stop("rollout")
             if first:  # decode and score once: they do not depend on the sampler
                 peaks.start()
@@ -210,17 +192,7 @@ def run_iteration(
                 peaks.stop("reward")
                 del images
             peaks.start()
-            stats = policy_update(
-                transformer,
-                rollout,
-                inputs.cond,
-                inputs.advantages,
-                update_settings,
-                optimizer,
-                _NoSchedule(),
-                device_type=ctx.device_type,
-                generator_cpu=torch.Generator().manual_seed(settings.seed + 29),
-            )
+            stats = setup.update(trainee, rollout, inputs, settings.micro_batch_size, compute_dtype)
             peaks.stop("update")
             return stats.as_floats()
 
@@ -274,6 +246,8 @@ def _on_policy_result(
 
 
 class _NoSchedule:
+    last_epoch = 0  # the optimizer steps a run's schedule counts: none that moved a weight
+
     def step(self) -> None:
         """The learning rate stays 0."""
 

@@ -1,9 +1,5 @@
-"""What the KL option (``--kl-beta``) pulls the policy towards, and the KL itself (Flow-GRPO's).
-
-Flow-GRPO's KL, per trained step: mean over elements of (μθ − μ_ref)² / (2·std_dev_t²), μ the SDE step's mean from
-the policy's and the reference's velocity at the same (x, σ), std_dev_t the sampler's (``SdeStep.kl_scale``). For
-the Gaussian samplers that is the KL between the two steps' distributions times |dt| (the authors divide by
-std_dev_t², not by the step variance std_dev_t²·|dt|); fluxgrpo keeps their definition so their β values carry over.
+"""What the KL option (``--kl-beta``) pulls the policy towards (each objective's KL is its own: GRPO's is
+Flow-GRPO's, in ``objectives/grpo.py``; NFT's and AWM's the mean squared velocity difference).
 
 The reference is behind ``ReferenceModel.reference_prediction``: a LoRA run answers it with the adapter disabled
 (the authors' way, no second copy of the weights), full fine-tuning with a frozen copy of the base weights.
@@ -91,9 +87,3 @@ class AdapterDisabledReference:
             self.module.enable_adapters()  # type: ignore[operator]  # a peft/diffusers method reached through nn.Module.__getattr__
             self.module.train(was_training)
             reshard_sharded_modules(self.module)
-
-
-def mean_kl(policy_mean: torch.Tensor, reference_mean: torch.Tensor, kl_scale: torch.Tensor) -> torch.Tensor:
-    """[B] Flow-GRPO's KL: mean over all but the batch axis of (μθ − μ_ref)² / (2·kl_scale²)."""
-    kl = (policy_mean - reference_mean.detach()) ** 2 / (2 * kl_scale**2)
-    return kl.mean(dim=tuple(range(1, kl.ndim)))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fluxgrpo.grpo.samplers import Sampler, dpm_solver_2m_step, euler_step, make_sampler
+from fluxgrpo.grpo.samplers import Sampler, dpm_solver_2m_step, euler_step
 from fluxgrpo.grpo.schedule import model_timesteps
 from fluxgrpo.grpo.step_plan import StepPlan
 from fluxgrpo.grpo.types import Conditioning, FinalSamples, Rollout
@@ -54,39 +54,6 @@ class RolloutSettings:
     rollout_batch_size: int  # trajectories per forward
     compute_dtype: torch.dtype | None = None  # autocast dtype; None is the runtime's choice
     keep_means: bool = False  # also keep each SDE step's mean μ_old (GRPO-Guard's ratio needs it)
-
-
-@torch.no_grad()
-def generate_rollout(
-    transformer: nn.Module,
-    cond: Conditioning,
-    initial_noise: torch.Tensor,
-    sigmas: torch.Tensor,
-    *,
-    eta: float,
-    guidance: float,
-    img_ids: torch.Tensor,
-    rollout_batch_size: int,
-    device_type: str,
-    generator: torch.Generator,
-    compute_dtype: torch.dtype | None = None,
-    sampler: str = "dance",
-    plan: StepPlan | None = None,
-    keep_means: bool = False,
-) -> Rollout:
-    """``sample_trajectories`` with the sampler named ``sampler`` at noise level ``eta`` (``make_sampler``)."""
-    sigma_max = float(sigmas[1]) if sigmas.shape[0] > 2 else 0.0  # flow-grpo's σ₁ (host read once)
-    settings = RolloutSettings(
-        sampler=make_sampler(sampler, eta, sigma_max),
-        guidance=guidance,
-        rollout_batch_size=rollout_batch_size,
-        compute_dtype=compute_dtype,
-        keep_means=keep_means,
-    )
-    return sample_trajectories(
-        transformer, cond, initial_noise, sigmas, settings, img_ids=img_ids, device_type=device_type,
-        generator=generator, plan=plan,
-    )  # fmt: skip
 
 
 def _chunks(num_trajectories: int, batch_size: int) -> list[tuple[int, int]]:

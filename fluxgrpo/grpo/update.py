@@ -1,22 +1,55 @@
-"""The update driver: micro-batches × gradient accumulation → backward → ``optimizer_step``, with a guard that never
-lets a non-finite gradient reach the weights. It knows no objective: ``UpdateWork`` (``grpo/objectives``) turns
-each micro-batch step into a loss and its metrics."""
+"""The update driver: it owns the plumbing of every objective's update and knows none of them.
+
+For one rollout it cuts the samples into micro-batches (``UpdateLayout``), runs every forward the objective's work
+asks for (velocities precomputed before the first optimizer step, the KL reference's, the policy's with gradients,
+all fed the same conditioning, guidance and image ids, under the device's autocast), scales each loss term by
+1/(GA·slots), backpropagates each step at once, and steps the optimizer every GA micro-batches with a guard that
+never lets a non-finite gradient reach the weights (``optimizer_step``). The objective (``grpo/objectives``) turns
+the velocities of a step into its loss terms and metrics.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from fluxgrpo.grpo.objectives.base import Metric, MetricTally, UpdateWork, unmeasured
-from fluxgrpo.grpo.objectives.grpo import GrpoObjective, UpdateSettings, draw_train_timesteps
+from fluxgrpo.grpo.objectives.base import (
+    CURRENT_POLICY,
+    LOSS_METRIC,
+    Metric,
+    MetricTally,
+    ModelInput,
+    Objective,
+    StepResult,
+    UpdateLayout,
+    UpdateStep,
+    UpdateWork,
+    unmeasured,
+)
 from fluxgrpo.grpo.reference import ReferenceModel
-from fluxgrpo.grpo.types import Conditioning, Rollout, UpdateStats
+from fluxgrpo.grpo.rollout import predict_velocity
+from fluxgrpo.grpo.types import Conditioning, UpdateStats
 from fluxgrpo.runtime.dist import reshard_sharded_modules
 
-__all__ = ["UpdateSettings", "draw_train_timesteps", "optimizer_step", "policy_update", "run_update"]
+
+@dataclass(frozen=True)
+class UpdatePlumbing:
+    """How an update is batched and stepped, whatever the objective (``TrainConfig``'s names)."""
+
+    micro_batch_size: int  # samples per training forward (train_micro_batch_size)
+    grad_accum_steps: int  # micro-batches per optimizer step (gradient_accumulation_steps)
+    max_grad_norm: float  # global gradient-norm clip
+    compute_dtype: torch.dtype | None = None  # autocast dtype; None is the runtime's choice
+
+
+def update_metrics(objective: Objective) -> dict[str, Metric]:
+    """Every metric an update of ``objective`` reports: the driver's loss, then the objective's own."""
+    return {**LOSS_METRIC, **objective.metrics}
 
 
 def _as_plain_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -45,45 +78,156 @@ def optimizer_step(
     return norm
 
 
+@dataclass(frozen=True)
+class Forwards:
+    """What every forward of one update is fed besides the step's own input."""
+
+    transformer: nn.Module
+    cond: Conditioning
+    guidance: torch.Tensor  # [B] fp32, the rollout's guidance for every sample
+    img_ids: torch.Tensor  # [L, 3]
+    device_type: str
+    compute_dtype: torch.dtype | None
+
+    def velocity(self, model_input: ModelInput, start: int, stop: int, module: nn.Module | None = None) -> torch.Tensor:
+        """v of ``module`` (default: the policy) for samples start…stop−1 at ``model_input``."""
+        return predict_velocity(
+            module if module is not None else self.transformer, model_input.latents, self.cond.rows(start, stop),
+            model_input.timesteps, self.guidance[start:stop], self.img_ids, self.device_type, self.compute_dtype,
+        )  # fmt: skip
+
+    def precompute(self, work: UpdateWork, layout: UpdateLayout) -> torch.Tensor:
+        """[B, T, L, C] fp32: the module's velocity at every (sample, slot), without gradients."""
+        out: torch.Tensor | None = None
+        with torch.no_grad():
+            for start, stop in layout.bounds:
+                for slot in range(work.slots):
+                    velocity = self.velocity(work.model_input(start, stop, slot), start, stop)
+                    if out is None:
+                        size = (layout.bounds[-1][1], work.slots, *velocity.shape[1:])
+                        out = torch.empty(size, dtype=torch.float32, device=velocity.device)
+                    out[start:stop, slot] = velocity
+        assert out is not None  # an update has at least one sample and one slot
+        return out
+
+
+class UpdatePass:
+    """One update's work with its forwards: the objective's work prepared from the rollout, the velocities it
+    wants precomputed (with the weights as they are now, a policy copy swapped in where it names one), and
+    ``step``, one scaled loss step. ``run_update`` walks it; tests drive single steps with it."""
+
+    def __init__(
+        self,
+        transformer: nn.Module,
+        objective: Objective,
+        rollout: Any,
+        cond: Conditioning,
+        advantages: torch.Tensor,
+        plumbing: UpdatePlumbing,
+        *,
+        device_type: str,
+        generator_cpu: torch.Generator,
+        reference: ReferenceModel | None = None,
+    ) -> None:
+        device = cond.prompt_embeds.device
+        num_samples = rollout.num_trajectories
+        if advantages.shape != (num_samples,):
+            raise ValueError(f"advantages must be [{num_samples}], got {tuple(advantages.shape)}")
+        if cond.num_rows != num_samples:
+            raise ValueError(f"{cond.num_rows} conditioning rows for {num_samples} trajectories")
+        self.layout = UpdateLayout.of(num_samples, plumbing.micro_batch_size, plumbing.grad_accum_steps)
+        self.work = objective.prepare(
+            rollout, advantages.to(device=device, dtype=torch.float32), self.layout, generator_cpu
+        )
+        if self.work.wants_reference and reference is None:
+            raise ValueError("kl_beta > 0 needs a reference model")
+        self.reference = reference
+        self.forwards = Forwards(
+            transformer, cond, torch.full((num_samples,), rollout.guidance, dtype=torch.float32, device=device),
+            rollout.img_ids.to(device), device_type, plumbing.compute_dtype,
+        )  # fmt: skip
+        self.precomputed: dict[str, torch.Tensor] = {}
+        for name in self.work.precomputed_forwards:
+            copy = (
+                contextlib.nullcontext()
+                if name == CURRENT_POLICY
+                else objective.policy_copies[name].swapped_in(transformer)
+            )
+            with copy:
+                self.precomputed[name] = self.forwards.precompute(self.work, self.layout)
+        self.loss_scale = 1.0 / (plumbing.grad_accum_steps * self.work.slots)
+
+    def step(self, micro_index: int, slot: int) -> StepResult:
+        """Micro-batch ``micro_index``'s loss at ``slot``: the reference's forward (first: a LoRA reference is the
+        policy with its adapters off), the policy's, the objective's terms each scaled by 1/(GA·slots)."""
+        start, stop = self.layout.bounds[micro_index]
+        model_input = self.work.model_input(start, stop, slot)
+        forwards, reference_velocity = self.forwards, None
+        if self.work.wants_reference:
+            assert self.reference is not None  # checked on construction
+            reference_velocity = self.reference.reference_prediction(
+                model_input.latents, forwards.cond.rows(start, stop), model_input.timesteps,
+                forwards.guidance[start:stop], forwards.img_ids, forwards.device_type, forwards.compute_dtype,
+            )  # fmt: skip
+        precomputed = {name: velocities[start:stop, slot] for name, velocities in self.precomputed.items()}
+        velocity = forwards.velocity(model_input, start, stop)
+        step_loss = self.work.loss(
+            UpdateStep(micro_index, start, stop, slot, model_input, velocity, reference_velocity, precomputed)
+        )
+        loss = step_loss.terms[0] * self.loss_scale
+        for term in step_loss.terms[1:]:
+            loss = loss + term * self.loss_scale
+        return StepResult(loss, {"loss_sum": loss.detach(), **step_loss.metrics}, stop - start)
+
+
 def run_update(
     transformer: nn.Module,
-    work: UpdateWork,
-    specs: Mapping[str, Metric],
+    objective: Objective,
+    rollout: Any,
+    cond: Conditioning,
+    advantages: torch.Tensor,
     optimizer: torch.optim.Optimizer,
     lr_scheduler: Any,
+    plumbing: UpdatePlumbing,
     *,
-    grad_accum_steps: int,
-    max_grad_norm: float,
-    num_steps: int,
-    device: torch.device,
+    device_type: str,
+    generator_cpu: torch.Generator,
+    reference: ReferenceModel | None = None,
 ) -> UpdateStats:
-    """Train on ``work``; returns statistics reduced once at the end.
+    """Train ``transformer`` on one rollout with ``objective``; returns statistics reduced once at the end.
 
-    For each micro-batch, each of its ``work.slots`` loss steps is backpropagated at once (no graph is kept across
-    steps). After micro-batch m, if (m+1) % GA == 0 (the recipe's ``(i//mbs+1) % GA == 0``), an ``optimizer_step``.
-    Gradients left over at the end (micro-batch count not a multiple of GA) are stepped too, with the same scale,
-    so that window weighs less; DanceGRPO dropped them. A boundary whose gradient norm is not finite is skipped
-    (weights untouched) and shows as a non-finite entry of ``UpdateStats.grad_norms``. Gradients present on entry
-    are discarded. ``num_steps`` is the σ table's length N (per-step metrics have N entries).
+    Computation happens on ``cond.prompt_embeds.device``; ``advantages`` [B] are already clipped;
+    ``generator_cpu`` draws what the objective draws (save it for an exact resume); ``reference`` answers the KL
+    term's forwards. For each micro-batch, each of its ``work.slots`` loss steps (``UpdatePass.step``) is
+    backpropagated at once (no graph is kept across steps). After micro-batch m, if (m+1) % GA == 0 (the recipe's
+    ``(i//mbs+1) % GA == 0``), an ``optimizer_step``. Gradients left over at the end (micro-batch count not a
+    multiple of GA) are stepped too, with the same scale, so that window weighs less; DanceGRPO dropped them. A
+    boundary whose gradient norm is not finite is skipped (weights untouched) and shows as a non-finite entry of
+    ``UpdateStats.grad_norms``. Gradients present on entry are discarded.
     """
-    tally = MetricTally(specs, device, num_steps)
+    update = UpdatePass(
+        transformer, objective, rollout, cond, advantages, plumbing, device_type=device_type,
+        generator_cpu=generator_cpu, reference=reference,
+    )  # fmt: skip
+    specs = update_metrics(objective)
+    tally = MetricTally(specs, cond.prompt_embeds.device, rollout.num_steps)
     grad_norms: list[torch.Tensor] = []
     reshard_sharded_modules(transformer)
     transformer.train()
     optimizer.zero_grad(set_to_none=True)
     pending = False
-    for micro_index in range(work.num_micro_batches):
-        for slot in range(work.slots):
-            step = work.loss(micro_index, slot)
+    for micro_index in range(update.layout.num_micro_batches):
+        for slot in range(update.work.slots):
+            step = update.step(micro_index, slot)
             step.loss.backward()
             pending = True
             tally.add(step)
-        if (micro_index + 1) % grad_accum_steps == 0:
-            grad_norms.append(optimizer_step(transformer, optimizer, lr_scheduler, max_grad_norm))
+        if (micro_index + 1) % plumbing.grad_accum_steps == 0:
+            grad_norms.append(optimizer_step(transformer, optimizer, lr_scheduler, plumbing.max_grad_norm))
             pending = False
     if pending:
-        grad_norms.append(optimizer_step(transformer, optimizer, lr_scheduler, max_grad_norm))
-    norms = torch.stack(grad_norms).to(device)
+        grad_norms.append(optimizer_step(transformer, optimizer, lr_scheduler, plumbing.max_grad_norm))
+    norms = torch.stack(grad_norms).to(cond.prompt_embeds.device)
     taken = int(torch.isfinite(norms).sum())
     return UpdateStats(
         metrics=tally.result(),
@@ -91,47 +235,9 @@ def run_update(
         grad_norms=norms,
         optimizer_steps=taken,
         skipped_steps=len(grad_norms) - taken,
-        num_microbatches=work.num_micro_batches,
-        train_timestep_indices=work.train_timestep_indices,
+        num_microbatches=update.layout.num_micro_batches,
+        train_timestep_indices=update.work.train_timestep_indices,
     )
-
-
-def policy_update(
-    transformer: nn.Module,
-    rollout: Rollout,
-    cond: Conditioning,
-    advantages: torch.Tensor,
-    settings: UpdateSettings,
-    optimizer: torch.optim.Optimizer,
-    lr_scheduler: Any,
-    *,
-    device_type: str,
-    generator_cpu: torch.Generator,
-    reference: ReferenceModel | None = None,
-) -> UpdateStats:
-    """The GRPO update (``--objective grpo``): train the policy on one rollout.
-
-    Procedure (DanceGRPO §6, batched as in the Ascend recipe):
-    - The last transition is never trained; each trajectory b draws randperm(N−1) from ``generator_cpu``
-      (trajectories in order) and trains on its first T = ``settings.num_train_timesteps`` entries. With an SDE
-      window the permutation is of the window's steps (``rollout.trainable``).
-    - Trajectories are taken in micro-batches of ``micro_batch_size``; for k < T, micro-batch step k stacks
-      each trajectory's own k-th timestep, so σ differs per sample.
-    - Each step: forward in train mode under autocast, log-prob of the stored next latent with the rollout's
-      sampler, the ratio (``settings.ratio_normalization``), PPO-clip loss plus β·KL to ``reference`` (when
-      ``settings.kl_beta`` > 0), scaled by 1/(GA·T), backward at once; accumulation as ``run_update``.
-
-    Computation happens on ``cond.prompt_embeds.device``; ``advantages`` [B] are already clipped; ``generator_cpu``
-    draws the timestep permutations (save it for an exact resume); ``reference`` is required when ``kl_beta`` > 0.
-    """
-    objective = GrpoObjective(settings, reference)
-    work = objective.prepare(
-        transformer, rollout, cond, advantages, device_type=device_type, generator_cpu=generator_cpu
-    )
-    return run_update(
-        transformer, work, objective.metrics, optimizer, lr_scheduler, grad_accum_steps=settings.grad_accum_steps,
-        max_grad_norm=settings.max_grad_norm, num_steps=rollout.num_steps, device=cond.prompt_embeds.device,
-    )  # fmt: skip
 
 
 def skipped_update(

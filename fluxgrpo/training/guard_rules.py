@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fluxgrpo.errors import UsageError
+from fluxgrpo.grpo.objectives.catalogue import CATALOGUE
 from fluxgrpo.rewards.reward_set import eval_reward_names
 from fluxgrpo.training.diversity import EMBEDDING_REWARDS, embedding_reward
 
@@ -162,9 +163,10 @@ def guard_problems(cfg: TrainConfig) -> list[str]:
             f"--keep-best {best!r}: use an evaluated reward ({', '.join(evaluated)}; add others with --eval-rewards), "
             "diversity, or its eval_… key"
         )
-    if cfg.objective != "grpo" and "velocity_norm_ratio" in {rule.name for rule in rules}:
+    refused = set(CATALOGUE[cfg.objective].refused_guards) if cfg.objective in CATALOGUE else set()
+    for name in sorted(refused & {rule.name for rule in rules}):
         out.append(
-            f"velocity_norm_ratio is measured on the SDE trajectory's trained steps, which --objective {cfg.objective} "
+            f"{name} is measured on the SDE trajectory's trained steps, which --objective {cfg.objective} "
             "does not keep (its probe reports NaN): guard diversity, group_spread or an evaluated reward instead"
         )
     if DIVERSITY in {rule.name for rule in rules} | {best}:

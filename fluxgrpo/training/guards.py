@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     import torch
 
     from fluxgrpo.config import TrainConfig
-    from fluxgrpo.grpo.types import Conditioning, Rollout
+    from fluxgrpo.grpo.types import Conditioning, FinalSamples, Rollout
     from fluxgrpo.metrics import MetricsLogger
     from fluxgrpo.training.parts import TrainingParts
 
@@ -136,7 +136,7 @@ class RunMonitor:
         return self.state.to_dict()
 
     def measure_drift(
-        self, iteration: int, rollout: Rollout, cond: Conditioning, timestep_generator: torch.Generator
+        self, iteration: int, rollout: Rollout | FinalSamples, cond: Conditioning, timestep_generator: torch.Generator
     ) -> dict[str, Any]:
         """This iteration's drift signals and guard status, for its metrics record (every rank)."""
         values = self.drift.measure(iteration, rollout, cond, timestep_generator)

@@ -4,12 +4,13 @@ Each iteration, on each rank:
 
 1. draw ``train_batch_size`` prompts (a seeded distributed sampler whose epoch advances) and repeat each G times;
 2. rollout: SDE sampling with per-step log-probs (every step, or a window with ODE elsewhere: ``step_plan.py``),
-   in chunks of ``rollout_batch_size`` (``rollout.py``); or, for the objectives that train on final samples
-   (``--objective nft/awm``), the ODE keeping the final latents only;
+   in chunks of ``rollout_batch_size`` (``rollout.py``, the steps in ``samplers.py``); or, for the objectives
+   that train on final samples (``--objective nft/awm``), the ODE keeping the final latents only (``rollout_stage``);
 3. decode the final x̂0 with the VAE and score the images with the reward model, batched, on the device;
 4. group advantages (unbiased std + 1e-8, clipped), rewards gathered across ranks for logging;
-5. policy update: the objective's loss (``grpo/objectives``: PPO-clip on a random subset of timesteps per
-   trajectory, DiffusionNFT or AWM) over micro-batches with gradient accumulation (``update.py``);
+5. policy update (``update_stage``): the update driver (``update.py``: micro-batches, forwards, gradient
+   accumulation) on the objective's loss (``grpo/objectives``: PPO-clip on a random subset of timesteps per
+   trajectory, DiffusionNFT or AWM);
 6. metrics (rank 0) with the drift signals (``drift.py``); every ``eval_every`` iterations the held-out evaluation
    and its guards (``guards.py``: warn, or stop the run), and, every ``checkpointing_steps`` iterations, after the
    last, at a new best evaluation (``--keep-best``) and at a guard's stop, a checkpoint.
@@ -36,7 +37,6 @@ from fluxgrpo.grpo.latents import image_ids
 from fluxgrpo.grpo.reward_aggregation import aggregate_rewards
 from fluxgrpo.grpo.schedule import sigma_schedule
 from fluxgrpo.grpo.step_plan import plan_for_iteration
-from fluxgrpo.grpo.update import run_update, skipped_update
 from fluxgrpo.metrics import MetricsLogger, run_info
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime import dist as rt_dist
@@ -47,13 +47,14 @@ from fluxgrpo.training.eval import Evaluator
 from fluxgrpo.training.guards import RunMonitor
 from fluxgrpo.training.health import SkippedUpdateWatch
 from fluxgrpo.training.parts import TrainingParts, build_parts
-from fluxgrpo.training.settings import build_objective, plan_settings
+from fluxgrpo.training.settings import build_objective, plan_settings, rollout_settings, update_plumbing
 from fluxgrpo.training.stages import (
     decode_and_score,
     draw_prompts,
     initial_noise,
     rollout_stage,
     save_sample_images,
+    update_stage,
 )
 from fluxgrpo.training.stats import PhaseClock, any_finite_reward, iteration_record, progress_line
 
@@ -106,12 +107,6 @@ def restore(ctx: DistContext, parts: TrainingParts, checkpoint: Path | None) -> 
     return loaded.iteration
 
 
-def optimizer_steps_taken(parts: TrainingParts) -> int:
-    """Optimizer steps taken so far in the run (the scheduler steps with each one and is saved with checkpoints):
-    the step count DiffusionNFT's and AWM's decay schedules read."""
-    return int(parts.lr_scheduler.last_epoch)
-
-
 def checkpoint_to_resume(
     ctx: DistContext, output_dir: Path, resume: str | None, launch_token: str | None = None
 ) -> Path | None:
@@ -158,8 +153,9 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
         monitor = RunMonitor(cfg, parts, metrics, checkpoint)  # guards, best checkpoint, drift signals
         sigmas = sigma_schedule(cfg.sampling_steps, cfg.shift).to(ctx.device)  # [N+1]
         img_ids = image_ids(cfg.height, cfg.width).to(ctx.device)  # [L, 3]
-        objective = build_objective(cfg, parts.policy_copies, parts.reference)
-        step_plan_settings = plan_settings(cfg)
+        objective = build_objective(cfg, parts.policy_copies)
+        step_plan_settings, plumbing = plan_settings(cfg), update_plumbing(cfg)
+        rollout_setup = rollout_settings(cfg, sigmas, objective)
         records: list[dict[str, Any]] = []
         skipped_updates = SkippedUpdateWatch()
         # the base model at iteration 0: every eval curve and every guard baseline starts there
@@ -179,36 +175,25 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
 
             cond = draw_prompts(parts, cfg)  # [B = prompts × G] rows, groups contiguous
             noise = initial_noise(cfg, cfg.train_batch_size, noise_gen, ctx.device)  # [B, L, C]
-            rollout = rollout_stage(parts, cfg, objective, cond, noise, sigmas, img_ids, plan, noise_gen)
+            rollout = rollout_stage(
+                parts.transformer, objective, rollout_setup, cond, noise, sigmas, img_ids,
+                device_type=ctx.device_type, generator=noise_gen, plan=plan,
+            )  # fmt: skip
             drift = monitor.measure_drift(iteration, rollout, cond, timestep_gen)  # no RNG drawn, no weight moved
             clock.lap("rollout")
 
             decoded = rollout.final_x0 if cfg.decode_sample == "x0" else rollout.final_latent
+            assert decoded is not None  # every rollout keeps its last latent
             images, scores = decode_and_score(parts, cfg, decoded, cond.captions)  # [B,3,H,W], [B, K]
             clock.lap("decode_reward")
 
             rewards, adv = aggregate_rewards(  # [B] Σ w·r, [B] advantages
                 scores, parts.reward_fn.weights, cfg.advantage_aggregation, cfg.num_generations, cfg.adv_clip_max
             ).as_tuple()
-            if any_finite_reward(ctx, rewards):
-                work = objective.prepare(
-                    parts.transformer, rollout, cond, adv.advantages, device_type=ctx.device_type,
-                    generator_cpu=timestep_gen,
-                )  # fmt: skip
-                update = run_update(
-                    parts.transformer, work, objective.metrics, parts.optimizer, parts.lr_scheduler,
-                    grad_accum_steps=cfg.gradient_accumulation_steps, max_grad_norm=cfg.max_grad_norm,
-                    num_steps=cfg.sampling_steps, device=ctx.device,
-                )  # fmt: skip
-                objective.finish(parts.transformer, optimizer_steps_taken(parts))
-                if parts.ema is not None and update.optimizer_steps:
-                    parts.ema.update(parts.transformer)  # once per iteration, as DanceGRPO
-            else:  # nothing to learn from: not even weight decay or Adam's step count may move
-                update = skipped_update(
-                    objective.metrics, num_trajectories=cfg.trajectories_per_rank, num_steps=cfg.sampling_steps,
-                    micro_batch_size=cfg.train_micro_batch_size, grad_accum_steps=cfg.gradient_accumulation_steps,
-                    device=ctx.device,
-                )  # fmt: skip
+            update = update_stage(
+                parts, objective, rollout, cond, adv.advantages, plumbing, device_type=ctx.device_type,
+                generator_cpu=timestep_gen, learnable=any_finite_reward(ctx, rewards),
+            )  # fmt: skip
             clock.lap("update")
 
             record = iteration_record(ctx, cfg, parts, iteration, scores, rewards, adv.advantages, update, clock)

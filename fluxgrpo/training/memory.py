@@ -160,8 +160,9 @@ class RunShape:
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, dies: int, compute_bytes: int = 2, **extra: Any) -> RunShape:
-        from fluxgrpo.training.settings import policy_copy_names
+        from fluxgrpo.grpo.objectives.catalogue import objective_entry
 
+        objective = objective_entry(cfg.objective)
         return cls(
             dies=dies,
             height=cfg.height,
@@ -175,10 +176,8 @@ class RunShape:
             use_ema=cfg.use_ema,
             reward=cfg.reward,
             frozen_reference=cfg.kl_beta > 0 and cfg.lora_rank == 0,
-            policy_copies=len(policy_copy_names(cfg)),
-            objective_latents=0
-            if cfg.objective == "grpo"
-            else cfg.trajectories_per_rank * cfg.train_timesteps * (1 + len(policy_copy_names(cfg))),
+            policy_copies=len(objective.policy_copies(cfg)),
+            objective_latents=objective.update_latents(cfg),
             reward_bytes=2 if cfg.reward_dtype == "bf16" else 4,
             compute_bytes=compute_bytes,
             eval_rewards=_eval_only_reward_models(cfg),

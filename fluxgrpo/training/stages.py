@@ -1,16 +1,25 @@
-"""The loop's stages that are not algorithm: the prompts a rank draws, the initial noise, decoding and scoring,
-the sample images it saves. Shared with the evaluation and the bench."""
+"""The loop's stages: the prompts a rank draws, the initial noise, the rollout, decoding and scoring, the update,
+the sample images it saves. Shared with the evaluation, the bench and the deep check, which call these and no
+copies of them."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from fluxgrpo.config import TrainConfig
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.training.parts import TrainingParts
+
+if TYPE_CHECKING:
+    from fluxgrpo.grpo.objectives.base import Objective
+    from fluxgrpo.grpo.rollout import RolloutSettings
+    from fluxgrpo.grpo.step_plan import StepPlan
+    from fluxgrpo.grpo.types import Conditioning, FinalSamples, Rollout, UpdateStats
+    from fluxgrpo.grpo.update import UpdatePlumbing
 
 
 def draw_prompts(parts: TrainingParts, cfg: TrainConfig):
@@ -107,33 +116,83 @@ def save_sample_images(images: torch.Tensor, output_dir: Path, iteration: int, r
 
 
 def rollout_stage(
-    parts: TrainingParts,
-    cfg: TrainConfig,
-    objective: Any,
-    cond: Any,
+    transformer: torch.nn.Module,
+    objective: Objective,
+    settings: RolloutSettings,
+    cond: Conditioning,
     noise: torch.Tensor,
     sigmas: torch.Tensor,
     img_ids: torch.Tensor,
-    plan: Any,
-    generator: torch.Generator,
-) -> Any:
-    """What the objective trains on: the SDE trajectory with its log-probs (``Rollout``), or the ODE's final
-    latents (``FinalSamples``) sampled with the objective's rollout policy (NFT: θ_old) swapped in."""
-    import contextlib
-
+    *,
+    device_type: str,
+    generator: torch.Generator | None,
+    plan: StepPlan | None = None,
+) -> Rollout | FinalSamples:
+    """What the objective trains on: the SDE trajectory with its log-probs (``Rollout``; ``plan`` its SDE window,
+    ``generator`` its step noise), or the ODE's final latents (``FinalSamples``) sampled with the objective's
+    rollout policy (NFT: θ_old) swapped in."""
     from fluxgrpo.grpo.rollout import sample_final_latents, sample_trajectories
-    from fluxgrpo.training.settings import rollout_settings
 
-    device_type = parts.ctx.device_type
     if objective.keeps_trajectory:
+        assert generator is not None  # the SDE draws its step noise
         return sample_trajectories(
-            parts.transformer, cond, noise, sigmas, rollout_settings(cfg, sigmas), img_ids=img_ids,
-            device_type=device_type, generator=generator, plan=plan,
+            transformer, cond, noise, sigmas, settings, img_ids=img_ids, device_type=device_type,
+            generator=generator, plan=plan,
         )  # fmt: skip
     policy = objective.rollout_policy()
-    swapped = policy.swapped_in(parts.transformer) if policy is not None else contextlib.nullcontext()
+    swapped = policy.swapped_in(transformer) if policy is not None else contextlib.nullcontext()
     with swapped:
         return sample_final_latents(
-            parts.transformer, cond, noise, sigmas, guidance=cfg.guidance, rollout_batch_size=cfg.rollout_batch_size,
-            img_ids=img_ids, device_type=device_type,
+            transformer, cond, noise, sigmas, guidance=settings.guidance, rollout_batch_size=settings.rollout_batch_size,
+            img_ids=img_ids, device_type=device_type, compute_dtype=settings.compute_dtype,
         )  # fmt: skip
+
+
+class TrainedModel(Protocol):
+    """What an update trains and steps (``TrainingParts`` is one; the bench and the deep check build their own)."""
+
+    @property
+    def transformer(self) -> torch.nn.Module: ...
+    @property
+    def optimizer(self) -> Any: ...  # step() and zero_grad(): a torch optimizer, or the bench's timed wrapper
+    @property
+    def lr_scheduler(self) -> Any: ...  # step(); its last_epoch counts the run's optimizer steps
+    @property
+    def reference(self) -> Any: ...  # the KL's ``ReferenceModel``, or None
+    @property
+    def ema(self) -> Any: ...  # a ``ShardedEMA`` updated once per update that stepped, or None
+
+
+def update_stage(
+    model: TrainedModel,
+    objective: Objective,
+    rollout: Rollout | FinalSamples,
+    cond: Conditioning,
+    advantages: torch.Tensor,
+    plumbing: UpdatePlumbing,
+    *,
+    device_type: str,
+    generator_cpu: torch.Generator,
+    learnable: bool = True,
+) -> UpdateStats:
+    """Train on the rollout (``grpo.update.run_update``), then the objective's after-update step (its policy copies)
+    and the EMA; with ``learnable`` False (no finite reward on any rank) nothing runs and nothing moves, not even
+    weight decay or Adam's step count, and the statistics say the update was skipped."""
+    from fluxgrpo.grpo.update import run_update, skipped_update, update_metrics
+
+    if not learnable:
+        return skipped_update(
+            update_metrics(objective), num_trajectories=rollout.num_trajectories, num_steps=rollout.num_steps,
+            micro_batch_size=plumbing.micro_batch_size, grad_accum_steps=plumbing.grad_accum_steps,
+            device=cond.prompt_embeds.device,
+        )  # fmt: skip
+    update = run_update(
+        model.transformer, objective, rollout, cond, advantages, model.optimizer, model.lr_scheduler, plumbing,
+        device_type=device_type, generator_cpu=generator_cpu, reference=model.reference,
+    )  # fmt: skip
+    # the optimizer steps taken so far in the run (the scheduler steps with each one and is saved with checkpoints):
+    # the step count DiffusionNFT's and AWM's decay schedules read
+    objective.finish(model.transformer, int(model.lr_scheduler.last_epoch))
+    if model.ema is not None and update.optimizer_steps:
+        model.ema.update(model.transformer)  # once per iteration, as DanceGRPO
+    return update

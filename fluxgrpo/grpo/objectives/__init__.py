@@ -1,8 +1,3 @@
-"""Training objectives behind one seam (``base.Objective``): ``grpo`` (PPO-clip on per-step log-probs),
-``nft`` (DiffusionNFT) and ``awm`` (Advantage-Weighted Matching) on final samples."""
-
-from fluxgrpo.grpo.objectives.base import Metric, MetricTally, Objective, StepResult, UpdateWork
-
-OBJECTIVES = ("grpo", "nft", "awm")
-
-__all__ = ["OBJECTIVES", "Metric", "MetricTally", "Objective", "StepResult", "UpdateWork"]
+"""Training objectives behind one seam (``base.Objective``): ``grpo`` (PPO-clip on per-step log-probs), ``nft``
+(DiffusionNFT) and ``awm`` (Advantage-Weighted Matching) on final samples. ``catalogue`` (torch-free) lists them
+for the config, the settings, the memory model and the guards; importing this package imports no torch."""

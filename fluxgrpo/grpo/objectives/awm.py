@@ -17,22 +17,20 @@ step. The EMA policy is soft-updated after the update with d = min(0.3, 0.001·o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from fluxgrpo.grpo.objectives.base import Metric, StepResult
-from fluxgrpo.grpo.objectives.grpo import micro_batch_bounds
-from fluxgrpo.grpo.objectives.nft import FlowMatchingBatch, precompute_velocities
+from fluxgrpo.grpo.objectives.base import CURRENT_POLICY, Metric, ModelInput, StepLoss, UpdateLayout, UpdateStep
+from fluxgrpo.grpo.objectives.catalogue import AWM_TIME_FRACTION, AWM_WEIGHTINGS, EMA_POLICY
+from fluxgrpo.grpo.objectives.nft import FlowMatchingBatch
 from fluxgrpo.grpo.policy_copy import PolicyCopy
-from fluxgrpo.grpo.reference import ReferenceModel
-from fluxgrpo.grpo.types import Conditioning, FinalSamples
+from fluxgrpo.grpo.types import FinalSamples
 
-WEIGHTINGS = ("uniform", "t", "t2", "ghuber", "huber")
-TIME_FRACTION, FIRST_INDEX = 0.9, 1  # the authors' grid range [1, int(N·0.9)) ("discrete_wo_init")
+FIRST_INDEX = 1  # the authors' grid range [1, int(N·AWM_TIME_FRACTION)) ("discrete_wo_init")
 
 AWM_METRICS = {
-    "loss_sum": Metric("loss", "sum"),
     "policy_loss": Metric("policy_loss", "mean"),
     "ratio_mean": Metric("ratio_mean", "mean"),
     "ratio_min": Metric("ratio_min", "min"),
@@ -51,7 +49,7 @@ def ema_policy_decay(optimizer_steps: int) -> float:
 
 def trainable_range(num_steps: int) -> range:
     """The sampler-grid indices AWM trains at: [1, int(0.9·N))."""
-    return range(FIRST_INDEX, int(num_steps * TIME_FRACTION))
+    return range(FIRST_INDEX, int(num_steps * AWM_TIME_FRACTION))
 
 
 def stratified_indices(num_steps: int, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -75,7 +73,7 @@ def weighted_log_prob(mse: torch.Tensor, t: torch.Tensor, weighting: str, power:
         return -((mse + 1e-10) ** power - 1e-10**power) * t / power
     if weighting == "huber":
         return -(torch.sqrt(mse + 1e-10) - 1e-5) * t
-    raise ValueError(f"unknown AWM weighting {weighting!r}: one of {', '.join(WEIGHTINGS)}")
+    raise ValueError(f"unknown AWM weighting {weighting!r}: one of {', '.join(AWM_WEIGHTINGS)}")
 
 
 def flow_matching_mse(velocity: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
@@ -99,50 +97,46 @@ class AwmSettings:
     """AWM's hyperparameters (``TrainConfig``'s names in the comments)."""
 
     num_train_timesteps: int  # T stratified indices per micro-batch
-    micro_batch_size: int
-    grad_accum_steps: int
     weighting: str = "ghuber"  # awm_weighting
     ghuber_power: float = 0.25  # awm_ghuber_power
     clip_range: float = 1.0  # clip_range (1: effectively unclipped, the authors')
     kl_beta: float = 0.0  # kl_beta: weight of mean((v − v_ref)²)
     ema_beta: float = 0.0  # awm_ema_beta: weight of mean((v − v_ema)²)
     adv_clip_max: float = 5.0
-    compute_dtype: torch.dtype | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> AwmSettings:
+        return cls(
+            num_train_timesteps=cfg.train_timesteps, weighting=cfg.awm_weighting, ghuber_power=cfg.awm_ghuber_power,
+            clip_range=cfg.clip_range, kl_beta=cfg.kl_beta, ema_beta=cfg.awm_ema_beta, adv_clip_max=cfg.adv_clip_max,
+        )  # fmt: skip
 
 
 class AwmObjective:
     name = "awm"
     keeps_trajectory = False
+    keeps_step_means = False
     metrics = AWM_METRICS
     progress = AWM_PROGRESS
 
-    def __init__(
-        self,
-        settings: AwmSettings,
-        ema_policy: PolicyCopy | None = None,
-        reference: ReferenceModel | None = None,
-    ) -> None:
-        if settings.kl_beta > 0 and reference is None:
-            raise ValueError("kl_beta > 0 needs a reference model")
+    def __init__(self, settings: AwmSettings, ema_policy: PolicyCopy | None = None) -> None:
         if settings.ema_beta > 0 and ema_policy is None:
             raise ValueError("ema_beta > 0 needs the EMA policy")
-        self.settings, self.ema_policy, self.reference = settings, ema_policy, reference
+        self.settings, self.ema_policy = settings, ema_policy
+        self.policy_copies = {} if ema_policy is None else {EMA_POLICY: ema_policy}
+
+    @classmethod
+    def from_config(cls, cfg: Any, policy_copies: dict[str, PolicyCopy]) -> AwmObjective:
+        return cls(AwmSettings.from_config(cfg), policy_copies.get(EMA_POLICY))
 
     def rollout_policy(self) -> PolicyCopy | None:
         """Rollouts sample with the current policy."""
         return None
 
     def prepare(
-        self,
-        transformer: nn.Module,
-        rollout: FinalSamples,
-        cond: Conditioning,
-        advantages: torch.Tensor,
-        *,
-        device_type: str,
-        generator_cpu: torch.Generator,
+        self, rollout: FinalSamples, advantages: torch.Tensor, layout: UpdateLayout, generator_cpu: torch.Generator
     ) -> AwmWork:
-        return AwmWork(self, transformer, rollout, cond, advantages, device_type, generator_cpu)
+        return AwmWork(self.settings, rollout, advantages, layout, generator_cpu)
 
     def finish(self, transformer: nn.Module, optimizer_steps: int) -> None:
         if self.ema_policy is not None:
@@ -152,92 +146,64 @@ class AwmObjective:
 class AwmWork:
     def __init__(
         self,
-        objective: AwmObjective,
-        transformer: nn.Module,
+        settings: AwmSettings,
         rollout: FinalSamples,
-        cond: Conditioning,
         advantages: torch.Tensor,
-        device_type: str,
+        layout: UpdateLayout,
         generator_cpu: torch.Generator,
     ) -> None:
-        settings = objective.settings
-        num_samples, num_steps, self.slots = rollout.num_trajectories, rollout.num_steps, settings.num_train_timesteps
-        if advantages.shape != (num_samples,) or cond.num_rows != num_samples:
-            raise ValueError(f"advantages {tuple(advantages.shape)} and {cond.num_rows} rows for {num_samples} samples")
+        num_steps, self.slots = rollout.num_steps, settings.num_train_timesteps
         if not 1 <= self.slots <= len(trainable_range(num_steps)):
             raise ValueError(f"cannot train {self.slots} of {len(trainable_range(num_steps))} AWM timesteps")
-        device = cond.prompt_embeds.device
-        self.bounds = micro_batch_bounds(num_samples, settings.micro_batch_size)
-        self.num_micro_batches = len(self.bounds)
+        self.settings, self.layout = settings, layout
+        self.wants_reference = settings.kl_beta > 0
         rows = []
-        for start, stop in self.bounds:  # one stratified draw per micro-batch, shared by its samples
+        for start, stop in layout.bounds:  # one stratified draw per micro-batch, shared by its samples
             rows.append(stratified_indices(num_steps, self.slots, generator_cpu).expand(stop - start, -1))
         self.train_timestep_indices = torch.cat(rows)
-        self.batch = FlowMatchingBatch(rollout, self.train_timestep_indices, generator_cpu, device)
-        clipped = advantages.to(device=device, dtype=torch.float32).clamp(-settings.adv_clip_max, settings.adv_clip_max)
-        self.advantages = clipped / settings.adv_clip_max
-        self.objective, self.transformer, self.cond, self.device_type = objective, transformer, cond, device_type
-        self.loss_scale = 1.0 / (settings.grad_accum_steps * self.slots)
-        self.ema_velocities = None
-        if settings.ema_beta > 0:
-            assert objective.ema_policy is not None  # checked on construction
-            with objective.ema_policy.swapped_in(transformer):
-                self.ema_velocities = precompute_velocities(
-                    transformer, self.batch, cond, self.bounds, self.slots, device_type, settings.compute_dtype
-                )
-        # Off-policy micro-batches (after the first optimizer step) need lp under the weights before it.
-        self.old_log_probs: torch.Tensor | None = None
-        if self.num_micro_batches > settings.grad_accum_steps:
-            velocities = precompute_velocities(
-                transformer, self.batch, cond, self.bounds, self.slots, device_type, settings.compute_dtype
-            )
-            self.old_log_probs = torch.stack(
-                [self._log_prob(velocities[:, slot], slice(0, num_samples), slot)[0] for slot in range(self.slots)],
-                dim=1,
-            )  # [B, T]
+        self.batch = FlowMatchingBatch(rollout, self.train_timestep_indices, generator_cpu, advantages.device)
+        self.advantages = advantages.clamp(-settings.adv_clip_max, settings.adv_clip_max) / settings.adv_clip_max
+        # The EMA policy's velocities; and, for the off-policy micro-batches (after the first optimizer step), lp
+        # under the weights before it.
+        self.precomputed_forwards = ((EMA_POLICY,) if settings.ema_beta > 0 else ()) + (
+            (CURRENT_POLICY,) if layout.num_micro_batches > layout.grad_accum_steps else ()
+        )
+
+    def model_input(self, start: int, stop: int, slot: int) -> ModelInput:
+        return self.batch.model_input(start, stop, slot)
 
     def _log_prob(self, velocity: torch.Tensor, rows: slice, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(lp [m], mse [m]) in fp64 for the rows' samples at their slot-th timestep."""
-        settings = self.objective.settings
+        settings = self.settings
         mse = flow_matching_mse(velocity, self.batch.noise[rows, slot], self.batch.x0[rows])
         return weighted_log_prob(mse, self.batch.t[rows, slot], settings.weighting, settings.ghuber_power), mse
 
-    def loss(self, micro_index: int, slot: int) -> StepResult:
-        settings = self.objective.settings
-        start, stop = self.bounds[micro_index]
-        x_t, _, _ = self.batch.noised(start, stop, slot)
-        compute_dtype, reference = settings.compute_dtype, self.objective.reference
-        reference_velocity = self.batch.reference_velocity(
-            reference, settings.kl_beta, self.cond, start, stop, slot, x_t, self.device_type, compute_dtype
-        )
-        velocity = self.batch.velocity(
-            self.transformer, self.cond, start, stop, slot, x_t, self.device_type, compute_dtype
-        )
-        log_prob, mse = self._log_prob(velocity, slice(start, stop), slot)
-        if micro_index < settings.grad_accum_steps or self.old_log_probs is None:
+    def loss(self, step: UpdateStep) -> StepLoss:
+        settings, rows = self.settings, slice(step.start, step.stop)
+        velocity = step.velocity.to(torch.float32)
+        log_prob, mse = self._log_prob(velocity, rows, step.slot)
+        if self.layout.before_first_optimizer_step(step.micro_index) or CURRENT_POLICY not in step.precomputed:
             old_log_prob = log_prob.detach()  # on-policy: ρ = 1, the gradient is −A'·∇lp
         else:
-            old_log_prob = self.old_log_probs[start:stop, slot]
-        policy, ratio = awm_policy_loss(log_prob, old_log_prob, self.advantages[start:stop], settings.clip_range)
+            old_log_prob = self._log_prob(step.precomputed[CURRENT_POLICY], rows, step.slot)[0]
+        policy, ratio = awm_policy_loss(log_prob, old_log_prob, self.advantages[rows], settings.clip_range)
         loss = policy.mean()
         axes = tuple(range(1, velocity.ndim))
         metrics: dict[str, object] = {}
-        if reference_velocity is not None:
-            kl = ((velocity - reference_velocity) ** 2).mean(dim=axes)
+        if step.reference_velocity is not None:
+            kl = ((velocity - step.reference_velocity.to(torch.float32)) ** 2).mean(dim=axes)
             loss = loss + settings.kl_beta * kl.mean()
             metrics["kl_mean"] = kl.detach().sum()
-        if self.ema_velocities is not None:
-            ema = ((velocity - self.ema_velocities[start:stop, slot]) ** 2).mean(dim=axes)
+        if EMA_POLICY in step.precomputed:
+            ema = ((velocity - step.precomputed[EMA_POLICY]) ** 2).mean(dim=axes)
             loss = loss + settings.ema_beta * ema.mean()
             metrics["ema_deviation"] = ema.detach().sum()
-        loss = loss * self.loss_scale
         detached = ratio.detach().float()
         metrics.update(
-            loss_sum=loss.detach().float(),
             policy_loss=policy.detach().float().sum(),
             ratio_mean=detached.sum(),
             ratio_min=detached.min(),
             ratio_max=detached.max(),
             fm_mse=mse.detach().float().sum(),
         )
-        return StepResult(loss=loss, metrics=metrics, num_samples=stop - start)
+        return StepLoss((loss,), metrics)

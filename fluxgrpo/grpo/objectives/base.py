@@ -1,13 +1,17 @@
 """The objective seam: what an objective tells the rollout and the update driver, and the metrics it reports.
 
-An objective (``--objective``) decides two things:
+An objective (``--objective``; its torch-free entry in ``catalogue.py``) declares:
 - what the rollout must keep: the per-step trajectory with its log-probs (``keeps_trajectory``: GRPO's ratio needs
-  them), or the final samples only (DiffusionNFT and AWM train on forward-noised final samples);
-- how a micro-batch of the rollout becomes a loss and its metrics (``UpdateWork.loss``).
+  them; ``keeps_step_means`` for GRPO-Guard), or the final samples only (DiffusionNFT, AWM);
+- which forwards each loss step needs (``UpdateWork``): the policy's at the inputs it names (``model_input``), the
+  KL reference's (``wants_reference``), and velocities computed once before the first optimizer step
+  (``precomputed_forwards``: the current weights, ``CURRENT_POLICY``, or a policy copy by name);
+- how those velocities become a loss and its metrics (``UpdateWork.loss``), from tensors only.
 
-The update driver (``grpo/update.py:run_update``: micro-batches × gradient accumulation → backward →
-``optimizer_step``) knows no objective. Each metric declares how it is reduced (``Metric``), so a new objective's
-metrics reach metrics.jsonl, TensorBoard/wandb, the progress line and ``report`` without edits there.
+The update driver (``grpo/update.py:run_update``) owns the plumbing and knows no objective: the micro-batches, the
+device the tensors live on, every forward, the scaling of each loss term by 1/(GA·slots), backward and
+``optimizer_step``. Each metric declares how it is reduced (``Metric``), so a new objective's metrics reach
+metrics.jsonl, TensorBoard/wandb, the progress line and ``report`` without edits there.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fluxgrpo.grpo.types import Conditioning
+from fluxgrpo.grpo.policy_copy import PolicyCopy
 
 # How a metric is reduced: over the micro-batch steps of one update on a rank, then over ranks.
 #   sum      Σ over steps of the reported value;                      mean over ranks
@@ -28,6 +32,7 @@ from fluxgrpo.grpo.types import Conditioning
 #   per_step (σ-table indices [m], values [m]) summed per index with a count per index; summed over ranks and
 #            logged as the mean per index (None where nothing was trained)
 REDUCTIONS = ("sum", "mean", "max", "min", "per_step")
+CURRENT_POLICY = "policy"  # a precomputed forward with the weights as they are before the update's first step
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,64 @@ class Metric:
     key: str
     reduction: str
     count_name: str = ""  # per_step only: the name its per-index counts are kept under
+
+
+# Σ over (micro-batch, step) of the scaled loss (DanceGRPO's `total_loss`): the driver reports it for every objective.
+LOSS_METRIC = {"loss_sum": Metric("loss", "sum")}
+
+
+@dataclass(frozen=True)
+class UpdateLayout:
+    """How the driver cuts one update: micro-batches of the samples [start, stop), ``grad_accum_steps`` of them
+    per optimizer step."""
+
+    bounds: tuple[tuple[int, int], ...]
+    grad_accum_steps: int
+
+    @classmethod
+    def of(cls, num_samples: int, micro_batch_size: int, grad_accum_steps: int) -> UpdateLayout:
+        bounds = tuple(
+            (start, min(start + micro_batch_size, num_samples)) for start in range(0, num_samples, micro_batch_size)
+        )
+        return cls(bounds, grad_accum_steps)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.bounds)
+
+    def before_first_optimizer_step(self, micro_index: int) -> bool:
+        return micro_index < self.grad_accum_steps
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """What the transformer is fed at one loss step (the driver adds the conditioning, guidance and image ids)."""
+
+    latents: torch.Tensor  # [m, L, C]
+    timesteps: torch.Tensor  # [m] σ-valued (the model multiplies by 1000 itself)
+
+
+@dataclass(frozen=True)
+class UpdateStep:
+    """One loss step as the driver hands it to the objective: samples start…stop−1 at their slot-th timestep."""
+
+    micro_index: int
+    start: int
+    stop: int
+    slot: int
+    model_input: ModelInput
+    velocity: torch.Tensor  # [m, L, C] the policy's, with gradients, in the autocast dtype
+    reference_velocity: torch.Tensor | None  # [m, L, C] the KL reference's (no gradients) when the work wants it
+    precomputed: Mapping[str, torch.Tensor]  # name → [m, L, C] velocities at this input, before the update
+
+
+@dataclass
+class StepLoss:
+    """An objective's loss of one step: unscaled terms (the driver scales each by 1/(GA·slots), sums them in order
+    and backpropagates) and its metrics (detached; ``Metric`` names; no ``loss_sum``, which the driver adds)."""
+
+    terms: tuple[torch.Tensor, ...]
+    metrics: dict[str, Any]  # name → tensor, or (indices, values) for per_step metrics
 
 
 @dataclass
@@ -51,11 +114,14 @@ class StepResult:
 class UpdateWork(Protocol):
     """One update's worth of work prepared by an objective from a rollout: ``slots`` loss steps per micro-batch."""
 
-    num_micro_batches: int
     slots: int
     train_timestep_indices: torch.Tensor  # [B, T] int64 cpu, what each sample trained at (logged and tested)
+    wants_reference: bool  # the reference's velocity at each step's input (the KL term)
+    precomputed_forwards: tuple[str, ...]  # ``CURRENT_POLICY`` or policy copies' names, computed in this order
 
-    def loss(self, micro_index: int, slot: int) -> StepResult: ...
+    def model_input(self, start: int, stop: int, slot: int) -> ModelInput: ...
+
+    def loss(self, step: UpdateStep) -> StepLoss: ...
 
 
 class Objective(Protocol):
@@ -70,6 +136,11 @@ class Objective(Protocol):
         ...
 
     @property
+    def keeps_step_means(self) -> bool:
+        """With ``keeps_trajectory``: also each SDE step's mean μ_old (GRPO-Guard's ratio)."""
+        ...
+
+    @property
     def metrics(self) -> Mapping[str, Metric]: ...
 
     @property
@@ -77,18 +148,19 @@ class Objective(Protocol):
         """The progress line's fragment for this objective: a format string over record keys."""
         ...
 
-    def prepare(
-        self,
-        transformer: nn.Module,
-        rollout: Any,
-        cond: Conditioning,
-        advantages: torch.Tensor,
-        *,
-        device_type: str,
-        generator_cpu: torch.Generator,
-    ) -> UpdateWork: ...
+    @property
+    def policy_copies(self) -> Mapping[str, PolicyCopy]:
+        """The policy copies its precomputed forwards name (NFT's old policy, AWM's EMA policy)."""
+        ...
 
-    def rollout_policy(self) -> Any:
+    def prepare(
+        self, rollout: Any, advantages: torch.Tensor, layout: UpdateLayout, generator_cpu: torch.Generator
+    ) -> UpdateWork:
+        """The update's work; ``rollout`` and ``advantages`` [B] are on the computation device; ``generator_cpu``
+        draws whatever the update draws (timesteps, noise: saved for an exact resume)."""
+        ...
+
+    def rollout_policy(self) -> PolicyCopy | None:
         """The ``PolicyCopy`` rollouts sample with (NFT's θ_old), or None for the current weights."""
         ...
 

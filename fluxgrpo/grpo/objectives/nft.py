@@ -18,23 +18,21 @@ not change during an update); the authors compute it inline, which gives the sam
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from fluxgrpo.grpo.objectives.base import Metric, StepResult
-from fluxgrpo.grpo.objectives.grpo import micro_batch_bounds
+from fluxgrpo.grpo.objectives.base import Metric, ModelInput, StepLoss, UpdateLayout, UpdateStep
+from fluxgrpo.grpo.objectives.catalogue import OLD_POLICY
 from fluxgrpo.grpo.policy_copy import PolicyCopy
-from fluxgrpo.grpo.reference import ReferenceModel
-from fluxgrpo.grpo.rollout import predict_velocity
 from fluxgrpo.grpo.schedule import model_timesteps
-from fluxgrpo.grpo.types import Conditioning, FinalSamples
+from fluxgrpo.grpo.types import FinalSamples
 
 # The authors' decay types: (steps held at 0, rise per step, ceiling).
 DECAY_TYPES = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}
 
 NFT_METRICS = {
-    "loss_sum": Metric("loss", "sum"),
     "policy_loss": Metric("policy_loss", "mean"),  # c·(r·L⁺ + (1−r)·L⁻)/β per sample, unscaled
     "kl_mean": Metric("kl", "mean"),  # mean_d((v − v_ref)²); NaN when the KL is off
     "old_deviation": Metric("old_deviation", "mean"),  # mean_d((v − v_old)²): how far θ has moved from θ_old
@@ -89,41 +87,39 @@ class NftSettings:
     """DiffusionNFT's hyperparameters (``TrainConfig``'s names in the comments)."""
 
     num_train_timesteps: int  # T of the N sampler timesteps per sample (int(N·timestep_fraction))
-    micro_batch_size: int
-    grad_accum_steps: int
     beta: float = 1.0  # nft_beta: the implicit policies' step β
     kl_beta: float = 0.0  # kl_beta: weight of mean((v − v_ref)²)
     adv_clip_max: float = 5.0  # c
     decay_type: int = 1  # nft_decay_type
-    compute_dtype: torch.dtype | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> NftSettings:
+        return cls(cfg.train_timesteps, cfg.nft_beta, cfg.kl_beta, cfg.adv_clip_max, cfg.nft_decay_type)
 
 
 class NftObjective:
     name = "nft"
     keeps_trajectory = False
+    keeps_step_means = False
     metrics = NFT_METRICS
     progress = NFT_PROGRESS
 
-    def __init__(self, settings: NftSettings, old_policy: PolicyCopy, reference: ReferenceModel | None = None) -> None:
-        if settings.kl_beta > 0 and reference is None:
-            raise ValueError("kl_beta > 0 needs a reference model")
-        self.settings, self.old_policy, self.reference = settings, old_policy, reference
+    def __init__(self, settings: NftSettings, old_policy: PolicyCopy) -> None:
+        self.settings, self.old_policy = settings, old_policy
+        self.policy_copies = {OLD_POLICY: old_policy}
+
+    @classmethod
+    def from_config(cls, cfg: Any, policy_copies: dict[str, PolicyCopy]) -> NftObjective:
+        return cls(NftSettings.from_config(cfg), policy_copies[OLD_POLICY])
 
     def rollout_policy(self) -> PolicyCopy:
         """The weights rollouts sample with: θ_old."""
         return self.old_policy
 
     def prepare(
-        self,
-        transformer: nn.Module,
-        rollout: FinalSamples,
-        cond: Conditioning,
-        advantages: torch.Tensor,
-        *,
-        device_type: str,
-        generator_cpu: torch.Generator,
+        self, rollout: FinalSamples, advantages: torch.Tensor, layout: UpdateLayout, generator_cpu: torch.Generator
     ) -> NftWork:
-        return NftWork(self, transformer, rollout, cond, advantages, device_type, generator_cpu)
+        return NftWork(self.settings, rollout, advantages, generator_cpu)
 
     def finish(self, transformer: nn.Module, optimizer_steps: int) -> None:
         """The old policy's soft update after the update (``optimizer_steps``: taken so far in the run)."""
@@ -144,8 +140,6 @@ class FlowMatchingBatch:
         sigmas = rollout.sigmas.to(device=device, dtype=torch.float32)
         self.t = sigmas[indices.to(device)]  # [B, T]
         self.fed = model_timesteps(self.t)  # the σ the transformer is fed, as in the rollout
-        self.guidance = torch.full((indices.shape[0],), rollout.guidance, dtype=torch.float32, device=device)
-        self.img_ids = rollout.img_ids.to(device)
 
     def noised(self, start: int, stop: int, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x_t [m, L, C], t [m], ε [m, L, C]) for samples start…stop−1 at their slot-th timestep."""
@@ -155,111 +149,35 @@ class FlowMatchingBatch:
         t_b = t.reshape(-1, *([1] * (x0.ndim - 1)))
         return (1 - t_b) * x0 + t_b * noise, t, noise
 
-    def velocity(
-        self,
-        transformer: nn.Module,
-        cond: Conditioning,
-        start: int,
-        stop: int,
-        slot: int,
-        x_t: torch.Tensor,
-        device_type: str,
-        compute_dtype: torch.dtype | None,
-    ) -> torch.Tensor:
-        return predict_velocity(
-            transformer, x_t, cond.rows(start, stop), self.fed[start:stop, slot], self.guidance[start:stop],
-            self.img_ids, device_type, compute_dtype,
-        ).to(torch.float32)  # fmt: skip
-
-    def reference_velocity(
-        self,
-        reference: ReferenceModel | None,
-        kl_beta: float,
-        cond: Conditioning,
-        start: int,
-        stop: int,
-        slot: int,
-        x_t: torch.Tensor,
-        device_type: str,
-        compute_dtype: torch.dtype | None,
-    ) -> torch.Tensor | None:
-        """The reference's velocity [m, L, C] fp32 at the same x_t and σ, for the KL term; None when β = 0."""
-        if kl_beta <= 0:
-            return None
-        assert reference is not None  # checked on construction
-        return reference.reference_prediction(
-            x_t, cond.rows(start, stop), self.fed[start:stop, slot], self.guidance[start:stop], self.img_ids,
-            device_type, compute_dtype,
-        ).to(torch.float32)  # fmt: skip
-
-
-def precompute_velocities(
-    transformer: nn.Module,
-    batch: FlowMatchingBatch,
-    cond: Conditioning,
-    bounds: list[tuple[int, int]],
-    slots: int,
-    device_type: str,
-    compute_dtype: torch.dtype | None,
-) -> torch.Tensor:
-    """[B, T, L, C] the module's velocity at every (sample, slot), without gradients."""
-    out = torch.empty_like(batch.noise)
-    with torch.no_grad():
-        for start, stop in bounds:
-            for slot in range(slots):
-                x_t, _, _ = batch.noised(start, stop, slot)
-                out[start:stop, slot] = batch.velocity(
-                    transformer, cond, start, stop, slot, x_t, device_type, compute_dtype
-                )
-    return out
+    def model_input(self, start: int, stop: int, slot: int) -> ModelInput:
+        """x_t and its fed σ: what every forward of the step sees (the policy, its copies, the reference)."""
+        return ModelInput(self.noised(start, stop, slot)[0], self.fed[start:stop, slot])
 
 
 class NftWork:
     def __init__(
-        self,
-        objective: NftObjective,
-        transformer: nn.Module,
-        rollout: FinalSamples,
-        cond: Conditioning,
-        advantages: torch.Tensor,
-        device_type: str,
-        generator_cpu: torch.Generator,
+        self, settings: NftSettings, rollout: FinalSamples, advantages: torch.Tensor, generator_cpu: torch.Generator
     ) -> None:
-        settings = objective.settings
         num_samples, num_steps, self.slots = rollout.num_trajectories, rollout.num_steps, settings.num_train_timesteps
-        if advantages.shape != (num_samples,) or cond.num_rows != num_samples:
-            raise ValueError(f"advantages {tuple(advantages.shape)} and {cond.num_rows} rows for {num_samples} samples")
         if not 1 <= self.slots <= num_steps:
             raise ValueError(f"cannot train {self.slots} of the sampler's {num_steps} timesteps")
-        device = cond.prompt_embeds.device
+        self.settings = settings
+        self.wants_reference = settings.kl_beta > 0
+        self.precomputed_forwards = (OLD_POLICY,)  # v_old of every (sample, slot): θ_old does not change meanwhile
         self.train_timestep_indices = torch.stack(
             [torch.randperm(num_steps, generator=generator_cpu)[: self.slots] for _ in range(num_samples)]
         )
-        self.batch = FlowMatchingBatch(rollout, self.train_timestep_indices, generator_cpu, device)
-        self.bounds = micro_batch_bounds(num_samples, settings.micro_batch_size)
-        self.num_micro_batches = len(self.bounds)
-        self.optimality = optimality_probability(
-            advantages.to(device=device, dtype=torch.float32), settings.adv_clip_max
-        )
-        self.objective, self.transformer, self.cond, self.device_type = objective, transformer, cond, device_type
-        self.loss_scale = 1.0 / (settings.grad_accum_steps * self.slots)
-        with objective.old_policy.swapped_in(transformer):
-            self.old_velocities = precompute_velocities(
-                transformer, self.batch, cond, self.bounds, self.slots, device_type, settings.compute_dtype
-            )
+        self.batch = FlowMatchingBatch(rollout, self.train_timestep_indices, generator_cpu, advantages.device)
+        self.optimality = optimality_probability(advantages, settings.adv_clip_max)
 
-    def loss(self, micro_index: int, slot: int) -> StepResult:
-        settings = self.objective.settings
-        start, stop = self.bounds[micro_index]
-        x_t, t, _ = self.batch.noised(start, stop, slot)
-        compute_dtype, reference = settings.compute_dtype, self.objective.reference
-        reference_velocity = self.batch.reference_velocity(
-            reference, settings.kl_beta, self.cond, start, stop, slot, x_t, self.device_type, compute_dtype
-        )
-        velocity = self.batch.velocity(
-            self.transformer, self.cond, start, stop, slot, x_t, self.device_type, compute_dtype
-        )
-        old_velocity = self.old_velocities[start:stop, slot]
+    def model_input(self, start: int, stop: int, slot: int) -> ModelInput:
+        return self.batch.model_input(start, stop, slot)
+
+    def loss(self, step: UpdateStep) -> StepLoss:
+        settings, start, stop = self.settings, step.start, step.stop
+        x_t, t = step.model_input.latents, self.batch.t[start:stop, step.slot]
+        velocity = step.velocity.to(torch.float32)
+        old_velocity = step.precomputed[OLD_POLICY]
         x0 = self.batch.x0[start:stop]
         policy = nft_policy_loss(
             velocity, old_velocity, x_t, x0, t, self.optimality[start:stop], settings.beta, settings.adv_clip_max
@@ -267,14 +185,12 @@ class NftWork:
         loss = policy.mean()
         axes = tuple(range(1, x0.ndim))
         metrics: dict[str, object] = {"policy_loss": policy.detach().sum()}
-        if reference_velocity is not None:
-            kl = ((velocity - reference_velocity) ** 2).mean(dim=axes)
+        if step.reference_velocity is not None:
+            kl = ((velocity - step.reference_velocity.to(torch.float32)) ** 2).mean(dim=axes)
             loss = loss + settings.kl_beta * kl.mean()
             metrics["kl_mean"] = kl.detach().sum()
-        loss = loss * self.loss_scale
         with torch.no_grad():
             metrics["old_deviation"] = ((velocity - old_velocity) ** 2).mean(dim=axes).sum()
             t_b = t.reshape(-1, *([1] * (x0.ndim - 1)))
             metrics["x0_error"] = ((x_t - t_b * velocity - x0) ** 2).mean(dim=axes).sum()
-        metrics["loss_sum"] = loss.detach()
-        return StepResult(loss=loss, metrics=metrics, num_samples=stop - start)
+        return StepLoss((loss,), metrics)
