@@ -38,16 +38,14 @@ DeviceOption = Annotated[
 HpsDirOption = Annotated[str, typer.Option("--hps-dir", help=HPS_DIR_HELP)]
 
 
-def _console(**options: Any) -> Console:
-    """A rich console that wraps lines to a terminal's width, and never what goes to a pipe or a file (rich would
-    cut every line there at 80 columns, mid-sentence)."""
-    console = Console(**options)
-    console.soft_wrap = not console.is_terminal
-    return console
+err_console = Console(stderr=True)
+out_console = Console()
 
 
-err_console = _console(stderr=True)
-out_console = _console()
+def say(line: str) -> None:
+    """One result line on stdout as the text it is, never cut into lines (rich would cut it at 80 columns,
+    mid-sentence, in a pipe or a file; a terminal wraps it itself). Tables keep rich's width."""
+    out_console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def handle_errors(fn: F) -> F:

@@ -6,7 +6,16 @@ from typing import Annotated
 
 import typer
 
-from fluxgrpo.cli.common import DeviceOption, HpsDirOption, err_console, handle_errors, log, out_console, print_json
+from fluxgrpo.cli.common import (
+    DeviceOption,
+    HpsDirOption,
+    err_console,
+    handle_errors,
+    log,
+    out_console,
+    print_json,
+    say,
+)
 from fluxgrpo.paths import DEFAULT_HPS_DIR
 from fluxgrpo.rewards import reward_names
 
@@ -100,7 +109,7 @@ def command(
     else:
         _print_tables(report.reports[0])
     if collapse is not None and collapse["warning"] is not None:
-        out_console.print(collapse["warning"], markup=False, highlight=False, soft_wrap=True)
+        say(collapse["warning"])
 
 
 def _collapse_check(index: str | None, compare: str | None) -> dict | None:
@@ -187,7 +196,7 @@ def _print_tables(report) -> None:
             f"[{style}]{row.difference:+.5f}[/]" if style else f"{row.difference:+.5f}",
         )
     out_console.print(table)
-    out_console.print(
+    say(
         f"mean difference (this − other): {comparison.mean_difference:+.5f} over {comparison.count} paired images "
         f"({comparison.mean:.5f} vs {comparison.other_mean:.5f}); improved prompts: {comparison.improved_prompts} of "
         f"{comparison.prompt_count} ({comparison.improved_fraction:.0%})"

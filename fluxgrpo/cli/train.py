@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from fluxgrpo.cli.common import err_console, escape, handle_errors, log, out_console, print_json
+from fluxgrpo.cli.common import err_console, escape, handle_errors, log, out_console, print_json, say
 from fluxgrpo.cli.help import HelpCommand
 
 _PY_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
@@ -158,13 +158,13 @@ def _train(
         print_json(result)
     elif trend is not None:
         arrow = "↑" if trend["change"] > 0 else "↓"
-        out_console.print(
+        say(
             f"reward {trend['first']:.4f} → {trend['last']:.4f} ({arrow} {trend['change']:+.4f}; mean of the first "
             f"and last {trend['window']} of {trend['iterations']} iterations). Checkpoints and metrics.jsonl in "
-            f"{escape(cfg.output_dir)}"
+            f"{cfg.output_dir}"
         )
     if warning is not None and not json_output:  # part of the summary, right under the trend it qualifies
-        out_console.print(warning, markup=False, highlight=False, soft_wrap=True)
+        say(warning)
     if stopped:  # a clean end, told apart from success and failure by its exit code (training/guards.py)
         err_console.print(escape(stopped["guard_stop_message"]), highlight=False)
         raise typer.Exit(GUARD_STOP_EXIT_CODE)
