@@ -36,7 +36,7 @@ import io
 import os
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -52,6 +52,7 @@ from fluxgrpo.rewards.scoring import (
     check_images_readable,
     load_scorer,
     mean_std,
+    reward_details,
     score_items,
 )
 from fluxgrpo.runtime import device as rt_device
@@ -113,9 +114,12 @@ class ScoreReport:
     prompts: list[PromptScore]
     overall: Overall
     comparison: Comparison | None = None
+    # The reward's own numbers beside the mean (``RewardRecord.summarize``; shapes: strict, seen_*, novel_*).
+    details: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        """Stable keys: reward, source, overall, prompts, images, compare (null without --compare)."""
+        """Stable keys: reward, source, overall, details ({} for most rewards), prompts, images, compare (null
+        without --compare)."""
         compare = None
         if self.comparison is not None:
             compare = asdict(self.comparison)
@@ -137,6 +141,7 @@ class ScoreReport:
             "reward": self.reward,
             "source": self.source,
             "overall": asdict(self.overall),
+            "details": dict(self.details),
             "prompts": [asdict(p) for p in self.prompts],
             "images": [asdict(i) for i in self.images],
             "compare": compare,
@@ -423,6 +428,7 @@ def score_with_reward(
         prompts=per_prompt(images),
         overall=overall(images),
         comparison=comparison,
+        details=reward_details(name, [image.prompt for image in images], [image.score for image in images]),
     )
 
 

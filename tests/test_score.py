@@ -180,7 +180,7 @@ def test_cli_compare_on_hand_made_indexes(tmp_path):
     )
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)
-    assert list(document) == ["reward", "source", "overall", "prompts", "images", "compare"]
+    assert list(document) == ["reward", "source", "overall", "details", "prompts", "images", "compare"]
     # image spread (RMS distance from the mean image): other 51, 51, 204, 204 → 76.5 each; this 51, 102, 153, 153
     # (mean 114.75) → sqrt((63.75² + 12.75² + 2·38.25²) / 4) = 42.29, above half of 76.5: no warning
     collapse = document["compare"]["collapse"]

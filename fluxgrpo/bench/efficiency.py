@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from fluxgrpo.errors import UsageError
 
 if TYPE_CHECKING:
+    from fluxgrpo.bench.heldout import WorkCounter
     from fluxgrpo.config import TrainConfig
 
 BASELINE = "dance"
@@ -238,16 +239,35 @@ class Workspace:
     runs_dir: Path
 
 
-def prepare_workspace(root: Path, seed: int, text_tokens: int, log: Callable[[str], None]) -> Workspace:
-    """Write the tiny weights (seeded) and encode the bundled prompts with the tiny text encoders, under ``root``."""
+def training_prompts(config: str, overrides: dict[str, Any]) -> Path:
+    """The prompts every algorithm trains on: the shapes world's training captions when ``config`` scores with the
+    world's checker (``shapes``, trained or evaluated), else the bundled prompts."""
+    from fluxgrpo.bench.heldout import WORLD_REWARD
+    from fluxgrpo.config import build_config
+    from fluxgrpo.data.benchmarks import shipped_set_path
+    from fluxgrpo.data.prompts import bundled_prompts_path
+    from fluxgrpo.rewards.reward_set import eval_reward_names
+
+    settings = build_config(config, overrides)
+    if WORLD_REWARD in eval_reward_names(settings.reward, settings.eval_rewards):
+        return shipped_set_path("shapes-train")
+    return bundled_prompts_path()
+
+
+def prepare_workspace(
+    root: Path, seed: int, text_tokens: int, log: Callable[[str], None], prompts: Path | None = None
+) -> Workspace:
+    """Write the tiny weights (seeded) and encode ``prompts`` (the bundled ones by default) with the tiny text
+    encoders, under ``root``."""
     from fluxgrpo.data.prompts import bundled_prompts_path
     from fluxgrpo.models.tiny_weights import write_tiny_weights
     from fluxgrpo.preprocess import preprocess
 
+    prompts = prompts or bundled_prompts_path()
     flux_dir, hps_dir = root / "flux", root / "hps_ckpt"
-    log(f"writing the tiny weights (seed {seed}) and encoding the bundled prompts ({text_tokens} T5 tokens)")
+    log(f"writing the tiny weights (seed {seed}) and encoding {prompts.name} ({text_tokens} T5 tokens)")
     write_tiny_weights(flux_dir, hps_dir, seed=seed)
-    summary = preprocess(bundled_prompts_path(), flux_dir, root / "rl_embeddings", text_tokens, device="cpu")
+    summary = preprocess(prompts, flux_dir, root / "rl_embeddings", text_tokens, device="cpu")
     return Workspace(flux_dir, hps_dir, Path(summary.index_path), root / "runs")
 
 
@@ -394,9 +414,19 @@ def compare(
     base: TrainConfig,
     train: Callable[[TrainConfig], list[dict[str, Any]]],
     log: Callable[[str], None],
+    counter: WorkCounter | None = None,
 ) -> list[dict[str, Any]]:
     """Train the algorithms of ``cfg`` round by round with ``train`` (the real loop, or a stand-in in tests);
-    returns their rows with ratios and time verdicts, in ``cfg.runs`` order."""
+    returns their rows with ratios and time verdicts, in ``cfg.runs`` order. With ``counter`` (active around each
+    run, ``bench.heldout.counted``) each row also has its work per iteration; with evaluation on, its held-out gain
+    (``bench/heldout.py``)."""
+    from fluxgrpo.bench.heldout import heldout_gain, heldout_reward, heldout_scores, heldout_summary, work_per_iteration
+    from fluxgrpo.training.eval import eval_prompt_list
+
+    reward = heldout_reward(base)
+    eval_prompts = len(eval_prompt_list(base)) if reward else 0
+    heldout: dict[str, list[list[tuple[int, float]]]] = {name: [] for name in cfg.runs}
+    work: dict[str, list[dict[str, float]]] = {name: [] for name in cfg.runs}
     runs: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in cfg.runs}
     for index, order in enumerate(cfg.rounds, start=1):
         if cfg.repeats > 1:
@@ -404,15 +434,26 @@ def compare(
         for name in order:
             what = ALGORITHMS[name].description if index == 1 else f"repeat {index}"
             log(f"training {name} for {cfg.iterations} iterations: {what}")
-            records = train(algorithm_config(base, name, repeat=index, vary_seed=cfg.vary_seed))
+            run_cfg = algorithm_config(base, name, repeat=index, vary_seed=cfg.vary_seed)
+            records = train(run_cfg)
             clock = run_seconds(records)
             gain = reward_gain([float(record["reward_mean"]) for record in records])
-            log(f"  {name}: {clock['seconds_per_iteration']:.3g} s per iteration, reward gain {gain:.4g}")
+            scores = heldout_scores(run_cfg.output_dir, reward) if reward else []
+            gained = heldout_gain(scores)
+            told = "" if gained is None else f", held-out {reward} gain {gained:.4g}"
+            log(f"  {name}: {clock['seconds_per_iteration']:.3g} s per iteration, reward gain {gain:.4g}{told}")
             runs[name].append(records)
+            heldout[name].append(scores)
+            if counter is not None:
+                work[name].append(work_per_iteration(counter.reset(), records, run_cfg, len(scores), eval_prompts))
     rows = []
     for name in cfg.runs:
         overrides = ALGORITHMS[name].overrides(base)
         row = summarize_algorithm(name, overrides, algorithm_config(base, name), runs[name], cfg.vary_seed)
+        row.update(heldout_summary(reward, heldout[name], row["seconds_per_iteration"], row["iterations"]))
+        # The same every repeat (the plan and the batch sizes fix it): the first's, with every repeat's kept.
+        row["work_per_iteration"] = work[name][0] if work[name] else None
+        row["work_per_iteration_runs"] = work[name]
         if not row["rewards_identical"]:
             gains = ", ".join(f"{gain:.6g}" for gain in row["reward_gain_runs"])
             log(
@@ -420,7 +461,14 @@ def compare(
                 "deterministic on this machine, so its gain is their median (the JSON lists each); its times stand"
             )
         rows.append(row)
-    return with_time_verdicts(with_ratios(rows))
+    return with_heldout_verdicts(with_time_verdicts(with_ratios(rows)))
+
+
+def with_heldout_verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from fluxgrpo.bench.heldout import heldout_verdict
+
+    baseline = next(row for row in rows if row["algorithm"] == BASELINE)
+    return [{**row, "heldout_verdict": heldout_verdict(row, baseline)} for row in rows]
 
 
 def run_efficiency(
@@ -429,13 +477,16 @@ def run_efficiency(
 ) -> dict[str, Any]:
     """Train every algorithm of ``cfg`` ``cfg.repeats`` times in interleaved rounds and compare them; returns one
     JSON-ready document: ``{"config": ..., "algorithms": [row, ...]}`` with the rows in ``cfg.runs`` order."""
+    from fluxgrpo.bench.heldout import WorkCounter, counted
     from fluxgrpo.training.loop import train
 
     cfg.validate()
+    prompts = training_prompts(cfg.config, cfg.base_overrides)
+    counter = WorkCounter()
     with tempfile.TemporaryDirectory(prefix="fluxgrpo-bench-efficiency-") as folder:
-        workspace = prepare_workspace(Path(folder), cfg.seed, cfg.text_tokens, log)
+        workspace = prepare_workspace(Path(folder), cfg.seed, cfg.text_tokens, log, prompts)
         base = base_training_config(cfg, workspace)
-        rows = compare(cfg, base, train, log)
+        rows = compare(cfg, base, counted(train, counter), log, counter)
     shared = {key: value for key, value in base.to_dict().items() if key not in WORKSPACE_FIELDS}
     return {
         "config": {

@@ -48,7 +48,8 @@ def command(
         _option(
             "--algorithms",
             f"Compare training algorithms instead ({', '.join(ALGORITHMS)}): each trained --iterations on the "
-            f"tiny model from the same start; ratios to {BASELINE}.",
+            f"tiny model from the same start; ratios to {BASELINE}, and transformer forwards, backwards and "
+            "optimizer steps per iteration.",
         ),
     ] = None,
     iterations: Annotated[int, _option("--iterations", "With --algorithms: iterations each algorithm trains.")] = 30,
@@ -62,7 +63,12 @@ def command(
     ] = False,
     config: Annotated[
         str,
-        _option("--config", "With --algorithms: the training settings (a shipped config or a YAML file)."),
+        _option(
+            "--config",
+            "With --algorithms: the training settings (a shipped config or a YAML file). One that evaluates "
+            "(--eval-every) adds each algorithm's held-out gain; one scored by the shapes checker (shapes-cpu) "
+            "trains on shapes-train and reports the held-out checker.",
+        ),
     ] = "tiny-cpu",
     json_output: Annotated[
         bool,
@@ -82,6 +88,7 @@ def command(
       fluxgrpo bench --model flux-dev-shaped --blocks 8,16 --resolution 720 \\
           --steps 16 --json > bench.jsonl
       fluxgrpo bench --algorithms dance,dance-t2 --iterations 30 --repeats 3
+      fluxgrpo bench --algorithms dance,mixgrpo-flash-w2,nft --config shapes-cpu --text-tokens 12 --vary-seed --repeats 3
     """
     arguments = {"algorithms": algorithms, "iterations": iterations, "config": config, "json_output": json_output}
     arguments.update(settings)
@@ -247,6 +254,7 @@ def _render_efficiency(document: dict[str, Any]) -> None:
         "gain over s/iter × iterations",
         highlight=False,
     )
+    _render_heldout_and_work(console, rows, repeats)
     for row in rows:
         if not row["rewards_identical"]:
             gains = ", ".join(f"{gain:.4g}" for gain in row["reward_gain_runs"])
@@ -255,6 +263,58 @@ def _render_efficiency(document: dict[str, Any]) -> None:
                 "was not deterministic, so its gain is their median",
                 highlight=False,
             )
+
+
+def _render_heldout_and_work(console: Any, rows: list[dict[str, Any]], repeats: int) -> None:
+    """The held-out gain (with evaluation on) and the work per iteration, one row per algorithm."""
+    from rich import box
+    from rich.table import Table
+
+    reward = next((row["heldout_reward"] for row in rows if row.get("heldout_gain") is not None), None)
+    counted = any(row.get("work_per_iteration") for row in rows)
+    if reward is None and not counted:
+        return
+    columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [("algorithm", lambda row: row["algorithm"])]
+    if reward is not None:
+
+        def measured(cell: Callable[[dict[str, Any]], str]) -> Callable[[dict[str, Any]], str]:
+            return lambda row: "-" if row.get("heldout_gain") is None else cell(row)
+
+        columns += [
+            (f"held-out {reward} first→last", measured(lambda r: f"{r['heldout_first']:.4f}→{r['heldout_last']:.4f}")),
+            ("gain", measured(lambda r: f"{r['heldout_gain']:+.4f}")),
+            ("gain min–max", measured(lambda r: "{:+.4f}–{:+.4f}".format(*r["heldout_gain_spread"]))),
+            (f"vs {BASELINE}", lambda r: r.get("heldout_verdict") or "-"),
+            ("gain/s", measured(lambda r: f"{r['heldout_gain_per_second']:.3g}")),
+        ]
+        if repeats < 2:
+            columns = [c for c in columns if c[0] not in ("gain min–max", f"vs {BASELINE}")]
+    if counted:
+
+        def work(key: str) -> Callable[[dict[str, Any]], str]:
+            return lambda r: "-" if not r.get("work_per_iteration") else f"{r['work_per_iteration'][key]:.4g}"
+
+        columns += [("forwards/it", work("forwards")), ("backwards/it", work("backwards"))]
+        columns.append(("optimizer steps/it", work("optimizer_steps")))
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for index, (header, _) in enumerate(columns):
+        table.add_column(header, justify="left" if index == 0 else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*(cell(row) for _, cell in columns))
+    console.print(table)
+    notes = []
+    if reward is not None:
+        notes.append(
+            f"held-out: eval_{reward}_mean on the held-out prompts, last evaluation − iteration 0's (median over the "
+            f"runs); vs {BASELINE}: better or worse where every run's gain was above or below every run of "
+            f"{BASELINE}'s, else within noise; gain/s: over s/iter × iterations"
+        )
+    if counted:
+        notes.append(
+            "forwards, backwards: images through the transformer per iteration (rollout, update, reference and "
+            "drift probe; not the held-out evaluation); optimizer steps per iteration"
+        )
+    console.print("; ".join(notes), highlight=False, markup=False)
 
 
 def _spread(row: dict[str, Any]) -> str:

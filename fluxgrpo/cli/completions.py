@@ -1,9 +1,7 @@
 """Generate the static shell completion scripts in ``completions/`` from the CLI's own commands and flags.
 
 Run ``python -m fluxgrpo.cli.completions [DIR]`` after changing the CLI; a test fails while they are stale.
-Static scripts complete instantly (no Python start-up per Tab) and work without installing anything; a
-pip-installed fluxgrpo prints the same scripts with ``fluxgrpo completion bash|zsh|fish``. After a flag that takes
-one of a known set of values (``--config``, ``--objective``, ``--reward``, ``--sampler``, …) Tab offers those values.
+Static scripts complete instantly (no Python start-up per Tab) and work without installing anything.
 """
 
 from __future__ import annotations
@@ -21,6 +19,31 @@ class Flag:
     names: tuple[str, ...]  # e.g. ("--init-same-noise", "--no-init-same-noise")
     help: str
     takes_value: bool
+    values: tuple[str, ...] = ()  # the names it takes (rewards, shipped prompt sets, configs), offered on Tab
+    files_too: bool = True  # whether a file path is a value as well (--config FILE, --eval-prompts FILE)
+
+
+def known_values() -> dict[tuple[str, str], tuple[tuple[str, ...], bool]]:
+    """(command, flag) → (the names the flag takes, whether a file is a value too)."""
+    from fluxgrpo.bench.efficiency import ALGORITHMS
+    from fluxgrpo.config import shipped_configs
+    from fluxgrpo.data.benchmarks import BENCHMARKS, SHIPPED_SETS
+    from fluxgrpo.rewards import reward_names
+
+    rewards = (tuple(reward_names()), False)
+    configs = (tuple(sorted(shipped_configs())), True)
+    return {
+        ("train", "--reward"): rewards,
+        ("train", "--eval-rewards"): rewards,
+        ("score", "--reward"): rewards,
+        ("env-check", "--reward"): rewards,
+        ("train", "--config"): configs,
+        ("env-check", "--config"): configs,
+        ("bench", "--config"): configs,
+        ("bench", "--algorithms"): (tuple(ALGORITHMS), False),
+        ("train", "--eval-prompts"): ((*SHIPPED_SETS, *BENCHMARKS), True),
+        ("preprocess", "--prompts"): (SHIPPED_SETS, True),
+    }
 
 
 @dataclass(frozen=True)
@@ -30,52 +53,6 @@ class Subcommand:
     flags: tuple[Flag, ...]
 
 
-def value_choices() -> dict[str, tuple[str, ...]]:
-    """The values a flag takes, by flag name (the same name means the same values in every subcommand): what Tab
-    offers after it. Flags missing here complete file names."""
-    from fluxgrpo.bench.efficiency import ALGORITHMS
-    from fluxgrpo.cli.fetch_weights import SOURCES
-    from fluxgrpo.config import choices as config
-    from fluxgrpo.config import shipped_configs
-    from fluxgrpo.grpo.objectives.catalogue import AWM_WEIGHTINGS, objective_names
-    from fluxgrpo.models.known import MODEL_FAMILIES
-    from fluxgrpo.rewards import reward_names
-    from fluxgrpo.rewards.base import REWARD_DTYPES
-    from fluxgrpo.rewards.reward_set import AGGREGATIONS
-    from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
-    from fluxgrpo.runtime.device import DEVICE_TYPES
-    from fluxgrpo.training.guard_rules import GUARD_ACTIONS
-    from fluxgrpo.weights.hub_parts import part_choices
-
-    return {
-        "--config": tuple(sorted(shipped_configs())),
-        "--objective": objective_names(),
-        "--sampler": config.SAMPLERS,
-        "--sde-window-policy": config.WINDOW_POLICIES,
-        "--decode-sample": config.DECODE_SAMPLES,
-        "--ode-solver": config.ODE_SOLVERS,
-        "--ratio-normalization": config.RATIO_NORMALIZATIONS,
-        "--awm-weighting": AWM_WEIGHTINGS,
-        "--lr-scheduler": config.LR_SCHEDULERS,
-        "--wandb-mode": config.WANDB_MODES,
-        "--model-family": MODEL_FAMILIES,
-        "--reward": tuple(reward_names()),
-        "--eval-rewards": tuple(reward_names()),
-        "--reward-dtype": tuple(REWARD_DTYPES),
-        "--advantage-aggregation": AGGREGATIONS,
-        "--attention": ATTENTION_BACKENDS,
-        "--device": ("auto", *DEVICE_TYPES),
-        "--guard-action": GUARD_ACTIONS,
-        "--source": SOURCES,
-        "--only": part_choices(),
-        "--algorithms": tuple(ALGORITHMS),
-    }
-
-
-# Flags whose value may also be a file (a YAML config, a prompt list): Tab offers both.
-ALSO_FILES = frozenset({"--config"})
-
-
 def describe_cli() -> list[Subcommand]:
     """Subcommands and their flags, read from the typer app."""
     import typer
@@ -83,6 +60,7 @@ def describe_cli() -> list[Subcommand]:
     from fluxgrpo.cli.app import app
 
     root = typer.main.get_command(app)
+    values = known_values()
     out = []
     for name in sorted(root.commands):  # type: ignore[attr-defined]  # an app with subcommands is a click Group
         cmd = root.commands[name]  # type: ignore[attr-defined]  # as above
@@ -92,7 +70,8 @@ def describe_cli() -> list[Subcommand]:
             if not names:
                 continue
             takes_value = not getattr(param, "is_flag", False) and not getattr(param, "count", False)
-            flags.append(Flag(names, _one_line(getattr(param, "help", "") or ""), takes_value))
+            names_taken, files_too = values.get((name, names[0]), ((), True))
+            flags.append(Flag(names, _one_line(getattr(param, "help", "") or ""), takes_value, names_taken, files_too))
         flags.append(Flag(("--help",), "Show the help and exit.", False))
         out.append(Subcommand(name, _one_line(cmd.get_short_help_str(limit=70)), tuple(flags)))
     return out
@@ -102,32 +81,32 @@ def _one_line(text: str) -> str:
     return " ".join(text.split()).replace("'", "")
 
 
-def _used_choices(cli: list[Subcommand]) -> dict[str, tuple[str, ...]]:
-    """``value_choices`` for the flags some subcommand has, in a stable order."""
-    present = {n for c in cli for f in c.flags if f.takes_value for n in f.names}
-    return {flag: values for flag, values in sorted(value_choices().items()) if flag in present}
-
-
 def bash_script(cli: list[Subcommand]) -> str:
     cases = "\n".join(f'        {c.name}) opts="{" ".join(n for f in c.flags for n in f.names)}" ;;' for c in cli)
+    value_cases = "\n".join(
+        f'        "{c.name} {n}") words="{" ".join(f.values)}" ;;'
+        for c in cli
+        for f in c.flags
+        if f.values
+        for n in f.names
+    )
     names = " ".join(c.name for c in cli)
-    values = []
-    for flag, choices in _used_choices(cli).items():
-        files = ' $(compgen -f -- "$cur")' if flag in ALSO_FILES else ""
-        values.append(
-            f'        {flag}) COMPREPLY=( $(compgen -W "{" ".join(choices)}" -- "$cur"){files} ); return 0 ;;'
-        )
     return (
         HEADER
         + f"""_fluxgrpo() {{
-    local cur="${{COMP_WORDS[COMP_CWORD]}}" prev="${{COMP_WORDS[COMP_CWORD-1]}}" opts=""
+    local cur="${{COMP_WORDS[COMP_CWORD]}}" opts=""
     if [[ $COMP_CWORD -eq 1 ]]; then
         COMPREPLY=( $(compgen -W "{names} --help --version" -- "$cur") )
         return 0
     fi
-    case "$prev" in
-{chr(10).join(values)}
+    local words=""
+    case "${{COMP_WORDS[1]}} ${{COMP_WORDS[COMP_CWORD-1]}}" in
+{value_cases}
     esac
+    if [[ -n "$words" && "$cur" != -* ]]; then
+        COMPREPLY=( $(compgen -W "$words" -- "$cur") $(compgen -f -- "$cur") )
+        return 0
+    fi
     case "${{COMP_WORDS[1]}}" in
 {cases}
     esac
@@ -149,11 +128,10 @@ def zsh_script(cli: list[Subcommand]) -> str:
         specs = []
         for f in c.flags:
             for n in f.names:
-                choices = _used_choices(cli).get(n)
-                action = ":value:_files'" if f.takes_value else "'"
-                if choices is not None:  # zsh offers the names only (a --config path is typed out)
-                    action = f":value:({' '.join(choices)})'"
-                specs.append(f"'{n}[{f.help.replace('[', '(').replace(']', ')').replace(':', ' ')}]" + action)
+                specs.append(
+                    f"'{n}[{f.help.replace('[', '(').replace(']', ')').replace(':', ' ')}]"
+                    + (f":value:{_zsh_action(f)}'" if f.takes_value else "'")
+                )
         cases.append(f"        {c.name}) _arguments \\\n            " + " \\\n            ".join(specs) + " ;;")
     return (
         "#compdef fluxgrpo\n"
@@ -178,6 +156,13 @@ _fluxgrpo "$@"
     )
 
 
+def _zsh_action(flag: Flag) -> str:
+    if not flag.values:
+        return "_files"
+    words = " ".join(flag.values)
+    return f"{{compadd -- {words}; _files}}" if flag.files_too else f"({words})"
+
+
 def fish_script(cli: list[Subcommand]) -> str:
     lines = [HEADER.rstrip("\n"), "complete -c fluxgrpo -f"]
     for c in cli:
@@ -185,10 +170,9 @@ def fish_script(cli: list[Subcommand]) -> str:
     for c in cli:
         for f in c.flags:
             for n in f.names:
-                requirement = " -r -F" if f.takes_value else ""
-                choices = _used_choices(cli).get(n)
-                if choices is not None:
-                    requirement = f" -r{' -F' if n in ALSO_FILES else ''} -a '{' '.join(choices)}'"
+                requirement = (" -r -F" if f.files_too else " -r") if f.takes_value else ""
+                if f.values:
+                    requirement += f" -a '{' '.join(f.values)}'"
                 lines.append(
                     f"complete -c fluxgrpo -n '__fish_seen_subcommand_from {c.name}' -l {n[2:]}{requirement} -d '{f.help}'"
                 )

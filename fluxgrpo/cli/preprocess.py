@@ -15,7 +15,10 @@ def command(
     prompts: Annotated[
         str | None,
         typer.Option(
-            "--prompts", help="Prompt file, one per line. [default: the bundled prompt list]", show_default=False
+            "--prompts",
+            help="Prompt file, one per line, or a set shipped with fluxgrpo: shapes-train or shapes-heldout (the "
+            "shapes world's captions). [default: the bundled prompt list]",
+            show_default=False,
         ),
     ] = None,
     model: Annotated[
@@ -38,6 +41,7 @@ def command(
     Examples:
       fluxgrpo preprocess
       fluxgrpo preprocess --prompts my_prompts.txt --dies 8
+      fluxgrpo preprocess --prompts shapes-train
     """
     from fluxgrpo.data.prompts import bundled_prompts_path
     from fluxgrpo.preprocess import check_inputs
@@ -45,7 +49,9 @@ def command(
 
     spec = LaunchSpec(nproc_per_node=dies)
     spec.validate()
-    prompts_path = prompts or str(bundled_prompts_path())
+    from fluxgrpo.data.benchmarks import prompts_path as named_prompts_path
+
+    prompts_path = str(named_prompts_path(prompts)) if prompts else str(bundled_prompts_path())
     check_inputs(prompts_path, model, out, max_sequence_length)  # fail here, not in every worker
     payload = {
         "prompts_path": prompts_path,

@@ -37,7 +37,8 @@ def command(
         str,
         typer.Option(
             "--reward",
-            help=f"Reward model: {', '.join(reward_names())} (brightness, exposure: smoke tests); several separated by "
+            help=f"Reward model: {', '.join(reward_names())} (shapes: the shapes world's checker; brightness, exposure: "
+            "smoke tests); several separated by "
             "commas are scored side by side, one model in memory at a time.",
         ),
     ] = "hpsv2",
@@ -71,6 +72,10 @@ def command(
       fluxgrpo score --images my_images --prompts my_prompts.txt --json
       fluxgrpo score --index data/outputs/samples/base/index.json \\
           --reward hpsv2,imagereward,hpsv3
+      fluxgrpo score --index data/outputs/samples/shapes/index.json --reward shapes
+
+    --reward shapes (the shapes world's checker, no weights) also prints the strict all-claims rate and, on the
+    world's held-out captions, the seen- and novel-combination scores apart ("details" in --json).
 
     Several rewards (--reward hpsv2,imagereward,hpsv3) score the same images one after another, side by side:
     a column per reward in each table. --json then prints {"rewards": [...]}: one object per reward, in order,
@@ -176,6 +181,8 @@ def _print_tables(report) -> None:
     out_console.print(prompts)
     overall = report.overall
     out_console.print(f"overall: {overall.mean:.5f} ± {overall.std:.5f} over {overall.count} images")
+    if report.details:
+        out_console.print(escape(_details_line(report)), soft_wrap=True)
 
     comparison = report.comparison
     if comparison is None:
@@ -200,6 +207,13 @@ def _print_tables(report) -> None:
         f"mean difference (this − other): {comparison.mean_difference:+.5f} over {comparison.count} paired images "
         f"({comparison.mean:.5f} vs {comparison.other_mean:.5f}); improved prompts: {comparison.improved_prompts} of "
         f"{comparison.prompt_count} ({comparison.improved_fraction:.0%})"
+    )
+
+
+def _details_line(report) -> str:
+    """A reward's own numbers beside the mean, e.g. ``shapes: strict 0.50000 · seen mean 0.81250 · …``."""
+    return f"{report.reward}: " + " · ".join(
+        f"{key.replace('_', ' ')} {value:.5f}" for key, value in report.details.items()
     )
 
 
@@ -240,6 +254,9 @@ def _print_reward_tables(multi) -> None:
     cells = [_mean_std(r.overall.mean, r.overall.std) for r in reports]
     prompts.add_row("", "[bold]overall[/]", str(first.overall.count), *cells)
     out_console.print(prompts)
+    for report in reports:
+        if report.details:
+            out_console.print(escape(_details_line(report)), soft_wrap=True)
 
     if first.comparison is None:
         return

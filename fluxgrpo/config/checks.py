@@ -150,9 +150,28 @@ def _logging_problems(cfg: TrainConfig) -> list[str]:
     if cfg.eval_prompts and (problem := eval_prompts_problem(cfg.eval_prompts)):
         out.append(problem)
     out.extend(parse_reward_list(cfg.eval_rewards, "--eval-rewards", weights=False, empty_ok=True)[1])
+    out.extend(_reward_image_size_problems(cfg))
     out.extend(guard_problems(cfg))
     if cfg.wandb_mode and cfg.wandb_mode not in WANDB_MODES:
         out.append(f"--wandb-mode {cfg.wandb_mode!r}: use one of {', '.join(WANDB_MODES)}, or leave it empty")
+    return out
+
+
+def _reward_image_size_problems(cfg: TrainConfig) -> list[str]:
+    """A reward that reads only some image sizes (shapes: 64² or 128²) against --height/--width."""
+    from fluxgrpo.errors import UsageError
+    from fluxgrpo.rewards.registry import reward_record
+    from fluxgrpo.rewards.reward_set import run_reward_names
+
+    try:
+        names = run_reward_names(cfg.reward, cfg.eval_rewards, cfg.eval_every)
+    except UsageError:
+        return []  # the reward lists' own problems are reported above
+    out = []
+    for name in names:
+        check = reward_record(name).image_size_problems
+        if check is not None:
+            out.extend(check(cfg.height, cfg.width))
     return out
 
 

@@ -49,8 +49,8 @@ class TrainConfig:
     output_dir: str = _opt(DEFAULT_OUTPUT_DIR, "Checkpoints, metrics.jsonl, sample images and the resolved config.")
     reward: str = _opt(
         "hpsv2",
-        f"Reward model(s): {', '.join(reward_names())} (brightness, exposure, structure: smoke tests for tiny "
-        "models); several as name:weight,... (e.g. hpsv2:1,pickscore:0.5; weights normalised to sum 1).",
+        f"Reward model(s): {', '.join(reward_names())} (shapes: the shapes world's rule-based checker, no weights; "
+        "brightness, exposure, structure: smoke tests for tiny models); several as name:weight,... (e.g. hpsv2:1,pickscore:0.5; weights normalised to sum 1).",
     )
     reward_dtype: str = _opt("fp32", "Dtype the reward encoders run in: fp32 or bf16 (scores are fp32 either way).")
     # --- rollout --------------------------------------------------------------------------------------
@@ -166,8 +166,8 @@ class TrainConfig:
     )
     eval_prompts: str = _opt(
         "",
-        "Held-out prompt file, one per line, or a benchmark set fetched with fetch-weights (hpdv2); empty: the 48 "
-        "held-out prompts shipped with fluxgrpo.",
+        "Held-out prompt file, one per line, a benchmark set fetched with fetch-weights (hpdv2), or shapes-heldout "
+        "(the shapes world's held-out captions, shipped); empty: the 48 held-out prompts shipped with fluxgrpo.",
     )
     eval_images_per_prompt: int = _opt(1, "Images per held-out prompt (image j of prompt i always has the same seed).")
     eval_steps: int = _opt(28, "Denoising steps of the deterministic (ODE) evaluation sampler, as `fluxgrpo sample`.")

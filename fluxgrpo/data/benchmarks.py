@@ -6,6 +6,11 @@ every part, into ``--prompts-dir``, default ``data/eval_prompts``) and never ven
 - ``hpdv2``: HPDv2's 400 test prompts (``zhwang/HPDv2`` on Hugging Face, ``test.json``; Apache-2.0, the HPSv2
   authors' release), the prompts HPS scores are usually reported on.
 
+Two sets ship inside the package, no fetch (``SHIPPED_SETS``): the shapes world's training captions
+``shapes-train`` (``preprocess --prompts shapes-train``) and its held-out captions ``shapes-heldout``
+(``train --eval-prompts shapes-heldout``), seen and novel attribute combinations (``shapes/world.py``); a test keeps
+the files equal to ``shapes.world.prompt_set``.
+
 GenEval's 553 prompts (MIT, published on GitHub only) and DrawBench's 200 (no stated licence) have no verified copy
 on either hub yet, so they are not offered; pass their prompt file with ``--eval-prompts FILE``.
 """
@@ -29,12 +34,28 @@ class Benchmark:
 BENCHMARKS = {b.name: b for b in (Benchmark("hpdv2", "hpdv2-prompts", "hpdv2/test.json", 400),)}
 
 
+SHIPPED_SETS = ("shapes-train", "shapes-heldout")
+
+
+def shipped_set_path(name: str) -> Path:
+    """The file of a prompt set shipped inside the package (``SHIPPED_SETS``)."""
+    return Path(__file__).with_name(f"{name}.txt")
+
+
+def prompts_path(value: str) -> Path:
+    """``preprocess --prompts``: a shipped set's name (shapes-train) or a file path."""
+    return shipped_set_path(value) if value in SHIPPED_SETS else Path(value)
+
+
 def benchmark_path(name: str, prompts_dir: str | Path = DEFAULT_PROMPTS_DIR) -> Path:
     return Path(prompts_dir) / BENCHMARKS[name].file
 
 
 def eval_prompts_path(value: str) -> Path:
-    """``--eval-prompts``: a benchmark name (its fetched file in the default prompts folder) or a file path."""
+    """``--eval-prompts``: a shipped set's name, a benchmark name (its fetched file in the default prompts folder)
+    or a file path."""
+    if value in SHIPPED_SETS:
+        return shipped_set_path(value)
     return benchmark_path(value) if value in BENCHMARKS else Path(value)
 
 
@@ -49,5 +70,5 @@ def eval_prompts_problem(value: str) -> str | None:
             f"--eval-prompts {value}: {path} is missing; fetch it with `fluxgrpo fetch-weights --only {part}` "
             f"(or pass the fetched file's path if you used --prompts-dir)"
         )
-    names = ", ".join(BENCHMARKS)
+    names = ", ".join([*SHIPPED_SETS, *BENCHMARKS])
     return f"--eval-prompts {value}: no such file (one prompt per line), nor a benchmark name ({names})"

@@ -66,6 +66,25 @@ def panels_for(runs: list[RunData]) -> list[Panel]:
                 ],
             )
         )
+        # A reward's own numbers beside its mean (RewardRecord.summarize; shapes: seen and novel combinations
+        # apart, the strict all-claims rate), one panel per reward.
+        details = sorted(
+            {
+                key.removeprefix(f"eval_{reward}_")
+                for run in runs
+                for record in run.eval_records
+                for key in record
+                if key.startswith(f"eval_{reward}_") and not key.endswith(("_mean", "_std"))
+            }
+        )
+        if details:
+            panels.append(
+                Panel(
+                    f"Eval {reward}: {', '.join(d.replace('_', ' ') for d in details)} (held-out prompts)",
+                    reward,
+                    [Line(f"eval_{reward}_{d}", d.replace("_", " "), eval_line=True) for d in details],
+                )
+            )
     panels.append(
         Panel(
             "Eval diversity (1 − cos between a prompt's seeds)",

@@ -46,6 +46,8 @@ table.grid th.best{background:#e8f5e9}table.grid th.fired{background:#fdecea}
 table.grid td{padding:2px}
 table.grid td.prompt{font-size:12px;min-width:180px;max-width:260px;padding-right:10px;color:#333}
 table.grid img{display:block;width:120px;height:auto;border-radius:3px}
+table.grid td{vertical-align:top}
+table.grid .claims{font-size:10px;line-height:1.25;max-width:120px;color:#333}
 table.facts{border-collapse:collapse;font-size:13px;background:#fff}
 table.facts td{border:1px solid #e3e3e3;padding:3px 8px;vertical-align:top;overflow-wrap:anywhere;max-width:520px}
 table.facts td:first-child{color:#555;white-space:nowrap}
@@ -232,9 +234,25 @@ def _grid_html(
                 cells.append("<td></td>")
                 continue
             alt = f"iteration {column.evaluation.iteration}, prompt {prompt_index}, seed {image.seed}"
-            cells.append(f'<td><img src="{_data_uri(thumbnail(image.path))}" alt="{html.escape(alt)}"></td>')
+            caption = "".join(
+                f"<div class=claims>{html.escape(line)}</div>" for line in _explanations(image, reward_names)
+            )
+            cells.append(f'<td><img src="{_data_uri(thumbnail(image.path))}" alt="{html.escape(alt)}">{caption}</td>')
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return '<div class=gridwrap><table class="grid">' + "".join(head) + "".join(rows) + "</table></div>"
+
+
+def _explanations(image: Any, reward_names: list[str]) -> list[str]:
+    """The lines the evaluated rewards give for one image (``RewardRecord.explain``; shapes: each claim ✓/✗)."""
+    from fluxgrpo.rewards.registry import reward_names as known_rewards
+    from fluxgrpo.rewards.registry import reward_record
+
+    lines: list[str] = []
+    for name in reward_names:
+        explain = reward_record(name).explain if name in known_rewards() else None
+        if explain is not None:
+            lines += explain(image.path, image.prompt)
+    return lines
 
 
 def _facts_table(items: dict[str, Any]) -> str:

@@ -14,7 +14,7 @@ their top (torch and the model libraries inside their loaders).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +41,7 @@ BUILTIN_REWARD_MODULES = (
     "fluxgrpo.rewards.brightness",
     "fluxgrpo.rewards.exposure",
     "fluxgrpo.rewards.structure",
+    "fluxgrpo.rewards.shapes",  # the shapes world's checker
 )
 
 
@@ -70,6 +71,17 @@ class RewardRecord:
     # Whether --reward-dtype bf16 casts its weights (HPSv3, as its authors run it); the others keep float32 weights
     # and run their encoders under bf16 autocast, so they cost 4 bytes a parameter either way.
     casts_weights: bool = False
+    # (prompts, per-image scores) → more numbers beside the mean, for `score` and the held-out evaluation (shapes:
+    # the strict all-claims rate, seen and novel combinations apart).
+    summarize: Callable[[Sequence[str], Sequence[float]], dict[str, float]] | None = None
+    # (image file, prompt) → one line per reason behind its score, for the report's grid captions (shapes: each
+    # claim ✓/✗); [] when there is nothing to say.
+    explain: Callable[[Path, str], list[str]] | None = None
+    # prompts → problems, for a reward that reads only some prompts (shapes: its world's captions); the training
+    # captions and the held-out prompts are checked before any worker starts.
+    prompt_problems: Callable[[Sequence[str]], list[str]] | None = None
+    # (height, width) → problems, for a reward that reads only some image sizes; checked before any worker starts.
+    image_size_problems: Callable[[int, int], list[str]] | None = None
 
     @property
     def read_parts(self) -> tuple[str, ...]:

@@ -113,3 +113,12 @@ def score_items(
         if progress is not None:
             progress(len(batch))
     return scored
+
+
+def reward_details(name: str, prompts: Sequence[str], scores: Sequence[float]) -> dict[str, float]:
+    """Reward ``name``'s own numbers beside the mean (``RewardRecord.summarize``; shapes: the strict rate, seen and
+    novel combinations apart), {} for a reward without any."""
+    from fluxgrpo.rewards import reward_record
+
+    summarize = reward_record(name).summarize
+    return summarize(prompts, scores) if summarize is not None else {}

@@ -215,10 +215,21 @@ class Evaluator:
             "dtype": str(dtype).removeprefix("torch."),
         }
         summary = {name: _mean_std(values) for name, values in scores.items()}
+        # A reward's own numbers (shapes: the strict rate, seen and novel combinations apart), as `score` prints.
+        prompts = [image.prompt for image in images]
+        details = {name: scoring.reward_details(name, prompts, values) for name, values in scores.items()}
         extra = {
             "iteration": iteration,
             "weights": f"training iteration {iteration}" + (" (EMA)" if ema else ""),
-            "scores": {name: {"mean": m, "std": s, "per_image": scores[name]} for name, (m, s) in summary.items()},
+            "scores": {
+                name: {
+                    "mean": m,
+                    "std": s,
+                    "per_image": scores[name],
+                    **({"details": details[name]} if details[name] else {}),
+                }
+                for name, (m, s) in summary.items()
+            },
         }
         write_index(out, request, images, run, extra)
         prefix = "eval_ema_" if ema else "eval_"
@@ -231,6 +242,7 @@ class Evaluator:
         for name, (mean, std) in summary.items():
             logged[f"{prefix}{name}_mean"] = mean
             logged[f"{prefix}{name}_std"] = std
+            logged.update({f"{prefix}{name}_{key}": value for key, value in details[name].items()})
         embedder = embedding_reward(self.rewards)
         if embedder is not None and self.settings.images_per_prompt > 1:
             logged[f"{prefix}diversity"] = image_diversity(

@@ -78,7 +78,38 @@ def preflight(cfg: TrainConfig, absent_ok: bool = False) -> list[str]:
         )
     if not absent:
         _check_embeddings_match_model(cfg)
+        _check_rewards_read_their_prompts(cfg)
     return absent
+
+
+def _check_rewards_read_their_prompts(cfg: TrainConfig) -> None:
+    """A reward that reads only some prompts (shapes: its world's captions) checks the training captions, and with
+    evaluation on the held-out prompts, before any worker starts."""
+    from fluxgrpo.data.embeddings import EmbeddingDataset
+    from fluxgrpo.rewards.registry import reward_record
+    from fluxgrpo.rewards.reward_set import eval_reward_names, reward_spec_names
+
+    evaluated = eval_reward_names(cfg.reward, cfg.eval_rewards) if cfg.eval_every > 0 else []
+    checks = [
+        (name, reward_record(name).prompt_problems)
+        for name in dict.fromkeys([*reward_spec_names(cfg.reward), *evaluated])
+    ]
+    if not any(check for _, check in checks):
+        return
+    from fluxgrpo.training.eval import eval_prompt_list
+
+    training = EmbeddingDataset(cfg.data_json_path).captions
+    held_out = eval_prompt_list(cfg) if evaluated else []
+    for name, check in checks:
+        if check is None:
+            continue
+        prompts = [
+            *(training if name in reward_spec_names(cfg.reward) else []),
+            *(held_out if name in evaluated else []),
+        ]
+        problems = check(prompts)
+        if problems:
+            raise UsageError(problems[0])
 
 
 def _check_embeddings_match_model(cfg: TrainConfig) -> None:

@@ -1,0 +1,298 @@
+"""The shapes world's rule-based checker (GenEval's evaluator, for shapes): find the objects, then check each claim.
+
+1. **Segment by colour.** Every pixel goes to the nearest of the palette colours and the background; a pixel is an
+   object's when its nearest colour is a palette colour within :data:`MAX_COLOUR_DISTANCE`. Anti-aliased edges and
+   VAE blur mix an object's colour with the background only (objects never touch), so the nearest-colour rule puts
+   half the edge on each side instead of inventing a third colour.
+2. **Objects** are the connected components of each colour's mask (``scipy.ndimage.label``, 8-connected), keeping
+   those of at least :data:`MIN_AREA_FRACTION` of the image (specks of a blurred or generated image are not objects).
+3. **Shape**, from the object's coverage (each pixel's share of its colour against the background, read out to
+   :data:`EDGE_PIXELS` past the segmented edge): an upward triangle's vertical distribution is skewed, a square's
+   fourth cumulant is twice as strong along its axes as along its diagonals, a circle has neither
+   (:func:`shape_features`). Cumulant ratios do not change with size, and a blur leaves them be, so the checker
+   reads a VAE's soft reconstructions as it reads the renderer's anti-aliased images.
+4. **Claims** follow GenEval's ``evaluate``: an object is *present* when at least as many of its shape are found
+   as the caption asks; a *count* is exact (GenEval's include N / exclude N+1); a *colour* is checked on the largest
+   objects of the shape (area stands in for GenEval's detector confidence); a *relation* is GenEval's
+   ``relative_position`` on bounding boxes (centres offset by more than 0.1 of the boxes' sizes, then the direction
+   within 60° of the axis), and must hold for every pair of the two objects found.
+
+``check(image, caption)`` returns a :class:`CheckResult`: each claim with whether it holds and why not, the score
+(the fraction of claims that hold, in [0, 1]) and ``strict`` (all hold: GenEval's accuracy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fluxgrpo.shapes.world import BACKGROUND, COLOURS, COUNT_WORDS, PLURALS, Caption, ObjectSpec, parse_caption
+
+# Image sizes the world renders at; the checker's area and shape thresholds are fractions of the image, but a
+# generated image of another size is a mistake in the run (the shapes configs render at 64), said in one line.
+WORLD_SIZES = (64, 128)
+# RGB distance beyond which a pixel is no palette colour (the palette colours are ≥ 150 apart; the background
+# competes for the light, washed-out pixels).
+MAX_COLOUR_DISTANCE = 110.0
+# The smallest object the renderer draws covers ~1.9 % of a 64² image (a triangle of radius 0.10); a component
+# under a quarter of that is a speck.
+MIN_AREA_FRACTION = 0.005
+# GenEval's POSITION_THRESHOLD: the centres' offset, less this fraction of the two boxes' sizes, gives the relation.
+POSITION_THRESHOLD = 0.1
+
+_PALETTE_NAMES = tuple(COLOURS)
+_PALETTE = np.array([COLOURS[name] for name in _PALETTE_NAMES] + [BACKGROUND], dtype=np.float32)
+BACKGROUND_RGB = np.array(BACKGROUND, dtype=np.float64)
+# How far past an object's segmented edge its coverage is still read (a blur of σ 1.5 px has spent 99 % by 3.5σ/√2).
+EDGE_PIXELS = 3.0
+
+
+class ImageSizeError(ValueError):
+    """An image the checker cannot read as the world's: not [H, W, 3], not square, or not a size the world uses."""
+
+
+@dataclass(frozen=True)
+class FoundObject:
+    shape: str
+    colour: str
+    area: int  # pixels
+    box: tuple[int, int, int, int]  # x0, y0, x1, y1: pixel edges, x1/y1 exclusive
+
+    @property
+    def centre(self) -> tuple[float, float]:
+        x0, y0, x1, y1 = self.box
+        return (x0 + x1) / 2, (y0 + y1) / 2
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One thing a caption says, and whether the image shows it."""
+
+    kind: str  # present | count | colour | relation
+    text: str  # what it claims, in the caption's words: "two triangles", "the circle is red", ...
+    holds: bool
+    found: str  # what the image shows instead, when it does not hold ("" when it does)
+
+    def label(self) -> str:
+        """``✓ text`` or ``✗ text (found)``: one line for a grid caption."""
+        return f"✓ {self.text}" if self.holds else f"✗ {self.text} ({self.found})"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    caption: str
+    claims: tuple[Claim, ...]
+    objects: tuple[FoundObject, ...]
+
+    @property
+    def score(self) -> float:
+        return sum(c.holds for c in self.claims) / len(self.claims)
+
+    @property
+    def strict(self) -> bool:
+        return all(c.holds for c in self.claims)
+
+
+def _as_rgb_uint8(image: np.ndarray) -> np.ndarray:
+    if image.ndim != 3 or image.shape[2] != 3:
+        raise ImageSizeError(f"an image must be [H, W, 3] RGB, got shape {tuple(image.shape)}")
+    height, width = image.shape[:2]
+    if height != width or height not in WORLD_SIZES:
+        raise ImageSizeError(
+            f"a {width}x{height} image: the shapes world renders at {' or '.join(f'{s}x{s}' for s in WORLD_SIZES)} "
+            "(train and sample the shapes configs at --height/--width 64)"
+        )
+    if image.dtype != np.uint8:
+        image = np.clip(np.rint(np.asarray(image, dtype=np.float64) * 255.0), 0, 255).astype(np.uint8)
+    return image
+
+
+def segment(image: np.ndarray) -> np.ndarray:
+    """``[H, W]`` int8: the palette index of each pixel's colour (:data:`COLOURS` order), -1 for the background."""
+    pixels = _as_rgb_uint8(image).astype(np.float32)
+    distances = np.linalg.norm(pixels[:, :, None, :] - _PALETTE[None, None], axis=-1)
+    nearest = distances.argmin(axis=-1)
+    is_object = (nearest < len(_PALETTE_NAMES)) & (distances.min(axis=-1) <= MAX_COLOUR_DISTANCE)
+    return np.where(is_object, nearest, -1).astype(np.int8)
+
+
+def shape_features(weights: np.ndarray) -> tuple[float, float]:
+    """``(skew, corner_ratio)`` of an object's coverage map (each pixel's share of the object's colour, [H, W]).
+
+    Both are ratios of cumulants of the coverage as a distribution over the plane, so they do not depend on the
+    object's size, and a Gaussian blur (anti-aliasing, a VAE's softness) leaves the third and fourth cumulants
+    unchanged: it only adds to the variance.
+
+    - ``skew``: the vertical third moment over the variance^1.5. An upward triangle's rows widen linearly towards
+      its base, a triangular distribution: −2√2/5 ≈ −0.57. Circles and squares are symmetric: 0.
+    - ``corner_ratio``: the fourth cumulant along the axes over that along the diagonals. A square's projection on
+      an axis is uniform (κ4 = −s⁴/120), on a diagonal triangular (κ4 = −s⁴/240): 2. A circle looks the same in
+      every direction, and so does a triangle to fourth order (three-fold symmetry): 1.
+    """
+    total = float(weights.sum())
+    rows, cols = np.indices(weights.shape, dtype=np.float64)
+    x = np.asarray(cols - float((weights * cols).sum()) / total)
+    y = np.asarray(rows - float((weights * rows).sum()) / total)
+
+    def moment(values: np.ndarray, order: int) -> float:
+        return float((weights * values**order).sum()) / total  # ** on a small crop: an object and its edge
+
+    def fourth_cumulant(values: np.ndarray) -> float:
+        return moment(values, 4) - 3 * moment(values, 2) ** 2
+
+    variance = (moment(x, 2) + moment(y, 2)) / 2
+    skew = moment(y, 3) / variance**1.5
+    u, v = np.asarray((x + y) / np.sqrt(2)), np.asarray((x - y) / np.sqrt(2))
+    diagonal = fourth_cumulant(u) + fourth_cumulant(v)
+    corner_ratio = (fourth_cumulant(x) + fourth_cumulant(y)) / diagonal if diagonal < 0 else 0.0
+    return skew, corner_ratio
+
+
+# Between each shape's value and the next, nearer the ideal circle's, since blur and clipping pull the triangle's
+# skew and the square's ratio towards it (measured: a Gaussian blur of σ 1.5 px on a 64² image leaves triangles
+# below −0.28 and squares above 1.36).
+TRIANGLE_SKEW = -0.15
+SQUARE_CORNER_RATIO = 1.3
+
+
+def classify_shape(weights: np.ndarray) -> str:
+    """Triangle by its skew, square by its corners, else circle (:func:`shape_features`)."""
+    skew, corner_ratio = shape_features(weights)
+    if skew < TRIANGLE_SKEW:
+        return "triangle"
+    return "square" if corner_ratio > SQUARE_CORNER_RATIO else "circle"
+
+
+def _coverage(pixels: np.ndarray, colour: str) -> np.ndarray:
+    """Each pixel's share of ``colour`` against the background: its projection on the line between the two (1 inside
+    the object, 0 on the background, the anti-aliased fraction on an edge)."""
+    direction = np.array(COLOURS[colour], dtype=np.float64) - BACKGROUND_RGB
+    return ((pixels - BACKGROUND_RGB) @ direction) / float(direction @ direction)
+
+
+def find_objects(image: np.ndarray) -> list[FoundObject]:
+    """The objects in an image, largest first."""
+    from scipy import ndimage
+
+    pixels = _as_rgb_uint8(image)
+    labels_by_colour = segment(pixels)
+    min_area = MIN_AREA_FRACTION * labels_by_colour.size
+    components = np.zeros(labels_by_colour.shape, dtype=np.int32)
+    kept: list[tuple[str, int, tuple[int, int, int, int]]] = []  # colour, area, box of component len(kept) + 1
+    for index, colour in enumerate(_PALETTE_NAMES):
+        labels, _ = ndimage.label(labels_by_colour == index, structure=np.ones((3, 3), dtype=bool))
+        for label, slices in enumerate(ndimage.find_objects(labels), start=1):
+            if slices is None:
+                continue
+            mask = labels == label
+            area = int(mask.sum())
+            if area < min_area:
+                continue
+            rows, cols = slices
+            kept.append((colour, area, (cols.start, rows.start, cols.stop, rows.stop)))
+            components[mask] = len(kept)
+    if not kept:
+        return []
+    # Each object's shape is read from its coverage over the pixels nearer to it than to any other object, out to
+    # EDGE_PIXELS: the soft edge the hard segmentation cut off belongs to it too.
+    distance, (near_row, near_col) = ndimage.distance_transform_edt(components == 0, return_indices=True)
+    nearest = components[near_row, near_col]
+    margin = int(np.ceil(EDGE_PIXELS))
+    found: list[FoundObject] = []
+    for number, (colour, area, box) in enumerate(kept, start=1):
+        x0, y0, x1, y1 = box
+        crop = np.s_[max(y0 - margin, 0) : y1 + margin, max(x0 - margin, 0) : x1 + margin]
+        region = (nearest[crop] == number) & (distance[crop] <= EDGE_PIXELS)
+        weights = np.where(region, _coverage(pixels[crop].astype(np.float64), colour), 0.0)
+        found.append(FoundObject(classify_shape(weights), colour, area, box))
+    return sorted(found, key=lambda obj: (-obj.area, obj.box))
+
+
+def relative_position(a: FoundObject, b: FoundObject) -> set[str]:
+    """Where ``a`` is with respect to ``b``: GenEval's ``relative_position`` (image y grows downwards)."""
+    (ax, ay), (bx, by) = a.centre, b.centre
+    offset = np.array([ax - bx, ay - by])
+    dims = np.array([a.box[2] - a.box[0] + b.box[2] - b.box[0], a.box[3] - a.box[1] + b.box[3] - b.box[1]])
+    revised = np.maximum(np.abs(offset) - POSITION_THRESHOLD * dims, 0) * np.sign(offset)
+    if np.all(np.abs(revised) < 1e-3):
+        return set()
+    dx, dy = revised / np.linalg.norm(offset)
+    relations = set()
+    if dx < -0.5:
+        relations.add("left of")
+    if dx > 0.5:
+        relations.add("right of")
+    if dy < -0.5:
+        relations.add("above")
+    if dy > 0.5:
+        relations.add("below")
+    return relations
+
+
+def _noun(shape: str, n: int) -> str:
+    return shape if n == 1 else PLURALS[shape]
+
+
+def _describe(objects: list[FoundObject]) -> str:
+    if not objects:
+        return "none"
+    return ", ".join(f"{obj.colour} {obj.shape}" for obj in objects)
+
+
+def _object_claims(spec: ObjectSpec, count: int, exact: bool, objects: list[FoundObject]) -> list[Claim]:
+    """GenEval's include (and, for a count, exclude) of one spec: present/count, then colour on the largest found."""
+    of_shape = [obj for obj in objects if obj.shape == spec.shape]
+    number = f"{COUNT_WORDS[count]} {_noun(spec.shape, count)}" if count > 1 or exact else f"a {spec.shape}"
+    enough = len(of_shape) >= count
+    if exact:
+        holds = len(of_shape) == count
+        claims = [Claim("count", number, holds, "" if holds else f"{len(of_shape)} found")]
+    else:
+        claims = [Claim("present", number, enough, "" if enough else "none found")]
+    if spec.colour is not None:
+        largest = of_shape[:count]
+        holds = enough and all(obj.colour == spec.colour for obj in largest)
+        subject = f"the {_noun(spec.shape, count)} {'are' if count > 1 else 'is'} {spec.colour}"
+        found = "" if holds else (_describe(largest) if enough else f"{len(of_shape)} found")
+        claims.append(Claim("colour", subject, holds, found))
+    return claims
+
+
+def _matching(spec: ObjectSpec, objects: list[FoundObject]) -> list[FoundObject]:
+    # The largest object of the shape: GenEval's top detection (a position caption asks for one of each).
+    return [obj for obj in objects if obj.shape == spec.shape][:1]
+
+
+def claims_of(caption: Caption, objects: list[FoundObject]) -> list[Claim]:
+    """Each claim of ``caption`` checked against the objects found (largest first)."""
+    if caption.family == "counting":
+        assert caption.count is not None
+        return _object_claims(caption.objects[0], caption.count, True, objects)
+    claims: list[Claim] = []
+    for spec in caption.objects:
+        claims += _object_claims(spec, 1, False, objects)
+    if caption.family == "position":
+        assert caption.relation is not None
+        first, second = caption.objects
+        text = f"the {first.shape} is {caption.relation} the {second.shape}"
+        a, b = _matching(first, objects), _matching(second, objects)
+        if not a or not b:
+            claims.append(Claim("relation", text, False, f"no {first.shape if not a else second.shape} to place"))
+        else:
+            relations = relative_position(a[0], b[0])
+            holds = caption.relation in relations
+            found = "" if holds else (" and ".join(sorted(relations)) or "overlapping") + " instead"
+            claims.append(Claim("relation", text, holds, found))
+    return claims
+
+
+def check(image: np.ndarray, caption: str | Caption) -> CheckResult:
+    """Check one image (``[H, W, 3]``, uint8 or float in [0, 1]) against one caption of the world.
+
+    Raises :class:`~fluxgrpo.shapes.world.CaptionError` for a caption outside the grammar (naming its words) and
+    :class:`ImageSizeError` for an image the world cannot be (naming its size).
+    """
+    parsed = parse_caption(caption) if isinstance(caption, str) else caption
+    objects = find_objects(image)
+    return CheckResult(parsed.text(), tuple(claims_of(parsed, objects)), tuple(objects))

@@ -1,0 +1,203 @@
+"""`bench --algorithms` beside the training reward: the held-out gain, its spread and verdict, and the work per
+iteration (transformer forwards, backwards, optimizer steps) counted while the real loop trains."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fluxgrpo.bench.efficiency import EfficiencyConfig, Workspace, base_training_config, compare, training_prompts
+from fluxgrpo.bench.heldout import (
+    WorkCounter,
+    counted,
+    heldout_gain,
+    heldout_reward,
+    heldout_summary,
+    heldout_verdict,
+)
+from fluxgrpo.shapes import world
+
+
+def test_heldout_gain_is_the_last_evaluation_minus_the_base_models():
+    assert heldout_gain([(0, 0.40), (2, 0.45), (4, 0.55)]) == pytest.approx(0.15)
+    assert heldout_gain([(0, 0.40)]) is None  # one evaluation: no gain
+    assert heldout_gain([(2, 0.40), (4, 0.50)]) is None  # no base-model evaluation to start from
+
+
+def test_heldout_summary_takes_the_median_over_runs_and_the_gain_per_second():
+    runs = [[(0, 0.4), (4, 0.5)], [(0, 0.4), (4, 0.7)], [(0, 0.4), (4, 0.45)]]
+    summary = heldout_summary("shapes", runs, seconds_per_iteration=2.0, iterations=4)
+    assert summary["heldout_gain"] == pytest.approx(0.1)  # median of 0.1, 0.3, 0.05
+    assert summary["heldout_gain_spread"] == pytest.approx([0.05, 0.3])
+    assert summary["heldout_gain_per_second"] == pytest.approx(0.1 / 8.0)
+    assert (summary["heldout_first"], summary["heldout_last"]) == (0.4, 0.5)
+    assert heldout_summary(None, [[]], 1.0, 4)["heldout_gain"] is None
+
+
+def test_heldout_verdict_needs_spreads_clear_of_the_baselines():
+    def row(name, low, high, repeats=3):
+        return {
+            "algorithm": name,
+            "repeats": repeats,
+            "heldout_gain": (low + high) / 2,
+            "heldout_gain_spread": [low, high],
+        }
+
+    dance = row("dance", 0.0, 0.1)
+    assert heldout_verdict(row("nft", 0.2, 0.3), dance) == "better"
+    assert heldout_verdict(row("awm", -0.3, -0.1), dance) == "worse"
+    assert heldout_verdict(row("cps", 0.05, 0.3), dance) == "within noise"
+    assert heldout_verdict(dance, dance) is None
+    assert heldout_verdict(row("nft", 0.2, 0.3, repeats=1), dance) is None
+
+
+def test_the_heldout_reward_is_the_worlds_checker_when_evaluated():
+    from fluxgrpo.config import build_config
+
+    assert heldout_reward(build_config("tiny-cpu", {})) is None  # no evaluation
+    cfg = build_config("tiny-cpu", {"eval_every": 2, "eval_rewards": "shapes,exposure"})
+    assert heldout_reward(cfg) == "shapes"
+    assert heldout_reward(build_config("tiny-cpu", {"eval_every": 2, "eval_rewards": "exposure"})) == "brightness"
+
+
+def test_a_config_scored_by_the_checker_trains_on_the_worlds_captions():
+    from fluxgrpo.data.benchmarks import shipped_set_path
+    from fluxgrpo.data.prompts import bundled_prompts_path
+
+    assert training_prompts("tiny-cpu", {}) == bundled_prompts_path()
+    assert training_prompts("tiny-cpu", {"reward": "shapes"}) == shipped_set_path("shapes-train")
+    assert training_prompts("tiny-cpu", {"eval_every": 2, "eval_rewards": "shapes"}) == shipped_set_path("shapes-train")
+
+
+# Held-out curves of hand-made runs: algorithm → one curve per repeat. dance gains 0.00–0.10; dance-t2 0.20–0.30.
+CURVES = {
+    "dance": [[0.40, 0.45], [0.40, 0.40], [0.40, 0.50]],
+    "dance-t2": [[0.40, 0.70], [0.40, 0.60], [0.40, 0.65]],
+}
+
+
+def _stand_in_trainer(cfg):
+    """Two iterations of one second each, and an evaluation at 0 and 2 written to the run's metrics.jsonl."""
+    folder = Path(cfg.output_dir)
+    name, repeat = folder.parent.name, int(folder.name.removeprefix("repeat-"))
+    first, last = CURVES[name][repeat - 1]
+    folder.mkdir(parents=True)
+    evals = [{"iteration": 0, "eval_shapes_mean": first}, {"iteration": 2, "eval_shapes_mean": last}]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+    clock = {"seconds_rollout": 0.5, "seconds_decode_reward": 0.1, "seconds_update": 0.4}
+    return [{"reward_mean": 0.1, **clock}, {"reward_mean": 0.2, **clock}]
+
+
+def test_compare_reports_the_heldout_gain_spread_and_verdict_per_algorithm(tmp_path):
+    workspace = Workspace(tmp_path / "flux", tmp_path / "hps", tmp_path / "index.json", tmp_path / "runs")
+    cfg = EfficiencyConfig(
+        algorithms=("dance-t2",),
+        iterations=2,
+        repeats=3,
+        base_overrides={"reward": "shapes", "eval_every": 2, "eval_prompts": "shapes-heldout"},
+    )
+    lines: list[str] = []
+    rows = {
+        row["algorithm"]: row
+        for row in compare(cfg, base_training_config(cfg, workspace), _stand_in_trainer, lines.append)
+    }
+    dance, short = rows["dance"], rows["dance-t2"]
+    assert dance["heldout_reward"] == "shapes"
+    assert dance["heldout_gain_runs"] == pytest.approx([0.05, 0.0, 0.10])
+    assert dance["heldout_gain"] == pytest.approx(0.05) and dance["heldout_gain_spread"] == pytest.approx([0.0, 0.1])
+    assert short["heldout_gain"] == pytest.approx(0.25)
+    assert short["heldout_gain_per_second"] == pytest.approx(0.25 / (1.0 * 2))
+    assert (dance["heldout_verdict"], short["heldout_verdict"]) == (None, "better")
+    assert short["heldout_curves"][0] == [[0, 0.4], [2, pytest.approx(0.7)]]
+    assert dance["work_per_iteration"] is None  # no counter: a stand-in trains nothing
+    assert any("held-out shapes gain 0.3" in line for line in lines)
+
+
+def test_the_table_shows_the_heldout_gain_and_the_work_per_iteration(tmp_path, capsys):
+    from fluxgrpo.cli.bench import _render_heldout_and_work
+
+    base = {"repeats": 3, "heldout_reward": "shapes", "heldout_first": 0.4, "heldout_gain_per_second": 0.01}
+    rows = [
+        {**base, "algorithm": "dance", "heldout_last": 0.45, "heldout_gain": 0.05, "heldout_gain_spread": [0.0, 0.1]},
+        {**base, "algorithm": "nft", "heldout_last": 0.65, "heldout_gain": 0.25, "heldout_gain_spread": [0.2, 0.3]},
+    ]
+    rows[0]["work_per_iteration"] = {"forwards": 22.0, "backwards": 4.0, "optimizer_steps": 2.0}
+    rows[1]["work_per_iteration"] = {"forwards": 50.0, "backwards": 36.0, "optimizer_steps": 4.0}
+    rows[1]["heldout_verdict"] = "better"
+    from rich.console import Console
+
+    _render_heldout_and_work(Console(width=200), rows, repeats=3)
+    lines = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
+    assert (
+        "algorithm held-out shapes first→last gain gain min–max vs dance gain/s forwards/it backwards/it optimizer steps/it"
+        in lines
+    )
+    assert "nft 0.4000→0.6500 +0.2500 +0.2000–+0.3000 better 0.01 50 36 4" in lines
+
+
+# --- the work counter on the real loop ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def world_embeddings(tiny_weights, tmp_path_factory):
+    from fluxgrpo.preprocess import preprocess
+
+    root = tmp_path_factory.mktemp("world-embeddings")
+    prompts = root / "prompts.txt"
+    prompts.write_text("\n".join(world.prompt_set("shapes-train")[:4]) + "\n")
+    eval_prompts = root / "eval.txt"
+    eval_prompts.write_text("\n".join(world.prompt_set("shapes-heldout")[:2]) + "\n")
+    return Path(
+        preprocess(prompts, tiny_weights.flux_dir, root / "embeddings", 16, device="cpu").index_path
+    ), eval_prompts
+
+
+def _counted_run(tiny_weights, index_path, output_dir, **overrides):
+    from fluxgrpo.config import build_config
+    from fluxgrpo.training.loop import train
+
+    values = {
+        "model": str(tiny_weights.flux_dir),
+        "hps_dir": str(tiny_weights.hps_dir),
+        "data_json_path": str(index_path),
+        "output_dir": str(output_dir),
+        "reward": "shapes",
+        "max_train_steps": 2,
+        "checkpointing_steps": 2,
+        "save_images_every": 0,
+        "num_generations": 4,
+        "rollout_batch_size": 4,
+        "train_micro_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "sampling_steps": 4,
+        **overrides,
+    }
+    cfg = build_config("tiny-cpu", values)
+    counter = WorkCounter()
+    records = counted(train, counter)(cfg)
+    return cfg, records, counter.reset()
+
+
+def test_the_work_counter_counts_the_loops_transformer_calls_and_leaves_the_evaluation_out(
+    tiny_weights, world_embeddings, tmp_path
+):
+    from fluxgrpo.bench.heldout import evaluation_forwards, work_per_iteration
+    from fluxgrpo.metrics import read_metrics
+
+    index_path, eval_prompts = world_embeddings
+    cfg, records, counts = _counted_run(tiny_weights, index_path, tmp_path / "plain")
+    plain = work_per_iteration(counts, records, cfg, evaluations=0, prompts=0)
+    trajectories = cfg.num_generations * cfg.train_batch_size
+    # DanceGRPO: every trained transition of every trajectory is one forward with grad and one backward.
+    assert plain["backwards"] == trajectories * cfg.train_timesteps
+    assert plain["forwards"] >= trajectories * (cfg.rollout_model_calls + cfg.train_timesteps)
+    assert plain["optimizer_steps"] == cfg.derived(1)["optimizer_steps_per_iteration"]
+
+    evaluated = {"eval_every": 1, "eval_prompts": str(eval_prompts), "eval_steps": 2}
+    cfg_eval, records_eval, counts_eval = _counted_run(tiny_weights, index_path, tmp_path / "eval", **evaluated)
+    evaluations = sum("eval_shapes_mean" in r for r in read_metrics(tmp_path / "eval"))
+    assert evaluations == 3  # iterations 0, 1, 2
+    assert counts_eval.forwards - counts.forwards == evaluation_forwards(cfg_eval, evaluations, 2) == 12
+    assert work_per_iteration(counts_eval, records_eval, cfg_eval, evaluations, 2) == plain

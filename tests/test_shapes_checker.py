@@ -1,0 +1,220 @@
+"""The shapes checker: near-perfect on the renderer's own images, and each kind of wrong image fails the right claim."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from fluxgrpo.shapes import checker, world
+from fluxgrpo.shapes.checker import FoundObject, check, relative_position
+from fluxgrpo.shapes.world import Caption, ObjectSpec, PlacedObject, Scene, parse_caption, render, sample_scene
+
+IMAGES_PER_FAMILY = 400
+
+
+def _strict_rate(family: str, size: int, n: int, blur: float = 0.0) -> float:
+    from scipy import ndimage
+
+    captions = [c for c in world.all_captions() if c.family == family]
+    rng = random.Random(family)
+    passed = 0
+    for seed in range(n):
+        caption = captions[rng.randrange(len(captions))]
+        image = render(sample_scene(caption, random.Random(seed), size))
+        if blur:
+            noise = np.random.default_rng(seed).normal(0.0, 4.0, image.shape)
+            blurred = ndimage.gaussian_filter(image.astype(np.float64), (blur, blur, 0)) + noise
+            image = np.clip(np.rint(blurred), 0, 255).astype(np.uint8)
+        passed += check(image, caption).strict
+    return passed / n
+
+
+@pytest.mark.parametrize("family", world.FAMILIES)
+def test_strict_on_the_renderers_own_images_for_every_family(family):
+    assert _strict_rate(family, 64, IMAGES_PER_FAMILY) >= 0.99
+
+
+@pytest.mark.parametrize("family", world.FAMILIES)
+def test_strict_survives_a_blur_and_noise_like_a_vae_reconstruction(family):
+    assert _strict_rate(family, 64, 150, blur=1.2) >= 0.99
+
+
+def test_shape_features_match_their_closed_forms_on_large_ideal_shapes():
+    side = 400
+    ys, xs = (np.indices((side, side)) + 0.5) / side - 0.5
+    square = np.ones((side, side))
+    disc = (xs**2 + ys**2 <= 0.25).astype(np.float64)
+    # equilateral, apex up (the renderer's): side 0.8, height 0.8·√3/2, apex at y = −0.35
+    height = 0.8 * np.sqrt(3) / 2
+    triangle = ((ys >= -0.35) & (ys <= -0.35 + height) & (np.abs(xs) <= (ys + 0.35) / height * 0.4)).astype(np.float64)
+    skew, ratio = checker.shape_features(square)
+    assert abs(skew) < 1e-6 and ratio == pytest.approx(2.0, abs=0.01)  # κ4 −s⁴/120 on an axis, −s⁴/240 diagonally
+    skew, ratio = checker.shape_features(disc)
+    assert abs(skew) < 1e-6 and ratio == pytest.approx(1.0, abs=0.01)  # the same in every direction
+    skew, _ = checker.shape_features(triangle)
+    assert skew == pytest.approx(-2 * np.sqrt(2) / 5, abs=0.01)  # a triangular distribution with its mode at the end
+    # A Gaussian blur adds to the variance only: the square's κ4 ratio survives it.
+    from scipy import ndimage
+
+    padded = np.pad(np.ones((40, 40)), 20)
+    assert checker.shape_features(ndimage.gaussian_filter(padded, 3.0))[1] == pytest.approx(2.0, abs=0.05)
+    assert [checker.classify_shape(m) for m in (square, disc, triangle)] == ["square", "circle", "triangle"]
+
+
+def test_strict_at_128_pixels():
+    assert min(_strict_rate(family, 128, 40) for family in world.FAMILIES) >= 0.97
+
+
+def _scene(*objects: tuple[str, str, float, float]) -> Scene:
+    return Scene(64, [PlacedObject(shape, colour, x, y, 8.0) for shape, colour, x, y in objects])
+
+
+def _claims(scene: Scene, caption: str) -> dict[str, bool]:
+    return {claim.text: claim.holds for claim in check(render(scene), caption).claims}
+
+
+def test_each_found_object_has_its_shape_colour_and_box():
+    found = checker.find_objects(render(_scene(("triangle", "blue", 16, 16), ("circle", "yellow", 46, 44))))
+    assert sorted((o.shape, o.colour) for o in found) == [("circle", "yellow"), ("triangle", "blue")]
+    for obj in found:
+        x, y = obj.centre
+        assert (abs(x - 16) < 2 and abs(y - 17) < 3) or (abs(x - 46) < 2 and abs(y - 44) < 2)
+
+
+def test_a_true_scene_satisfies_every_claim_and_scores_one():
+    result = check(
+        render(_scene(("circle", "red", 14, 32), ("square", "yellow", 48, 30))), "a red circle left of a yellow square"
+    )
+    assert [c.kind for c in result.claims] == ["present", "colour", "present", "colour", "relation"]
+    assert result.strict and result.score == 1.0
+
+
+def test_wrong_colour_fails_the_colour_claim_only():
+    claims = _claims(
+        _scene(("circle", "green", 14, 32), ("square", "yellow", 48, 30)), "a red circle left of a yellow square"
+    )
+    assert claims == {
+        "a circle": True,
+        "the circle is red": False,
+        "a square": True,
+        "the square is yellow": True,
+        "the circle is left of the square": True,
+    }
+    result = check(
+        render(_scene(("circle", "green", 14, 32), ("square", "yellow", 48, 30))),
+        "a red circle left of a yellow square",
+    )
+    assert result.score == pytest.approx(4 / 5) and not result.strict
+    assert [c.label() for c in result.claims if not c.holds] == ["✗ the circle is red (green circle)"]
+
+
+def test_a_moved_object_fails_the_relation_claim_only():
+    claims = _claims(
+        _scene(("circle", "red", 48, 32), ("square", "yellow", 14, 30)), "a red circle left of a yellow square"
+    )
+    assert [text for text, holds in claims.items() if not holds] == ["the circle is left of the square"]
+    label = next(
+        c
+        for c in check(
+            render(_scene(("circle", "red", 48, 32), ("square", "yellow", 14, 30))), "a circle left of a square"
+        ).claims
+        if c.kind == "relation"
+    ).label()
+    assert label == "✗ the circle is left of the square (right of instead)"
+
+
+def test_a_missing_object_fails_its_presence_and_what_depends_on_it():
+    claims = _claims(_scene(("circle", "red", 14, 32)), "a red circle left of a yellow square")
+    assert claims == {
+        "a circle": True,
+        "the circle is red": True,
+        "a square": False,
+        "the square is yellow": False,
+        "the circle is left of the square": False,
+    }
+    assert _claims(_scene(("circle", "red", 14, 32)), "a circle and a triangle") == {
+        "a circle": True,
+        "a triangle": False,
+    }
+
+
+def test_an_extra_object_fails_the_count():
+    two = (("triangle", "blue", 14, 14), ("triangle", "blue", 48, 14))
+    assert _claims(_scene(*two), "two blue triangles") == {"two triangles": True, "the triangles are blue": True}
+    extra = _scene(*two, ("triangle", "blue", 30, 48))
+    assert _claims(extra, "two blue triangles") == {"two triangles": False, "the triangles are blue": True}
+    assert check(render(extra), "two blue triangles").claims[0].found == "3 found"
+    # Another shape is no extra triangle (GenEval's exclude counts the class asked for only).
+    assert _claims(_scene(*two, ("circle", "red", 30, 48)), "two triangles") == {"two triangles": True}
+
+
+def test_colour_is_checked_on_the_largest_objects_of_the_shape():
+    # GenEval checks the colour of its most confident detections; area stands in for confidence here.
+    big_blue = Scene(64, [PlacedObject("circle", "blue", 16, 32, 10.0), PlacedObject("circle", "red", 48, 32, 7.0)])
+    assert _claims(big_blue, "a red circle") == {"a circle": True, "the circle is red": False}
+    assert _claims(big_blue, "a blue circle") == {"a circle": True, "the circle is blue": True}
+
+
+def test_relative_position_matches_geneval_by_hand():
+    # Boxes 10 px wide; centres 20 px apart horizontally, 4 px vertically. Revised offset: dx = 20 - 0.1·20 = 18,
+    # dy = max(4 - 0.1·20, 0) = 2; divided by |offset| = √416 ≈ 20.4: dx ≈ 0.88 > 0.5, dy ≈ 0.10.
+    a = FoundObject("circle", "red", 80, (0, 0, 10, 10))
+    b = FoundObject("square", "red", 100, (20, 4, 30, 14))
+    assert relative_position(a, b) == {"left of"}
+    assert relative_position(b, a) == {"right of"}
+    # A diagonal offset holds both relations, as in GenEval: (20, 20) → revised (18, 18)/28.3 = 0.64 each.
+    c = FoundObject("circle", "red", 80, (20, 20, 30, 30))
+    assert relative_position(a, c) == {"left of", "above"}
+    # Boxes whose centres are closer than a tenth of their sizes hold no relation.
+    d = FoundObject("circle", "red", 80, (1, 1, 11, 11))
+    assert relative_position(a, d) == set()
+
+
+def test_segmentation_keeps_anti_aliased_edges_with_their_object_and_ignores_specks():
+    image = render(_scene(("square", "green", 32, 32)))
+    labels = checker.segment(image)
+    assert set(np.unique(labels)) == {-1, list(world.COLOURS).index("green")}
+    speck = image.copy()
+    speck[2:4, 2:4] = world.COLOURS["red"]
+    assert [(o.shape, o.colour) for o in checker.find_objects(speck)] == [("square", "green")]
+
+
+def test_float_images_in_zero_one_read_as_their_bytes():
+    image = render(_scene(("circle", "red", 14, 32), ("square", "yellow", 48, 30)))
+    assert check(image / 255.0, "a circle left of a square") == check(image, "a circle left of a square")
+
+
+def test_wrong_sizes_and_unknown_words_are_one_clear_line():
+    with pytest.raises(checker.ImageSizeError, match=r"a 32x32 image: the shapes world renders at 64x64 or 128x128"):
+        check(np.zeros((32, 32, 3), np.uint8), "a circle")
+    with pytest.raises(checker.ImageSizeError, match=r"\[H, W, 3\]"):
+        check(np.zeros((64, 64), np.uint8), "a circle")
+    with pytest.raises(world.CaptionError, match=r"no word 'dog', 'purple'"):
+        check(np.zeros((64, 64, 3), np.uint8), "a purple dog")
+
+
+def test_every_caption_of_the_grammar_has_claims_and_round_trips():
+    for caption in world.all_captions():
+        assert parse_caption(caption.text()) == caption
+        result = check(render(sample_scene(caption, random.Random(0))), caption)
+        assert result.claims and result.caption == caption.text()
+
+
+def test_claim_counts_follow_the_family():
+    empty: list[FoundObject] = []
+    cases = {
+        Caption("single_object", (ObjectSpec("circle"),)): ["present"],
+        Caption("two_object", (ObjectSpec("circle"), ObjectSpec("square"))): ["present", "present"],
+        Caption("counting", (ObjectSpec("square", "blue"),), count=3): ["count", "colour"],
+        Caption("colors", (ObjectSpec("square", "blue"),)): ["present", "colour"],
+        Caption("position", (ObjectSpec("circle"), ObjectSpec("square")), relation="above"): [
+            "present",
+            "present",
+            "relation",
+        ],
+    }
+    for caption, kinds in cases.items():
+        claims = checker.claims_of(caption, empty)
+        assert [c.kind for c in claims] == kinds and not any(c.holds for c in claims)
