@@ -72,7 +72,8 @@ def command(
       fluxgrpo score --images my_images --prompts my_prompts.txt --json
       fluxgrpo score --index data/outputs/samples/base/index.json \\
           --reward hpsv2,imagereward,hpsv3
-      fluxgrpo score --index data/outputs/samples/shapes/index.json --reward shapes
+      fluxgrpo score --index data/outputs/samples/shapes/index.json \\
+          --reward shapes
 
     --reward shapes (the shapes world's checker, no weights) also prints the strict all-claims rate and, on the
     world's held-out captions, the seen- and novel-combination scores apart ("details" in --json).
