@@ -380,3 +380,11 @@ def test_the_final_sample_objectives_are_bench_rows_at_their_own_step_counts(tmp
     nft, awm = algorithm_config(base, "nft"), algorithm_config(base, "awm")
     assert (nft.objective, nft.sampling_steps, nft.train_timesteps) == ("nft", 10, 9)
     assert (awm.objective, awm.sampling_steps, awm.train_timesteps) == ("awm", 14, 6)
+    # as practitioners run them, and the two newer estimators at their authors' settings
+    assert (
+        algorithm_config(base, "nft-t2").train_timesteps == 2 and algorithm_config(base, "awm-t4").train_timesteps == 4
+    )
+    vgrpo, neighbor = algorithm_config(base, "vgrpo"), algorithm_config(base, "neighbor")
+    assert (vgrpo.objective, vgrpo.train_timesteps, vgrpo.flow_matching_draws) == ("vgrpo", 4, ("group", "stratified"))
+    # NFE_θ = B/G·K = 4/12·4 = 1.33 at the paper's G 12: K = int(7·0.6) = 4 transitions per anchor
+    assert (neighbor.objective, neighbor.sampling_steps, neighbor.train_timesteps) == ("neighbor", 8, 4)

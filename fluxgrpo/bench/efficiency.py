@@ -78,6 +78,18 @@ MIXGRPO_WINDOW = {
 }
 
 
+# The authors' settings of the final-sample objectives, shared by their rows and the practitioners' variants.
+AUTHORS_NFT = {"objective": "nft", "sampling_steps": 10, "timestep_fraction": 0.99, "nft_beta": 1.0}
+AUTHORS_AWM = {
+    "objective": "awm",
+    "sampling_steps": 14,
+    "timestep_fraction": 0.55,
+    "awm_weighting": "ghuber",
+    "awm_ema_beta": 1.0,
+    "clip_range": 1.0,
+}
+
+
 @dataclass(frozen=True)
 class Algorithm:
     """A training algorithm as the bench knows it: ``TrainConfig`` overrides, given the base config."""
@@ -142,18 +154,41 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm(
             "nft",
             "DiffusionNFT: old-policy ODE rollouts of 10 steps, 9 of them trained per image, β 1, decay type 1",
-            lambda base: {"objective": "nft", "sampling_steps": 10, "timestep_fraction": 0.99, "nft_beta": 1.0},
+            lambda base: dict(AUTHORS_NFT),
         ),
         Algorithm(
             "awm",
             "AWM: ODE rollouts of 14 steps, 6 stratified timesteps trained, ghuber 0.25, EMA-policy term 1, clip 1",
+            lambda base: dict(AUTHORS_AWM),
+        ),
+        # As practitioners run them (Flow-Factory's FLUX configs): far fewer trained timesteps per image.
+        Algorithm(
+            "nft-t2",
+            "nft with 2 trained timesteps per image (Flow-Factory's FLUX NFT)",
+            lambda base: {**AUTHORS_NFT, "fm_timesteps": 2},
+        ),
+        Algorithm(
+            "awm-t4",
+            "awm with 4 stratified timesteps per image (Flow-Factory's FLUX AWM)",
+            lambda base: {**AUTHORS_AWM, "fm_timesteps": 4},
+        ),
+        Algorithm(
+            "vgrpo",
+            "V-GRPO: ODE rollouts of 16 steps, 4 group-shared stratified (t, ε) pairs, self-normalised x-prediction "
+            "surrogate, ratio clip 6e-3",
+            lambda base: {"objective": "vgrpo", "sampling_steps": 16, "vgrpo_mc_samples": 4, "clip_range": 6e-3},
+        ),
+        Algorithm(
+            "neighbor",
+            "Neighbor GRPO: 8-step ODE rollouts from a σ 0.3 noise neighbourhood, 4 anchors per group at 4 of the 7 "
+            "transitions, quasi-norm p 0.8",
             lambda base: {
-                "objective": "awm",
-                "sampling_steps": 14,
-                "timestep_fraction": 0.55,
-                "awm_weighting": "ghuber",
-                "awm_ema_beta": 1.0,
-                "clip_range": 1.0,
+                "objective": "neighbor",
+                "sampling_steps": 8,
+                "timestep_fraction": 0.6,
+                "neighbor_sigma": 0.3,
+                "neighbor_anchors": min(4, base.num_generations),
+                "neighbor_quasi_norm_p": 0.8,
             },
         ),
     )

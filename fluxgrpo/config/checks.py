@@ -21,7 +21,7 @@ from fluxgrpo.config.choices import (
     flag,
 )
 from fluxgrpo.data.benchmarks import eval_prompts_problem
-from fluxgrpo.grpo.objectives.catalogue import CATALOGUE, objective_names
+from fluxgrpo.grpo.objectives.catalogue import CATALOGUE, ObjectiveEntry, objective_names
 from fluxgrpo.models.known import MODEL_FAMILIES
 from fluxgrpo.rewards.base import REWARD_DTYPES
 from fluxgrpo.rewards.reward_set import AGGREGATIONS, parse_reward_list, reward_spec_problems
@@ -200,6 +200,22 @@ def _objective_problems(cfg: TrainConfig) -> list[str]:
     for other in CATALOGUE.values():
         out.extend(other.option_problems(cfg))
     out.extend(entry.run_problems(cfg))
+    out.extend(_ignored_option_problems(cfg, entry))
+    return out
+
+
+def _ignored_option_problems(cfg: TrainConfig, entry: ObjectiveEntry) -> list[str]:
+    """An objective's own flag (``ObjectiveEntry.options``) set off its default for an objective that ignores it."""
+    defaults = {field.name: field.default for field in fields(cfg)}
+    out = []
+    for name in dict.fromkeys(option for other in CATALOGUE.values() for option in other.options):
+        if name in entry.options or getattr(cfg, name) == defaults[name]:
+            continue
+        users = [other.name for other in CATALOGUE.values() if name in other.options]
+        out.append(
+            f"--{flag(name)} {getattr(cfg, name)}: --objective {cfg.objective} ignores it (it applies to "
+            f"--objective {' or '.join(users)}); leave it at its default"
+        )
     return out
 
 

@@ -95,8 +95,9 @@ class TrainConfig:
     # --- algorithm options (the peers' methods; the defaults are DanceGRPO's) ---------------------------
     objective: str = _opt(
         "grpo",
-        "Training objective: grpo (PPO-clip on the SDE's per-step log-probs), nft (DiffusionNFT) or awm "
-        "(Advantage-Weighted Matching); nft and awm roll out with the DPM-Solver++(2M) ODE and train on final samples.",
+        "Training objective: grpo (PPO-clip on the SDE's per-step log-probs), nft (DiffusionNFT), awm "
+        "(Advantage-Weighted Matching), vgrpo (V-GRPO: PPO-clip on an ELBO surrogate) or neighbor (Neighbor GRPO: "
+        "PPO-clip on a softmax-distance policy over ODE neighbours); all but grpo roll out with the DPM-Solver++(2M) ODE.",
     )
     nft_beta: float = _opt(1.0, "DiffusionNFT's β: the step of its implicit positive/negative policies.")
     nft_decay_type: int = _opt(
@@ -106,6 +107,37 @@ class TrainConfig:
     awm_weighting: str = _opt("ghuber", f"AWM's weighting of the flow-matching error: {', '.join(AWM_WEIGHTINGS)}.")
     awm_ghuber_power: float = _opt(0.25, "AWM's ghuber power p.")
     awm_ema_beta: float = _opt(1.0, "Weight of AWM's pull towards its EMA policy (0: off, no EMA copy).")
+    awm_time_type: str = _opt(
+        "discrete_wo_init",
+        "AWM's training-timestep range: discrete_wo_init (grid indices 1…int(0.9·N)−1: the authors' GenEval/OCR rule) "
+        "or discrete (from index 0, pure noise: their PickScore rule).",
+    )
+    fm_draws: str = _opt(
+        "auto",
+        "nft/awm/vgrpo: who shares a (timestep, noise) draw: sample (each sample its own; AWM's authors share the "
+        "timesteps per micro-batch), group (one set per prompt group: V-GRPO's), auto (vgrpo group, else sample).",
+    )
+    fm_timestep_rule: str = _opt(
+        "auto",
+        "nft/awm/vgrpo: how the trained timesteps are drawn from the grid: random (a random permutation's first T: "
+        "NFT's), stratified (one per stratum: AWM's, V-GRPO's), auto (nft random, else stratified).",
+    )
+    fm_timesteps: int = _opt(
+        0,
+        "nft/awm: timesteps each sample trains at (practitioners run 2-4); 0: int(trainable · --timestep-fraction).",
+    )
+    vgrpo_mc_samples: int = _opt(4, "V-GRPO's N_MC: (timestep, noise) pairs of each sample's surrogate (2 is too few).")
+    vgrpo_adv_soft_clip: float = _opt(
+        0.0, "V-GRPO's advantage soft clip η: A → η·tanh(A/η) (0: off, the authors' FLUX setting; SD3.5 stage 1: 3)."
+    )
+    neighbor_sigma: float = _opt(0.3, "Neighbor GRPO's perturbation σ: ε_i = √(1−σ²)·ε* + σ·δ_i within a group.")
+    neighbor_anchors: int = _opt(4, "Neighbor GRPO's anchors B per group trained each iteration (of the G candidates).")
+    neighbor_quasi_norm_p: float = _opt(
+        0.8, "Neighbor GRPO's group advantage reweighting A_i/(Σ|A_k|^p)^(1/p), p in (0, 2]."
+    )
+    neighbor_temperature: float = _opt(
+        1.0, "Temperature τ of Neighbor GRPO's leaping policy softmax(−‖x_i − x_θ‖²/τ) (the paper: 1)."
+    )
     sampler: str = _opt(
         "dance",
         "SDE of the rollout and its log-prob: dance (η at every step), flow-grpo (Flow-GRPO's σ-dependent noise) "
@@ -196,8 +228,8 @@ class TrainConfig:
     def trainable_timesteps(self) -> int:
         """The transitions a trajectory may train on (the objective's catalogue entry): grpo the SDE window, or N−1
         (the last one cannot change the reward, so it never trains); nft the N sampler timesteps; awm the grid
-        indices 1 … int(0.9·N)−1."""
-        return self._objective_entry().trainable_timesteps(self.sampling_steps, self.sde_window)
+        indices lo … int(0.9·N)−1; vgrpo the N sampler timesteps; neighbor the N−1 transitions."""
+        return self._objective_entry().trainable_timesteps(self)
 
     def _objective_entry(self) -> ObjectiveEntry:
         """The catalogue entry of ``--objective`` (an unknown name is reported by ``problems``; until then, the
@@ -206,8 +238,29 @@ class TrainConfig:
 
     @property
     def train_timesteps(self) -> int:
-        """T_train = int(trainable·fraction): with DanceGRPO's sampler int((N−1)·fraction)."""
+        """T_train = int(trainable·fraction): with DanceGRPO's sampler int((N−1)·fraction); nft/awm: --fm-timesteps
+        when set; vgrpo: its N_MC pairs (the catalogue entry says)."""
+        entry = self._objective_entry()
+        if entry.train_timesteps is not None:
+            return entry.train_timesteps(self)
+        if "fm_timesteps" in entry.options and self.fm_timesteps:
+            return self.fm_timesteps
         return int(self.trainable_timesteps * self.timestep_fraction)
+
+    @property
+    def flow_matching_draws(self) -> tuple[str, str]:
+        """(sharing, timestep rule) of nft/awm/vgrpo's (t, ε) draws, ``auto`` resolved to the authors' rules."""
+        sharing, rule = self._objective_entry().draws
+        return (
+            sharing if self.fm_draws == "auto" else self.fm_draws,
+            rule if self.fm_timestep_rule == "auto" else self.fm_timestep_rule,
+        )
+
+    @property
+    def trained_samples_per_rank(self) -> int:
+        """What the update trains on per rank: every trajectory, or Neighbor GRPO's B anchors per group."""
+        trained = self._objective_entry().trained_samples
+        return self.trajectories_per_rank if trained is None else trained(self)
 
     @property
     def rollout_model_calls(self) -> int:
@@ -223,7 +276,8 @@ class TrainConfig:
     def derived(self, world_size: int) -> dict[str, Any]:
         """The numbers a user checks before spending a cluster-day."""
         per_rank = self.trajectories_per_rank
-        micro_batches = math.ceil(per_rank / self.train_micro_batch_size)
+        trained = self.trained_samples_per_rank
+        micro_batches = math.ceil(trained / self.train_micro_batch_size)
         steps = math.ceil(micro_batches / self.gradient_accumulation_steps)
         return {
             "world_size": world_size,
@@ -240,7 +294,7 @@ class TrainConfig:
             * self.train_micro_batch_size
             * self.gradient_accumulation_steps,
             "rollout_forwards_per_rank": per_rank * self.rollout_model_calls,
-            "train_forward_backward_per_rank": per_rank * self.train_timesteps,
+            "train_forward_backward_per_rank": trained * self.train_timesteps,
             "total_optimizer_steps": self.max_train_steps * steps,
         }
 

@@ -228,9 +228,11 @@ def sample_final_latents(
     img_ids: torch.Tensor,
     device_type: str,
     compute_dtype: torch.dtype | None = None,
+    keep_path: bool = False,
 ) -> FinalSamples:
-    """The deterministic DPM-Solver++(2M) ODE on the σ table, keeping the final latents only (DiffusionNFT's and
-    AWM's rollouts: their objectives need no per-step log-prob).
+    """The deterministic DPM-Solver++(2M) ODE on the σ table, keeping the final latents (DiffusionNFT's and AWM's
+    rollouts: their objectives need no per-step log-prob), and with ``keep_path`` the latent at every grid point
+    (Neighbor GRPO's candidates).
 
     The first step and the last (to σ = 0) are first order (Euler, DDIM at η = 0), the others second order, as the
     authors' ``dpm2`` solver. Eval mode, no gradients, chunks of ``rollout_batch_size`` (the result does not
@@ -245,6 +247,10 @@ def sample_final_latents(
     img_ids = img_ids.to(device)
     current = initial_noise.to(device=device, dtype=torch.float32).clone()
     previous_x0 = torch.empty_like(current)
+    path = None
+    if keep_path:
+        path = torch.empty((num_trajectories, sigmas.shape[0], *current.shape[1:]), dtype=torch.float32, device=device)
+        path[:, 0] = current
     guidance_values = torch.full((num_trajectories,), guidance, dtype=torch.float32, device=device)
     was_training = transformer.training
     transformer.eval()
@@ -253,13 +259,13 @@ def sample_final_latents(
         with cast_once:
             _integrate_tail(
                 transformer, cond, sigmas, sigmas[0], chunks, current, previous_x0, torch.empty_like(current),
-                guidance_values, img_ids, device_type, compute_dtype, first_order_start=True,
+                guidance_values, img_ids, device_type, compute_dtype, first_order_start=True, path=path,
             )  # fmt: skip
     finally:
         reshard_sharded_modules(transformer)
         transformer.train(was_training)
     return FinalSamples(
-        final_x0=current, sigmas=sigmas, img_ids=img_ids, guidance=float(guidance), captions=cond.captions
+        final_x0=current, sigmas=sigmas, img_ids=img_ids, guidance=float(guidance), captions=cond.captions, path=path
     )
 
 
@@ -278,10 +284,12 @@ def _integrate_tail(
     compute_dtype: torch.dtype | None,
     *,
     first_order_start: bool = False,
+    path: torch.Tensor | None = None,
 ) -> None:
     """DPM-Solver++(2M) from ``tail_sigmas[0]`` to 0, in place on ``current``; the history starts with the x̂0 of
     the window's last step (at ``previous_sigma``); the last step, to σ = 0, is first order (Euler), and so is the
-    first with ``first_order_start`` (no history yet)."""
+    first with ``first_order_start`` (no history yet). ``path`` [B, n+1, …], when given, receives the latent after
+    each step j at index j+1."""
     fed = model_timesteps(tail_sigmas)
     for j in range(tail_sigmas.shape[0] - 1):
         sigma, sigma_next = tail_sigmas[j], tail_sigmas[j + 1]
@@ -301,3 +309,5 @@ def _integrate_tail(
                 )
             previous_x0[start:stop] = x0_pred
             final_x0[start:stop] = x0_pred
+            if path is not None:
+                path[start:stop, j + 1] = current[start:stop]

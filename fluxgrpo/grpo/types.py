@@ -118,6 +118,9 @@ class FinalSamples:
     img_ids: torch.Tensor  # [L, 3]
     guidance: float
     captions: tuple[str, ...] | None = None
+    # [B, N+1, L, C] fp32, the latent at every grid point (index 0: the initial noise), for the objectives that train
+    # on the ODE path (Neighbor GRPO); None when the rollout keeps the end point only.
+    path: torch.Tensor | None = None
 
     @property
     def final_latent(self) -> torch.Tensor:

@@ -89,26 +89,30 @@ class Forwards:
     device_type: str
     compute_dtype: torch.dtype | None
 
+    def fed(self, model_input: ModelInput, start: int, stop: int) -> tuple[Conditioning, torch.Tensor]:
+        """The conditioning and guidance of ``model_input``'s latent rows: samples start…stop−1, or its ``rows``."""
+        if model_input.rows is None:
+            return self.cond.rows(start, stop), self.guidance[start:stop]
+        rows = model_input.rows.to(self.guidance.device)
+        cond = Conditioning(self.cond.prompt_embeds[rows], self.cond.pooled[rows], self.cond.text_ids)
+        return cond, self.guidance[rows]
+
     def velocity(self, model_input: ModelInput, start: int, stop: int, module: nn.Module | None = None) -> torch.Tensor:
         """v of ``module`` (default: the policy) for samples start…stop−1 at ``model_input``."""
+        cond, guidance = self.fed(model_input, start, stop)
         return predict_velocity(
-            module if module is not None else self.transformer, model_input.latents, self.cond.rows(start, stop),
-            model_input.timesteps, self.guidance[start:stop], self.img_ids, self.device_type, self.compute_dtype,
+            module if module is not None else self.transformer, model_input.latents, cond, model_input.timesteps,
+            guidance, self.img_ids, self.device_type, self.compute_dtype,
         )  # fmt: skip
 
-    def precompute(self, work: UpdateWork, layout: UpdateLayout) -> torch.Tensor:
-        """[B, T, L, C] fp32: the module's velocity at every (sample, slot), without gradients."""
-        out: torch.Tensor | None = None
+    def precompute(self, work: UpdateWork, layout: UpdateLayout) -> list[list[torch.Tensor]]:
+        """[micro-batch][slot] → fp32 velocities: the module's at every step's input, without gradients."""
         with torch.no_grad():
-            for start, stop in layout.bounds:
-                for slot in range(work.slots):
-                    velocity = self.velocity(work.model_input(start, stop, slot), start, stop)
-                    if out is None:
-                        size = (layout.bounds[-1][1], work.slots, *velocity.shape[1:])
-                        out = torch.empty(size, dtype=torch.float32, device=velocity.device)
-                    out[start:stop, slot] = velocity
-        assert out is not None  # an update has at least one sample and one slot
-        return out
+            return [
+                [self.velocity(work.model_input(start, stop, slot), start, stop).to(torch.float32) for slot in
+                 range(work.slots)]
+                for start, stop in layout.bounds
+            ]  # fmt: skip
 
 
 class UpdatePass:
@@ -135,7 +139,9 @@ class UpdatePass:
             raise ValueError(f"advantages must be [{num_samples}], got {tuple(advantages.shape)}")
         if cond.num_rows != num_samples:
             raise ValueError(f"{cond.num_rows} conditioning rows for {num_samples} trajectories")
-        self.layout = UpdateLayout.of(num_samples, plumbing.micro_batch_size, plumbing.grad_accum_steps)
+        update_size = getattr(objective, "update_size", None)  # optional (``base.Objective``)
+        trained = update_size(rollout) if callable(update_size) else num_samples
+        self.layout = UpdateLayout.of(trained, plumbing.micro_batch_size, plumbing.grad_accum_steps)
         self.work = objective.prepare(
             rollout, advantages.to(device=device, dtype=torch.float32), self.layout, generator_cpu
         )
@@ -146,7 +152,7 @@ class UpdatePass:
             transformer, cond, torch.full((num_samples,), rollout.guidance, dtype=torch.float32, device=device),
             rollout.img_ids.to(device), device_type, plumbing.compute_dtype,
         )  # fmt: skip
-        self.precomputed: dict[str, torch.Tensor] = {}
+        self.precomputed: dict[str, list[list[torch.Tensor]]] = {}
         for name in self.work.precomputed_forwards:
             copy = (
                 contextlib.nullcontext()
@@ -165,11 +171,12 @@ class UpdatePass:
         forwards, reference_velocity = self.forwards, None
         if self.work.wants_reference:
             assert self.reference is not None  # checked on construction
+            cond, guidance = forwards.fed(model_input, start, stop)
             reference_velocity = self.reference.reference_prediction(
-                model_input.latents, forwards.cond.rows(start, stop), model_input.timesteps,
-                forwards.guidance[start:stop], forwards.img_ids, forwards.device_type, forwards.compute_dtype,
+                model_input.latents, cond, model_input.timesteps, guidance, forwards.img_ids, forwards.device_type,
+                forwards.compute_dtype,
             )  # fmt: skip
-        precomputed = {name: velocities[start:stop, slot] for name, velocities in self.precomputed.items()}
+        precomputed = {name: velocities[micro_index][slot] for name, velocities in self.precomputed.items()}
         velocity = forwards.velocity(model_input, start, stop)
         step_loss = self.work.loss(
             UpdateStep(micro_index, start, stop, slot, model_input, velocity, reference_velocity, precomputed)

@@ -19,7 +19,9 @@ Peak bytes on one die = what lives all run long + the largest of the three phase
                 gathered     2·(2·block + root) + 4·block  bf16 parameters and one block's unsharded fp32 grads
                 activations  mb·T·D·(n_double·a_d + n_single·a_s)·c       without --gradient-checkpointing
                              mb·T·D·((n_double + n_single)·2 + a_d)·c      with it (block inputs + one recompute)
-                objective    B·T_train·(1+k)·L·64·4  nft/awm: fresh noise and each copy's velocity per trained slot
+                objective    B·T_train·(1+k)·L·64·4  nft/awm/vgrpo: the noise and each copy's velocity per trained slot
+                             (vgrpo: its N_MC pairs are one forward, so mb above is micro-batch × N_MC; neighbor: 0,
+                             its candidates' paths are the rollout term's trajectory latents)
 
 T = (H/16)·(W/16) + S image and text tokens, D the transformer width, c = compute-dtype bytes / 2. The activation
 coefficients a_d, a_s (bytes a double / single block saves for backward, per token per unit of width, in bf16)
@@ -163,6 +165,7 @@ class RunShape:
         from fluxgrpo.grpo.objectives.catalogue import objective_entry
 
         objective = objective_entry(cfg.objective)
+        rows = objective.rows_per_forward(cfg) if objective.rows_per_forward is not None else 1
         return cls(
             dies=dies,
             height=cfg.height,
@@ -170,7 +173,7 @@ class RunShape:
             sampling_steps=cfg.sampling_steps,
             trajectories_per_rank=cfg.trajectories_per_rank,
             rollout_batch_size=cfg.rollout_batch_size,
-            train_micro_batch_size=cfg.train_micro_batch_size,
+            train_micro_batch_size=cfg.train_micro_batch_size * rows,  # vgrpo's N_MC pairs are one batched forward
             gradient_checkpointing=cfg.gradient_checkpointing,
             cpu_offload=cfg.cpu_offload,
             use_ema=cfg.use_ema,

@@ -43,6 +43,8 @@ def initial_noise(cfg: TrainConfig, num_prompts: int, generator: torch.Generator
     from fluxgrpo.grpo.latents import latent_shape, pack_latents
 
     shape = latent_shape(cfg.height, cfg.width)
+    if cfg.objective == "neighbor":
+        return _neighborhood_noise(cfg, num_prompts, generator, device)
     draws = num_prompts if cfg.shares_group_noise else num_prompts * cfg.num_generations
     noise = torch.randn(
         (draws, shape.channels, shape.latent_height, shape.latent_width),
@@ -52,6 +54,20 @@ def initial_noise(cfg: TrainConfig, num_prompts: int, generator: torch.Generator
     )
     packed = pack_latents(noise)
     return packed.repeat_interleave(cfg.num_generations, dim=0) if cfg.shares_group_noise else packed
+
+
+def _neighborhood_noise(
+    cfg: TrainConfig, num_prompts: int, generator: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """[B, L, C] Neighbor GRPO's initial noises: per group one base noise, then one perturbation per member."""
+    from fluxgrpo.grpo.latents import latent_shape, pack_latents
+    from fluxgrpo.grpo.objectives.neighbor import neighborhood_noise
+
+    shape = latent_shape(cfg.height, cfg.width)
+    size = (shape.channels, shape.latent_height, shape.latent_width)
+    base = torch.randn((num_prompts, *size), generator=generator, device=device, dtype=torch.float32)
+    deltas = torch.randn((num_prompts * cfg.num_generations, *size), generator=generator, device=device)
+    return neighborhood_noise(pack_latents(base), pack_latents(deltas), cfg.neighbor_sigma)
 
 
 def decode_images(
@@ -145,6 +161,7 @@ def rollout_stage(
         return sample_final_latents(
             transformer, cond, noise, sigmas, guidance=settings.guidance, rollout_batch_size=settings.rollout_batch_size,
             img_ids=img_ids, device_type=device_type, compute_dtype=settings.compute_dtype,
+            keep_path=getattr(objective, "keeps_ode_path", False),
         )  # fmt: skip
 
 

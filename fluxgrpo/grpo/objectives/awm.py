@@ -2,7 +2,8 @@
 reference §6.2, §6.3).
 
 Rollouts are the deterministic DPM-Solver++(2M) ODE, keeping the final latents x0. Each micro-batch trains on T
-timestep indices stratified over the sampler grid (the same for its samples), with fresh noise ε per sample:
+timestep indices stratified over the sampler grid (the same for its samples), with fresh noise ε per sample (the
+authors'; ``draws.py``: or one set of (t, ε) per prompt group):
 
     x_t = (1−t)·x0 + t·ε;  mse = mean_d((v_θ(x_t) − (ε − x0))²)  (fp64)
     lp  = −mse (uniform) | −mse·t | −mse·t² | ghuber: −((mse+1e-10)^p − 1e-10^p)·t/p | huber: −(√(mse+1e-10) − 1e-5)·t
@@ -23,12 +24,11 @@ import torch
 from torch import nn
 
 from fluxgrpo.grpo.objectives.base import CURRENT_POLICY, Metric, ModelInput, StepLoss, UpdateLayout, UpdateStep
-from fluxgrpo.grpo.objectives.catalogue import AWM_TIME_FRACTION, AWM_WEIGHTINGS, EMA_POLICY
+from fluxgrpo.grpo.objectives.catalogue import AWM_TIME_FRACTION, AWM_TIME_TYPES, AWM_WEIGHTINGS, EMA_POLICY
+from fluxgrpo.grpo.objectives.draws import group_bounds, indices_per_unit, linspace_strata, random_indices
 from fluxgrpo.grpo.objectives.nft import FlowMatchingBatch
 from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.types import FinalSamples
-
-FIRST_INDEX = 1  # the authors' grid range [1, int(N·AWM_TIME_FRACTION)) ("discrete_wo_init")
 
 AWM_METRICS = {
     "policy_loss": Metric("policy_loss", "mean"),
@@ -47,17 +47,17 @@ def ema_policy_decay(optimizer_steps: int) -> float:
     return min(0.3, 0.001 * optimizer_steps)
 
 
-def trainable_range(num_steps: int) -> range:
-    """The sampler-grid indices AWM trains at: [1, int(0.9·N))."""
-    return range(FIRST_INDEX, int(num_steps * AWM_TIME_FRACTION))
+def trainable_range(num_steps: int, time_type: str = "discrete_wo_init") -> range:
+    """The sampler-grid indices AWM trains at: [lo, int(0.9·N)), lo = 1 (``discrete_wo_init``: the authors' GenEval
+    and OCR rule) or 0 (``discrete``: their PickScore rule, which includes σ = 1, pure noise)."""
+    return range(AWM_TIME_TYPES[time_type], int(num_steps * AWM_TIME_FRACTION))
 
 
-def stratified_indices(num_steps: int, count: int, generator: torch.Generator) -> torch.Tensor:
+def stratified_indices(
+    num_steps: int, count: int, generator: torch.Generator, time_type: str = "discrete_wo_init"
+) -> torch.Tensor:
     """[T] one index per stratum of ``trainable_range``: b = linspace(lo, hi, T+1).long(), b_k + ⌊u_k·(b_{k+1}−b_k)⌋."""
-    grid = trainable_range(num_steps)
-    bounds = torch.linspace(grid.start, grid.stop, count + 1).long()
-    u = torch.rand(count, generator=generator)
-    return bounds[:-1] + torch.floor(u * (bounds[1:] - bounds[:-1])).long()
+    return linspace_strata(trainable_range(num_steps, time_type), count, generator)
 
 
 def weighted_log_prob(mse: torch.Tensor, t: torch.Tensor, weighting: str, power: float) -> torch.Tensor:
@@ -103,12 +103,18 @@ class AwmSettings:
     kl_beta: float = 0.0  # kl_beta: weight of mean((v − v_ref)²)
     ema_beta: float = 0.0  # awm_ema_beta: weight of mean((v − v_ema)²)
     adv_clip_max: float = 5.0
+    time_type: str = "discrete_wo_init"  # awm_time_type (AWM_TIME_TYPES)
+    sharing: str = "sample"  # fm_draws: sample (the authors': t per micro-batch, ε per sample) or group
+    timestep_rule: str = "stratified"  # fm_timestep_rule: stratified (the authors') or random
+    group_size: int = 1  # G, the rows a group-shared draw covers
 
     @classmethod
     def from_config(cls, cfg: Any) -> AwmSettings:
+        sharing, timestep_rule = cfg.flow_matching_draws
         return cls(
             num_train_timesteps=cfg.train_timesteps, weighting=cfg.awm_weighting, ghuber_power=cfg.awm_ghuber_power,
             clip_range=cfg.clip_range, kl_beta=cfg.kl_beta, ema_beta=cfg.awm_ema_beta, adv_clip_max=cfg.adv_clip_max,
+            time_type=cfg.awm_time_type, sharing=sharing, timestep_rule=timestep_rule, group_size=cfg.num_generations,
         )  # fmt: skip
 
 
@@ -153,15 +159,19 @@ class AwmWork:
         generator_cpu: torch.Generator,
     ) -> None:
         num_steps, self.slots = rollout.num_steps, settings.num_train_timesteps
-        if not 1 <= self.slots <= len(trainable_range(num_steps)):
-            raise ValueError(f"cannot train {self.slots} of {len(trainable_range(num_steps))} AWM timesteps")
+        grid = trainable_range(num_steps, settings.time_type)
+        if not 1 <= self.slots <= len(grid):
+            raise ValueError(f"cannot train {self.slots} of {len(grid)} AWM timesteps")
         self.settings, self.layout = settings, layout
         self.wants_reference = settings.kl_beta > 0
-        rows = []
-        for start, stop in layout.bounds:  # one stratified draw per micro-batch, shared by its samples
-            rows.append(stratified_indices(num_steps, self.slots, generator_cpu).expand(stop - start, -1))
-        self.train_timestep_indices = torch.cat(rows)
-        self.batch = FlowMatchingBatch(rollout, self.train_timestep_indices, generator_cpu, advantages.device)
+        # One draw per micro-batch, shared by its samples (the authors'), or one per prompt group.
+        shared = settings.sharing == "group"
+        units = group_bounds(rollout.num_trajectories, settings.group_size) if shared else list(layout.bounds)
+        draw = linspace_strata if settings.timestep_rule == "stratified" else random_indices
+        self.train_timestep_indices = indices_per_unit(units, draw, grid, self.slots, generator_cpu)
+        self.batch = FlowMatchingBatch(
+            rollout, self.train_timestep_indices, generator_cpu, advantages.device, settings.group_size if shared else 1
+        )
         self.advantages = advantages.clamp(-settings.adv_clip_max, settings.adv_clip_max) / settings.adv_clip_max
         # The EMA policy's velocities; and, for the off-policy micro-batches (after the first optimizer step), lp
         # under the weights before it.

@@ -75,8 +75,11 @@ class UpdateLayout:
 class ModelInput:
     """What the transformer is fed at one loss step (the driver adds the conditioning, guidance and image ids)."""
 
-    latents: torch.Tensor  # [m, L, C]
-    timesteps: torch.Tensor  # [m] σ-valued (the model multiplies by 1000 itself)
+    latents: torch.Tensor  # [m', L, C]
+    timesteps: torch.Tensor  # [m'] σ-valued (the model multiplies by 1000 itself)
+    # [m'] the sample (row of the update's conditioning) each latent row belongs to, when they are not the step's
+    # samples start…stop−1 one row each: V-GRPO feeds N_MC rows per sample, Neighbor GRPO its anchors' rows.
+    rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,9 @@ class Objective(Protocol):
     def rollout_policy(self) -> PolicyCopy | None:
         """The ``PolicyCopy`` rollouts sample with (NFT's θ_old), or None for the current weights."""
         ...
+
+    # Optional: ``update_size(rollout) -> int``, the samples the update's micro-batches cut when they are not the
+    # rollout's trajectories (Neighbor GRPO trains B anchors per group); ``prepare`` gets that layout.
 
     def finish(self, transformer: nn.Module, optimizer_steps: int) -> None:
         """After the update (``optimizer_steps``: taken so far in the run): soft-update any policy copy."""

@@ -16,7 +16,13 @@ from typing import Any
 OLD_POLICY, EMA_POLICY = "old_policy", "ema_policy"  # the names policy copies are saved under
 NFT_DECAY_TYPES = (0, 1, 2)
 AWM_WEIGHTINGS = ("uniform", "t", "t2", "ghuber", "huber")
-AWM_TIME_FRACTION = 0.9  # AWM trains at the sampler-grid indices 1 … int(0.9·N)−1
+AWM_TIME_FRACTION = 0.9  # AWM trains at the sampler-grid indices lo … int(0.9·N)−1
+AWM_TIME_TYPES = {"discrete": 0, "discrete_wo_init": 1}  # the authors' time_type → lo (0 includes σ = 1)
+# The (t, ε) draws of the objectives that train on forward-noised final samples (``draws.py``): who shares a draw,
+# how the timesteps are chosen; ``auto`` is each objective's authors' rule (``ObjectiveEntry.draws``).
+FM_DRAWS = ("auto", "sample", "group")
+FM_TIMESTEP_RULES = ("auto", "random", "stratified")
+FM_OPTIONS = ("fm_draws", "fm_timestep_rule")
 # Guard rules measured on the SDE trajectory's trained steps: an objective that keeps no trajectory cannot have them.
 TRAJECTORY_GUARDS = ("velocity_norm_ratio",)
 
@@ -39,14 +45,27 @@ class ObjectiveEntry:
     builder: str | Callable[..., Any]
     # True: the rollout is the SDE with per-step log-probs (``Rollout``); False: the ODE's final samples only.
     keeps_trajectory: bool
-    # (sampling_steps N, sde_window W) → the timesteps a sample may train on (T_train = int(this·fraction)).
-    trainable_timesteps: Callable[[int, int], int]
+    # cfg → the timesteps a sample may train on (T_train = int(this·fraction)).
+    trainable_timesteps: Callable[[Any], int]
     # The copies of the trainable weights it keeps (saved with checkpoints, counted by the memory model).
     policy_copies: Callable[[Any], tuple[str, ...]] = _no_copies
     # Its own flags' problems, checked whichever objective is chosen (a wrong value is wrong anyway).
     option_problems: Callable[[Any], list[str]] = _no_problems
     # Problems of a run with this objective (settings it cannot train with).
     run_problems: Callable[[Any], list[str]] = _no_problems
+    # The flags (``TrainConfig`` fields) only the objectives naming them read: one left off its default is refused,
+    # naming it, with an objective that does not.
+    options: tuple[str, ...] = ()
+    # cfg → T_train, when it is not int(trainable·fraction) (or ``--fm-timesteps`` where ``options`` has it).
+    train_timesteps: Callable[[Any], int] | None = None
+    # (sharing, timestep rule) of ``--fm-draws auto`` / ``--fm-timestep-rule auto``: the authors'.
+    draws: tuple[str, str] = ("sample", "stratified")
+    # cfg → the samples one rank's update trains (micro-batches cut these): every trajectory by default.
+    trained_samples: Callable[[Any], int] | None = None
+    # cfg → latent rows one trained sample puts through a training forward (V-GRPO's N_MC pairs: one batch).
+    rows_per_forward: Callable[[Any], int] | None = None
+    # cfg → the update's kept latents when they are not the final-sample formula of ``update_latents``.
+    kept_latents: Callable[[Any], int] | None = None
 
     @property
     def refused_guards(self) -> tuple[str, ...]:
@@ -56,6 +75,8 @@ class ObjectiveEntry:
     def update_latents(self, cfg: Any) -> int:
         """[trajectories × T_train] latents its update keeps besides the rollout's: the fresh noise and each policy
         copy's velocity per trained slot (the final-sample objectives); none for the trajectory objectives."""
+        if self.kept_latents is not None:
+            return self.kept_latents(cfg)
         if self.keeps_trajectory:
             return 0
         return cfg.trajectories_per_rank * cfg.train_timesteps * (1 + len(self.policy_copies(cfg)))
@@ -70,8 +91,33 @@ def _nft_option_problems(cfg: Any) -> list[str]:
     return out
 
 
+def _draw_option_problems(cfg: Any) -> list[str]:
+    """``--fm-draws``, ``--fm-timestep-rule``, ``--fm-timesteps``: shared by nft, awm and vgrpo, checked once here."""
+    out = []
+    for flag, value, allowed in (
+        ("--fm-draws", cfg.fm_draws, FM_DRAWS),
+        ("--fm-timestep-rule", cfg.fm_timestep_rule, FM_TIMESTEP_RULES),
+    ):
+        if value not in allowed:
+            out.append(f"{flag} {value!r}: use one of {', '.join(allowed)}")
+    if cfg.fm_timesteps < 0:
+        out.append(f"--fm-timesteps {cfg.fm_timesteps} cannot be negative (0: from --timestep-fraction)")
+    return out
+
+
+def _fm_timesteps_run_problems(cfg: Any) -> list[str]:
+    if cfg.fm_timesteps > cfg.trainable_timesteps:
+        return [
+            f"--fm-timesteps {cfg.fm_timesteps}: --objective {cfg.objective} has only {cfg.trainable_timesteps} "
+            f"timesteps to train with --sampling-steps {cfg.sampling_steps}"
+        ]
+    return []
+
+
 def _awm_option_problems(cfg: Any) -> list[str]:
     out = []
+    if cfg.awm_time_type not in AWM_TIME_TYPES:
+        out.append(f"--awm-time-type {cfg.awm_time_type!r}: use one of {', '.join(AWM_TIME_TYPES)}")
     if cfg.awm_weighting not in AWM_WEIGHTINGS:
         out.append(f"--awm-weighting {cfg.awm_weighting!r}: use one of {', '.join(AWM_WEIGHTINGS)}")
     if not cfg.awm_ghuber_power > 0:
@@ -84,8 +130,64 @@ def _awm_option_problems(cfg: Any) -> list[str]:
 def _awm_run_problems(cfg: Any) -> list[str]:
     if cfg.sampling_steps >= 1 and cfg.trainable_timesteps < 1:
         return [
-            f"--objective awm trains at grid indices 1 … int(0.9·N)−1, none with --sampling-steps "
-            f"{cfg.sampling_steps}: use at least 3"
+            f"--objective awm trains at grid indices {AWM_TIME_TYPES.get(cfg.awm_time_type, 1)} … int(0.9·N)−1, "
+            f"none with --sampling-steps {cfg.sampling_steps}: use at least 3"
+        ]
+    return _fm_timesteps_run_problems(cfg)
+
+
+def _awm_trainable(cfg: Any) -> int:
+    return max(int(cfg.sampling_steps * AWM_TIME_FRACTION) - AWM_TIME_TYPES.get(cfg.awm_time_type, 1), 0)
+
+
+def _vgrpo_option_problems(cfg: Any) -> list[str]:
+    out = []
+    if cfg.vgrpo_mc_samples < 1:
+        out.append(f"--vgrpo-mc-samples {cfg.vgrpo_mc_samples} must be at least 1 (the authors' N_MC: 4)")
+    if not cfg.vgrpo_adv_soft_clip >= 0:
+        out.append(f"--vgrpo-adv-soft-clip {cfg.vgrpo_adv_soft_clip} cannot be negative (0: off)")
+    return out
+
+
+def _vgrpo_run_problems(cfg: Any) -> list[str]:
+    if cfg.vgrpo_mc_samples > cfg.sampling_steps >= 1:
+        return [
+            f"--vgrpo-mc-samples {cfg.vgrpo_mc_samples}: one pair per stratum of the {cfg.sampling_steps} "
+            "--sampling-steps timesteps at most"
+        ]
+    return []
+
+
+def _neighbor_option_problems(cfg: Any) -> list[str]:
+    out = []
+    if not 0 < cfg.neighbor_sigma <= 1:
+        out.append(f"--neighbor-sigma {cfg.neighbor_sigma} must be in (0, 1] (the authors: 0.3)")
+    if not 0 < cfg.neighbor_quasi_norm_p <= 2:
+        out.append(f"--neighbor-quasi-norm-p {cfg.neighbor_quasi_norm_p} must be in (0, 2] (the authors: 0.8)")
+    if not cfg.neighbor_temperature > 0:
+        out.append(f"--neighbor-temperature {cfg.neighbor_temperature} must be positive")
+    if cfg.neighbor_anchors < 1:
+        out.append(f"--neighbor-anchors {cfg.neighbor_anchors} must be at least 1 (the authors: 4 of 12)")
+    return out
+
+
+def _neighbor_anchors(cfg: Any) -> int:
+    """The anchors one rank's update trains: B of each group's G candidates."""
+    return cfg.train_batch_size * min(cfg.neighbor_anchors, cfg.num_generations)
+
+
+def _neighbor_run_problems(cfg: Any) -> list[str]:
+    if cfg.neighbor_anchors > cfg.num_generations >= 1:
+        return [
+            f"--neighbor-anchors {cfg.neighbor_anchors} must be at most --num-generations {cfg.num_generations} "
+            "(the anchors are candidates of the group; the authors: 4 of 12)"
+        ]
+    anchors = _neighbor_anchors(cfg)
+    if cfg.train_micro_batch_size >= 1 and anchors % cfg.train_micro_batch_size:
+        return [
+            f"--train-micro-batch-size {cfg.train_micro_batch_size} does not divide the {anchors} anchors per rank "
+            f"(--train-batch-size {cfg.train_batch_size} × --neighbor-anchors {cfg.neighbor_anchors}), which the "
+            "neighbor update trains on"
         ]
     return []
 
@@ -95,24 +197,57 @@ CATALOGUE: dict[str, ObjectiveEntry] = {
     for entry in (
         # The last transition cannot change the reward, so it never trains: the SDE window, or N−1.
         ObjectiveEntry(
-            "grpo", "fluxgrpo.grpo.objectives.grpo:GrpoObjective", True, lambda steps, window: window or steps - 1
+            "grpo",
+            "fluxgrpo.grpo.objectives.grpo:GrpoObjective",
+            True,
+            lambda cfg: cfg.sde_window or cfg.sampling_steps - 1,
         ),
         ObjectiveEntry(
             "nft",
             "fluxgrpo.grpo.objectives.nft:NftObjective",
             False,
-            lambda steps, window: steps,
+            lambda cfg: cfg.sampling_steps,
             policy_copies=lambda cfg: (OLD_POLICY,),
-            option_problems=_nft_option_problems,
+            option_problems=lambda cfg: _nft_option_problems(cfg) + _draw_option_problems(cfg),
+            run_problems=_fm_timesteps_run_problems,
+            options=(*FM_OPTIONS, "fm_timesteps"),
+            draws=("sample", "random"),
         ),
         ObjectiveEntry(
             "awm",
             "fluxgrpo.grpo.objectives.awm:AwmObjective",
             False,
-            lambda steps, window: max(int(steps * AWM_TIME_FRACTION) - 1, 0),
+            _awm_trainable,
             policy_copies=lambda cfg: (EMA_POLICY,) if cfg.awm_ema_beta > 0 else (),
             option_problems=_awm_option_problems,
             run_problems=_awm_run_problems,
+            options=(*FM_OPTIONS, "fm_timesteps", "awm_time_type"),
+        ),
+        # V-GRPO: the N sampler timesteps σ_0 … σ_{N−1}, N_MC of them (one per stratum) per sample.
+        ObjectiveEntry(
+            "vgrpo",
+            "fluxgrpo.grpo.objectives.vgrpo:VgrpoObjective",
+            False,
+            lambda cfg: cfg.sampling_steps,
+            option_problems=_vgrpo_option_problems,
+            run_problems=_vgrpo_run_problems,
+            options=(*FM_OPTIONS, "vgrpo_mc_samples", "vgrpo_adv_soft_clip"),
+            train_timesteps=lambda cfg: cfg.vgrpo_mc_samples,
+            draws=("group", "stratified"),
+            rows_per_forward=lambda cfg: cfg.vgrpo_mc_samples,
+        ),
+        # Neighbor GRPO: no log-probs (an ODE rollout, its paths kept for the candidates); B anchors per group each
+        # train K of the N−1 transitions. Its paths are the rollout's trajectory latents: no update latents.
+        ObjectiveEntry(
+            "neighbor",
+            "fluxgrpo.grpo.objectives.neighbor:NeighborObjective",
+            False,
+            lambda cfg: cfg.sampling_steps - 1,
+            option_problems=_neighbor_option_problems,
+            run_problems=_neighbor_run_problems,
+            options=("neighbor_sigma", "neighbor_anchors", "neighbor_quasi_norm_p", "neighbor_temperature"),
+            trained_samples=_neighbor_anchors,
+            kept_latents=lambda cfg: 0,
         ),
     )
 }

@@ -1,7 +1,8 @@
 """``--objective nft``: DiffusionNFT (NVlabs/DiffusionNFT ``scripts/train_nft_sd3.py``; reference §6.1, §6.3).
 
 Rollouts come from the *old* policy θ_old with the deterministic DPM-Solver++(2M) ODE, keeping the final latents
-x0 only. Each sample trains on T of the sampler's N timesteps (its own random permutation), with fresh noise ε:
+x0 only. Each sample trains on T of the sampler's N timesteps (its own random permutation), with fresh noise ε
+(the authors'; ``draws.py``: or one stratified and/or group-shared set of (t, ε)):
 
     x_t = (1−t)·x0 + t·ε;  v = v_θ(x_t);  v_old = v_θold(x_t) (no grad);  r = clamp(A)/c / 2 + ½  (c = adv clip)
     v⁺ = β·v + (1−β)·v_old;  v⁻ = (1+β)·v_old − β·v;  x̂0^± = x_t − t·v^±
@@ -25,6 +26,14 @@ from torch import nn
 
 from fluxgrpo.grpo.objectives.base import Metric, ModelInput, StepLoss, UpdateLayout, UpdateStep
 from fluxgrpo.grpo.objectives.catalogue import OLD_POLICY
+from fluxgrpo.grpo.objectives.draws import (
+    draw_noise,
+    group_bounds,
+    indices_per_unit,
+    linspace_strata,
+    random_indices,
+    sample_bounds,
+)
 from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.schedule import model_timesteps
 from fluxgrpo.grpo.types import FinalSamples
@@ -91,10 +100,17 @@ class NftSettings:
     kl_beta: float = 0.0  # kl_beta: weight of mean((v − v_ref)²)
     adv_clip_max: float = 5.0  # c
     decay_type: int = 1  # nft_decay_type
+    sharing: str = "sample"  # fm_draws: sample (the authors') or group (one (t, ε) set per prompt group)
+    timestep_rule: str = "random"  # fm_timestep_rule: random (the authors' permutation) or stratified
+    group_size: int = 1  # G, the rows a group-shared draw covers
 
     @classmethod
     def from_config(cls, cfg: Any) -> NftSettings:
-        return cls(cfg.train_timesteps, cfg.nft_beta, cfg.kl_beta, cfg.adv_clip_max, cfg.nft_decay_type)
+        sharing, timestep_rule = cfg.flow_matching_draws
+        return cls(
+            cfg.train_timesteps, cfg.nft_beta, cfg.kl_beta, cfg.adv_clip_max, cfg.nft_decay_type, sharing,
+            timestep_rule, cfg.num_generations,
+        )  # fmt: skip
 
 
 class NftObjective:
@@ -127,16 +143,22 @@ class NftObjective:
 
 
 class FlowMatchingBatch:
-    """The forward-noised samples of one update: per sample its T timestep indices and fresh noise (CPU draws from
-    the update's generator, so an exact resume redraws them), and x_t for any (micro-batch, slot)."""
+    """The forward-noised samples of one update: per sample its T timestep indices and noise, fresh per sample or
+    shared by groups of ``noise_group_size`` rows (CPU draws from the update's generator, so an exact resume redraws
+    them), and x_t for any (micro-batch, slot)."""
 
     def __init__(
-        self, rollout: FinalSamples, indices: torch.Tensor, generator_cpu: torch.Generator, device: torch.device
+        self,
+        rollout: FinalSamples,
+        indices: torch.Tensor,
+        generator_cpu: torch.Generator,
+        device: torch.device,
+        noise_group_size: int = 1,
     ) -> None:
         self.x0 = rollout.final_x0.to(device=device, dtype=torch.float32)
         self.indices = indices  # [B, T] cpu
-        shape = (indices.shape[0], indices.shape[1], *self.x0.shape[1:])
-        self.noise = torch.randn(shape, generator=generator_cpu, dtype=torch.float32).to(device)
+        shape = tuple(self.x0.shape[1:])
+        self.noise = draw_noise(indices.shape[0], indices.shape[1], shape, noise_group_size, generator_cpu).to(device)
         sigmas = rollout.sigmas.to(device=device, dtype=torch.float32)
         self.t = sigmas[indices.to(device)]  # [B, T]
         self.fed = model_timesteps(self.t)  # the σ the transformer is fed, as in the rollout
@@ -164,10 +186,13 @@ class NftWork:
         self.settings = settings
         self.wants_reference = settings.kl_beta > 0
         self.precomputed_forwards = (OLD_POLICY,)  # v_old of every (sample, slot): θ_old does not change meanwhile
-        self.train_timestep_indices = torch.stack(
-            [torch.randperm(num_steps, generator=generator_cpu)[: self.slots] for _ in range(num_samples)]
+        shared = settings.sharing == "group"
+        units = group_bounds(num_samples, settings.group_size) if shared else sample_bounds(num_samples)
+        draw = linspace_strata if settings.timestep_rule == "stratified" else random_indices
+        self.train_timestep_indices = indices_per_unit(units, draw, range(num_steps), self.slots, generator_cpu)
+        self.batch = FlowMatchingBatch(
+            rollout, self.train_timestep_indices, generator_cpu, advantages.device, settings.group_size if shared else 1
         )
-        self.batch = FlowMatchingBatch(rollout, self.train_timestep_indices, generator_cpu, advantages.device)
         self.optimality = optimality_probability(advantages, settings.adv_clip_max)
 
     def model_input(self, start: int, stop: int, slot: int) -> ModelInput:
