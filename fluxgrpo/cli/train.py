@@ -166,7 +166,7 @@ def _train(
     if warning is not None and not json_output:  # part of the summary, right under the trend it qualifies
         say(warning)
     if stopped:  # a clean end, told apart from success and failure by its exit code (training/guards.py)
-        err_console.print(escape(stopped["guard_stop_message"]), highlight=False)
+        log(stopped["guard_stop_message"])  # one line, never cut (the rule, the iteration, the values)
         raise typer.Exit(GUARD_STOP_EXIT_CODE)
 
 
