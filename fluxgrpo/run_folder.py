@@ -10,7 +10,8 @@
 - ``lock_run_folder`` holds an exclusive lock (``flock`` on ``<folder>/.fluxgrpo.lock``) for the run's life.
   A second run on the same folder is refused at once, naming the holder (pid, host, start time). The kernel
   drops the lock when its process dies, however it dies, so a lock left by a dead run is simply taken over.
-  The lock file stays (removing it would let a run that opened it just before lock a file no one else sees).
+  A run that ends removes the file while still holding it; a run that opened it a moment before finds, once it
+  has the lock, that the file at the path is another (or none) and opens it again, so no two runs hold it.
 - ``previous_run`` lists what an earlier run left (config.yaml, metrics.jsonl, checkpoints): a new run without
   ``--resume`` is refused there instead of truncating its metrics and mixing checkpoints, unless
   ``--overwrite``, which moves those files aside (``move_previous_run``), never deletes them.
@@ -187,12 +188,22 @@ def lock_run_folder(folder: str | Path) -> Iterator[dict[str, Any]]:
     import fcntl
 
     folder.mkdir(parents=True, exist_ok=True)
-    fd = _open_fd(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    path = folder / LOCK_FILE
+    for _attempt in range(3):
+        fd = _open_fd(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise _in_use_error(folder, _read_holder(fd)) from None
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise _in_use_error(folder, holder) from None
+        if _same_file(fd, path):
+            break
+        # the run that held it removed the file as it ended, after we opened it: lock the file there now
+        os.close(fd)
+    else:
+        raise FluxgrpoError(f"cannot lock {path}: it keeps being replaced; is another run starting there?")
+    try:
         previous = _read_holder(fd)
         record = {
             "pid": os.getpid(),
@@ -210,9 +221,22 @@ def lock_run_folder(folder: str | Path) -> Iterator[dict[str, Any]]:
         try:
             yield previous
         finally:
-            os.ftruncate(fd, 0)  # nobody holds it now; the kernel releases the lock when fd closes
+            # A finished run leaves no lock file behind. Removed while still held: a run that opened it a moment
+            # ago finds its flock refused now, or (once this one is closed) a file no longer there, and retries.
+            with contextlib.suppress(OSError):
+                os.unlink(path)
     finally:
         os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``fd`` is still the file at ``path`` (not one unlinked since it was opened)."""
+    try:
+        there = os.lstat(path)
+    except OSError:
+        return False
+    mine = os.fstat(fd)
+    return (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def check_not_in_use(folder: str | Path) -> None:

@@ -69,3 +69,18 @@ def test_every_script_offers_the_worlds_names(shell):
     script = completion_script(shell)
     for name in ("shapes-train", "shapes-heldout", "shapes"):
         assert name in script
+
+
+def test_the_completion_command_prints_the_committed_scripts():
+    """Issue #31.9: a pip-installed fluxgrpo has no completions/ folder; `fluxgrpo completion SHELL` prints it."""
+    from typer.testing import CliRunner
+
+    from fluxgrpo.cli.app import app
+
+    runner = CliRunner()
+    for shell in sorted(SHELLS):
+        result = runner.invoke(app, ["completion", shell])
+        assert result.exit_code == 0, result.output
+        assert result.stdout == (COMPLETIONS / SHELLS[shell]).read_text()
+    refused = runner.invoke(app, ["completion", "tcsh"])
+    assert refused.exit_code == 2 and "bash, zsh, fish" in refused.stderr

@@ -27,7 +27,7 @@ from fluxgrpo.checkpoint.layout import BEST_DIR, is_best_checkpoint, latest_chec
 from fluxgrpo.cli.app import app
 from fluxgrpo.config import TrainConfig, build_config
 from fluxgrpo.errors import UsageError
-from fluxgrpo.metrics import read_metrics
+from fluxgrpo.metrics import read_metrics, reward_trend
 from fluxgrpo.training.diversity import diversity
 from fluxgrpo.training.guard_rules import GuardRule, parse_guard_spec
 from fluxgrpo.training.guards import GUARD_RECORD, GUARD_STOP_EXIT_CODE
@@ -190,6 +190,7 @@ def test_stop_guard_fires_at_the_first_fall_exits_3_and_keeps_the_checkpoint_bef
     summary = json.loads(result.stdout)
     assert summary["guard_stop"].startswith(f"stopped by guard exposure:-{FALL_PERCENT}% at iteration {expected}")
     assert summary["guard_stop"] in result.output  # the one line on stderr too
+    assert result.stderr.count("from its baseline") == 1  # said once (it was three times: issue #31.7)
     # the last checkpoint is the stop's; best/ is the best evaluation before the fall (brightness only rises here)
     assert latest_checkpoint(out).name == f"checkpoint-{expected}"
     passing = [r for r in evals if 0 < r["iteration"] < expected]
@@ -201,6 +202,65 @@ def test_stop_guard_fires_at_the_first_fall_exits_3_and_keeps_the_checkpoint_bef
     assert [p.name for p in list_checkpoints(out)] == [f"checkpoint-{expected}"]
     state = json.loads((out / BEST_DIR / "state" / "trainer_state.json").read_text())
     assert state["iteration"] == best["iteration"]
+
+
+def test_the_drifting_toy_says_so_in_trains_summary_and_its_report(
+    tiny_weights, tiny_embeddings, prompts_file, tmp_path
+):
+    """Issue #31.1: over 8 iterations the toy's training reward rises while its velocity norm drifts past 1.05
+    (tiny-cpu's learning rate is there to move fast); `train`'s summary and the report's say so, with the number."""
+    pytest.importorskip("matplotlib")
+    from fluxgrpo.report import build_report
+    from fluxgrpo.training.collapse import VELOCITY_NORM_ALARM
+
+    out = tmp_path / "warned"
+    result = runner.invoke(app, toy_argv(tiny_weights, tiny_embeddings, out, prompts_file, guard=""))
+    assert result.exit_code == 0, result.output
+    records = [r for r in read_metrics(out) if "reward_mean" in r]
+    recent = [r["velocity_norm_ratio"] for r in records[-5:]]
+    assert sum(recent) / len(recent) > VELOCITY_NORM_ALARM
+    assert reward_trend(records)["change"] > 0  # what the reward alone would call a success
+    trend, warning = result.stdout.splitlines()[-2:]
+    assert trend.startswith("reward ") and "↑" in trend  # the warning sits right under the trend it qualifies
+    assert warning.startswith("warning: this run looks collapsed or reward-hacked: v-ratio ")
+    assert f"v-ratio {sum(recent) / len(recent):.3g} " in warning and "--learning-rate" in warning
+    assert "looks collapsed or reward-hacked: v-ratio" in build_report([out]).summary
+    # two iterations have not drifted yet: no warning
+    short = runner.invoke(
+        app, [*toy_argv(tiny_weights, tiny_embeddings, tmp_path / "short", prompts_file, guard="", max_train_steps=2),
+              "--json"],
+    )  # fmt: skip
+    assert short.exit_code == 0, short.output
+    assert json.loads(short.stdout)["collapse_warning"] is None
+
+
+def test_the_report_shows_the_guard_firing_and_why_best_is_not_the_best_evaluation(stopped_run):
+    """Issue #31.3: the guard panel reads the guard records (written after the evaluation that fired), and the
+    summary says why best/ is not the iteration where the evaluated reward peaked."""
+    pytest.importorskip("matplotlib")
+    from fluxgrpo.report import build_report
+    from fluxgrpo.report.figures import panels_for
+    from fluxgrpo.report.run import read_run
+
+    _, out = stopped_run
+    records = [r for r in read_metrics(out) if "reward_mean" in r]
+    report = build_report([out])
+    stop = records[-1]["iteration"]
+    run = read_run(out)
+    (panel,) = [p for p in panels_for([run]) if p.title.startswith("Guard rules fired")]
+    assert panel.title in report.panels
+    (line,) = panel.lines
+    xs, ys = run.series(line.key, run.guard_records)
+    assert xs[-1] == stop and ys[-1] == 1 and ys[0] == 0  # the firing at the stop shows
+    assert "Guards fired" not in report.panels  # the iteration records' count, taken before that evaluation
+    best = read_best(out)["iteration"]
+    assert f"best/ is iteration {best}" in report.summary
+    evals = [r for r in read_metrics(out) if "eval_brightness_mean" in r]
+    top = max(evals, key=lambda r: r["eval_brightness_mean"])["iteration"]
+    assert top == stop != best  # brightness is best where the guard fired, so best/ is the one before
+    assert f"at iteration {stop} (not best/: guard exposure fired there)" in report.summary
+    page = Path(report.html).read_text()
+    assert f"<th class=best>iteration {best}" in page and f"<th class=fired>iteration {stop}" in page
 
 
 def test_warn_changes_no_training_number(stopped_run, tiny_weights, tiny_embeddings, prompts_file, tmp_path):

@@ -249,3 +249,55 @@ def test_shipped_configs_state_the_estimate_in_their_header(tmp_path):
         assert float(figure.group(1)) == pytest.approx(result.peak / GiB, abs=0.05), name
         quoted += 1
     assert quoted >= 2
+
+
+def test_a_dry_run_plans_from_the_model_the_config_names_for_its_dies(tiny_weights, tiny_embeddings):
+    """Issue #31.2: on a machine holding only the tiny weights, the a3-16die plan is FLUX.1-dev's on 16 dies (the
+    README's 21.0 GiB), says so, and warns that --model holds another model; --dies still overrides the config."""
+    from typer.testing import CliRunner
+
+    from fluxgrpo.cli.app import app
+
+    runner = CliRunner()
+    argv = ["train", "--config", "a3-16die", "--model", str(tiny_weights.flux_dir), "--dry-run"]
+    argv += ["--data-json-path", str(tiny_embeddings.index_path)]
+    result = runner.invoke(app, argv)
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["derived"]["world_size"] == 16 and plan["config"]["dies"] == 16  # the config's dies, not 1
+    memory = plan["memory_per_die"]
+    assert memory["peak_gib"] >= 20
+    assert memory["sized_from"].startswith("FLUX.1-dev's known shapes")
+    assert "sized from FLUX.1-dev's known shapes" in result.stderr
+    (warning,) = memory["warnings"]
+    assert "holds the tiny random FLUX" in warning and "not FLUX.1-dev" in warning
+    assert f"warning: {warning}" in result.stderr
+    expected = estimate(
+        transformer_shape(FLUX_DEV_TRANSFORMER),
+        vae_shape(FLUX_DEV_VAE),
+        RunShape.from_config(build_config("a3-16die"), 16),
+    )
+    assert memory["peak_gib"] == round(expected.peak / GiB, 2)  # FLUX.1-dev's own plan, the T5's 512 tokens
+    eight = json.loads(runner.invoke(app, [*argv, "--dies", "8"]).stdout)
+    assert eight["derived"]["world_size"] == 8 and eight["memory_per_die"]["peak_gib"] > memory["peak_gib"]
+    # tiny-cpu names the tiny model: planned from it, with nothing to warn about
+    tiny = runner.invoke(
+        app, ["train", "--config", "tiny-cpu", "--model", str(tiny_weights.flux_dir), "--dry-run",
+              "--data-json-path", str(tiny_embeddings.index_path)],
+    )  # fmt: skip
+    assert tiny.exit_code == 0, tiny.output
+    tiny_memory = json.loads(tiny.stdout)["memory_per_die"]
+    assert tiny_memory["warnings"] == [] and tiny_memory["peak_gib"] < 4
+    assert tiny_memory["sized_from"].startswith("the tiny random FLUX")
+
+
+def test_a_dry_run_without_any_weights_still_plans_and_says_what_a_launch_would_refuse():
+    from typer.testing import CliRunner
+
+    from fluxgrpo.cli.app import app
+
+    result = CliRunner().invoke(app, ["train", "--config", "a3-16die", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["memory_per_die"]["peak_gib"] >= 20 and plan["memory_per_die"]["warnings"] == []
+    assert any("fetch-weights" in check for check in plan["skipped_checks"])

@@ -256,3 +256,23 @@ def test_a_damaged_run_file_still_gives_a_report(tmp_path, damage):
     assert result.exit_code == 0, result.output
     assert "Traceback" not in result.output
     assert (run / "report.html").stat().st_size > 0 and (run / "report.png").stat().st_size > 0
+
+
+def test_the_grid_marks_best_and_the_fired_guard_and_wraps_long_values(tmp_path):
+    """Issue #31.4: the column where a guard fired is marked (best/'s alike: test_guards has a real best/); long
+    config values wrap instead of widening the page; an objective metric that is the loss itself gets no second panel."""
+    run = fake_run(tmp_path / "marked")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if "reward_mean" in record:
+            record["policy_loss"] = record["loss"]  # nft without a KL: the same numbers
+    records.append({"iteration": 4, "record": "guards", "guard_exposure_value": 0.8, "guard_exposure_fired": 1})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "config.yaml").write_text("reward: brightness\nlora_targets: " + ",".join(["attn.to_q"] * 40) + "\n")
+    result = runner.invoke(app, ["report", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    text = (run / "report.html").read_text()
+    assert "<th class=fired>iteration 4" in text and "guard fired</span>" in text
+    document = json.loads(result.stdout)
+    assert "Policy loss" not in document["panels"] and "Loss" in document["panels"]
+    assert "overflow-wrap:anywhere" in text  # the facts table wraps a long value

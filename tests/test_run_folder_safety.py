@@ -157,3 +157,22 @@ def test_a_run_subfolder_that_is_a_link_is_refused(tmp_path, name):
     (out / name).symlink_to(elsewhere, target_is_directory=True)
     with pytest.raises(FluxgrpoError, match=f"{name} is a symbolic link"):
         check_run_files(out)
+
+
+def test_a_finished_run_leaves_no_lock_file_and_a_stale_opener_locks_the_new_one(tmp_path):
+    """Issue #31.7: the 0-byte .fluxgrpo.lock no longer stays in every finished run; removing it while held never
+    lets two runs hold the folder."""
+    import fcntl
+    import os
+
+    out = tmp_path / "run"
+    with lock_run_folder(out):
+        assert (out / LOCK_FILE).is_file()
+        stale = os.open(out / LOCK_FILE, os.O_RDWR)  # a run that opened the file just before this one ended
+    assert not (out / LOCK_FILE).exists()
+    try:
+        fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)  # it locks the unlinked file: a lock nobody shares
+        with lock_run_folder(out):  # so the next run must still get the folder (the file at the path is new)
+            assert (out / LOCK_FILE).is_file()
+    finally:
+        os.close(stale)

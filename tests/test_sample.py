@@ -212,6 +212,7 @@ def trained_run(tiny_weights, tiny_embeddings, tmp_path_factory):
             "save_images_every": 0,
             "use_ema": True,
             "ema_decay": 0.5,
+            "eval_every": 0,
         },
     )
     preflight(cfg)

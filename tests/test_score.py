@@ -181,6 +181,11 @@ def test_cli_compare_on_hand_made_indexes(tmp_path):
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)
     assert list(document) == ["reward", "source", "overall", "details", "prompts", "images", "compare"]
+    # image spread (RMS distance from the mean image): other 51, 51, 204, 204 → 76.5 each; this 51, 102, 153, 153
+    # (mean 114.75) → sqrt((63.75² + 12.75² + 2·38.25²) / 4) = 42.29, above half of 76.5: no warning
+    collapse = document["compare"]["collapse"]
+    assert collapse["other_image_spread"] == pytest.approx(76.5, abs=1e-6)
+    assert collapse["image_spread"] == pytest.approx(42.2868, abs=1e-3) and collapse["warning"] is None
     assert document["overall"]["count"] == 4
     assert document["overall"]["mean"] == pytest.approx(0.45, abs=1e-6)
     assert document["overall"]["std"] == pytest.approx(math.sqrt(0.0275), abs=1e-6)

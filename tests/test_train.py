@@ -185,7 +185,8 @@ def test_two_workers_every_parameter_changes(tiny_weights, tiny_embeddings, tmp_
     unchanged = [name for name in before if torch.equal(before[name], after[name])]
     assert not unchanged, f"parameters that did not train: {unchanged}"
     images = sorted(p.name for p in (tmp_path / "out" / "images").iterdir())
-    assert images == ["flux_0_0.png", "flux_0_1.png", "flux_1_0.png", "flux_1_1.png"]
+    # every save keeps its own set: flux_<iteration>_<rank>_<index>.png
+    assert images == [f"flux_{k}_{rank}_{i}.png" for k in (1, 2) for rank in (0, 1) for i in (0, 1)]
     assert (tmp_path / "out" / "logs").is_dir()
 
 
@@ -193,7 +194,7 @@ def test_two_workers_every_parameter_changes(tiny_weights, tiny_embeddings, tmp_
 def test_a_failing_rank_stops_the_run_and_is_named(tiny_weights, tiny_embeddings, tmp_path):
     # Only rank 1 fails: the file its first image would be saved as is a folder. (A damaged embedding no longer
     # reaches a worker: preflight reads every embedding header before launch.)
-    (tmp_path / "out" / "images" / "flux_1_0.png").mkdir(parents=True)
+    (tmp_path / "out" / "images" / "flux_1_1_0.png").mkdir(parents=True)  # iteration 1, rank 1, image 0
     cfg = tiny_config(
         tiny_weights,
         tiny_embeddings,
@@ -314,8 +315,12 @@ def test_cli_resume_flags_and_dry_run_checks_inputs(tiny_weights, tiny_embedding
     assert not (tmp_path / "new").exists()  # a dry run creates nothing
     missing = runner.invoke(app, [*common, "--output-dir", str(tmp_path / "x"), "--resume-from", "checkpoint-9"])
     assert missing.exit_code == 1 and "checkpoint-9" in missing.output
-    no_weights = runner.invoke(app, [*common[:3], "--model", str(tmp_path / "none"), "--dry-run"])
+    no_weights = runner.invoke(app, [*common[:3], "--model", str(tmp_path / "none")])
     assert no_weights.exit_code == 1 and "fetch-weights" in no_weights.output
+    # a dry run plans without weights (from the model the config names) and says what a launch would refuse
+    planned = runner.invoke(app, [*common[:3], "--model", str(tmp_path / "none"), "--dry-run"])
+    assert planned.exit_code == 0, planned.output
+    assert "not checked (dry run): FLUX weights" in planned.stderr and "fetch-weights" in planned.stderr
     offload = runner.invoke(app, [*common, "--cpu-offload"])
     assert offload.exit_code == 2 and "--dies 2" in offload.output
 

@@ -313,6 +313,7 @@ def base_training_config(cfg: EfficiencyConfig, workspace: Workspace) -> TrainCo
     return build_config(
         cfg.config,
         {
+            "eval_every": 0,  # the bench times training; a config's held-out evaluation is not part of it
             **cfg.base_overrides,
             "model": str(workspace.flux_dir),
             "hps_dir": str(workspace.hps_dir),

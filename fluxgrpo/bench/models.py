@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 from fluxgrpo.bench.config import SHAPED_MODEL, TINY_MODEL, BenchConfig
 from fluxgrpo.bench.flops import FluxShape
 from fluxgrpo.errors import UsageError
+from fluxgrpo.models.known import FLUX_DEV_TRANSFORMER_CONFIG as KNOWN_FLUX_DEV_TRANSFORMER
+from fluxgrpo.models.known import FLUX_DEV_VAE_CONFIG as KNOWN_FLUX_DEV_VAE
 
 if TYPE_CHECKING:
     import torch
@@ -35,37 +37,12 @@ if TYPE_CHECKING:
 # fp32 weights, gradients and AdamW's two moments: what one trained parameter costs before any activation.
 TRAINING_BYTES_PER_PARAMETER = 16
 
-# FLUX.1-dev's transformer/config.json, less the block counts (a flag) and the defaults.
+# FLUX.1-dev's transformer/config.json, less the block counts (a flag), and its vae/config.json (83.8 M parameters).
 FLUX_DEV_TRANSFORMER_CONFIG: dict[str, Any] = {
-    "patch_size": 1,
-    "in_channels": 64,
-    "attention_head_dim": 128,
-    "num_attention_heads": 24,
-    "joint_attention_dim": 4096,
-    "pooled_projection_dim": 768,
-    "guidance_embeds": True,
-    "axes_dims_rope": (16, 56, 56),
+    k: v for k, v in KNOWN_FLUX_DEV_TRANSFORMER.items() if k not in ("num_layers", "num_single_layers")
 }
-FLUX_DEV_BLOCKS = (19, 38)
-# FLUX.1-dev's vae/config.json (83.8 M parameters).
-FLUX_DEV_VAE_CONFIG: dict[str, Any] = {
-    "in_channels": 3,
-    "out_channels": 3,
-    "down_block_types": ("DownEncoderBlock2D",) * 4,
-    "up_block_types": ("UpDecoderBlock2D",) * 4,
-    "block_out_channels": (128, 256, 512, 512),
-    "layers_per_block": 2,
-    "act_fn": "silu",
-    "latent_channels": 16,
-    "norm_num_groups": 32,
-    "sample_size": 1024,
-    "scaling_factor": 0.3611,
-    "shift_factor": 0.1159,
-    "use_quant_conv": False,
-    "use_post_quant_conv": False,
-    "force_upcast": True,
-    "mid_block_add_attention": True,
-}
+FLUX_DEV_BLOCKS = (KNOWN_FLUX_DEV_TRANSFORMER["num_layers"], KNOWN_FLUX_DEV_TRANSFORMER["num_single_layers"])
+FLUX_DEV_VAE_CONFIG = KNOWN_FLUX_DEV_VAE
 
 
 # --------------------------------------------------------------------------------------------- models

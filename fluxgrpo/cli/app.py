@@ -8,9 +8,11 @@ import importlib
 import typer
 
 from fluxgrpo import __version__
+from fluxgrpo.cli.help import HelpCommand, HelpGroup
 
 app = typer.Typer(
     name="fluxgrpo",
+    cls=HelpGroup,
     help="GRPO fine-tuning of FLUX.1-dev against HPSv2 (DanceGRPO), on Ascend, GPUs and CPU.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -29,12 +31,13 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("score", "score"),
     ("report", "report"),
     ("export", "export"),
+    ("completion", "completion"),
 )
 
 for _name, _module in COMMANDS:
     _cli_module = importlib.import_module(f"fluxgrpo.cli.{_module}")
-    # A module may bring its own click command class (train: help that stays readable in a narrow terminal).
-    app.command(_name, cls=getattr(_cli_module, "command_class", None))(_cli_module.command)
+    # A module may bring its own command class (train: its options grouped in panels); each is a HelpCommand.
+    app.command(_name, cls=getattr(_cli_module, "command_class", HelpCommand))(_cli_module.command)
 
 
 def _version(value: bool) -> None:

@@ -85,9 +85,11 @@ def command(
 
     Examples:
       fluxgrpo bench --model tiny --steps 2
-      fluxgrpo bench --model flux-dev-shaped --blocks 8,16 --resolution 720 --steps 16 --json > bench.jsonl
+      fluxgrpo bench --model flux-dev-shaped --blocks 8,16 --resolution 720 \\
+          --steps 16 --json > bench.jsonl
       fluxgrpo bench --algorithms dance,dance-t2 --iterations 30 --repeats 3
-      fluxgrpo bench --algorithms dance,mixgrpo-flash-w2,nft --config shapes-cpu --text-tokens 12 --vary-seed --repeats 3
+      fluxgrpo bench --algorithms dance,mixgrpo-flash-w2,nft --config shapes-cpu \\
+          --text-tokens 12 --vary-seed --repeats 3
     """
     arguments = {"algorithms": algorithms, "iterations": iterations, "config": config, "json_output": json_output}
     arguments.update(settings)

@@ -37,8 +37,15 @@ DeviceOption = Annotated[
 ]
 HpsDirOption = Annotated[str, typer.Option("--hps-dir", help=HPS_DIR_HELP)]
 
+
 err_console = Console(stderr=True)
 out_console = Console()
+
+
+def say(line: str) -> None:
+    """One result line on stdout as the text it is, never cut into lines (rich would cut it at 80 columns,
+    mid-sentence, in a pipe or a file; a terminal wraps it itself). Tables keep rich's width."""
+    out_console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def handle_errors(fn: F) -> F:

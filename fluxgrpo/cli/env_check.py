@@ -134,12 +134,14 @@ def command(
     if json_output:
         print_json(report)
     else:
-        _render(report)
+        _render(report, show_accelerator_env=report["device"]["type"] == "npu" or device == "npu")
     if not report["ready"]:
         raise typer.Exit(1)
 
 
-def _render(report: dict) -> None:
+def _render(report: dict, show_accelerator_env: bool) -> None:
+    """The report as tables; the Ascend variables only where an NPU is present or asked for (elsewhere they are
+    all unset and say nothing: --json always has them)."""
     from rich.table import Table
 
     system = Table(title="fluxgrpo env-check", show_header=False, title_justify="left")
@@ -162,6 +164,14 @@ def _render(report: dict) -> None:
     system.add_row("/dev/shm", _gib(report["shm"]["total_bytes"]))
     out_console.print(system)
 
+    if show_accelerator_env:
+        _render_accelerator_env(report)
+    _render_checks(report)
+
+
+def _render_accelerator_env(report: dict) -> None:
+    from rich.table import Table
+
     env = Table(title="Accelerator environment variables", title_justify="left")
     env.add_column("variable")
     env.add_column("value")
@@ -173,6 +183,10 @@ def _render(report: dict) -> None:
             escape(row["recommended"]) if row["recommended"] else "[dim]cluster-specific[/]",
         )
     out_console.print(env)
+
+
+def _render_checks(report: dict) -> None:
+    from rich.table import Table
 
     checks = Table(title="Checks", title_justify="left")
     checks.add_column("check")

@@ -37,8 +37,10 @@ def command(
 
     Examples:
       fluxgrpo export --checkpoint data/outputs/grpo --out flux-grpo-transformer
-      fluxgrpo export --checkpoint data/outputs/grpo-lora/checkpoint-300 --merge --out flux-grpo-merged
-      fluxgrpo export --checkpoint data/outputs/grpo-lora --out my-lora   # pytorch_lora_weights.safetensors
+      fluxgrpo export --checkpoint data/outputs/grpo-lora/checkpoint-300 --merge \\
+          --out flux-grpo-merged
+      # a LoRA run: its adapter as pytorch_lora_weights.safetensors
+      fluxgrpo export --checkpoint data/outputs/grpo-lora --out my-lora
     """
     from fluxgrpo.export import export_checkpoint
 

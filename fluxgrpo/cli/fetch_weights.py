@@ -131,9 +131,11 @@ def command(
       fluxgrpo fetch-weights
       fluxgrpo fetch-weights --dry-run
       fluxgrpo fetch-weights --source modelscope
-      HF_ENDPOINT=https://hf-mirror.com fluxgrpo fetch-weights --only hps,clip,pickscore
+      HF_ENDPOINT=https://hf-mirror.com fluxgrpo fetch-weights \\
+          --only hps,clip,pickscore
       fluxgrpo fetch-weights --only hpsv3 --dry-run
-      fluxgrpo fetch-weights --source tiny --flux-dir /tmp/flux --hps-dir /tmp/hps --seed 1
+      fluxgrpo fetch-weights --source tiny --flux-dir /tmp/flux \\
+          --hps-dir /tmp/hps --seed 1
       fluxgrpo fetch-weights --source shapes
     """
     from fluxgrpo.errors import UsageError

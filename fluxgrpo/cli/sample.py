@@ -86,7 +86,8 @@ def command(
 
     Examples:
       fluxgrpo sample --prompts prompts.txt --images-per-prompt 4
-      fluxgrpo sample --checkpoint data/outputs/grpo --prompts prompts.txt --images-per-prompt 4 --dies 8
+      fluxgrpo sample --checkpoint data/outputs/grpo --prompts prompts.txt \\
+          --images-per-prompt 4 --dies 8
     """
     from fluxgrpo.data.prompts import read_prompts
     from fluxgrpo.errors import UsageError

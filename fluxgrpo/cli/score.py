@@ -6,7 +6,16 @@ from typing import Annotated
 
 import typer
 
-from fluxgrpo.cli.common import DeviceOption, HpsDirOption, err_console, handle_errors, log, out_console, print_json
+from fluxgrpo.cli.common import (
+    DeviceOption,
+    HpsDirOption,
+    err_console,
+    handle_errors,
+    log,
+    out_console,
+    print_json,
+    say,
+)
 from fluxgrpo.paths import DEFAULT_HPS_DIR
 from fluxgrpo.rewards import reward_names
 
@@ -61,8 +70,10 @@ def command(
       fluxgrpo score --index data/outputs/samples/grpo-checkpoint-300/index.json \\
           --compare data/outputs/samples/base/index.json
       fluxgrpo score --images my_images --prompts my_prompts.txt --json
-      fluxgrpo score --index data/outputs/samples/base/index.json --reward hpsv2,imagereward,hpsv3
-      fluxgrpo score --index data/outputs/samples/shapes/index.json --reward shapes
+      fluxgrpo score --index data/outputs/samples/base/index.json \\
+          --reward hpsv2,imagereward,hpsv3
+      fluxgrpo score --index data/outputs/samples/shapes/index.json \\
+          --reward shapes
 
     --reward shapes (the shapes world's checker, no weights) also prints the strict all-claims rate and, on the
     world's held-out captions, the seen- and novel-combination scores apart ("details" in --json).
@@ -91,13 +102,44 @@ def command(
     if out is not None:
         write_csv(report, out)
         log(f"wrote {out}")
+    collapse = _collapse_check(request.index, request.compare)
     if json_output:
-        print_json(report.to_dict())
+        document = report.to_dict()
+        if collapse is not None:  # each reward's comparison says it, so several rewards print each one's alone
+            for one in document.get("rewards", [document]):
+                one["compare"]["collapse"] = collapse
+        print_json(document)
         return
     if several:
         _print_reward_tables(report)
     else:
         _print_tables(report.reports[0])
+    if collapse is not None and collapse["warning"] is not None:
+        say(collapse["warning"])
+
+
+def _collapse_check(index: str | None, compare: str | None) -> dict | None:
+    """With --compare: both runs' image spread (``training/collapse.py``) and the warning when one run's images
+    kept less than half the other's spread: a score gain with images that all look alike is not an improvement."""
+    if index is None or compare is None:
+        return None
+    from fluxgrpo.score import images_from_index
+    from fluxgrpo.training.collapse import image_spread, spread_sign, warning_line
+
+    this = image_spread([item.path for item in images_from_index(index)])
+    other = image_spread([item.path for item in images_from_index(compare)])
+    this_lost = spread_sign(other, this, "the --compare run", "this run")
+    other_lost = spread_sign(this, other, "this run", "the --compare run")
+    what_to_do = (
+        "A better score for images that all look alike is reward hacking, not an improvement: look at both runs' "
+        "grid.png"
+    )
+    warning = None
+    if this_lost is not None:
+        warning = warning_line([this_lost], what_to_do, subject=f"this run ({index})")
+    elif other_lost is not None:
+        warning = warning_line([other_lost], what_to_do, subject=f"the --compare run ({compare})")
+    return {"image_spread": this, "other_image_spread": other, "warning": warning}
 
 
 def _announce_reward(name: str, position: int, count: int) -> None:
@@ -162,7 +204,7 @@ def _print_tables(report) -> None:
             f"[{style}]{row.difference:+.5f}[/]" if style else f"{row.difference:+.5f}",
         )
     out_console.print(table)
-    out_console.print(
+    say(
         f"mean difference (this − other): {comparison.mean_difference:+.5f} over {comparison.count} paired images "
         f"({comparison.mean:.5f} vs {comparison.other_mean:.5f}); improved prompts: {comparison.improved_prompts} of "
         f"{comparison.prompt_count} ({comparison.improved_fraction:.0%})"

@@ -7,14 +7,28 @@ help can never drift apart (and no flag exists that the trainer ignores).
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from typer.core import TyperCommand
 
-from fluxgrpo.cli.common import err_console, escape, handle_errors, log, out_console, print_json
+from fluxgrpo.cli.common import err_console, escape, handle_errors, log, out_console, print_json, say
+from fluxgrpo.cli.help import HelpCommand
 
 _PY_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+# Config keys whose flag `command` declares itself, among the launch options (the YAML key still sets it).
+HAND_DECLARED = frozenset({"dies"})
+# The help panel of each config section, keyed by the section's first field (config.py's order): every flag is
+# also a YAML key.
+SECTION_PANELS = {
+    "model": "Data and weights (each flag is also a YAML key)",
+    "height": "Rollout",
+    "timestep_fraction": "Policy update: optimizer, clipping, LoRA",
+    "objective": "Algorithm options: objective, sampler, SDE window, KL",
+    "seed": "Loop, checkpoints, logging",
+    "eval_every": "Held-out evaluation and guards",
+}
+RUN_PANEL, LAUNCH_PANEL = "Run", "Launch: dies, nodes, restarts"
 
 
 def _hyperparameter_parameters() -> list[inspect.Parameter]:
@@ -23,26 +37,26 @@ def _hyperparameter_parameters() -> list[inspect.Parameter]:
     from fluxgrpo.config import config_fields
 
     params = []
+    panel = SECTION_PANELS[next(iter(SECTION_PANELS))]
     for f in config_fields():
+        panel = SECTION_PANELS.get(f.name, panel)
+        if f.name in HAND_DECLARED:
+            continue
         flag = f.name.replace("_", "-")
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         default = f.default if f.default is not MISSING else None
+        # an empty default is said in the help text ("empty: …"); "[default: ]" would say nothing
+        # a comma list is shown with spaces, so a narrow terminal can wrap it (the parser strips them)
+        shown = f" [default: {str(default).replace(',', ', ')}]" if default != "" else ""
         if kind == "bool":
-            option = typer.Option(
-                None,
-                f"--{flag}/--no-{flag}",
-                help=f"{f.metadata['help']} [default: {default}]",
-                show_default=False,
-                rich_help_panel="Hyperparameters (also YAML keys)",
-            )
-        else:
-            option = typer.Option(
-                None,
-                f"--{flag}",
-                help=f"{f.metadata['help']} [default: {default}]",
-                show_default=False,
-                rich_help_panel="Hyperparameters (also YAML keys)",
-            )
+            shown = f" Off: --no-{flag}.{shown}"
+        option = typer.Option(
+            None,
+            f"--{flag}/--no-{flag}" if kind == "bool" else f"--{flag}",
+            help=f"{f.metadata['help']}{shown}",
+            show_default=False,
+            rich_help_panel=panel,
+        )
         params.append(
             inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=_PY_TYPES[kind] | None)
         )
@@ -66,7 +80,7 @@ def _train(
     *,
     config: str | None,
     list_configs: bool,
-    dies: int,
+    dies: int | None,
     nnodes: int | None,
     node_rank: int | None,
     master_addr: str | None,
@@ -89,10 +103,10 @@ def _train(
     from fluxgrpo.training.guards import GUARD_STOP_EXIT_CODE, guard_stop
     from fluxgrpo.training.launch_plan import launch_spec, launch_training, plan_training
 
-    cfg = build_config(config, hyperparameters)
+    cfg = build_config(config, {**hyperparameters, "dies": dies})
     spec = launch_spec(
         cfg,
-        dies=dies,
+        dies=cfg.dies,
         nnodes=nnodes,
         node_rank=node_rank,
         master_addr=master_addr,
@@ -103,6 +117,8 @@ def _train(
         log=log,
     )
     plan = plan_training(cfg, spec, resume, dry_run=dry_run, overwrite=overwrite)
+    for model_warning in plan.memory.warnings:
+        log(f"warning: {model_warning}")
     if dry_run:
         for line in plan.memory.lines():
             err_console.print(line, highlight=False)
@@ -137,24 +153,27 @@ def _train(
         "guard_stop": stopped["guard_stop_message"] if stopped else None,
         "best": _best_or_none(cfg.output_dir),
     }
+    warning = collapse_warning(cfg.output_dir, records)
+    result["collapse_warning"] = warning
     if json_output:
         print_json(result)
     elif trend is not None:
         arrow = "↑" if trend["change"] > 0 else "↓"
-        out_console.print(
+        say(
             f"reward {trend['first']:.4f} → {trend['last']:.4f} ({arrow} {trend['change']:+.4f}; mean of the first "
             f"and last {trend['window']} of {trend['iterations']} iterations). Checkpoints and metrics.jsonl in "
-            f"{escape(cfg.output_dir)}"
+            f"{cfg.output_dir}"
         )
+    if warning is not None and not json_output:  # part of the summary, right under the trend it qualifies
+        say(warning)
     if not json_output:
         for name, change in held_out.items():
-            out_console.print(
-                f"held-out {escape(name)} {change['first']:.4f} (iteration {change['first_iteration']}) → "
-                f"{change['last']:.4f} (iteration {change['last_iteration']}), {change['change']:+.4f}",
-                highlight=False,
+            say(
+                f"held-out {name} {change['first']:.4f} (iteration {change['first_iteration']}) → "
+                f"{change['last']:.4f} (iteration {change['last_iteration']}), {change['change']:+.4f}"
             )
     if stopped:  # a clean end, told apart from success and failure by its exit code (training/guards.py)
-        err_console.print(escape(stopped["guard_stop_message"]), highlight=False)
+        log(stopped["guard_stop_message"])  # one line, never cut (the rule, the iteration, the values)
         raise typer.Exit(GUARD_STOP_EXIT_CODE)
 
 
@@ -169,27 +188,66 @@ def _best_or_none(output_dir: str) -> dict[str, Any] | None:
         return None
 
 
+def collapse_warning(output_dir: str, records: list[dict[str, Any]]) -> str | None:
+    """The one line saying the run looks collapsed or hacked (``training/collapse.py``), or None."""
+    from fluxgrpo.report.run import read_evaluations
+    from fluxgrpo.training.collapse import evaluation_spread_sign, record_signs, warning_line
+
+    signs = record_signs(records)
+    spread = evaluation_spread_sign(read_evaluations(Path(output_dir)))
+    if spread is not None:
+        signs.append(spread)
+    return warning_line(signs)
+
+
 def command(
     config: Annotated[
-        str | None, typer.Option("--config", help="Shipped config name (see --list-configs) or a YAML file.")
+        str | None,
+        typer.Option(
+            "--config", rich_help_panel=RUN_PANEL, help="Shipped config name (see --list-configs) or a YAML file."
+        ),
     ] = None,
-    list_configs: Annotated[bool, typer.Option("--list-configs", help="Show the shipped configs and exit.")] = False,
-    dies: Annotated[int, typer.Option("--dies", help="Worker processes on this node (one per accelerator die).")] = 1,
+    list_configs: Annotated[
+        bool, typer.Option("--list-configs", rich_help_panel=RUN_PANEL, help="Show the shipped configs and exit.")
+    ] = False,
+    dies: Annotated[
+        int | None,
+        typer.Option(
+            "--dies",
+            rich_help_panel=LAUNCH_PANEL,
+            help="Worker processes on this node (one per accelerator die). [default: the config's dies, else 1]",
+        ),
+    ] = None,
     nnodes: Annotated[
         int | None,
-        typer.Option("--nnodes", help="Nodes in the job (run the same command on each). [default: 1, or Slurm's]"),
+        typer.Option(
+            "--nnodes",
+            rich_help_panel=LAUNCH_PANEL,
+            help="Nodes in the job (run the same command on each). [default: 1, or Slurm's]",
+        ),
     ] = None,
     node_rank: Annotated[
-        int | None, typer.Option("--node-rank", help="This node's index, 0 … nnodes−1. [default: 0, or Slurm's]")
+        int | None,
+        typer.Option(
+            "--node-rank",
+            rich_help_panel=LAUNCH_PANEL,
+            help="This node's index, 0 … nnodes−1. [default: 0, or Slurm's]",
+        ),
     ] = None,
     master_addr: Annotated[
-        str | None, typer.Option("--master-addr", help="Address of node 0 (static multi-node rendezvous).")
+        str | None,
+        typer.Option(
+            "--master-addr", rich_help_panel=LAUNCH_PANEL, help="Address of node 0 (static multi-node rendezvous)."
+        ),
     ] = None,
-    master_port: Annotated[int | None, typer.Option("--master-port", help="Rendezvous port on node 0.")] = None,
+    master_port: Annotated[
+        int | None, typer.Option("--master-port", rich_help_panel=LAUNCH_PANEL, help="Rendezvous port on node 0.")
+    ] = None,
     rdzv_endpoint: Annotated[
         str | None,
         typer.Option(
             "--rdzv-endpoint",
+            rich_help_panel=LAUNCH_PANEL,
             help="HOST:PORT of node 0 for torchrun's elastic c10d rendezvous (multi-node; needed by --max-restarts).",
         ),
     ] = None,
@@ -197,6 +255,7 @@ def command(
         int,
         typer.Option(
             "--max-restarts",
+            rich_help_panel=LAUNCH_PANEL,
             help="After a failure, restart every worker up to N times; they resume from the newest complete "
             "checkpoint.",
         ),
@@ -205,27 +264,43 @@ def command(
         str,
         typer.Option(
             "--collective-timeout",
+            rich_help_panel=LAUNCH_PANEL,
             help="STARTUP,STEADY seconds a rank waits for its peers: until the first iteration is done, then after.",
         ),
     ] = "300,100",
     resume: Annotated[
-        bool, typer.Option("--resume", help="Continue from the latest complete checkpoint in --output-dir (if any).")
+        bool,
+        typer.Option(
+            "--resume",
+            rich_help_panel=RUN_PANEL,
+            help="Continue from the latest complete checkpoint in --output-dir (if any).",
+        ),
     ] = False,
     resume_from: Annotated[
         str | None,
-        typer.Option("--resume-from", help="Continue from this checkpoint folder (or its name in --output-dir)."),
+        typer.Option(
+            "--resume-from",
+            rich_help_panel=RUN_PANEL,
+            help="Continue from this checkpoint folder (or its name in --output-dir).",
+        ),
     ] = None,
     overwrite: Annotated[
         bool,
         typer.Option(
             "--overwrite",
+            rich_help_panel=RUN_PANEL,
             help="Start over in an --output-dir that holds an earlier run: its files move to <dir>.replaced-<time>.",
         ),
     ] = False,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Validate, print the resolved config as JSON, start nothing.")
+        bool,
+        typer.Option(
+            "--dry-run", rich_help_panel=RUN_PANEL, help="Validate, print the resolved config as JSON, start nothing."
+        ),
     ] = False,
-    json_output: Annotated[bool, typer.Option("--json", help="Print the run summary as one JSON document.")] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", rich_help_panel=RUN_PANEL, help="Print the run summary as one JSON document.")
+    ] = False,
     **hyperparameters: Any,
 ) -> None:
     """Fine-tune the FLUX transformer with GRPO (rollout → reward → advantages → update → checkpoint).
@@ -261,27 +336,6 @@ def command(
     )
 
 
-class TrainHelpCommand(TyperCommand):
-    """``train --help`` as a rich table where the terminal fits its long option names, else as click's plain list.
-
-    The rich table cuts names to fit (``--gradient-accumula…`` at 80 columns); the plain list wraps help text
-    instead and never cuts a name.
-    """
-
-    RICH_MIN_COLUMNS = 110
-
-    def format_help(self, ctx: Any, formatter: Any) -> None:
-        import shutil
-
-        if shutil.get_terminal_size().columns >= self.RICH_MIN_COLUMNS:
-            return super().format_help(ctx, formatter)
-        saved, self.rich_markup_mode = self.rich_markup_mode, None  # typer's own switch to click's plain help
-        try:
-            return super().format_help(ctx, formatter)
-        finally:
-            self.rich_markup_mode = saved
-
-
 def _with_generated_signature(fn):
     fixed = [
         p
@@ -292,5 +346,9 @@ def _with_generated_signature(fn):
     return fn
 
 
+class TrainCommand(HelpCommand):
+    help_panel = RUN_PANEL  # every other option has a panel: --help joins the run's
+
+
 command = _with_generated_signature(handle_errors(command))
-command_class = TrainHelpCommand
+command_class = TrainCommand

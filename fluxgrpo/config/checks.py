@@ -22,6 +22,7 @@ from fluxgrpo.config.choices import (
 )
 from fluxgrpo.data.benchmarks import eval_prompts_problem
 from fluxgrpo.grpo.objectives.catalogue import CATALOGUE, ObjectiveEntry, objective_names
+from fluxgrpo.models.known import MODEL_FAMILIES
 from fluxgrpo.rewards.base import REWARD_DTYPES
 from fluxgrpo.rewards.reward_set import AGGREGATIONS, parse_reward_list, reward_spec_problems
 from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
@@ -82,6 +83,7 @@ def _shape_problems(cfg: TrainConfig) -> list[str]:
         elif value > MAX_IMAGE_SIDE:
             out.append(f"--{name} {value} is out of range: at most {MAX_IMAGE_SIDE} pixels")
     positive_ints = (
+        "dies",
         "sampling_steps",
         "num_generations",
         "train_batch_size",
@@ -91,6 +93,8 @@ def _shape_problems(cfg: TrainConfig) -> list[str]:
         "max_train_steps",
         "checkpointing_steps",
     )
+    if cfg.model_family not in MODEL_FAMILIES:
+        out.append(f"--model-family {cfg.model_family!r}: use one of {', '.join(MODEL_FAMILIES)}")
     for name in positive_ints:
         if getattr(cfg, name) < 1:
             out.append(f"--{flag(name)} must be at least 1 (got {getattr(cfg, name)})")

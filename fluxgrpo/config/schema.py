@@ -12,6 +12,7 @@ from fluxgrpo.config.checks import config_problems
 from fluxgrpo.config.choices import LORA_DEFAULT_TARGETS, LR_SCHEDULERS, WANDB_MODES
 from fluxgrpo.errors import UsageError
 from fluxgrpo.grpo.objectives.catalogue import AWM_WEIGHTINGS, CATALOGUE, ObjectiveEntry
+from fluxgrpo.models.known import MODEL_FAMILIES
 from fluxgrpo.paths import (
     DEFAULT_EMBEDDINGS_DIR,
     DEFAULT_FLUX_DIR,
@@ -35,6 +36,12 @@ class TrainConfig:
 
     # --- data and weights -----------------------------------------------------------------------------
     model: str = _opt(DEFAULT_FLUX_DIR, "FLUX diffusers folder (from `fluxgrpo fetch-weights`).")
+    model_family: str = _opt(
+        "flux-dev",
+        f"The model this config is for: {', '.join(MODEL_FAMILIES)} (whatever --model holds). A --dry-run plans "
+        "from its known shapes without its weights, and says when --model holds another model.",
+    )
+    dies: int = _opt(1, "Worker processes on this node, one per accelerator die (--dies overrides a config's).")
     hps_dir: str = _opt(DEFAULT_HPS_DIR, HPS_DIR_HELP)
     data_json_path: str = _opt(
         f"{DEFAULT_EMBEDDINGS_DIR}/{EMBEDDINGS_INDEX}", "Embeddings index written by `fluxgrpo preprocess`."

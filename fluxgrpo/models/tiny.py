@@ -504,6 +504,22 @@ TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
     "axes_dims_rope": (4, 6, 6),  # each even, summing to attention_head_dim
 }
 
+TINY_VAE_CONFIG: dict[str, Any] = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ("DownEncoderBlock2D",) * 4,
+    "up_block_types": ("UpDecoderBlock2D",) * 4,
+    "block_out_channels": (8, 8, 8, 8),
+    "layers_per_block": 1,
+    "latent_channels": 16,
+    "norm_num_groups": 4,
+    "sample_size": 64,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+    "scaling_factor": FLUX_VAE_SCALING_FACTOR,
+    "shift_factor": FLUX_VAE_SHIFT_FACTOR,
+}
+
 
 def build_tiny_flux_pipeline(seed: int = 0) -> FluxPipeline:
     """A random FluxPipeline with FLUX.1-dev's component classes, seeded; the global RNG is left untouched."""
@@ -548,21 +564,7 @@ def build_tiny_flux_pipeline(seed: int = 0) -> FluxPipeline:
             )
         )
         transformer = FluxTransformer2DModel(**TINY_TRANSFORMER_CONFIG)
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(8, 8, 8, 8),
-            layers_per_block=1,
-            latent_channels=16,
-            norm_num_groups=4,
-            sample_size=64,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            scaling_factor=FLUX_VAE_SCALING_FACTOR,
-            shift_factor=FLUX_VAE_SHIFT_FACTOR,
-        )
+        vae = AutoencoderKL(**TINY_VAE_CONFIG)
     scheduler = FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER_CONFIG)
     return FluxPipeline(
         scheduler=scheduler,

@@ -106,6 +106,9 @@ def panels_for(runs: list[RunData]) -> list[Panel]:
                 ],
             )
         )
+    # From the guard records, written after each evaluation: the iteration records' own ``guards_fired`` is taken
+    # before that iteration's evaluation, so it never shows a firing at the iteration where the run stopped.
+    panels.append(Panel("Guard rules fired (at each check)", "rules", [Line("guards_fired", "fired", guard_line=True)]))
     panels += [
         Panel("Velocity-norm ratio, policy / reference (drift)", "ratio", [Line("velocity_norm_ratio", "‖v‖ ratio")]),
         Panel("Within-group reward std", "std", [Line("group_std_mean", "group std mean")]),
@@ -137,6 +140,7 @@ def panels_for(runs: list[RunData]) -> list[Panel]:
         "update_skipped",
         "sde_window_start",
         "first_abs_log_ratio",
+        "guards_fired",
     }
     claimed |= {"reward_std", "nonfinite_rewards", "advantage_abs_mean", "advantage_min", "advantage_max"}
     other_keys = sorted(
@@ -152,6 +156,8 @@ def panels_for(runs: list[RunData]) -> list[Panel]:
             and k not in ("images_per_second", "peak_memory_gib")
         }
     )
+    # a number that is the loss itself under another name (nft's policy_loss without a KL) is not drawn twice
+    other_keys = [k for k in other_keys if any(run.series(k) != run.series("loss") for run in runs)]
     panels += [Panel(key.replace("_", " ").capitalize(), key, [Line(key, key)]) for key in other_keys]
     phase_keys = sorted({k for run in runs for r in run.records for k in r if k.startswith("seconds_")})
     panels += [

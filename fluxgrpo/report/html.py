@@ -19,6 +19,7 @@ from typing import Any
 from fluxgrpo import __version__
 from fluxgrpo.metrics import reward_trend
 from fluxgrpo.report.run import Evaluation, RunData
+from fluxgrpo.training.collapse import evaluation_spread_sign, record_signs, warning_line
 
 MAX_GRID_COLUMNS = 10  # evaluations shown side by side; the first and last always, the rest evenly spaced
 THUMBNAIL_SIDE = 160  # pixels on the long side of a grid thumbnail
@@ -37,14 +38,18 @@ h3{font-size:15px;margin:22px 0 8px}
 .curve svg{width:100%;height:auto;display:block}
 .gridwrap{overflow-x:auto;background:#fff;border:1px solid #e3e3e3;border-radius:6px;padding:8px}
 table.grid{border-collapse:collapse}
-table.grid th{font-size:12px;font-weight:600;padding:4px 6px;white-space:nowrap}
+table.grid th{font-size:12px;font-weight:600;padding:4px 6px;vertical-align:bottom;min-width:120px}
+table.grid th .note{display:block;font-weight:400;white-space:nowrap}
+table.grid th.best{background:#e8f5e9}table.grid th.fired{background:#fdecea}
+.tag{display:inline-block;font-size:11px;font-weight:600;border-radius:3px;padding:0 4px;margin-top:2px}
+.tag.best{background:#2e7d32;color:#fff}.tag.fired{background:#c62828;color:#fff}
 table.grid td{padding:2px}
-table.grid td.prompt{font-size:12px;max-width:260px;padding-right:10px;color:#333}
+table.grid td.prompt{font-size:12px;min-width:180px;max-width:260px;padding-right:10px;color:#333}
 table.grid img{display:block;width:120px;height:auto;border-radius:3px}
 table.grid td{vertical-align:top}
 table.grid .claims{font-size:10px;line-height:1.25;max-width:120px;color:#333}
 table.facts{border-collapse:collapse;font-size:13px;background:#fff}
-table.facts td{border:1px solid #e3e3e3;padding:3px 8px;vertical-align:top}
+table.facts td{border:1px solid #e3e3e3;padding:3px 8px;vertical-align:top;overflow-wrap:anywhere;max-width:520px}
 table.facts td:first-child{color:#555;white-space:nowrap}
 .columns{display:flex;flex-wrap:wrap;gap:24px}
 .note{color:#666;font-size:13px}
@@ -134,6 +139,13 @@ def summary_text(run: RunData) -> str:
             f"The train reward moved from {_fmt(trend['first'])} to {_fmt(trend['last'])} "
             f"({trend['change']:+.4g}; means of the first and last {trend['window']} iterations)."
         )
+    warning = collapse_warning(run)
+    if warning is not None:
+        parts.append(warning[0].upper() + warning[1:])
+    fired_at = {
+        record["iteration"]: [name for name in run.guard_names() if record.get(f"guard_{name}_fired")]
+        for record in run.guard_records
+    }
     for name in run.eval_rewards():
         xs, ys = run.series(f"eval_{name}_mean", run.eval_records)
         if not xs:
@@ -141,10 +153,10 @@ def summary_text(run: RunData) -> str:
         best = max(range(len(ys)), key=lambda i: ys[i])
         parts.append(
             f"Held-out eval {name}: {_fmt(ys[0])} at iteration {xs[0]} → {_fmt(ys[-1])} at iteration {xs[-1]}; "
-            f"best {_fmt(ys[best])} at iteration {xs[best]}."
+            f"best {_fmt(ys[best])} at iteration {xs[best]}{_why_not_best(run, name, xs[best], fired_at)}."
         )
     for record in run.guard_records:
-        fired = [name for name in run.guard_names() if record.get(f"guard_{name}_fired")]
+        fired = fired_at[record["iteration"]]
         if fired:
             parts.append(
                 f"Guard{'s' if len(fired) > 1 else ''} {', '.join(fired)} fired at iteration {record['iteration']}."
@@ -153,7 +165,8 @@ def summary_text(run: RunData) -> str:
             parts.append(f"The run was stopped there by its guard ({record.get('guard_stop_message', '')}).")
     if run.best is not None:
         parts.append(
-            f"best/ is iteration {run.best.get('iteration')} ({run.best.get('metric')} {_fmt(run.best.get('value'))})."
+            f"best/ is iteration {run.best.get('iteration')} ({run.best.get('metric')} {_fmt(run.best.get('value'))}; "
+            "the best evaluation after iteration 0 at which no guard fired)."
         )
     zero = run.series("zero_std_group_fraction")[1]
     if zero and sum(zero[-5:]) / len(zero[-5:]) > 0.5:
@@ -167,23 +180,50 @@ def summary_text(run: RunData) -> str:
     return " ".join(parts)
 
 
+def collapse_warning(run: RunData) -> str | None:
+    """``training/collapse.py``'s one line for this run: its drift signals, diversity and eval image spread."""
+    signs = record_signs([*run.records, *run.eval_records])
+    spread = evaluation_spread_sign(run.evaluations)
+    if spread is not None:
+        signs.append(spread)
+    return warning_line(signs, "Look at the eval grids below before trusting the reward.")
+
+
+def _why_not_best(run: RunData, reward: str, iteration: int, fired_at: dict[int, list[str]]) -> str:
+    """Why ``best/`` is not the best evaluation of ``reward`` at ``iteration``, when it is not (else "")."""
+    if run.best is None or run.best.get("iteration") == iteration or run.best.get("metric") != f"eval_{reward}_mean":
+        return ""
+    if fired_at.get(iteration):
+        return f" (not best/: guard {', '.join(fired_at[iteration])} fired there)"
+    if iteration == 0:
+        return " (not best/: iteration 0 is the base model)"
+    return ""
+
+
 # --------------------------------------------------------------------------------------------- HTML
 
 
-def _grid_html(columns: list[GridColumn], reward_names: list[str]) -> str:
+def _grid_html(
+    columns: list[GridColumn], reward_names: list[str], best: int | None = None, fired: frozenset[int] = frozenset()
+) -> str:
+    """The grid; the column of ``best`` (best/'s iteration) and those where a guard fired are marked."""
     if not columns:
         return ""
     prompt_text = {i: img.prompt for column in columns for i, img in column.images.items()}
     head = ["<tr><th>prompt</th>"]
     for column in columns:
-        scores = " · ".join(
-            f"{name} {column.evaluation.scores[name]['mean']:.4g}"
+        iteration = column.evaluation.iteration
+        scores = "".join(  # one reward a line: three rewards' scores fit a thumbnail's width
+            f"<span class=note>{html.escape(name)} {column.evaluation.scores[name]['mean']:.4g}</span>"
             for name in reward_names
             if name in column.evaluation.scores
         )
-        head.append(
-            f"<th>iteration {column.evaluation.iteration}<br><span class=note>{html.escape(scores)}</span></th>"
-        )
+        tags, kind = "", ""
+        if iteration in fired:
+            tags, kind = "<span class='tag fired'>guard fired</span>", " class=fired"
+        if iteration == best:
+            tags, kind = tags + "<span class='tag best'>best/</span>", " class=best"
+        head.append(f"<th{kind}>iteration {iteration}{scores}{tags}</th>")
     head.append("</tr>")
     rows = []
     for prompt_index in sorted(prompt_text):
@@ -233,6 +273,10 @@ def _run_section(run: RunData, several: bool) -> str:
     if several:
         out.append(f"<h2>{html.escape(run.name)}</h2><p class=summary>{html.escape(summary_text(run))}</p>")
     rewards = run.eval_rewards()
+    best = run.best.get("iteration") if run.best is not None else None
+    fired = frozenset(
+        r["iteration"] for r in run.guard_records if any(r.get(f"guard_{n}_fired") for n in run.guard_names())
+    )
     for ema in (False, True):
         columns = grid_columns(run.evaluations, ema)
         if not columns:
@@ -242,7 +286,7 @@ def _run_section(run: RunData, several: bool) -> str:
             f"<{'h3' if several else 'h2'}>Eval images over iterations ({what})</{'h3' if several else 'h2'}>"
             "<p class=note>Each row is one held-out prompt with the same seed in every column; columns differ only "
             "by the weights. Image 0 of each prompt; the full sets are in "
-            f"{html.escape(str(run.folder / 'eval'))}.</p>" + _grid_html(columns, rewards)
+            f"{html.escape(str(run.folder / 'eval'))}.</p>" + _grid_html(columns, rewards, best, fired)
         )
     if not run.evaluations:
         out.append(

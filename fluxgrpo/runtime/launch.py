@@ -437,7 +437,7 @@ def run_workers(
         payload_path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
         args = [module, "--payload", str(payload_path), "--summary", str(summary_path)]
         argv = build_torchrun_argv(WORKER_MODULE, args, spec, log_dir=log_dir)
-        if log is not None:
+        if log is not None and os.environ.get("FLUXGRPO_DEBUG"):  # the internal command line, for debugging only
             log("launching: " + " ".join(argv))
         # Every node keeps its own errors file in the shared log folder: node 0 errors.txt, node k errors-node<k>.txt
         errors_name = ERRORS_FILE if spec.node_rank == 0 else f"errors-node{spec.node_rank}.txt"

@@ -249,9 +249,11 @@ class RunMonitor:
         record["guard_stop"] = int(bool(fired_now) and self.cfg.guard_action == "stop")
         if state.best is not None:
             record["best_iteration"] = state.best["iteration"]
-        for rule, value, baseline in fired_now:
+        stopping = bool(fired_now) and self.cfg.guard_action == "stop"
+        # a stop is said once, by `fluxgrpo train` (its last line): the rule that stops is not announced here too
+        for rule, value, baseline in fired_now[1:] if stopping else fired_now:
             rt_dist.rank0_print(self.ctx, f"guard fired at iteration {iteration}: {rule.describe(value, baseline)}")
-        if fired_now and self.cfg.guard_action == "stop":
+        if stopping:
             verdict.stop = verdict.save_checkpoint = True
             rule, value, baseline = fired_now[0]
             best = f"; best: iteration {state.best['iteration']} (best/)" if state.best else ""

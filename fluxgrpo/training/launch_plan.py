@@ -51,18 +51,31 @@ class TrainPlan:
     skipped_checks: list[str] = field(default_factory=list)  # --dry-run for a device not here
 
 
-def preflight(cfg: TrainConfig) -> None:
-    """Weights and embeddings are in place and match the transformer; raise with the fixing command if not."""
+def preflight(cfg: TrainConfig, absent_ok: bool = False) -> list[str]:
+    """Weights and embeddings are in place and match the transformer; raise with the fixing command if not.
+
+    With ``absent_ok`` (a dry run: its plan needs no weights) a folder that does not exist at all is not checked,
+    and the returned lines say so; whatever is there is checked as always (a damaged file still fails).
+    """
     from fluxgrpo.envcheck import embeddings_status
 
-    flux = check_flux_dir(cfg.model)
-    if not flux.complete:
-        raise not_usable(f"FLUX weights in {cfg.model}", flux.problems, flux.fix)
-    for reward in run_reward_names(cfg.reward, cfg.eval_rewards, cfg.eval_every):
-        for part in reward_weights_status(reward, cfg.hps_dir):
-            if not part.complete:
-                raise not_usable(f"{part.name} weights for --reward {reward}", part.problems, part.fix)
+    absent = []
+    if absent_ok and not Path(cfg.model).exists():
+        absent.append(f"FLUX weights ({cfg.model} does not exist: `fluxgrpo fetch-weights` puts them there)")
+    else:
+        flux = check_flux_dir(cfg.model)
+        if not flux.complete:
+            raise not_usable(f"FLUX weights in {cfg.model}", flux.problems, flux.fix)
+    if absent_ok and not Path(cfg.hps_dir).exists():
+        absent.append(f"reward weights ({cfg.hps_dir} does not exist: `fluxgrpo fetch-weights` puts them there)")
+    else:
+        for reward in run_reward_names(cfg.reward, cfg.eval_rewards, cfg.eval_every):
+            for part in reward_weights_status(reward, cfg.hps_dir):
+                if not part.complete:
+                    raise not_usable(f"{part.name} weights for --reward {reward}", part.problems, part.fix)
     emb_dir = Path(cfg.data_json_path).parent
+    if absent_ok and not emb_dir.exists():
+        return [*absent, f"embeddings ({emb_dir} does not exist: `fluxgrpo preprocess` writes them)"]
     emb = embeddings_status(emb_dir)
     if not emb["complete"]:
         raise not_usable(
@@ -70,12 +83,15 @@ def preflight(cfg: TrainConfig) -> None:
             emb["problems"],
             f"run `fluxgrpo preprocess --model {cfg.model} --out {emb_dir}`, or point --data-json-path at them",
         )
-    _check_embeddings_match_model(cfg)
+    if not absent:
+        _check_embeddings_match_model(cfg)
     if cfg.eval_every > 0:
         from fluxgrpo.training.eval import eval_prompt_list
 
         eval_prompt_list(cfg)  # an empty, blank or binary --eval-prompts file, refused before any run file exists
-    _check_rewards_read_their_prompts(cfg)
+    if not absent:
+        _check_rewards_read_their_prompts(cfg)
+    return absent
 
 
 def _check_rewards_read_their_prompts(cfg: TrainConfig) -> None:
@@ -123,6 +139,8 @@ RESUME_FREE_FIELDS = frozenset(
         "hps_dir",
         "data_json_path",
         "output_dir",
+        "model_family",  # sizes the dry-run plan only
+        "dies",  # the world size is checked on its own (check_resume_compatible)
         "device",
         "max_train_steps",
         "checkpointing_steps",
@@ -293,8 +311,8 @@ def plan_training(
         check_run_files(output_dir)
         check_not_in_use(output_dir)
         check_previous_run(output_dir, resume, overwrite)
-    preflight(cfg)
-    memory = plan_memory(cfg, spec.world_size, device_type)
+    skipped += preflight(cfg, absent_ok=dry_run)  # a plan needs no weights: it is sized from the config's model
+    memory = plan_memory(cfg, spec.world_size, device_type, dry_run=dry_run)
     if skipped:
         skipped.append(f"the estimate against the {device_type} devices' memory (none visible here)")
     checkpoint = resolve_resume(output_dir, resume) if resume is not None else None

@@ -208,7 +208,7 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
             rt_dist.rank0_print(ctx, progress_line(record, cfg.max_train_steps, objective.progress))
             skipped_updates.observe(record)  # K iterations in a row without a step: a run that cannot learn stops
             if cfg.save_images_every and iteration % cfg.save_images_every == 0:
-                save_sample_images(images, output_dir, ctx.rank, cfg.images_per_save)
+                save_sample_images(images, output_dir, iteration, ctx.rank, cfg.images_per_save)
             # before the checkpoint: a saved iteration has its evaluation and guard check
             verdict = monitor.check(iteration, evaluator.maybe_run(iteration, parts), records)
             due = iteration % cfg.checkpointing_steps == 0 or iteration == cfg.max_train_steps

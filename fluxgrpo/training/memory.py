@@ -207,6 +207,8 @@ class MemoryEstimate:
     phases: dict[str, dict[str, int]]  # rollout / decode / update → term → bytes
     reserve: int = RUNTIME_RESERVE_BYTES
     host: dict[str, int] = field(default_factory=dict)  # what --cpu-offload moves to host memory
+    sized_from: str = ""  # the model whose shapes these are, in words ("FLUX.1-dev's known shapes …")
+    warnings: list[str] = field(default_factory=list)  # e.g. the weights on disk are another model
 
     @property
     def peak_phase(self) -> str:
@@ -227,11 +229,15 @@ class MemoryEstimate:
             "phases_gib": {p: {k: gib(v) for k, v in terms.items()} for p, terms in self.phases.items()},
             "reserve_gib": gib(self.reserve),
             "host_gib_per_die": {k: gib(v) for k, v in self.host.items()},
+            "sized_from": self.sized_from,
+            "warnings": list(self.warnings),
         }
 
     def lines(self) -> list[str]:
         """A human-readable breakdown, one term per line."""
         out = [f"estimated peak per die: {self.peak / GiB:.1f} GiB (during {self.peak_phase})"]
+        if self.sized_from:
+            out.append(f"  sized from {self.sized_from}")
         out += [f"  {name}: {value / GiB:.2f} GiB" for name, value in self.persistent.items() if value]
         for phase, terms in self.phases.items():
             detail = ", ".join(f"{k} {v / GiB:.2f}" for k, v in terms.items() if v)
@@ -320,22 +326,77 @@ def estimate(model: TransformerShape, vae: VaeShape, run: RunShape) -> MemoryEst
 # --------------------------------------------------------------------------------------------- the train hook
 
 
-def estimate_for_config(cfg: TrainConfig, dies: int, device_type: str) -> MemoryEstimate:
-    """The estimate for a validated config, reading the model's sizes from ``cfg.model`` (no weights loaded)."""
+@dataclass(frozen=True)
+class ModelSource:
+    """The model shapes a plan is sized from, and what it says about them."""
+
+    transformer: dict[str, Any]
+    vae: dict[str, Any]
+    text_tokens: int
+    sized_from: str
+    warnings: tuple[str, ...] = ()
+
+
+def model_source(cfg: TrainConfig, from_family: bool) -> ModelSource:
+    """The shapes to size ``cfg``'s run from: with ``from_family`` (a dry run) the known shapes of the model the
+    config names (``model_family``), else, and for ``model_family: weights``, the config.json files in --model (what
+    the run will load). Either way a warning when --model holds another model than the config names."""
     import json
 
-    from fluxgrpo.models.flux import read_transformer_config
+    from fluxgrpo.models.known import KNOWN_MODELS, identify
+
+    named = KNOWN_MODELS.get(cfg.model_family)
+    on_disk: dict[str, Any] | None = None
+    try:
+        on_disk = json.loads((Path(cfg.model) / "transformer" / "config.json").read_text())
+        vae_on_disk = json.loads((Path(cfg.model) / "vae" / "config.json").read_text())
+    except (OSError, ValueError):
+        on_disk = None
+    warnings = []
+    if named is not None and on_disk is not None and not named.matches(on_disk):
+        warnings.append(
+            f"{cfg.model} holds {identify(on_disk)}, not {named.title}, which this config is for (model_family: "
+            f"{named.name}): fetch {named.title} there (`fluxgrpo fetch-weights`) or point --model at it before "
+            "launching"
+        )
+    if named is not None and (from_family or on_disk is None):
+        matching_embeddings = on_disk is not None and named.matches(on_disk)
+        return ModelSource(
+            named.transformer,
+            named.vae,
+            _text_tokens(cfg) if matching_embeddings else named.text_tokens,
+            f"{named.title}'s known shapes (model_family: {named.name}; no weights read)",
+            tuple(warnings),
+        )
+    if on_disk is None:
+        from fluxgrpo.errors import FluxgrpoError
+
+        raise FluxgrpoError(
+            f"cannot read transformer/config.json and vae/config.json in {cfg.model} (model_family: weights sizes "
+            f"the run from them): run `fluxgrpo fetch-weights --flux-dir {cfg.model}`, or name the model with "
+            "--model-family"
+        )
+    return ModelSource(
+        on_disk, vae_on_disk, _text_tokens(cfg), f"the model in {cfg.model} ({identify(on_disk)})", tuple(warnings)
+    )
+
+
+def estimate_for_config(cfg: TrainConfig, dies: int, device_type: str, from_family: bool = False) -> MemoryEstimate:
+    """The estimate for a validated config (no weights loaded): sized from the weights in ``cfg.model``, or with
+    ``from_family`` from the known shapes of the model the config names (``model_source``)."""
+    import dataclasses
+
     from fluxgrpo.training.settings import lora_spec
 
-    config = read_transformer_config(cfg.model)
+    source = model_source(cfg, from_family)
     lora = lora_spec(cfg)
-    adapters = lora_adapter_shapes(config, lora.targets, lora.rank) if lora is not None else ()
-    vae_config = json.loads((Path(cfg.model) / "vae" / "config.json").read_text())
+    adapters = lora_adapter_shapes(source.transformer, lora.targets, lora.rank) if lora is not None else ()
     compute_bytes = 4 if device_type == "cpu" else 2
     run = RunShape.from_config(
-        cfg, dies, compute_bytes=compute_bytes, text_tokens=_text_tokens(cfg), adapter_shapes=adapters
+        cfg, dies, compute_bytes=compute_bytes, text_tokens=source.text_tokens, adapter_shapes=adapters
     )
-    return estimate(transformer_shape(config), vae_shape(vae_config), run)
+    result = estimate(transformer_shape(source.transformer), vae_shape(source.vae), run)
+    return dataclasses.replace(result, sized_from=source.sized_from, warnings=list(source.warnings))
 
 
 def _text_tokens(cfg: TrainConfig) -> int:
@@ -374,7 +435,12 @@ def checked_peak(estimate_: MemoryEstimate, device_type: str) -> int:
 
 
 def check_fits(
-    cfg: TrainConfig, dies: int, device_type: str, estimate_: MemoryEstimate, capacity: int | None
+    cfg: TrainConfig,
+    dies: int,
+    device_type: str,
+    estimate_: MemoryEstimate,
+    capacity: int | None,
+    from_family: bool = False,
 ) -> list[str]:
     """Problems (empty when it fits): the estimate exceeds ``capacity`` bytes per die; each problem names the
     knobs that would bring it under, with their estimates."""
@@ -385,7 +451,7 @@ def check_fits(
     options = []
     for flag, change in _knobs(cfg, dies):
         changed_cfg = dataclasses.replace(cfg, **change.get("cfg", {}))
-        changed = estimate_for_config(changed_cfg, change.get("dies", dies), device_type)
+        changed = estimate_for_config(changed_cfg, change.get("dies", dies), device_type, from_family)
         marker = "fits" if checked_peak(changed, device_type) <= capacity else "still too much"
         options.append(f"{flag}: {changed.peak / GiB:.1f} GiB ({marker})")
     smaller = _fitting_resolution(cfg, dies, device_type, capacity)
@@ -441,23 +507,24 @@ def _knobs(cfg: TrainConfig, dies: int) -> list[tuple[str, dict[str, Any]]]:
 IGNORE_ESTIMATE_ENV = "FLUXGRPO_IGNORE_MEMORY_ESTIMATE"
 
 
-def plan_memory(cfg: TrainConfig, dies: int, device_type: str) -> MemoryEstimate:
+def plan_memory(cfg: TrainConfig, dies: int, device_type: str, dry_run: bool = False) -> MemoryEstimate:
     """The estimate for this launch; refuses (UsageError) a config whose peak exceeds the smallest visible
     device (on cpu: the host's memory shared by the workers), naming the knobs that would fit. No check when no
-    device is visible."""
+    device is visible. A ``dry_run`` plans from the known shapes of the model the config names (``model_source``):
+    it may be planning a cluster run on a laptop that holds other weights, or none."""
     import os
 
     from fluxgrpo.errors import UsageError
     from fluxgrpo.runtime import device as rt_device
 
-    estimate_ = estimate_for_config(cfg, dies, device_type)
+    estimate_ = estimate_for_config(cfg, dies, device_type, from_family=dry_run)
     capacity = host_memory_per_worker(dies) if device_type == "cpu" else None
     if device_type != "cpu":
         try:
             capacity = min((d.total_bytes for d in rt_device.describe_devices(device_type)), default=None)
         except Exception:
             capacity = None
-    problems = check_fits(cfg, dies, device_type, estimate_, capacity)
+    problems = check_fits(cfg, dies, device_type, estimate_, capacity, from_family=dry_run)
     if problems and os.environ.get(IGNORE_ESTIMATE_ENV) != "1":
         raise UsageError(problems[0] + f" (or set {IGNORE_ESTIMATE_ENV}=1 to launch anyway; see README, Performance)")
     return estimate_

@@ -115,8 +115,8 @@ def decode_and_score(
     return images, score_images(parts.reward_fn, images, captions, chunk)
 
 
-def save_sample_images(images: torch.Tensor, output_dir: Path, rank: int, count: int) -> None:
-    """``images/flux_{rank}_{idx}.png`` for the first ``count`` trajectories (overwritten each time)."""
+def save_sample_images(images: torch.Tensor, output_dir: Path, iteration: int, rank: int, count: int) -> None:
+    """``images/flux_{iteration}_{rank}_{idx}.png`` for the first ``count`` trajectories: one set per save, kept."""
     from PIL import Image
 
     from fluxgrpo.paths import write_atomic
@@ -126,7 +126,7 @@ def save_sample_images(images: torch.Tensor, output_dir: Path, rank: int, count:
     folder.mkdir(parents=True, exist_ok=True)
     pixels = (images[:count].clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     for idx, array in enumerate(pixels):
-        path = folder / f"flux_{rank}_{idx}.png"
+        path = folder / f"flux_{iteration}_{rank}_{idx}.png"
         check_regular_or_absent(path)
         write_atomic(path, lambda f, array=array: Image.fromarray(array).save(f, format="PNG"))
 
