@@ -1,7 +1,7 @@
 """The shape of every JSON file a resume trusts: a file that parses but holds the wrong shape (a hand edit, another
 tool, damage with its checksum recomputed) is refused in one line naming it, never met later as a ``KeyError``.
 
-- ``check_trainer_state`` / ``read_training_state``: a training run's ``state/trainer_state.json`` (iteration,
+- ``check_trainer_state`` (read for a resume by ``training/resume_state.read_training_state``): a training run's ``state/trainer_state.json`` (iteration,
   each rank's sampler position, the config, the guards' state), checked wherever a resume reads it.
 - ``check_best_record``: ``best/BEST.json`` (iteration, metric, value, checkpoint).
 - ``check_checksum_record``: ``state/checksums_rank<r>.json`` names every state file its rank wrote, each with a
@@ -124,30 +124,3 @@ def check_checksum_record(sums: Any, record: Path, files: Iterable[Path], fix: s
                 f"checksums were altered; {fix}"
             )
     return sums
-
-
-def read_training_state(checkpoint: Path) -> dict[str, Any]:
-    """A training checkpoint's ``trainer_state`` (``training/loop.py`` writes it), checked for its shape and against
-    the checkpoint's ``COMPLETE`` facts (world size, iteration).
-
-    Raises:
-        FluxgrpoError: one line naming the file.
-    """
-    from fluxgrpo.checkpoint.layout import (
-        COMPLETE_MARKER,
-        DAMAGED_FIX,
-        STATE_DIR,
-        TRAINER_STATE_FILE,
-        read_checkpoint_info,
-        read_trainer_state,
-    )
-
-    file = Path(checkpoint) / STATE_DIR / TRAINER_STATE_FILE
-    info = read_checkpoint_info(checkpoint)
-    state = check_trainer_state(read_trainer_state(checkpoint), file, info["world_size"], DAMAGED_FIX)
-    if state["iteration"] != info["iteration"]:
-        raise FluxgrpoError(
-            f"{file} is malformed (it is the state after iteration {state['iteration']}, but {COMPLETE_MARKER} says "
-            f"{info['iteration']}): {DAMAGED_FIX}"
-        )
-    return state

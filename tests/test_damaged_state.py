@@ -29,7 +29,7 @@ from fluxgrpo.checkpoint.state import _verify_checksums
 from fluxgrpo.cli.app import app
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.metrics import METRICS_FILE, MetricsLogger, read_metrics
-from fluxgrpo.state_checks import read_training_state
+from fluxgrpo.training.resume_state import read_training_state
 
 runner = CliRunner()
 

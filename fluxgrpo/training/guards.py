@@ -50,8 +50,8 @@ from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.metrics import read_metrics
 from fluxgrpo.rewards.reward_set import eval_reward_names
 from fluxgrpo.runtime import dist as rt_dist
-from fluxgrpo.state_checks import read_training_state
 from fluxgrpo.training.guard_rules import GuardRule, metric_key, parse_guard_spec
+from fluxgrpo.training.resume_state import read_training_state
 
 GUARD_STOP_EXIT_CODE = 3
 GUARD_RECORD = "guards"  # the value of ``record["record"]`` in metrics.jsonl for a guard check

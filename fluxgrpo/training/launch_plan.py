@@ -183,7 +183,7 @@ def check_output_dir(output_dir: Path, create: bool) -> None:
 def check_resume_compatible(cfg: TrainConfig, checkpoint: Path, world_size: int) -> None:
     """A resume is exact only with the same world size and the same algorithm settings; say which differ."""
     from fluxgrpo.checkpoint.layout import read_checkpoint_info
-    from fluxgrpo.state_checks import read_training_state
+    from fluxgrpo.training.resume_state import read_training_state
 
     info = read_checkpoint_info(checkpoint)
     problems = []

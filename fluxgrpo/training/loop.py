@@ -43,11 +43,11 @@ from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime.dist import DistContext
 from fluxgrpo.runtime.nodes import check_shared_folder, restarted
 from fluxgrpo.runtime.worker import worker_session
-from fluxgrpo.state_checks import read_training_state
 from fluxgrpo.training.eval import Evaluator
 from fluxgrpo.training.guards import RunMonitor
 from fluxgrpo.training.health import SkippedUpdateWatch
 from fluxgrpo.training.parts import TrainingParts, build_parts
+from fluxgrpo.training.resume_state import read_training_state
 from fluxgrpo.training.settings import build_objective, plan_settings, rollout_settings, update_plumbing
 from fluxgrpo.training.stages import (
     decode_and_score,
