@@ -56,7 +56,7 @@ def test_heldout_verdict_needs_spreads_clear_of_the_baselines():
 def test_the_heldout_reward_is_the_worlds_checker_when_evaluated():
     from fluxgrpo.config import build_config
 
-    assert heldout_reward(build_config("tiny-cpu", {})) is None  # no evaluation
+    assert heldout_reward(build_config("tiny-cpu", {"eval_every": 0})) is None  # no evaluation
     cfg = build_config("tiny-cpu", {"eval_every": 2, "eval_rewards": "shapes,exposure"})
     assert heldout_reward(cfg) == "shapes"
     assert heldout_reward(build_config("tiny-cpu", {"eval_every": 2, "eval_rewards": "exposure"})) == "brightness"
@@ -172,6 +172,7 @@ def _counted_run(tiny_weights, index_path, output_dir, **overrides):
         "train_micro_batch_size": 2,
         "gradient_accumulation_steps": 1,
         "sampling_steps": 4,
+        "eval_every": 0,  # tiny-cpu evaluates every 10 iterations; the evaluated run asks for it
         **overrides,
     }
     cfg = build_config("tiny-cpu", values)
