@@ -220,7 +220,9 @@ def test_the_drifting_toy_says_so_in_trains_summary_and_its_report(
     recent = [r["velocity_norm_ratio"] for r in records[-5:]]
     assert sum(recent) / len(recent) > VELOCITY_NORM_ALARM
     assert reward_trend(records)["change"] > 0  # what the reward alone would call a success
-    trend, warning = result.stdout.splitlines()[-2:]
+    lines = result.stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("reward "))
+    trend, warning = lines[at], lines[at + 1]  # the held-out changes follow them
     assert trend.startswith("reward ") and "↑" in trend  # the warning sits right under the trend it qualifies
     assert warning.startswith("warning: this run looks collapsed or reward-hacked: v-ratio ")
     assert f"v-ratio {sum(recent) / len(recent):.3g} " in warning and "--learning-rate" in warning
