@@ -186,7 +186,9 @@ def check_damaged_adapters_are_one_line(checkpoint: Path, tmp_path: Path) -> Non
     with mock.patch("fluxgrpo.export.shutil.copy2", side_effect=full):
         result = CliRunner().invoke(app, ["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "full")])
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
-    assert f"cannot write the export to {tmp_path / 'full'} (No space left on device)" in result.output
+    # one line naming the folder and its free space (errors.disk_full_error), and nothing partial left in --out
+    assert f"no space left on device writing into {tmp_path}" in result.output and "MiB free there" in result.output
+    assert not (tmp_path / "full").exists() or not any((tmp_path / "full").iterdir())
 
 
 def test_lora_exact_resume_and_rising_reward(tiny_weights, tiny_embeddings, tmp_path):
