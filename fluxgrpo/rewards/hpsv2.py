@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import check_batch, check_pil_batch, normalize_clip, pil_to_tensor, read_state_dict
-from fluxgrpo.rewards.open_clip_model import OpenClipCosine, create_fitting_open_clip
+from fluxgrpo.rewards.open_clip_model import ARCHITECTURE_KEYS, OpenClipCosine, create_fitting_open_clip
 from fluxgrpo.rewards.registry import RewardRecord, WeightsPart
 from fluxgrpo.weights.hub_parts import REWARD_HUB_PARTS
 from fluxgrpo.weights.layout import (
@@ -51,7 +51,11 @@ def load_hps_model(hps_dir: str | Path) -> tuple[Any, str]:
 
     refetch = f"re-run `fluxgrpo fetch-weights --only hps --hps-dir {hps_dir}`"
     hps_state = read_state_dict(hps_dir / HPS_CHECKPOINT, refetch)
-    model, arch = create_fitting_open_clip(hps_dir, hps_state, hps_dir / HPS_CHECKPOINT, refetch)
+    sized_by = hps_state
+    if any(key not in hps_state for key in ARCHITECTURE_KEYS):  # those keys come from the open_clip weights
+        clip_state = read_state_dict(hps_dir / OPEN_CLIP_WEIGHTS, refetch)
+        sized_by = {**clip_state, **hps_state}
+    model, arch = create_fitting_open_clip(hps_dir, sized_by, hps_dir / HPS_CHECKPOINT, refetch)
     expected = set(model.state_dict())
     unexpected = sorted(set(hps_state) - expected)
     if unexpected:

@@ -158,6 +158,18 @@ def _resblocks(state: dict[str, Any], prefix: str) -> int:
     return len({part for part in found if part.isdigit()})
 
 
+# The tensors whose sizes ``architecture_mismatch`` reads (besides the resblocks it counts).
+ARCHITECTURE_KEYS = (
+    "text_projection",
+    "visual.conv1.weight",
+    "visual.positional_embedding",
+    "visual.transformer.resblocks.0.mlp.c_fc.weight",
+    "token_embedding.weight",
+    "positional_embedding",
+    "transformer.resblocks.0.mlp.c_fc.weight",
+)
+
+
 def architecture_mismatch(config: dict[str, Any], state: dict[str, Any]) -> str | None:
     """The first size ``config`` (``config_guard.open_clip_architecture``'s) states that the checkpoint's own tensors
     contradict, or None: an architecture is built only at the size its weights have, never at one a config file
