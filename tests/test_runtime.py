@@ -344,13 +344,17 @@ def test_one_worker_runs_in_this_process_and_returns_the_json_form(echo_module):
 @pytest.mark.slow
 def test_two_workers_run_under_torchrun_and_rank0_reports(echo_module, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("FLUXGRPO_DEBUG", "1")  # the internal launch command is logged for debugging only
     lines = []
     summary = launch.run_workers(echo_module, {"x": 1}, launch.LaunchSpec(nproc_per_node=2), "cpu", log=lines.append)
     assert summary["payload"] == {"x": 1} and summary["ranks"] == [0, 1] and summary["pid"] != os.getpid()
     assert summary["threads"] == 1  # the prologue: one thread per CPU worker
     assert "fluxgrpo.runtime.worker" in lines[0]
+    monkeypatch.delenv("FLUXGRPO_DEBUG")
+    quiet = []
     with pytest.raises(FluxgrpoError, match="rank 1 failed: rank 1 cannot go on"):
-        launch.run_workers(echo_module, {"fail_rank": 1}, launch.LaunchSpec(nproc_per_node=2), "cpu")
+        launch.run_workers(echo_module, {"fail_rank": 1}, launch.LaunchSpec(nproc_per_node=2), "cpu", log=quiet.append)
+    assert not any(line.startswith("launching: ") for line in quiet)
 
 
 def test_worker_session_leaves_the_group_and_filters_the_fsdp_view_warning():
