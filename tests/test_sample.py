@@ -141,10 +141,12 @@ def test_index_lists_every_image_with_its_seed_and_the_grid_holds_them(tiny_weig
 
 def test_accelerator_precision_samples_in_bf16_close_to_fp32(tiny_weights, tmp_path, monkeypatch):
     # On accelerators the runtime's compute dtype is bf16 (weights and autocast); cpu autocast runs the same branch.
-    from fluxgrpo.runtime import device as rt_device
+    from fluxgrpo import sample as sample_command
+    from fluxgrpo.sampling import generate
 
     run_sample(tiny_weights.flux_dir, tmp_path / "fp32")
-    monkeypatch.setattr(rt_device, "compute_dtype", lambda device_type: torch.bfloat16)
+    for module in (generate, sample_command):  # each names the runtime's compute_dtype at import
+        monkeypatch.setattr(module, "compute_dtype", lambda device_type: torch.bfloat16)
     summary = run_sample(tiny_weights.flux_dir, tmp_path / "bf16")
     assert summary.dtype == "bfloat16" and read_index(tmp_path / "bf16").settings["dtype"] == "bfloat16"
     full, half = pixels(tmp_path / "fp32"), pixels(tmp_path / "bf16")
