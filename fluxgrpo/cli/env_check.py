@@ -121,6 +121,7 @@ def command(
         given = ", ".join(flag for flag, set_ in deep_only.items() if set_)
         raise UsageError(f"{given} only apply to `fluxgrpo env-check --deep`: add --deep")
     from fluxgrpo.envcheck import collect_report
+    from fluxgrpo.runtime.device import is_ascend
 
     report = collect_report(
         flux_dir,
@@ -134,13 +135,13 @@ def command(
     if json_output:
         print_json(report)
     else:
-        _render(report, show_accelerator_env=report["device"]["type"] == "npu" or device == "npu")
+        _render(report, show_accelerator_env=is_ascend(report["device"]["type"], device))
     if not report["ready"]:
         raise typer.Exit(1)
 
 
 def _render(report: dict, show_accelerator_env: bool) -> None:
-    """The report as tables; the Ascend variables only where an NPU is present or asked for (elsewhere they are
+    """The report as tables; the Ascend variables only where an Ascend device is present or asked for (elsewhere they are
     all unset and say nothing: --json always has them)."""
     from rich.table import Table
 

@@ -124,6 +124,11 @@ def resolve_device_type(requested: str | None = None) -> str:
     return requested
 
 
+def is_ascend(*device_types: str | None) -> bool:
+    """True when any of the given device types (detected, asked for) is an Ascend NPU."""
+    return "npu" in device_types
+
+
 def backend_for(device_type: str) -> str:
     """The torch.distributed backend for a device type: hccl, nccl or gloo."""
     return BACKEND_FOR_DEVICE[device_type]
