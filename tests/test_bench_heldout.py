@@ -71,6 +71,26 @@ def test_a_config_scored_by_the_checker_trains_on_the_worlds_captions():
     assert training_prompts("tiny-cpu", {"eval_every": 2, "eval_rewards": "shapes"}) == shipped_set_path("shapes-train")
 
 
+def test_a_world_config_keeps_its_evaluation_and_others_train_without_one(tmp_path):
+    workspace = Workspace(tmp_path / "flux", tmp_path / "hps", tmp_path / "index.json", tmp_path / "runs")
+    cfg = EfficiencyConfig(config="shapes-cpu", iterations=16)
+    assert base_training_config(cfg, workspace, evaluate=True).eval_every == 8  # the config's own
+    assert heldout_reward(base_training_config(cfg, workspace, evaluate=True)) == "shapes"
+    assert base_training_config(EfficiencyConfig(config="tiny-cpu"), workspace).eval_every == 0
+
+
+def test_a_world_workspace_holds_the_worlds_pretrained_weights_not_random_ones(tmp_path):
+    from fluxgrpo.bench.efficiency import prepare_workspace
+    from fluxgrpo.data.benchmarks import shipped_set_path
+    from fluxgrpo.weights.manifest import read_manifest
+
+    world_space = prepare_workspace(tmp_path / "w", 0, 12, lambda line: None, shipped_set_path("shapes-train"), True)
+    assert read_manifest(world_space.flux_dir).source == "shapes"
+    assert json.loads(world_space.index_path.read_text())
+    random_space = prepare_workspace(tmp_path / "r", 0, 12, lambda line: None)
+    assert read_manifest(random_space.flux_dir).source == "tiny"
+
+
 # Held-out curves of hand-made runs: algorithm → one curve per repeat. dance gains 0.00–0.10; dance-t2 0.20–0.30.
 CURVES = {
     "dance": [[0.40, 0.45], [0.40, 0.40], [0.40, 0.50]],

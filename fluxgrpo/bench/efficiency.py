@@ -290,30 +290,45 @@ def training_prompts(config: str, overrides: dict[str, Any]) -> Path:
 
 
 def prepare_workspace(
-    root: Path, seed: int, text_tokens: int, log: Callable[[str], None], prompts: Path | None = None
+    root: Path,
+    seed: int,
+    text_tokens: int,
+    log: Callable[[str], None],
+    prompts: Path | None = None,
+    world: bool = False,
 ) -> Workspace:
-    """Write the tiny weights (seeded) and encode ``prompts`` (the bundled ones by default) with the tiny text
-    encoders, under ``root``."""
+    """Write the weights and encode ``prompts`` (the bundled ones by default) with their text encoders, under
+    ``root``. With ``world`` the weights are the shapes world's pretrained ones (``fetch-weights --source shapes``):
+    a held-out checker gain means something only for a model that draws the world; else the tiny random weights
+    (seeded by ``seed``)."""
     from fluxgrpo.data.prompts import bundled_prompts_path
     from fluxgrpo.models.tiny_weights import write_tiny_weights
     from fluxgrpo.preprocess import preprocess
+    from fluxgrpo.shapes.shipped import write_shapes_weights
 
     prompts = prompts or bundled_prompts_path()
     flux_dir, hps_dir = root / "flux", root / "hps_ckpt"
-    log(f"writing the tiny weights (seed {seed}) and encoding {prompts.name} ({text_tokens} T5 tokens)")
-    write_tiny_weights(flux_dir, hps_dir, seed=seed)
+    if world:
+        log(f"writing the shapes world's weights and encoding {prompts.name} ({text_tokens} T5 tokens)")
+        write_shapes_weights(flux_dir, hps_dir)
+    else:
+        log(f"writing the tiny weights (seed {seed}) and encoding {prompts.name} ({text_tokens} T5 tokens)")
+        write_tiny_weights(flux_dir, hps_dir, seed=seed)
     summary = preprocess(prompts, flux_dir, root / "rl_embeddings", text_tokens, device="cpu")
     return Workspace(flux_dir, hps_dir, Path(summary.index_path), root / "runs")
 
 
-def base_training_config(cfg: EfficiencyConfig, workspace: Workspace) -> TrainConfig:
-    """``--config`` with the workspace's inputs and the run's length: what every algorithm shares."""
+def base_training_config(cfg: EfficiencyConfig, workspace: Workspace, evaluate: bool = False) -> TrainConfig:
+    """``--config`` with the workspace's inputs and the run's length: what every algorithm shares.
+
+    The config's held-out evaluation is kept only when ``evaluate`` (a config scored by the world's checker, whose
+    held-out gain is the comparison); the clock never counts it (``run_seconds`` sums the training phases)."""
     from fluxgrpo.config import build_config
 
     return build_config(
         cfg.config,
         {
-            "eval_every": 0,  # the bench times training; a config's held-out evaluation is not part of it
+            **({} if evaluate else {"eval_every": 0}),
             **cfg.base_overrides,
             "model": str(workspace.flux_dir),
             "hps_dir": str(workspace.hps_dir),
@@ -516,11 +531,14 @@ def run_efficiency(
     from fluxgrpo.training.loop import train
 
     cfg.validate()
+    from fluxgrpo.data.benchmarks import shipped_set_path
+
     prompts = training_prompts(cfg.config, cfg.base_overrides)
     counter = WorkCounter()
     with tempfile.TemporaryDirectory(prefix="fluxgrpo-bench-efficiency-") as folder:
-        workspace = prepare_workspace(Path(folder), cfg.seed, cfg.text_tokens, log, prompts)
-        base = base_training_config(cfg, workspace)
+        world = prompts == shipped_set_path("shapes-train")
+        workspace = prepare_workspace(Path(folder), cfg.seed, cfg.text_tokens, log, prompts, world)
+        base = base_training_config(cfg, workspace, evaluate=world)
         rows = compare(cfg, base, counted(train, counter), log, counter)
     shared = {key: value for key, value in base.to_dict().items() if key not in WORKSPACE_FIELDS}
     return {
