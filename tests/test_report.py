@@ -89,20 +89,20 @@ def fake_run(
                     "reward_std": 0.01,
                     "reward_min": 0.48 + 0.01 * k,
                     "reward_max": 0.53 + 0.01 * k,
-                    "group_std_mean": 0.01,
-                    "zero_std_group_fraction": 0.0,
+                    "group_std_mean": 0.01 + 0.001 * k,
+                    "zero_std_group_fraction": 0.0,  # constant, as in a healthy run
                     "ratio_mean": 1.0,
-                    "ratio_min": 0.99,
-                    "ratio_max": 1.01,
-                    "clip_fraction": 0.1,
-                    "loss": 0.001,
-                    "grad_norm_mean": 0.2,
-                    "grad_norm_max": 0.3,
-                    "lr": 1e-5,
-                    "seconds_rollout": 1.0,
+                    "ratio_min": 0.99 - 0.001 * k,
+                    "ratio_max": 1.01 + 0.001 * k,
+                    "clip_fraction": 0.1 + 0.01 * k,
+                    "loss": 0.001 * k,
+                    "grad_norm_mean": 0.2 + 0.01 * k,
+                    "grad_norm_max": 0.3 + 0.01 * k,
+                    "lr": 1e-5,  # constant: no warm-up
+                    "seconds_rollout": 1.0 + 0.1 * k,
                     "seconds_decode_reward": 0.1,
                     "seconds_update": 2.0,
-                    "images_per_second": 3.0,
+                    "images_per_second": 3.0 - 0.1 * k,
                     "peak_memory_gib": None,
                     "nonfinite_rewards": 0.0,
                     "skipped_steps": 0.0,
@@ -276,3 +276,44 @@ def test_the_grid_marks_best_and_the_fired_guard_and_wraps_long_values(tmp_path)
     document = json.loads(result.stdout)
     assert "Policy loss" not in document["panels"] and "Loss" in document["panels"]
     assert "overflow-wrap:anywhere" in text  # the facts table wraps a long value
+
+
+def test_a_metric_constant_throughout_gets_a_number_not_a_flat_panel(tmp_path):
+    """Issue #31.1: a tiny run's flat lines (clip fraction 0, a constant learning rate) are one line of values, not
+    panels; a metric that varies keeps its panel, and a metric never finite (CPU peak memory) is named."""
+    run = fake_run(tmp_path / "flat")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if "reward_mean" in record:
+            record["clip_fraction"] = 0.0
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = runner.invoke(app, ["report", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    panels = json.loads(result.stdout)["panels"]
+    assert "Clip fraction" not in panels and "Learning rate" not in panels
+    assert "Groups with zero reward spread" not in panels
+    assert "Loss" in panels and "Gradient norm (before clipping)" in panels  # these vary
+    text = (run / "report.html").read_text()
+    assert parse(run / "report.html").tags["svg"] == len(panels)
+    (line,) = [part for part in text.split("<p class='note flat'>")[1:]]
+    line = line.split("</p>")[0]
+    assert line.startswith("Constant during this run (no panel): ")
+    assert "clip_fraction = 0," in line and "lr = 1e-05" in line and "zero_std_group_fraction = 0" in line
+    assert "loss =" not in line and "reward_mean" not in line
+    assert "Logged without a finite value (no panel): peak_memory_gib." in line
+
+
+def test_two_runs_at_different_constants_keep_the_panel(tmp_path):
+    """Overlaid, a metric constant in each run but not the same in both still shows how the runs differ."""
+    a = fake_run(tmp_path / "a")
+    b = fake_run(tmp_path / "b")
+    records = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if "reward_mean" in record:
+            record["lr"] = 2e-5
+    (b / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = runner.invoke(app, ["report", str(a), "--compare", str(b), "--out", str(tmp_path / "r.html"), "--json"])
+    assert result.exit_code == 0, result.output
+    panels = json.loads(result.stdout)["panels"]
+    assert "Learning rate" in panels and "Groups with zero reward spread" not in panels
+    assert "Constant during these runs (no panel): zero_std_group_fraction = 0" in (tmp_path / "r.html").read_text()

@@ -200,6 +200,21 @@ def _why_not_best(run: RunData, reward: str, iteration: int, fired_at: dict[int,
     return ""
 
 
+def flat_metrics_line(runs: list[RunData]) -> str:
+    """The numbers the curves leave out, as one line ("" when none): a flat line's value is all it would show."""
+    from fluxgrpo.report.figures import flat_metrics
+
+    flat = flat_metrics(runs)
+    these = "these runs" if len(runs) > 1 else "this run"
+    out = []
+    if flat.constant:
+        values = ", ".join(f"{key} = {_fmt(value)}" for key, value in flat.constant.items())
+        out.append(f"Constant during {these} (no panel): {values}.")
+    if flat.no_value:
+        out.append(f"Logged without a finite value (no panel): {', '.join(flat.no_value)}.")
+    return " ".join(out)
+
+
 # --------------------------------------------------------------------------------------------- HTML
 
 
@@ -331,6 +346,9 @@ def render_html(runs: list[RunData], curves: list[tuple[Any, str]]) -> str:
     for panel, svg in curves:
         parts.append(f'<div class=curve title="{html.escape(panel.title)}">{svg}</div>')
     parts.append("</div>")
+    flat = flat_metrics_line(runs)
+    if flat:
+        parts.append(f"<p class='note flat'>{html.escape(flat)}</p>")
     for run in runs:
         parts.append(_run_section(run, several))
     parts.append(f"<p class=note>Written by fluxgrpo {__version__} `fluxgrpo report`.</p></main></body></html>\n")
