@@ -317,3 +317,53 @@ def test_two_runs_at_different_constants_keep_the_panel(tmp_path):
     panels = json.loads(result.stdout)["panels"]
     assert "Learning rate" in panels and "Groups with zero reward spread" not in panels
     assert "Constant during these runs (no panel): zero_std_group_fraction = 0" in (tmp_path / "r.html").read_text()
+
+
+def _config_table(page: str) -> str:
+    return page.split("<h3>Resolved config</h3>", 1)[1].split("</table>", 1)[0]
+
+
+@pytest.mark.parametrize(
+    ("objective", "shown", "left_out"),
+    [
+        (
+            "nft",
+            ["nft_beta", "fm_timesteps", "kl_beta", "adv_clip_max"],
+            ["clip_range", "eta", "sampler", "awm_weighting"],
+        ),
+        (
+            "grpo",
+            ["clip_range", "eta", "sampler", "kl_beta", "timestep_fraction"],
+            ["nft_beta", "fm_draws", "awm_time_type"],
+        ),
+    ],
+)
+def test_the_config_table_leaves_out_what_the_objective_does_not_read(tmp_path, objective, shown, left_out):
+    """Issue #31.2: the objectives' catalogue says which settings an objective reads; the others are named under the
+    table, not listed in it as if they had shaped the run."""
+    from fluxgrpo.config import build_config, save_resolved
+
+    run = fake_run(tmp_path / objective)
+    cfg = build_config("tiny-cpu", {"objective": objective})
+    save_resolved(cfg, run / "config.yaml", cfg.derived(1))
+    assert runner.invoke(app, ["report", str(run)]).exit_code == 0
+    page = (run / "report.html").read_text()
+    table = _config_table(page)
+    for key in shown:
+        assert f"<td>{key}</td>" in table
+    for key in left_out:
+        assert f"<td>{key}</td>" not in table
+    note = page.split("Not shown: ", 1)[1].split("</p>", 1)[0]
+    assert set(left_out) <= set(note.split(" (")[0].split(", "))
+    assert f"(--objective {objective} does not read them)" in note
+
+
+def test_the_settings_an_objective_does_not_read_are_config_fields():
+    """A renamed setting would silently stay in the table: every name the catalogue gives is a TrainConfig field."""
+    from fluxgrpo.config import config_fields
+    from fluxgrpo.grpo.objectives.catalogue import CATALOGUE, TRAJECTORY_SETTINGS
+
+    names = {field.name for field in config_fields()}
+    assert set(TRAJECTORY_SETTINGS) <= names
+    for entry in CATALOGUE.values():
+        assert set(entry.ignores) | set(entry.options) <= names, entry.name

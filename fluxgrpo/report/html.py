@@ -275,6 +275,22 @@ def _facts_table(items: dict[str, Any]) -> str:
     return f"<table class=facts>{rows}</table>"
 
 
+def _config_table(config: dict[str, Any]) -> str:
+    """The resolved config without the settings its objective does not read (the objectives' catalogue says which),
+    named in a line under it: a clip range beside an nft run would read as if it had shaped the run."""
+    from fluxgrpo.grpo.objectives.catalogue import settings_not_read
+
+    objective = config.get("objective")
+    unread = settings_not_read(objective, config) if isinstance(objective, str) else []
+    table = _facts_table({key: value for key, value in config.items() if key not in unread})
+    if not unread or not isinstance(objective, str):
+        return table
+    return table + (
+        f"<p class=note>Not shown: {html.escape(', '.join(unread))} (--objective {html.escape(objective)} does not "
+        "read them).</p>"
+    )
+
+
 def _fact(value: Any) -> str:
     if isinstance(value, dict | list):
         import json
@@ -311,7 +327,7 @@ def _run_section(run: RunData, several: bool) -> str:
     heading = "h3" if several else "h2"
     facts = [f"<{heading}>Run facts</{heading}><div class=columns>"]
     if run.config:
-        facts.append(f"<div><h3>Resolved config</h3>{_facts_table(run.config)}</div>")
+        facts.append(f"<div><h3>Resolved config</h3>{_config_table(run.config)}</div>")
     side = []
     if run.derived:
         side.append(f"<h3>Derived numbers and launch</h3>{_facts_table(run.derived)}")
