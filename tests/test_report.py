@@ -195,32 +195,55 @@ def test_not_a_run_folder_says_what_to_pass(tmp_path):
     assert "metrics.jsonl" in result.stderr and "--output-dir" in result.stderr
 
 
+# Injected into a copy of the report (the report itself runs no script): what a reader at this width would have to
+# scroll sideways, written where --dump-dom prints it.
+MEASURE_SCRIPT = """<script>
+const page = document.documentElement;
+const overflowing = [...document.querySelectorAll("table.grid th, table.facts td")]
+  .filter((cell) => cell.scrollWidth > cell.clientWidth + 1).length;
+const grids = [...document.querySelectorAll(".gridwrap")].filter((g) => g.scrollWidth > g.clientWidth).length;
+document.body.dataset.measured = `${page.scrollWidth - page.clientWidth} ${overflowing} ${grids}`;
+</script></body>"""
+
+
+def _chromium(*args: str) -> str:
+    command = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", *args]
+    return subprocess.run(command, check=True, capture_output=True, text=True, timeout=120).stdout
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium package")
-def test_report_renders_in_headless_chromium(tmp_path):
+@pytest.mark.parametrize("width", [1280, 800])
+def test_report_fits_the_window_in_headless_chromium(tmp_path, width):
+    """Issue #31.3: at 800 px nothing scrolls sideways: three eval rewards fit a grid header, a long config value
+    wraps, the four-column grid fits its box; and the page draws (not a blank or an error screen)."""
     from PIL import Image
 
     run = fake_run(tmp_path / "shown")
+    for index_file in run.glob("eval/*/index.json"):  # three evaluated rewards, as --eval-rewards exposure,hpsv2
+        index = json.loads(index_file.read_text())
+        index["scores"] |= {"exposure": {"mean": 0.8736, "std": 0.01}, "imagereward": {"mean": -2.2871, "std": 0.1}}
+        index_file.write_text(json.dumps(index))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if "eval_brightness_mean" in record:
+            record |= {"eval_exposure_mean": 0.8736, "eval_imagereward_mean": -2.2871 + record["iteration"]}
+    records.append({"iteration": 4, "record": "guards", "guard_exposure_value": 0.8, "guard_exposure_fired": 1})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "config.yaml").write_text("objective: grpo\nlora_targets: " + ",".join(["attn.to_q"] * 60) + "\n")
     assert runner.invoke(app, ["report", str(run)]).exit_code == 0
+    page = (run / "report.html").read_text()
+    assert "exposure 0.8736" in page and "imagereward -2.287" in page
+    measured = tmp_path / "measured.html"
+    measured.write_text(page.replace("</body>", MEASURE_SCRIPT))
+    dom = _chromium(f"--window-size={width},1000", "--dump-dom", measured.as_uri())
+    sideways, overflowing_cells, scrolling_grids = map(int, dom.split('data-measured="')[1].split('"')[0].split())
+    assert (sideways, overflowing_cells, scrolling_grids) == (0, 0, 0)
     shot = tmp_path / "shot.png"
-    subprocess.run(
-        [
-            "chromium",
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-background-networking",
-            f"--screenshot={shot}",
-            "--window-size=1300,1000",
-            (run / "report.html").as_uri(),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    _chromium(f"--screenshot={shot}", f"--window-size={width},1000", (run / "report.html").as_uri())
     with Image.open(shot) as image:
         colours = image.convert("RGB").resize((64, 50)).getcolors(64 * 50)
-    assert len(colours) > 20  # drew a page with content, not a blank or error screen
+    assert len(colours) > 20
 
 
 def _damage_png(run: Path) -> None:
@@ -273,6 +296,7 @@ def test_the_grid_marks_best_and_the_fired_guard_and_wraps_long_values(tmp_path)
     assert result.exit_code == 0, result.output
     text = (run / "report.html").read_text()
     assert "<th class=fired>iteration 4" in text and "guard fired</span>" in text
+    assert text.count("<td class=fired><img") == 3  # the whole column is tinted: one image per prompt
     document = json.loads(result.stdout)
     assert "Policy loss" not in document["panels"] and "Loss" in document["panels"]
     assert "overflow-wrap:anywhere" in text  # the facts table wraps a long value

@@ -33,14 +33,14 @@ main{padding:8px 28px 40px;max-width:1500px}
 h2{font-size:18px;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:32px}
 h3{font-size:15px;margin:22px 0 8px}
 .summary{font-size:15px;line-height:1.5;background:#fff;border-left:4px solid #1f77b4;padding:10px 16px}
-.curves{display:grid;grid-template-columns:repeat(auto-fill,minmax(380px,1fr));gap:12px}
+.curves{display:grid;grid-template-columns:repeat(auto-fill,minmax(340px,1fr));gap:12px}
 .curve{background:#fff;border:1px solid #e3e3e3;border-radius:6px;padding:4px}
 .curve svg{width:100%;height:auto;display:block}
 .gridwrap{overflow-x:auto;background:#fff;border:1px solid #e3e3e3;border-radius:6px;padding:8px}
 table.grid{border-collapse:collapse}
 table.grid th{font-size:12px;font-weight:600;padding:4px 6px;vertical-align:bottom;min-width:120px}
 table.grid th .note{display:block;font-weight:400;white-space:nowrap}
-table.grid th.best{background:#e8f5e9}table.grid th.fired{background:#fdecea}
+table.grid .best{background:#e8f5e9}table.grid .fired{background:#fdecea}
 .tag{display:inline-block;font-size:11px;font-weight:600;border-radius:3px;padding:0 4px;margin-top:2px}
 .tag.best{background:#2e7d32;color:#fff}.tag.fired{background:#c62828;color:#fff}
 table.grid td{padding:2px}
@@ -53,6 +53,7 @@ table.facts td{border:1px solid #e3e3e3;padding:3px 8px;vertical-align:top;overf
 table.facts td:first-child{color:#555;white-space:nowrap}
 .columns{display:flex;flex-wrap:wrap;gap:24px}
 .note{color:#666;font-size:13px}
+@media (max-width:900px){main{padding:8px 12px 32px}header{padding:14px 12px}table.grid td.prompt{min-width:110px}}
 """
 
 
@@ -233,28 +234,39 @@ def _grid_html(
             for name in reward_names
             if name in column.evaluation.scores
         )
-        tags, kind = "", ""
+        tags = ""
         if iteration in fired:
-            tags, kind = "<span class='tag fired'>guard fired</span>", " class=fired"
+            tags = "<span class='tag fired'>guard fired</span>"
         if iteration == best:
-            tags, kind = tags + "<span class='tag best'>best/</span>", " class=best"
-        head.append(f"<th{kind}>iteration {iteration}{scores}{tags}</th>")
+            tags += "<span class='tag best'>best/</span>"
+        head.append(f"<th{_column_class(iteration, best, fired)}>iteration {iteration}{scores}{tags}</th>")
     head.append("</tr>")
     rows = []
     for prompt_index in sorted(prompt_text):
         cells = [f"<td class=prompt>{html.escape(prompt_text[prompt_index])}</td>"]
         for column in columns:
             image = column.images.get(prompt_index)
+            kind = _column_class(column.evaluation.iteration, best, fired)
             if image is None:
-                cells.append("<td></td>")
+                cells.append(f"<td{kind}></td>")
                 continue
             alt = f"iteration {column.evaluation.iteration}, prompt {prompt_index}, seed {image.seed}"
             caption = "".join(
                 f"<div class=claims>{html.escape(line)}</div>" for line in _explanations(image, reward_names)
             )
-            cells.append(f'<td><img src="{_data_uri(thumbnail(image.path))}" alt="{html.escape(alt)}">{caption}</td>')
+            cells.append(
+                f'<td{kind}><img src="{_data_uri(thumbnail(image.path))}" alt="{html.escape(alt)}">{caption}</td>'
+            )
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return '<div class=gridwrap><table class="grid">' + "".join(head) + "".join(rows) + "</table></div>"
+
+
+def _column_class(iteration: int, best: int | None, fired: frozenset[int]) -> str:
+    """The class that tints a whole column, not only its header: best/'s, or a fired guard's (never both: best/ is
+    chosen among the evaluations where no guard fired)."""
+    if iteration == best:
+        return " class=best"
+    return " class=fired" if iteration in fired else ""
 
 
 def _explanations(image: Any, reward_names: list[str]) -> list[str]:
