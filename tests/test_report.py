@@ -202,7 +202,9 @@ const page = document.documentElement;
 const overflowing = [...document.querySelectorAll("table.grid th, table.facts td")]
   .filter((cell) => cell.scrollWidth > cell.clientWidth + 1).length;
 const grids = [...document.querySelectorAll(".gridwrap")].filter((g) => g.scrollWidth > g.clientWidth).length;
-document.body.dataset.measured = `${page.scrollWidth - page.clientWidth} ${overflowing} ${grids}`;
+const colour = (element) => getComputedStyle(element).backgroundColor;
+const hidden = [...document.querySelectorAll(".tag")].filter((tag) => colour(tag) === colour(tag.parentElement));
+document.body.dataset.measured = `${page.scrollWidth - page.clientWidth} ${overflowing} ${grids} ${hidden.length}`;
 </script></body>"""
 
 
@@ -216,7 +218,8 @@ def _chromium(*args: str) -> str:
 @pytest.mark.parametrize("width", [1280, 800])
 def test_report_fits_the_window_in_headless_chromium(tmp_path, width):
     """Issue #31.3: at 800 px nothing scrolls sideways: three eval rewards fit a grid header, a long config value
-    wraps, the four-column grid fits its box; and the page draws (not a blank or an error screen)."""
+    wraps, the four-column grid fits its box; the fired column's tag stands out of its tint; and the page draws (not
+    a blank or an error screen)."""
     from PIL import Image
 
     run = fake_run(tmp_path / "shown")
@@ -237,8 +240,11 @@ def test_report_fits_the_window_in_headless_chromium(tmp_path, width):
     measured = tmp_path / "measured.html"
     measured.write_text(page.replace("</body>", MEASURE_SCRIPT))
     dom = _chromium(f"--window-size={width},1000", "--dump-dom", measured.as_uri())
-    sideways, overflowing_cells, scrolling_grids = map(int, dom.split('data-measured="')[1].split('"')[0].split())
+    measured_numbers = dom.split('data-measured="')[1].split('"')[0].split()
+    sideways, overflowing_cells, scrolling_grids, unreadable_tags = map(int, measured_numbers)
     assert (sideways, overflowing_cells, scrolling_grids) == (0, 0, 0)
+    assert unreadable_tags == 0  # a "guard fired" tag drawn in its column's tint would vanish
+    assert "guard fired</span>" in page
     shot = tmp_path / "shot.png"
     _chromium(f"--screenshot={shot}", f"--window-size={width},1000", (run / "report.html").as_uri())
     with Image.open(shot) as image:

@@ -40,7 +40,7 @@ h3{font-size:15px;margin:22px 0 8px}
 table.grid{border-collapse:collapse}
 table.grid th{font-size:12px;font-weight:600;padding:4px 6px;vertical-align:bottom;min-width:120px}
 table.grid th .note{display:block;font-weight:400;white-space:nowrap}
-table.grid .best{background:#e8f5e9}table.grid .fired{background:#fdecea}
+table.grid :is(th,td).best{background:#e8f5e9}table.grid :is(th,td).fired{background:#fdecea}
 .tag{display:inline-block;font-size:11px;font-weight:600;border-radius:3px;padding:0 4px;margin-top:2px}
 .tag.best{background:#2e7d32;color:#fff}.tag.fired{background:#c62828;color:#fff}
 table.grid td{padding:2px}
