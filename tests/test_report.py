@@ -89,20 +89,20 @@ def fake_run(
                     "reward_std": 0.01,
                     "reward_min": 0.48 + 0.01 * k,
                     "reward_max": 0.53 + 0.01 * k,
-                    "group_std_mean": 0.01,
-                    "zero_std_group_fraction": 0.0,
+                    "group_std_mean": 0.01 + 0.001 * k,
+                    "zero_std_group_fraction": 0.0,  # constant, as in a healthy run
                     "ratio_mean": 1.0,
-                    "ratio_min": 0.99,
-                    "ratio_max": 1.01,
-                    "clip_fraction": 0.1,
-                    "loss": 0.001,
-                    "grad_norm_mean": 0.2,
-                    "grad_norm_max": 0.3,
-                    "lr": 1e-5,
-                    "seconds_rollout": 1.0,
+                    "ratio_min": 0.99 - 0.001 * k,
+                    "ratio_max": 1.01 + 0.001 * k,
+                    "clip_fraction": 0.1 + 0.01 * k,
+                    "loss": 0.001 * k,
+                    "grad_norm_mean": 0.2 + 0.01 * k,
+                    "grad_norm_max": 0.3 + 0.01 * k,
+                    "lr": 1e-5,  # constant: no warm-up
+                    "seconds_rollout": 1.0 + 0.1 * k,
                     "seconds_decode_reward": 0.1,
                     "seconds_update": 2.0,
-                    "images_per_second": 3.0,
+                    "images_per_second": 3.0 - 0.1 * k,
                     "peak_memory_gib": None,
                     "nonfinite_rewards": 0.0,
                     "skipped_steps": 0.0,
@@ -195,32 +195,61 @@ def test_not_a_run_folder_says_what_to_pass(tmp_path):
     assert "metrics.jsonl" in result.stderr and "--output-dir" in result.stderr
 
 
+# Injected into a copy of the report (the report itself runs no script): what a reader at this width would have to
+# scroll sideways, written where --dump-dom prints it.
+MEASURE_SCRIPT = """<script>
+const page = document.documentElement;
+const overflowing = [...document.querySelectorAll("table.grid th, table.facts td")]
+  .filter((cell) => cell.scrollWidth > cell.clientWidth + 1).length;
+const grids = [...document.querySelectorAll(".gridwrap")].filter((g) => g.scrollWidth > g.clientWidth).length;
+const colour = (element) => getComputedStyle(element).backgroundColor;
+const hidden = [...document.querySelectorAll(".tag")].filter((tag) => colour(tag) === colour(tag.parentElement));
+document.body.dataset.measured = `${page.scrollWidth - page.clientWidth} ${overflowing} ${grids} ${hidden.length}`;
+</script></body>"""
+
+
+def _chromium(*args: str) -> str:
+    command = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", *args]
+    return subprocess.run(command, check=True, capture_output=True, text=True, timeout=120).stdout
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium package")
-def test_report_renders_in_headless_chromium(tmp_path):
+@pytest.mark.parametrize("width", [1280, 800])
+def test_report_fits_the_window_in_headless_chromium(tmp_path, width):
+    """Issue #31.3: at 800 px nothing scrolls sideways: three eval rewards fit a grid header, a long config value
+    wraps, the four-column grid fits its box; the fired column's tag stands out of its tint; and the page draws (not
+    a blank or an error screen)."""
     from PIL import Image
 
     run = fake_run(tmp_path / "shown")
+    for index_file in run.glob("eval/*/index.json"):  # three evaluated rewards, as --eval-rewards exposure,hpsv2
+        index = json.loads(index_file.read_text())
+        index["scores"] |= {"exposure": {"mean": 0.8736, "std": 0.01}, "imagereward": {"mean": -2.2871, "std": 0.1}}
+        index_file.write_text(json.dumps(index))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if "eval_brightness_mean" in record:
+            record |= {"eval_exposure_mean": 0.8736, "eval_imagereward_mean": -2.2871 + record["iteration"]}
+    records.append({"iteration": 4, "record": "guards", "guard_exposure_value": 0.8, "guard_exposure_fired": 1})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run / "config.yaml").write_text("objective: grpo\nlora_targets: " + ",".join(["attn.to_q"] * 60) + "\n")
     assert runner.invoke(app, ["report", str(run)]).exit_code == 0
+    page = (run / "report.html").read_text()
+    assert "exposure 0.8736" in page and "imagereward -2.287" in page
+    measured = tmp_path / "measured.html"
+    measured.write_text(page.replace("</body>", MEASURE_SCRIPT))
+    dom = _chromium(f"--window-size={width},1000", "--dump-dom", measured.as_uri())
+    measured_numbers = dom.split('data-measured="')[1].split('"')[0].split()
+    sideways, overflowing_cells, scrolling_grids, unreadable_tags = map(int, measured_numbers)
+    assert (sideways, overflowing_cells, scrolling_grids) == (0, 0, 0)
+    assert unreadable_tags == 0  # a "guard fired" tag drawn in its column's tint would vanish
+    assert "guard fired</span>" in page
     shot = tmp_path / "shot.png"
-    subprocess.run(
-        [
-            "chromium",
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-background-networking",
-            f"--screenshot={shot}",
-            "--window-size=1300,1000",
-            (run / "report.html").as_uri(),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    _chromium(f"--screenshot={shot}", f"--window-size={width},1000", (run / "report.html").as_uri())
     with Image.open(shot) as image:
         colours = image.convert("RGB").resize((64, 50)).getcolors(64 * 50)
-    assert len(colours) > 20  # drew a page with content, not a blank or error screen
+    assert len(colours) > 20
 
 
 def _damage_png(run: Path) -> None:
@@ -273,6 +302,98 @@ def test_the_grid_marks_best_and_the_fired_guard_and_wraps_long_values(tmp_path)
     assert result.exit_code == 0, result.output
     text = (run / "report.html").read_text()
     assert "<th class=fired>iteration 4" in text and "guard fired</span>" in text
+    assert text.count("<td class=fired><img") == 3  # the whole column is tinted: one image per prompt
     document = json.loads(result.stdout)
     assert "Policy loss" not in document["panels"] and "Loss" in document["panels"]
     assert "overflow-wrap:anywhere" in text  # the facts table wraps a long value
+
+
+def test_a_metric_constant_throughout_gets_a_number_not_a_flat_panel(tmp_path):
+    """Issue #31.1: a tiny run's flat lines (clip fraction 0, a constant learning rate) are one line of values, not
+    panels; a metric that varies keeps its panel, and a metric never finite (CPU peak memory) is named."""
+    run = fake_run(tmp_path / "flat")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if "reward_mean" in record:
+            record["clip_fraction"] = 0.0
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = runner.invoke(app, ["report", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    panels = json.loads(result.stdout)["panels"]
+    assert "Clip fraction" not in panels and "Learning rate" not in panels
+    assert "Groups with zero reward spread" not in panels
+    assert "Loss" in panels and "Gradient norm (before clipping)" in panels  # these vary
+    text = (run / "report.html").read_text()
+    assert parse(run / "report.html").tags["svg"] == len(panels)
+    (line,) = [part for part in text.split("<p class='note flat'>")[1:]]
+    line = line.split("</p>")[0]
+    assert line.startswith("Constant during this run (no panel): ")
+    assert "clip_fraction = 0," in line and "lr = 1e-05" in line and "zero_std_group_fraction = 0" in line
+    assert "loss =" not in line and "reward_mean" not in line
+    assert "Logged without a finite value (no panel): peak_memory_gib." in line
+
+
+def test_two_runs_at_different_constants_keep_the_panel(tmp_path):
+    """Overlaid, a metric constant in each run but not the same in both still shows how the runs differ."""
+    a = fake_run(tmp_path / "a")
+    b = fake_run(tmp_path / "b")
+    records = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if "reward_mean" in record:
+            record["lr"] = 2e-5
+    (b / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = runner.invoke(app, ["report", str(a), "--compare", str(b), "--out", str(tmp_path / "r.html"), "--json"])
+    assert result.exit_code == 0, result.output
+    panels = json.loads(result.stdout)["panels"]
+    assert "Learning rate" in panels and "Groups with zero reward spread" not in panels
+    assert "Constant during these runs (no panel): zero_std_group_fraction = 0" in (tmp_path / "r.html").read_text()
+
+
+def _config_table(page: str) -> str:
+    return page.split("<h3>Resolved config</h3>", 1)[1].split("</table>", 1)[0]
+
+
+@pytest.mark.parametrize(
+    ("objective", "shown", "left_out"),
+    [
+        (
+            "nft",
+            ["nft_beta", "fm_timesteps", "kl_beta", "adv_clip_max"],
+            ["clip_range", "eta", "sampler", "awm_weighting"],
+        ),
+        (
+            "grpo",
+            ["clip_range", "eta", "sampler", "kl_beta", "timestep_fraction"],
+            ["nft_beta", "fm_draws", "awm_time_type"],
+        ),
+    ],
+)
+def test_the_config_table_leaves_out_what_the_objective_does_not_read(tmp_path, objective, shown, left_out):
+    """Issue #31.2: the objectives' catalogue says which settings an objective reads; the others are named under the
+    table, not listed in it as if they had shaped the run."""
+    from fluxgrpo.config import build_config, save_resolved
+
+    run = fake_run(tmp_path / objective)
+    cfg = build_config("tiny-cpu", {"objective": objective})
+    save_resolved(cfg, run / "config.yaml", cfg.derived(1))
+    assert runner.invoke(app, ["report", str(run)]).exit_code == 0
+    page = (run / "report.html").read_text()
+    table = _config_table(page)
+    for key in shown:
+        assert f"<td>{key}</td>" in table
+    for key in left_out:
+        assert f"<td>{key}</td>" not in table
+    note = page.split("Not shown: ", 1)[1].split("</p>", 1)[0]
+    assert set(left_out) <= set(note.split(" (")[0].split(", "))
+    assert f"(--objective {objective} does not read them)" in note
+
+
+def test_the_settings_an_objective_does_not_read_are_config_fields():
+    """A renamed setting would silently stay in the table: every name the catalogue gives is a TrainConfig field."""
+    from fluxgrpo.config import config_fields
+    from fluxgrpo.grpo.objectives.catalogue import CATALOGUE, TRAJECTORY_SETTINGS
+
+    names = {field.name for field in config_fields()}
+    assert set(TRAJECTORY_SETTINGS) <= names
+    for entry in CATALOGUE.values():
+        assert set(entry.ignores) | set(entry.options) <= names, entry.name

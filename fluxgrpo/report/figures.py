@@ -1,7 +1,9 @@
 """The report's curves, drawn with matplotlib (object API only: no pyplot state, no display needed).
 
 Each panel names the metrics.jsonl keys it plots; a panel whose keys no run holds is left out, so a run without
-KL or without evaluations gets no empty axes. With several runs every panel overlays them, one colour per run.
+KL or without evaluations gets no empty axes, and a panel whose every line is one value throughout (a tiny run's clip
+fraction, learning rate, …) is drawn as a number in one line instead of a flat line (``flat_metrics``). With several
+runs every panel overlays them, one colour per run.
 """
 
 from __future__ import annotations
@@ -45,7 +47,12 @@ def require_matplotlib() -> Any:
 
 
 def panels_for(runs: list[RunData]) -> list[Panel]:
-    """The panels, in reading order: rewards first, then the update's health, then speed and memory."""
+    """The panels with something to plot, in reading order: rewards first, then the update's health, then speed and
+    memory."""
+    return [p for p in _every_panel(runs) if any(_has(run, line) for run in runs for line in p.lines)]
+
+
+def _every_panel(runs: list[RunData]) -> list[Panel]:
     train_reward = Panel(
         "Train reward (mean, min–max band)",
         "reward",
@@ -165,7 +172,61 @@ def panels_for(runs: list[RunData]) -> list[Panel]:
         Panel("Throughput", "images / s", [Line("images_per_second", "images/s")]),
         Panel("Peak device memory", "GiB", [Line("peak_memory_gib", "peak")]),
     ]
-    return [p for p in panels if any(_has(run, line) for run in runs for line in p.lines)]
+    return panels
+
+
+@dataclass(frozen=True)
+class FlatMetrics:
+    """What the panels left out carried: each key of a panel that held one value throughout, with that value, and
+    the keys the runs logged but never as a finite number (NaN, or None: no device memory counter on a CPU)."""
+
+    constant: dict[str, float]
+    no_value: list[str]
+
+
+def _values(runs: list[RunData], line: Line, key: str) -> set[float]:
+    return {value for run in runs for value in run.series(key, _records(run, line))[1]}
+
+
+def _keys(line: Line) -> list[str]:
+    return [key for key in (line.key, *(line.band or ())) if key]
+
+
+def _fired(runs: list[RunData], panel: Panel) -> bool:
+    """Whether a guard panel's rule fired in some run: its red cross is worth the panel even on a flat value."""
+    fired_keys = [line.key.removesuffix("_value") + "_fired" for line in panel.lines if line.guard_line]
+    return any(record.get(key) for run in runs for record in run.guard_records for key in fired_keys)
+
+
+def is_flat(panel: Panel, runs: list[RunData]) -> bool:
+    """Whether every key the panel plots holds one value across all ``runs`` (a flat line tells nothing the value
+    does; with several runs, two runs at different constants still differ, so that panel is drawn)."""
+    if _fired(runs, panel):
+        return False
+    return all(len(_values(runs, line, key)) <= 1 for line in panel.lines for key in _keys(line))
+
+
+def shown_panels(runs: list[RunData]) -> list[Panel]:
+    """The panels worth drawing: those with something to plot that is not one value throughout."""
+    return [panel for panel in panels_for(runs) if not is_flat(panel, runs)]
+
+
+def flat_metrics(runs: list[RunData]) -> FlatMetrics:
+    """The numbers of the panels ``shown_panels`` leaves out, in panel order, for the report's one line."""
+    constant: dict[str, float] = {}
+    no_value: dict[str, None] = {}
+    plotted = panels_for(runs)
+    for panel in _every_panel(runs):
+        if panel in plotted and not is_flat(panel, runs):
+            continue
+        for line in panel.lines:
+            for key in _keys(line):
+                values = _values(runs, line, key)
+                if values:
+                    constant[key] = values.pop()
+                elif panel not in plotted and any(key in r for run in runs for r in _records(run, line)):
+                    no_value[key] = None
+    return FlatMetrics(constant, list(no_value))
 
 
 def _records(run: RunData, line: Line) -> list[dict[str, Any]]:
@@ -253,7 +314,7 @@ def panel_svgs(runs: list[RunData]) -> list[tuple[Panel, str]]:
 
     out = []
     with rc_context({"svg.fonttype": "none", "svg.hashsalt": "fluxgrpo"}):
-        for panel in panels_for(runs):
+        for panel in shown_panels(runs):
             figure = _figure(1, 1, 4.6, 2.9)
             _draw_panel(figure.add_subplot(), panel, runs)
             buffer = io.StringIO()
@@ -282,7 +343,7 @@ def summary_png(runs: list[RunData], title: str, grid: Callable[[Any], bool] | N
     require_matplotlib()
     chosen = []
     for prefix in SUMMARY_TITLES:
-        chosen += [p for p in panels_for(runs) if p.title.startswith(prefix) and p not in chosen][:2]
+        chosen += [p for p in shown_panels(runs) if p.title.startswith(prefix) and p not in chosen][:2]
     chosen = chosen[:4]
     rows = 2 if len(chosen) > 2 else 1
     extra_row = grid is not None

@@ -33,14 +33,14 @@ main{padding:8px 28px 40px;max-width:1500px}
 h2{font-size:18px;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:32px}
 h3{font-size:15px;margin:22px 0 8px}
 .summary{font-size:15px;line-height:1.5;background:#fff;border-left:4px solid #1f77b4;padding:10px 16px}
-.curves{display:grid;grid-template-columns:repeat(auto-fill,minmax(380px,1fr));gap:12px}
+.curves{display:grid;grid-template-columns:repeat(auto-fill,minmax(340px,1fr));gap:12px}
 .curve{background:#fff;border:1px solid #e3e3e3;border-radius:6px;padding:4px}
 .curve svg{width:100%;height:auto;display:block}
 .gridwrap{overflow-x:auto;background:#fff;border:1px solid #e3e3e3;border-radius:6px;padding:8px}
 table.grid{border-collapse:collapse}
 table.grid th{font-size:12px;font-weight:600;padding:4px 6px;vertical-align:bottom;min-width:120px}
 table.grid th .note{display:block;font-weight:400;white-space:nowrap}
-table.grid th.best{background:#e8f5e9}table.grid th.fired{background:#fdecea}
+table.grid :is(th,td).best{background:#e8f5e9}table.grid :is(th,td).fired{background:#fdecea}
 .tag{display:inline-block;font-size:11px;font-weight:600;border-radius:3px;padding:0 4px;margin-top:2px}
 .tag.best{background:#2e7d32;color:#fff}.tag.fired{background:#c62828;color:#fff}
 table.grid td{padding:2px}
@@ -53,6 +53,7 @@ table.facts td{border:1px solid #e3e3e3;padding:3px 8px;vertical-align:top;overf
 table.facts td:first-child{color:#555;white-space:nowrap}
 .columns{display:flex;flex-wrap:wrap;gap:24px}
 .note{color:#666;font-size:13px}
+@media (max-width:900px){main{padding:8px 12px 32px}header{padding:14px 12px}table.grid td.prompt{min-width:110px}}
 """
 
 
@@ -200,6 +201,21 @@ def _why_not_best(run: RunData, reward: str, iteration: int, fired_at: dict[int,
     return ""
 
 
+def flat_metrics_line(runs: list[RunData]) -> str:
+    """The numbers the curves leave out, as one line ("" when none): a flat line's value is all it would show."""
+    from fluxgrpo.report.figures import flat_metrics
+
+    flat = flat_metrics(runs)
+    these = "these runs" if len(runs) > 1 else "this run"
+    out = []
+    if flat.constant:
+        values = ", ".join(f"{key} = {_fmt(value)}" for key, value in flat.constant.items())
+        out.append(f"Constant during {these} (no panel): {values}.")
+    if flat.no_value:
+        out.append(f"Logged without a finite value (no panel): {', '.join(flat.no_value)}.")
+    return " ".join(out)
+
+
 # --------------------------------------------------------------------------------------------- HTML
 
 
@@ -218,28 +234,39 @@ def _grid_html(
             for name in reward_names
             if name in column.evaluation.scores
         )
-        tags, kind = "", ""
+        tags = ""
         if iteration in fired:
-            tags, kind = "<span class='tag fired'>guard fired</span>", " class=fired"
+            tags = "<span class='tag fired'>guard fired</span>"
         if iteration == best:
-            tags, kind = tags + "<span class='tag best'>best/</span>", " class=best"
-        head.append(f"<th{kind}>iteration {iteration}{scores}{tags}</th>")
+            tags += "<span class='tag best'>best/</span>"
+        head.append(f"<th{_column_class(iteration, best, fired)}>iteration {iteration}{scores}{tags}</th>")
     head.append("</tr>")
     rows = []
     for prompt_index in sorted(prompt_text):
         cells = [f"<td class=prompt>{html.escape(prompt_text[prompt_index])}</td>"]
         for column in columns:
             image = column.images.get(prompt_index)
+            kind = _column_class(column.evaluation.iteration, best, fired)
             if image is None:
-                cells.append("<td></td>")
+                cells.append(f"<td{kind}></td>")
                 continue
             alt = f"iteration {column.evaluation.iteration}, prompt {prompt_index}, seed {image.seed}"
             caption = "".join(
                 f"<div class=claims>{html.escape(line)}</div>" for line in _explanations(image, reward_names)
             )
-            cells.append(f'<td><img src="{_data_uri(thumbnail(image.path))}" alt="{html.escape(alt)}">{caption}</td>')
+            cells.append(
+                f'<td{kind}><img src="{_data_uri(thumbnail(image.path))}" alt="{html.escape(alt)}">{caption}</td>'
+            )
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return '<div class=gridwrap><table class="grid">' + "".join(head) + "".join(rows) + "</table></div>"
+
+
+def _column_class(iteration: int, best: int | None, fired: frozenset[int]) -> str:
+    """The class that tints a whole column, not only its header: best/'s, or a fired guard's (never both: best/ is
+    chosen among the evaluations where no guard fired)."""
+    if iteration == best:
+        return " class=best"
+    return " class=fired" if iteration in fired else ""
 
 
 def _explanations(image: Any, reward_names: list[str]) -> list[str]:
@@ -258,6 +285,22 @@ def _explanations(image: Any, reward_names: list[str]) -> list[str]:
 def _facts_table(items: dict[str, Any]) -> str:
     rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(_fact(v))}</td></tr>" for k, v in items.items())
     return f"<table class=facts>{rows}</table>"
+
+
+def _config_table(config: dict[str, Any]) -> str:
+    """The resolved config without the settings its objective does not read (the objectives' catalogue says which),
+    named in a line under it: a clip range beside an nft run would read as if it had shaped the run."""
+    from fluxgrpo.grpo.objectives.catalogue import settings_not_read
+
+    objective = config.get("objective")
+    unread = settings_not_read(objective, config) if isinstance(objective, str) else []
+    table = _facts_table({key: value for key, value in config.items() if key not in unread})
+    if not unread or not isinstance(objective, str):
+        return table
+    return table + (
+        f"<p class=note>Not shown: {html.escape(', '.join(unread))} (--objective {html.escape(objective)} does not "
+        "read them).</p>"
+    )
 
 
 def _fact(value: Any) -> str:
@@ -296,7 +339,7 @@ def _run_section(run: RunData, several: bool) -> str:
     heading = "h3" if several else "h2"
     facts = [f"<{heading}>Run facts</{heading}><div class=columns>"]
     if run.config:
-        facts.append(f"<div><h3>Resolved config</h3>{_facts_table(run.config)}</div>")
+        facts.append(f"<div><h3>Resolved config</h3>{_config_table(run.config)}</div>")
     side = []
     if run.derived:
         side.append(f"<h3>Derived numbers and launch</h3>{_facts_table(run.derived)}")
@@ -331,6 +374,9 @@ def render_html(runs: list[RunData], curves: list[tuple[Any, str]]) -> str:
     for panel, svg in curves:
         parts.append(f'<div class=curve title="{html.escape(panel.title)}">{svg}</div>')
     parts.append("</div>")
+    flat = flat_metrics_line(runs)
+    if flat:
+        parts.append(f"<p class='note flat'>{html.escape(flat)}</p>")
     for run in runs:
         parts.append(_run_section(run, several))
     parts.append(f"<p class=note>Written by fluxgrpo {__version__} `fluxgrpo report`.</p></main></body></html>\n")

@@ -25,6 +25,23 @@ FM_TIMESTEP_RULES = ("auto", "random", "stratified")
 FM_OPTIONS = ("fm_draws", "fm_timestep_rule")
 # Guard rules measured on the SDE trajectory's trained steps: an objective that keeps no trajectory cannot have them.
 TRAJECTORY_GUARDS = ("velocity_norm_ratio",)
+# The SDE rollout's settings (its sampler and noise, MixGRPO's window and ODE tail, the group's shared noise, which
+# latent is decoded) and GRPO's per-step ratio: an objective that keeps no trajectory rolls out with the ODE, which
+# reads none of them (it ends at σ = 0, where --decode-sample's two latents agree).
+TRAJECTORY_SETTINGS = (
+    "sampler",
+    "eta",
+    "sde_window",
+    "sde_window_policy",
+    "sde_window_shift_every",
+    "sde_window_stride",
+    "sde_window_wrap",
+    "ode_solver",
+    "ode_compress_ratio",
+    "init_same_noise",
+    "decode_sample",
+    "ratio_normalization",
+)
 
 
 def _no_problems(cfg: Any) -> list[str]:
@@ -66,6 +83,9 @@ class ObjectiveEntry:
     rows_per_forward: Callable[[Any], int] | None = None
     # cfg → the update's kept latents when they are not the final-sample formula of ``update_latents``.
     kept_latents: Callable[[Any], int] | None = None
+    # Settings every objective has that this one does not read (``TRAJECTORY_SETTINGS`` aside): the report leaves
+    # them out of the run's config table.
+    ignores: tuple[str, ...] = ()
 
     @property
     def refused_guards(self) -> tuple[str, ...]:
@@ -212,6 +232,7 @@ CATALOGUE: dict[str, ObjectiveEntry] = {
             run_problems=_fm_timesteps_run_problems,
             options=(*FM_OPTIONS, "fm_timesteps"),
             draws=("sample", "random"),
+            ignores=("clip_range",),  # no probability ratio to clip: its loss is the implicit policies' regression
         ),
         ObjectiveEntry(
             "awm",
@@ -235,6 +256,7 @@ CATALOGUE: dict[str, ObjectiveEntry] = {
             train_timesteps=lambda cfg: cfg.vgrpo_mc_samples,
             draws=("group", "stratified"),
             rows_per_forward=lambda cfg: cfg.vgrpo_mc_samples,
+            ignores=("timestep_fraction",),  # its N_MC pairs are its T_train
         ),
         # Neighbor GRPO: no log-probs (an ODE rollout, its paths kept for the candidates); B anchors per group each
         # train K of the N−1 transitions. Its paths are the rollout's trajectory latents: no update latents.
@@ -260,6 +282,24 @@ def objective_names() -> tuple[str, ...]:
 def objective_entry(name: str) -> ObjectiveEntry:
     """The entry of ``--objective name``; KeyError for a name not in the catalogue (the config reports it)."""
     return CATALOGUE[name]
+
+
+def settings_not_read(name: str, settings: dict[str, Any]) -> list[str]:
+    """The keys of ``settings`` (a run's resolved config) that ``--objective name`` does not read: the other
+    objectives' own flags (their ``options`` and their ``<name>_…`` fields), the SDE rollout's without a trajectory,
+    the entry's ``ignores``, and --timestep-fraction where --fm-timesteps replaces it; none for a name not here."""
+    entry = CATALOGUE.get(name)
+    if entry is None:
+        return []
+    others = [other for other in CATALOGUE.values() if other.name != name]
+    unread: set[str] = {option for other in others for option in other.options} - set(entry.options)
+    unread |= set(entry.ignores)
+    if not entry.keeps_trajectory:
+        unread |= set(TRAJECTORY_SETTINGS)
+    if "fm_timesteps" in entry.options and settings.get("fm_timesteps"):
+        unread.add("timestep_fraction")
+    prefixes = tuple(f"{other.name}_" for other in others)
+    return [key for key in settings if key in unread or key.startswith(prefixes)]
 
 
 def register_objective(entry: ObjectiveEntry) -> None:
