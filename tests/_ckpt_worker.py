@@ -1,4 +1,4 @@
-"""The exact-resume experiment behind tests/test_checkpoint.py, in-process (world size 1) or under torchrun (FSDP2).
+"""The exact-resume experiment behind tests/checkpoint/test_checkpoint.py, in-process (world size 1) or under torchrun (FSDP2).
 
 Run A trains 4 AdamW steps straight. Run B trains 2, saves, then scrambles every RNG and builds fresh objects
 from a different initialisation, loads the checkpoint and trains 2 more. Each step draws its inputs from the

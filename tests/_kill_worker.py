@@ -1,4 +1,4 @@
-"""A tiny training run that SIGKILLs itself at one chosen point, for tests/test_hostile_resume.py.
+"""A tiny training run that SIGKILLs itself at one chosen point, for tests/checkpoint/test_hostile_resume.py.
 
     python tests/_kill_worker.py CONFIG_JSON SITE CALL
 

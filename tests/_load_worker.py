@@ -1,6 +1,6 @@
 """Loading the FLUX transformer sharded (meta device + per-rank slice reads) versus ``from_pretrained`` per rank.
 
-Run under torchrun by tests/test_shard_loading.py, or by hand for the README's memory figures:
+Run under torchrun by tests/models/test_shard_loading.py, or by hand for the README's memory figures:
 
     torchrun --standalone --nproc_per_node=2 tests/_load_worker.py compare FLUX_DIR OUT_DIR
     torchrun --standalone --nproc_per_node=2 tests/_load_worker.py memory FLUX_DIR OUT_DIR {sharded|pretrained}

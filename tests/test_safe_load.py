@@ -67,7 +67,7 @@ def saved_checkpoint(tmp_path_factory) -> Path:
 
 def reseal(checkpoint: Path) -> None:
     """Record the state files' checksums as they are now, as whoever planted or damaged them could: these tests
-    are about the safe loaders behind the checksums (test_checkpoint.py tests the checksums themselves)."""
+    are about the safe loaders behind the checksums (checkpoint/test_checkpoint.py tests the checksums themselves)."""
     from fluxgrpo.checkpoint.state import write_state_checksums
 
     if (checkpoint / "state").is_dir():

@@ -3,7 +3,7 @@ hidden state of an added ``<|Reward|>`` token; reimplemented on transformers' Qw
 
 The authors' ``hpsv3`` package is not used: it pins transformers 4.45.2 and imports trl, deepspeed and fire. Their
 computation (``HPSv3RewardInferencer.reward`` with ``HPSv3_7B.yaml``), reproduced here and checked in
-``tests/test_hpsv3.py``:
+``tests/rewards/test_hpsv3.py``:
 
 - image: RGB, resized by qwen-vl-utils' ``fetch_image`` with PIL's bicubic filter to ``smart_resize(H, W)``: sides
   multiples of 28 holding 256·28² pixels (min_pixels = max_pixels), 448×448 for a square image; then Qwen2-VL's image

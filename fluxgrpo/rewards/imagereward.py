@@ -2,7 +2,7 @@
 and an MLP head on the [CLS] feature; reimplemented on transformers' BLIP modules.
 
 The authors' ``image-reward`` package is not used: it imports names transformers 5 no longer has, and pins timm and
-fairscale. Its computation, reproduced here (``tests/test_imagereward.py`` checks it against a plain re-derivation):
+fairscale. Its computation, reproduced here (``tests/rewards/test_imagereward.py`` checks it against a plain re-derivation):
 
 - image: Resize(224, bicubic) on the shortest side, CenterCrop(224), RGB, ToTensor, OpenAI CLIP mean/std; then
   BLIP's ViT-L/16 (pre-norm blocks, LayerNorm eps 1e-6), every token of the last layer after the final norm;

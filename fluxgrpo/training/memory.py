@@ -25,7 +25,7 @@ Peak bytes on one die = what lives all run long + the largest of the three phase
 
 T = (H/16)·(W/16) + S image and text tokens, D the transformer width, c = compute-dtype bytes / 2. The activation
 coefficients a_d, a_s (bytes a double / single block saves for backward, per token per unit of width, in bf16)
-are measured: tests/test_memory.py re-measures them with autograd's saved-tensor hooks on a FLUX block and fails
+are measured: tests/training/test_memory.py re-measures them with autograd's saved-tensor hooks on a FLUX block and fails
 if they drift. With --cpu-offload the weights, gradients, optimizer state and EMA live in host memory instead.
 With one die (no FSDP) the fp32 weights are not gathered but autocast keeps a bf16 copy of them per forward.
 """
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 GiB = 2**30
 # Bytes a FLUX block saves for backward per token per unit of width, in bf16 (fused/flash attention):
-# measured on double and single blocks of widths 512-1024 (tests/test_memory.py keeps them honest).
+# measured on double and single blocks of widths 512-1024 (tests/training/test_memory.py keeps them honest).
 DOUBLE_BLOCK_ACTIVATION_BYTES = 57
 SINGLE_BLOCK_ACTIVATION_BYTES = 51
 # One block's no-grad temporaries per token per unit of width in the rollout (q, k, v, attention out, 4× MLP).

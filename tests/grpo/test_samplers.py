@@ -11,7 +11,7 @@ from fluxgrpo.grpo.samplers import SdeStep, cps_step, dpm_solver_2m_step, euler_
 from fluxgrpo.grpo.schedule import sigma_schedule
 
 # Written by tests/fixtures/make_sampler_cases.py from Flow-GRPO's sde_step_with_logprob and DanceGRPO's flux_step.
-CASES = torch.load(Path(__file__).parent / "fixtures" / "sampler_cases.pt", weights_only=True)
+CASES = torch.load(Path(__file__).parents[1] / "fixtures" / "sampler_cases.pt", weights_only=True)
 
 
 def sampler_step(name, x, velocity, sigma, sigma_next, noise_level, sigma_max, **given) -> SdeStep:

@@ -17,7 +17,7 @@ from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.models.flux import load_transformer
 from fluxgrpo.models.shard_loading import empty_transformer, fill_transformer, read_safetensors_header
 
-WORKER_PATH = Path(__file__).with_name("_load_worker.py")
+WORKER_PATH = Path(__file__).parents[1] / "_load_worker.py"
 _spec = importlib.util.spec_from_file_location("_load_worker", WORKER_PATH)
 worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)

@@ -30,7 +30,7 @@ from fluxgrpo.training.memory import (
     vae_shape,
 )
 
-WORKER_PATH = Path(__file__).with_name("_load_worker.py")
+WORKER_PATH = Path(__file__).parents[1] / "_load_worker.py"
 
 # FLUX.1-dev's transformer/config.json and vae/config.json (the parts that size the model)
 FLUX_DEV_TRANSFORMER = {

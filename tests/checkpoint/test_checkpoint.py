@@ -18,7 +18,7 @@ from fluxgrpo.checkpoint.state import TrainingState, load_checkpoint, save_check
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.runtime.dist import DistContext
 
-WORKER_PATH = Path(__file__).with_name("_ckpt_worker.py")
+WORKER_PATH = Path(__file__).parents[1] / "_ckpt_worker.py"
 _spec = importlib.util.spec_from_file_location("_ckpt_worker", WORKER_PATH)
 worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)

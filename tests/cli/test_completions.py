@@ -9,7 +9,7 @@ import pytest
 from fluxgrpo.cli.app import COMMANDS
 from fluxgrpo.cli.completions import SHELLS, completion_script
 
-COMPLETIONS = Path(__file__).resolve().parents[1] / "completions"
+COMPLETIONS = Path(__file__).resolve().parents[2] / "completions"
 
 
 @pytest.mark.parametrize("shell", sorted(SHELLS))

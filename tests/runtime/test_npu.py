@@ -31,7 +31,7 @@ from fluxgrpo.runtime import device as rt
 from fluxgrpo.runtime.device import NpuImportStatus
 from fluxgrpo.runtime.npu_env import NPU_ENV_DEFAULTS, apply_npu_env_defaults
 
-FAKE_TORCH_NPU = Path(__file__).resolve().parent / "fake_torch_npu"
+FAKE_TORCH_NPU = Path(__file__).resolve().parents[1] / "fake_torch_npu"
 DIFFUSERS_VERSION = importlib.metadata.version("diffusers")
 TINY_CONFIG = {**TINY_TRANSFORMER_CONFIG, "in_channels": 16}  # narrower input: these tests feed raw tokens
 TINY_NORM_COUNT = 2 * 4 + 2 * 2  # 4 q/k norms per double block, 2 per single block

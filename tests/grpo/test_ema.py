@@ -90,7 +90,9 @@ def test_bf16_parameters_get_an_fp32_average():
 
 @pytest.mark.slow
 def test_fsdp2_two_processes(tmp_path: Path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FLUXGRPO_TEST_OUT": str(tmp_path)}
+    # tests/ (training_helpers) on the workers' path: this script runs from tests/grpo/
+    helpers = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FLUXGRPO_TEST_OUT": str(tmp_path), "PYTHONPATH": helpers}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
@@ -153,7 +155,7 @@ def _worker() -> None:
     # --- rollout + policy update on a sharded tiny FLUX, with different data per rank.
     from diffusers import FluxTransformer2DModel
     from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock, FluxTransformerBlock
-    from training_helpers import grpo_update, sde_rollout  # tests/ is the script's folder: on sys.path
+    from training_helpers import grpo_update, sde_rollout  # tests/ is on PYTHONPATH (the test above)
 
     from fluxgrpo.grpo.latents import image_ids
     from fluxgrpo.grpo.schedule import sigma_schedule

@@ -22,7 +22,9 @@ import torch
 
 @pytest.mark.slow
 def test_one_step_on_two_ranks_equals_one_rank_over_the_global_batch(tmp_path: Path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FLUXGRPO_TEST_OUT": str(tmp_path)}
+    # tests/ (training_helpers) on the workers' path: this script runs from tests/grpo/
+    helpers = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FLUXGRPO_TEST_OUT": str(tmp_path), "PYTHONPATH": helpers}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
@@ -48,7 +50,7 @@ def _rows(rollout, start: int, stop: int):
 def _worker() -> None:
     import torch.distributed as dist
     from diffusers import FluxTransformer2DModel
-    from training_helpers import grpo_update, sde_rollout  # tests/ is the script's folder: on sys.path
+    from training_helpers import grpo_update, sde_rollout  # tests/ is on PYTHONPATH (the test above)
 
     from fluxgrpo.grpo.latents import image_ids
     from fluxgrpo.grpo.schedule import sigma_schedule

@@ -21,7 +21,7 @@ from training_helpers import run, tiny_config
 
 from fluxgrpo.metrics import read_metrics
 
-WORKER = Path(__file__).with_name("_kill_worker.py")
+WORKER = Path(__file__).parents[1] / "_kill_worker.py"
 ITERATIONS = 3  # checkpoints after 1, 2 and 3
 # Where a run can die, with how many calls of each a 3-iteration run makes (the draw stays within it): the
 # state's write_durably writes the RNG file, the trainer state, the checksum record and COMPLETE of each save;

@@ -27,7 +27,7 @@ from fluxgrpo.sampling.folder import GRID_GAP, grid_tile_size, read_index
 from fluxgrpo.sampling.request import SampleSettings, image_filename, image_seed
 
 runner = CliRunner()
-FAKE_TORCH_NPU = Path(__file__).resolve().parent / "fake_torch_npu"
+FAKE_TORCH_NPU = Path(__file__).resolve().parents[1] / "fake_torch_npu"
 PROMPTS = ["a red cat", "a blue dog on a hill"]
 # 48 wide x 32 high: 6 x 4 latent tokens after 8x VAE and 2x2 packing; non-square so width/height mix-ups show.
 TINY = {"height": 32, "width": 48, "steps": 2, "max_sequence_length": 16, "images_per_prompt": 2}

@@ -18,7 +18,7 @@ from fluxgrpo.deepcheck.result import FAILED, PASSED, SKIPPED, CheckResult, Deep
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime.adapt import FORCE_NPU_ADAPT_ENV
 
-FAKE_TORCH_NPU = Path(__file__).resolve().parent / "fake_torch_npu"
+FAKE_TORCH_NPU = Path(__file__).resolve().parents[1] / "fake_torch_npu"
 runner = CliRunner()
 
 

@@ -340,7 +340,7 @@ def test_the_structure_toy_reward_needs_the_targets_layout():
 
 # --------------------------------------------------------------------------------------------- the authors' losses
 
-CASES = torch.load(Path(__file__).with_name("fixtures") / "objective_cases.pt", weights_only=True)
+CASES = torch.load(Path(__file__).parents[1] / "fixtures" / "objective_cases.pt", weights_only=True)
 AUTHORS_WEIGHTINGS = {"Uniform": "uniform", "t": "t", "t**2": "t2", "huber": "huber", "ghuber": "ghuber"}
 
 

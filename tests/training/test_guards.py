@@ -325,7 +325,7 @@ def test_guard_baseline_survives_kill_9_and_resume(tiny_weights, tiny_embeddings
     )
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
     }
     process = subprocess.Popen([sys.executable, "-m", "fluxgrpo", *argv], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip

@@ -211,7 +211,7 @@ def test_a_failing_rank_stops_the_run_and_is_named(tiny_weights, tiny_embeddings
 def test_stand_in_npu_kernels_run_when_forced(tiny_weights, tiny_embeddings, tmp_path, monkeypatch):
     from fluxgrpo.runtime import device as rt_device
 
-    fake = Path(__file__).parent / "fake_torch_npu"
+    fake = Path(__file__).parents[1] / "fake_torch_npu"
     monkeypatch.syspath_prepend(str(fake))
     saved = sys.modules.pop("torch_npu", None)
     monkeypatch.setenv("FLUXGRPO_FORCE_NPU_ADAPT", "1")

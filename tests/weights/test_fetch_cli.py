@@ -49,7 +49,7 @@ FLUX_ROOT_FILES = {
     "ae.safetensors",
 }
 FLUX_WANTED = sorted(p for p in FLUX_DEV_FILES if p not in FLUX_ROOT_FILES)
-# 242,198 bytes of FLUX diffusers files (tests/test_fetch_hub.py spells out the sum) + 2,100 (HPS_v2.1_compressed.pt)
+# 242,198 bytes of FLUX diffusers files (tests/weights/test_fetch_hub.py spells out the sum) + 2,100 (HPS_v2.1_compressed.pt)
 # + 3,900 (open_clip_pytorch_model.bin) = 248,198 bytes in 23 + 1 + 1 = 25 files.
 DEFAULT_PARTS_BYTES = 248_198
 PROCESSOR_FILES = ("merges.txt", "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json")

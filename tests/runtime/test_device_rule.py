@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "fluxgrpo"
+PACKAGE = Path(__file__).resolve().parents[2] / "fluxgrpo"
 FORBIDDEN_TOKENS = {"cuda", "npu", "nccl", "hccl"}
 FORBIDDEN_CALLS = re.compile(r"torch\.(cuda|npu)\.")
 
