@@ -7,15 +7,18 @@ CPU, seeded, in four stages:
    MSE reconstruction of the sampled posterior, a small KL. Its ``shift_factor`` and ``scaling_factor`` are then
    measured on the dataset's latents (their mean and 1/std), as FLUX's own were; then the decoder alone trains on,
    the encoder (and so every latent) frozen.
-2. **Text encoders**: FLUX's CLIP-L and T5 classes, tiny, with the world's tokenizers (``shapes/tokenizers.py``);
-   random and frozen (seeded), as FLUX's encoders are frozen: the transformer learns to read them.
+2. **Text encoders**: FLUX's CLIP-L and T5 classes, tiny, with the world's tokenizers (``shapes/tokenizers.py``),
+   seeded. FLUX's encoders arrive pretrained; random ones give nearly one pooled vector for every caption, so ours
+   train with the transformer (stage 3) and ship as trained, frozen from then on like FLUX's.
 3. **Transformer** (``FluxTransformer2DModel``) by rectified flow on the VAE's normalised, packed latents:
    x_σ = (1 − σ)·x0 + σ·ε, target v = ε − x0, σ = FLUX's time shift (3) of a logit-normal/uniform draw, fed
    quantised as the sampler feeds it (``grpo.schedule.model_timesteps``) with a random distilled-guidance value
    (the model is not guidance-distilled, so it learns to ignore it). An EMA of the weights is what ships.
 4. **Tiny HPS**: an open_clip CLIP trained contrastively on (image, caption) pairs (the renders) with one hard
-   negative caption per image (a colour, shape, count or relation changed), through
-   HPSv2's own preprocessing; written in HPSv2's layout (``HPS_v2.1_compressed.pt`` + ``open_clip_config.json``).
+   negative caption per image (a colour, shape, count or relation changed), and, as HPSv2 was fine-tuned on people's
+   rankings of generated images, with HPSv2's ranking loss on pairs of the base model's own samples of training
+   prompts ranked by the rule checker; through HPSv2's own preprocessing; written in HPSv2's layout
+   (``HPS_v2.1_compressed.pt`` + ``open_clip_config.json``).
 
 ``--quick`` runs every stage a few steps (the tests). The same seed, torch version and thread count give the same
 files. ``build.json`` records the plan, the losses and the time of each stage.
@@ -85,15 +88,20 @@ class BuildPlan:
     vae_steps: int = 400
     vae_batch: int = 16
     vae_lr: float = 2e-3
-    decoder_steps: int = 800  # the decoder alone afterwards, the encoder frozen
+    decoder_steps: int = 1200  # the decoder alone afterwards, the encoder frozen
     decoder_lr: float = 1e-3
-    transformer_steps: int = 2500
+    transformer_steps: int = 8000
     transformer_batch: int = 48
     transformer_lr: float = 1e-3
     ema_decay: float = 0.998
-    hps_steps: int = 200
+    text_encoders: bool = True  # the CLIP and T5 train with the transformer (see train_transformer)
+    hps_steps: int = 400
     hps_batch: int = 96  # distinct captions per step, one image each
     hps_lr: float = 2e-3
+    hps_judged_prompts: int = 240  # training prompts whose base samples the checker ranks for HPS's ranking loss
+    hps_judged_per_prompt: int = 8
+    hps_judged_steps: int = 12  # sampler steps, as the shapes configs evaluate
+    hps_pair_batch: int = 64
     threads: int = 2
 
 
@@ -107,6 +115,10 @@ QUICK_PLAN = BuildPlan(
     transformer_batch=4,
     hps_steps=2,
     hps_batch=8,
+    hps_judged_prompts=2,
+    hps_judged_per_prompt=2,
+    hps_judged_steps=2,
+    hps_pair_batch=4,
 )
 
 
@@ -271,14 +283,6 @@ def build_text_encoders(seed: int) -> tuple[Any, Any, Any, Any]:
     return clip.eval().requires_grad_(False), clip_tokenizer, t5.eval().requires_grad_(False), t5_tokenizer
 
 
-def encode_captions(clip: Any, clip_tokenizer: Any, t5: Any, t5_tokenizer: Any, captions: list[str]) -> tuple:
-    """(prompt_embeds [n, 12, 32], pooled [n, 32]) exactly as ``models.flux.encode_prompts`` makes them."""
-    from fluxgrpo.models.flux import TextEncoders, encode_prompts
-
-    encoded = encode_prompts(TextEncoders(clip, clip_tokenizer, t5, t5_tokenizer), captions, WORLD_TEXT_LENGTH)
-    return encoded.prompt_embeds.float(), encoded.pooled.float()
-
-
 def draw_sigmas(count: int, generator: Any, shift: float = 3.0) -> Any:
     """σ for flow-matching training: half logit-normal, half uniform, through FLUX's time shift σ = s·u/(1+(s−1)·u).
 
@@ -292,10 +296,28 @@ def draw_sigmas(count: int, generator: Any, shift: float = 3.0) -> Any:
     return shift * u / (1 + (shift - 1) * u)
 
 
+def tokenize_captions(clip_tokenizer: Any, t5_tokenizer: Any, captions: list[str]) -> tuple[Any, Any]:
+    """(CLIP ids [n, 77], T5 ids [n, 12]) padded exactly as ``models.flux.encode_prompts`` pads them."""
+    from fluxgrpo.models.flux import CLIP_MAX_LENGTH
+
+    clip_ids = clip_tokenizer(
+        captions, padding="max_length", max_length=CLIP_MAX_LENGTH, truncation=True, return_tensors="pt"
+    ).input_ids
+    t5_ids = t5_tokenizer(
+        captions, padding="max_length", max_length=WORLD_TEXT_LENGTH, truncation=True, return_tensors="pt"
+    ).input_ids
+    return clip_ids, t5_ids
+
+
 def train_transformer(
-    latents: Any, caption_index: list[int], prompt_embeds: Any, pooled: Any, plan: BuildPlan
-) -> tuple[Any, list[float]]:
-    """Rectified-flow training; returns the EMA transformer (eval mode) and the loss per step."""
+    latents: Any, caption_index: list[int], clip: Any, t5: Any, token_ids: tuple[Any, Any], plan: BuildPlan
+) -> tuple[Any, Any, Any, list[float]]:
+    """Rectified-flow training of the transformer, and of both text encoders with it (``plan.text_encoders``).
+
+    The encoders learn with the transformer because random ones hand it nearly one pooled vector for every caption
+    (cosine ≈ 0.97): FLUX's own encoders arrive pretrained and discriminative, ours must become so. Returns the EMA
+    transformer, CLIP and T5 (eval mode, gradients off) and the loss per step.
+    """
     import copy
 
     import torch
@@ -308,15 +330,26 @@ def train_transformer(
 
     torch.manual_seed(plan.seed + 1)
     transformer = FluxTransformer2DModel(**WORLD_TRANSFORMER_CONFIG)
-    ema = copy.deepcopy(transformer).requires_grad_(False)
-    optimizer = torch.optim.AdamW(transformer.parameters(), lr=plan.transformer_lr, weight_decay=1e-4)
+    parts = torch.nn.ModuleDict({"transformer": transformer, "clip": clip, "t5": t5})
+    parts.requires_grad_(False)
+    transformer.requires_grad_(True)
+    if plan.text_encoders:
+        clip.requires_grad_(True)
+        t5.requires_grad_(True)
+    ema = copy.deepcopy(parts).requires_grad_(False)
+    trained = [parameter for parameter in parts.parameters() if parameter.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=plan.transformer_lr, weight_decay=1e-4)
+    clip_ids, t5_ids = token_ids
     packed = pack_latents(latents)
     captions = torch.tensor(caption_index)
     img_ids = image_ids(64, 64)
-    text_ids = torch.zeros(prompt_embeds.shape[1], 3)
+    text_ids = torch.zeros(WORLD_TEXT_LENGTH, 3)
     generator = torch.Generator().manual_seed(plan.seed + 20)
     losses = []
-    transformer.train()
+    parts.train()
+    if not plan.text_encoders:
+        clip.eval()
+        t5.eval()
     for step in range(plan.transformer_steps):
         for group in optimizer.param_groups:
             group["lr"] = plan.transformer_lr * _warmup_cosine(step, plan.transformer_steps, 100)
@@ -326,21 +359,25 @@ def train_transformer(
         sigma = draw_sigmas(len(rows), generator)
         noisy = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
         guidance = 1 + 4 * torch.rand(len(rows), generator=generator)
-        cond = Conditioning(prompt_embeds[captions[rows]], pooled[captions[rows]], text_ids)
+        with torch.set_grad_enabled(plan.text_encoders):
+            pooled = clip(clip_ids[captions[rows]]).pooler_output
+            prompt_embeds = t5(t5_ids[captions[rows]])[0]
+        cond = Conditioning(prompt_embeds, pooled, text_ids)
         velocity = predict_velocity(transformer, noisy, cond, model_timesteps(sigma), guidance, img_ids, "cpu")
         loss = (velocity.float() - (noise - x0)).pow(2).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(transformer.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
         decay = min(plan.ema_decay, (1 + step) / (10 + step))
         with torch.no_grad():
-            for kept, live in zip(ema.parameters(), transformer.parameters(), strict=True):
+            for kept, live in zip(ema.parameters(), parts.parameters(), strict=True):
                 kept.lerp_(live, 1 - decay)
         losses.append(loss.item())
         if step % 100 == 0 or step == plan.transformer_steps - 1:
             _log(f"transformer step {step}/{plan.transformer_steps} loss {loss.item():.4f}")
-    return ema.eval(), losses
+    ema.eval()
+    return ema["transformer"], ema["clip"], ema["t5"], losses
 
 
 def hard_negative(text: str, rng: random.Random) -> str | None:
@@ -369,8 +406,47 @@ def hard_negative(text: str, rng: random.Random) -> str | None:
     return rng.choice(seen).text() if seen else None
 
 
-def train_hps(images: np.ndarray, caption_index: list[int], plan: BuildPlan) -> tuple[Any, list[float]]:
-    """Contrastive (image, caption) training of the tiny open_clip CLIP with hard negatives; returns it in eval."""
+@dataclass(frozen=True)
+class JudgedSamples:
+    """The base model's own images of training prompts, each scored by the checker: HPS's "human" preferences.
+
+    HPSv2 was fine-tuned on pairs of *generated* images that people ranked; here the rule checker ranks them. Pairs
+    are (better, worse) rows of one prompt's group whose checker scores differ."""
+
+    images: np.ndarray  # uint8 [N, 64, 64, 3]
+    prompts: list[str]
+    scores: list[float]
+    pairs: list[tuple[int, int]]
+
+
+def judged_base_samples(flux_dir: Path, plan: BuildPlan) -> JudgedSamples:
+    """``plan.hps_judged_prompts`` training prompts × ``plan.hps_judged_per_prompt`` base samples, checked."""
+    from fluxgrpo.shapes.checker import check
+    from fluxgrpo.shapes.measure import sample_images
+
+    captions = training_captions()
+    prompts = random.Random(plan.seed + 40).sample(captions, min(plan.hps_judged_prompts, len(captions)))
+    # Seed 7: apart from the measurement's sampling seeds (0 held-out, 1 training prompts).
+    groups = sample_images(flux_dir, prompts, plan.hps_judged_per_prompt, plan.hps_judged_steps, seed=7)
+    images, texts, scores, pairs = [], [], [], []
+    for prompt, group in zip(prompts, groups, strict=True):
+        first = len(images)
+        for image in group:
+            images.append(image)
+            texts.append(prompt)
+            scores.append(check(image, prompt).score)
+        rows = range(first, len(images))
+        pairs += [(i, j) for i in rows for j in rows if scores[i] > scores[j]]
+    stacked = np.stack(images) if images else np.empty((0, 64, 64, 3), np.uint8)
+    return JudgedSamples(stacked, texts, scores, pairs)
+
+
+def train_hps(
+    images: np.ndarray, caption_index: list[int], judged: JudgedSamples, plan: BuildPlan
+) -> tuple[Any, list[float]]:
+    """The tiny open_clip CLIP: contrastive (render, caption) training with hard negatives, plus HPSv2's ranking
+    loss on the judged base samples (the better image of a pair gets the higher ``logit_scale · cos``, a softmax over
+    the pair as HPSv2's training computes it). Returns it in eval mode."""
     import open_clip
     import torch
     import torch.nn.functional as F
@@ -389,6 +465,20 @@ def train_hps(images: np.ndarray, caption_index: list[int], plan: BuildPlan) -> 
     for row, index in enumerate(caption_index):
         by_caption.setdefault(index, []).append(row)
     rng = random.Random(plan.seed + 30)
+    size = WORLD_HPS_CONFIG["vision_cfg"]["image_size"]
+
+    def prepare(batch: np.ndarray) -> Any:  # HPSv2's own preprocessing, on uint8 [n, 64, 64, 3]
+        pixels = torch.from_numpy(batch).permute(0, 3, 1, 2).float() / 255.0
+        return normalize_clip(resize_longest_and_pad(pixels, size))
+
+    def ranking_loss(model: Any, tokenizer: Any, judged: JudgedSamples, pairs: list[tuple[int, int]]) -> Any:
+        better, worse = [i for i, _ in pairs], [j for _, j in pairs]
+        image_features = F.normalize(model.encode_image(prepare(judged.images[better + worse])), dim=-1)
+        text_features = F.normalize(model.encode_text(tokenizer([judged.prompts[i] for i in better])), dim=-1)
+        scores = model.logit_scale.exp() * (image_features * text_features.repeat(2, 1)).sum(-1)
+        logits = torch.stack([scores[: len(pairs)], scores[len(pairs) :]], dim=1)  # [pairs, 2]: better first
+        return F.cross_entropy(logits, torch.zeros(len(pairs), dtype=torch.long))
+
     losses = []
     model.train()
     for step in range(plan.hps_steps):
@@ -398,9 +488,7 @@ def train_hps(images: np.ndarray, caption_index: list[int], plan: BuildPlan) -> 
         rows = [rng.choice(by_caption[index]) for index in chosen]
         texts = [captions[index] for index in chosen]
         negatives = [hard_negative(text, rng) or text for text in texts]
-        pixels = torch.from_numpy(images[rows]).permute(0, 3, 1, 2).float() / 255.0
-        pixels = normalize_clip(resize_longest_and_pad(pixels, WORLD_HPS_CONFIG["vision_cfg"]["image_size"]))
-        image_features = F.normalize(model.encode_image(pixels), dim=-1)
+        image_features = F.normalize(model.encode_image(prepare(images[rows])), dim=-1)
         text_features = F.normalize(model.encode_text(tokenizer(texts + negatives)), dim=-1)
         logits = model.logit_scale.exp() * image_features @ text_features.T  # [b, 2b]
         # A hard negative that equals another image's own caption is masked for that image only.
@@ -409,6 +497,8 @@ def train_hps(images: np.ndarray, caption_index: list[int], plan: BuildPlan) -> 
         logits = logits.masked_fill(own, float("-inf"))
         targets = torch.arange(len(texts))
         loss = (F.cross_entropy(logits, targets) + F.cross_entropy(logits[:, : len(texts)].T, targets)) / 2
+        if judged.pairs:
+            loss = loss + ranking_loss(model, tokenizer, judged, rng.choices(judged.pairs, k=plan.hps_pair_batch))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -474,16 +564,18 @@ def build(out: Path, plan: BuildPlan = FULL_PLAN) -> dict[str, Any]:
 
     stage = time.monotonic()
     clip, clip_tokenizer, t5, t5_tokenizer = build_text_encoders(plan.seed + 3)
-    prompt_embeds, pooled = encode_captions(clip, clip_tokenizer, t5, t5_tokenizer, training_captions())
-    transformer, flow_losses = train_transformer(latents, caption_index, prompt_embeds, pooled, plan)
+    token_ids = tokenize_captions(clip_tokenizer, t5_tokenizer, training_captions())
+    transformer, clip, t5, flow_losses = train_transformer(latents, caption_index, clip, t5, token_ids, plan)
     info["seconds"]["transformer"] = round(time.monotonic() - stage, 1)
     info["transformer"] = {"final_loss": float(np.mean(flow_losses[-50:]))}
     write_flux(out / FLUX_SUBDIR, vae, transformer, clip, clip_tokenizer, t5, t5_tokenizer)
 
     stage = time.monotonic()
-    hps, hps_losses = train_hps(images, caption_index, plan)
+    judged = judged_base_samples(out / FLUX_SUBDIR, plan)
+    hps, hps_losses = train_hps(images, caption_index, judged, plan)
     info["seconds"]["hps"] = round(time.monotonic() - stage, 1)
-    info["hps"] = {"final_loss": float(np.mean(hps_losses[-20:]))}
+    info["hps"] = {"final_loss": float(np.mean(hps_losses[-20:])), "judged_samples": len(judged.scores),
+                   "judged_pairs": len(judged.pairs)}  # fmt: skip
     write_hps(out / HPS_SUBDIR, hps)
 
     info["seconds"]["total"] = round(time.monotonic() - start, 1)
