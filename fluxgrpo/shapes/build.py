@@ -428,7 +428,10 @@ def judged_base_samples(flux_dir: Path, plan: BuildPlan) -> JudgedSamples:
     prompts = random.Random(plan.seed + 40).sample(captions, min(plan.hps_judged_prompts, len(captions)))
     # Seed 7: apart from the measurement's sampling seeds (0 held-out, 1 training prompts).
     groups = sample_images(flux_dir, prompts, plan.hps_judged_per_prompt, plan.hps_judged_steps, seed=7)
-    images, texts, scores, pairs = [], [], [], []
+    images: list[np.ndarray] = []
+    texts: list[str] = []
+    scores: list[float] = []
+    pairs: list[tuple[int, int]] = []
     for prompt, group in zip(prompts, groups, strict=True):
         first = len(images)
         for image in group:

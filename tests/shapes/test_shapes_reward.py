@@ -244,7 +244,9 @@ def test_report_captions_each_heldout_image_with_its_claims_and_plots_seen_and_n
     (out / "index.json").write_text(json.dumps(index))
     record = {"iteration": 0, "eval_shapes_mean": 0.9, "eval_shapes_std": 0.1, "eval_shapes_strict": 0.5}
     record |= {"eval_shapes_seen": 1.0, "eval_shapes_novel": 0.8}
-    (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    # a second evaluation that differs: a panel whose lines are flat is folded into one line (#31)
+    later = record | {"iteration": 4, "eval_shapes_strict": 0.6, "eval_shapes_seen": 0.9, "eval_shapes_novel": 0.7}
+    (run / "metrics.jsonl").write_text(json.dumps(record) + "\n" + json.dumps(later) + "\n")
     result = runner.invoke(app, ["report", str(run), "--json"])
     assert result.exit_code == 0, result.output
     document = json.loads(result.stdout)
