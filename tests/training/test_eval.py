@@ -140,12 +140,11 @@ def test_eval_images_are_the_images_sample_makes_from_the_same_weights(eval_run,
         evaluated = out / "eval" / f"iteration-{iteration}{'-ema' if ema else ''}"
         for name in ("0000_00.png", "0001_01.png", "0002_00.png"):
             here, there = pixels(folder / name).astype(int), pixels(evaluated / name).astype(int)
-            if ema:
-                # EMA weights swapped into the training parameters vs. loaded from the export: on cpu an odd pixel
-                # may round one step apart
-                assert np.abs(here - there).max() <= 1 and (here != there).mean() < 0.01, f"{evaluated.name}/{name}"
-            else:
-                assert np.array_equal(here, there), f"{evaluated.name}/{name}"
+            # The same weights and noise in another process: on cpu the matmul kernels may differ in the last bit
+            # (the training weights sit in other memory, EMA weights are swapped in rather than loaded), which
+            # moves an odd pixel one step of 255 across a rounding edge (CI saw 2 of 12,288 values at iteration 0).
+            # Other weights or other noise change nearly every pixel, by far more than one step.
+            assert np.abs(here - there).max() <= 1 and (here != there).mean() < 0.01, f"{evaluated.name}/{name}"
 
 
 def test_resume_neither_repeats_nor_misses_an_evaluation(eval_run, tmp_path):
