@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -70,6 +71,14 @@ def command(
             "trains on shapes-train and reports the held-out checker.",
         ),
     ] = "tiny-cpu",
+    plot: Annotated[
+        str | None,
+        _option(
+            "--plot",
+            "With --algorithms on an evaluating config (shapes-cpu): write a PNG of each algorithm's held-out score "
+            "against training seconds (median of the repeats, band min-max) to this file.",
+        ),
+    ] = None,
     json_output: Annotated[
         bool,
         _option(
@@ -89,9 +98,15 @@ def command(
           --steps 16 --json > bench.jsonl
       fluxgrpo bench --algorithms dance,dance-t2 --iterations 30 --repeats 3
       fluxgrpo bench --algorithms dance,mixgrpo-flash-w2,nft --config shapes-cpu \\
-          --text-tokens 12 --vary-seed --repeats 3
+          --text-tokens 12 --vary-seed --repeats 3 --plot heldout.png
     """
-    arguments = {"algorithms": algorithms, "iterations": iterations, "config": config, "json_output": json_output}
+    arguments = {
+        "algorithms": algorithms,
+        "iterations": iterations,
+        "config": config,
+        "plot": plot,
+        "json_output": json_output,
+    }
     arguments.update(settings)
     import json
     import sys
@@ -108,6 +123,7 @@ def command(
             settings["device"],
             json_output,
             vary_seed,
+            plot,
         )
         return
     _refuse_flags(arguments, PHASE_FLAGS | SHARED_FLAGS, "--algorithms only: add --algorithms, or drop it")
@@ -143,7 +159,7 @@ command = _with_generated_signature(handle_errors(command))
 
 # Flags that mean the same in both benches; the others belong to one of them.
 SHARED_FLAGS = frozenset({"text_tokens", "seed", "device", "repeats", "json_output"})
-EFFICIENCY_FLAGS = frozenset({"algorithms", "iterations", "config", "vary_seed"})
+EFFICIENCY_FLAGS = frozenset({"algorithms", "iterations", "config", "vary_seed", "plot"})
 PHASE_FLAGS = frozenset(inspect.signature(command).parameters) - SHARED_FLAGS - EFFICIENCY_FLAGS
 
 
@@ -176,6 +192,7 @@ def _run_efficiency(
     device: str,
     json_output: bool,
     vary_seed: bool = False,
+    plot: str | None = None,
 ) -> None:
     from fluxgrpo.bench.efficiency import EfficiencyConfig, parse_algorithms, run_efficiency
 
@@ -189,11 +206,37 @@ def _run_efficiency(
         device=None if device == "auto" else device,
         vary_seed=vary_seed,
     ).validate()
+    if plot is not None:
+        _check_plot(cfg, Path(plot))
     document = run_efficiency(cfg, log=lambda line: err_console.print(line, highlight=False, markup=False))
+    if plot is not None:
+        from fluxgrpo.bench.heldout_plot import heldout_png
+
+        Path(plot).write_bytes(heldout_png(document))
+        err_console.print(f"wrote {plot}", highlight=False, markup=False)
     if json_output:
         print_json(document)
     else:
         _render_efficiency(document)
+
+
+def _check_plot(cfg: Any, path: Path) -> None:
+    """Before anything trains: the runs will evaluate, matplotlib is there, and the PNG's folder exists."""
+    from fluxgrpo.bench.efficiency import training_prompts
+    from fluxgrpo.data.benchmarks import shipped_set_path
+    from fluxgrpo.errors import UsageError
+
+    if training_prompts(cfg.config, cfg.base_overrides) != shipped_set_path("shapes-train"):
+        raise UsageError(
+            f"--plot draws the held-out score, and --config {cfg.config} does not evaluate in the bench: "
+            "use --config shapes-cpu (or another shapes config), or drop --plot"
+        )
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot draws with matplotlib: pip install 'fluxgrpo[report]', or drop --plot") from None
+    if not path.parent.is_dir():
+        raise UsageError(f"--plot {path}: the folder {path.parent} does not exist")
 
 
 def _render_efficiency(document: dict[str, Any]) -> None:

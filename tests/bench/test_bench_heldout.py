@@ -135,6 +135,43 @@ def test_compare_reports_the_heldout_gain_spread_and_verdict_per_algorithm(tmp_p
     assert any("held-out shapes gain 0.3" in line for line in lines)
 
 
+def test_the_plot_puts_each_evaluation_at_its_training_seconds_with_the_repeats_band(tmp_path):
+    from fluxgrpo.bench.heldout_plot import curve_points, heldout_png
+    from fluxgrpo.errors import UsageError
+
+    workspace = Workspace(tmp_path / "flux", tmp_path / "hps", tmp_path / "index.json", tmp_path / "runs")
+    cfg = EfficiencyConfig(
+        algorithms=("dance-t2",),
+        iterations=2,
+        repeats=3,
+        base_overrides={"reward": "shapes", "eval_every": 2, "eval_prompts": "shapes-heldout"},
+    )
+    rows = compare(cfg, base_training_config(cfg, workspace), _stand_in_trainer, lambda _: None)
+    dance = next(row for row in rows if row["algorithm"] == "dance")
+    # 1 s per iteration (0.5 + 0.1 + 0.4): iteration 2 at 2 s; dance's three runs end at 0.45, 0.40, 0.50
+    assert curve_points(dance) == [(0.0, 0.4, 0.4, 0.4), (2.0, pytest.approx(0.45), 0.4, pytest.approx(0.5))]
+    png = heldout_png({"config": {"config": "shapes-cpu"}, "algorithms": rows})
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
+    unevaluated = [{**row, "heldout_curves": []} for row in rows]
+    with pytest.raises(UsageError, match="did not evaluate"):
+        heldout_png({"config": {"config": "tiny-cpu"}, "algorithms": unevaluated})
+
+
+def test_bench_plot_is_refused_before_training_where_it_cannot_be_drawn(tmp_path):
+    from typer.testing import CliRunner
+
+    from fluxgrpo.cli.app import app
+
+    runner = CliRunner()
+    tiny = runner.invoke(app, ["bench", "--algorithms", "dance", "--plot", str(tmp_path / "a.png")])
+    assert tiny.exit_code == 2 and "--config tiny-cpu does not evaluate" in tiny.stderr
+    missing = tmp_path / "no-such-folder" / "a.png"
+    world = runner.invoke(app, ["bench", "--algorithms", "dance", "--config", "shapes-cpu", "--plot", str(missing)])
+    assert world.exit_code == 2 and "does not exist" in world.stderr
+    phase = runner.invoke(app, ["bench", "--plot", str(tmp_path / "a.png")])
+    assert phase.exit_code == 2 and "--algorithms only" in phase.stderr
+
+
 def test_the_table_shows_the_heldout_gain_and_the_work_per_iteration(tmp_path, capsys):
     from fluxgrpo.cli.bench import _render_heldout_and_work
 
