@@ -42,6 +42,18 @@ def test_hard_negative_changes_one_claim_and_stays_seen():
         assert original.family == changed.family
 
 
+def test_the_decoders_loss_weighs_an_object_and_its_one_pixel_rim():
+    import numpy as np
+
+    image = np.full((1, 5, 5, 3), world.BACKGROUND, dtype=np.uint8)
+    image[0, 1, 1] = world.COLOURS["green"]  # one object pixel near the corner
+    image[0, 4, 4] = [235, 235, 235]  # off-white: background (an anti-aliasing tint under the threshold)
+    weights = build.object_weights(image, 8.0)[0, 0]
+    expected = torch.ones(5, 5)
+    expected[0:3, 0:3] = 9.0  # the pixel and its 8 neighbours
+    assert weights.shape == (5, 5) and torch.equal(weights, expected)
+
+
 @pytest.fixture(scope="module")
 def quick_build(tmp_path_factory):
     out = tmp_path_factory.mktemp("shapes-build")
