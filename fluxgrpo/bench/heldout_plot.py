@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import statistics
+from pathlib import Path
 from typing import Any
 
 from fluxgrpo.errors import UsageError
@@ -56,7 +57,8 @@ def heldout_png(document: dict[str, Any]) -> bytes:
     config = document["config"]
     ax.set_xlabel("training seconds (median seconds per iteration × iterations)")
     ax.set_ylabel(f"held-out {reward} score")
-    ax.set_title(f"bench --algorithms --config {config['config']}: median of the repeats, band min–max", fontsize=10)
+    name = Path(str(config["config"])).name  # a YAML path would crowd the title out: its file name says it
+    ax.set_title(f"bench --algorithms --config {name}: median of the repeats, band min–max", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     buffer = io.BytesIO()

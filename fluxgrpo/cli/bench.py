@@ -58,8 +58,9 @@ def command(
         bool,
         _option(
             "--vary-seed",
-            "With --algorithms: repeat k trains with --seed + k − 1, so the spread of the reward gain is measured "
-            "(else every repeat reproduces the first's rewards and only time varies).",
+            "With --algorithms: repeat k trains with the config's seed + k − 1 (`seed:` in a --config YAML; --seed "
+            "seeds the tiny weights), so the spread of the reward gain is measured (else every repeat reproduces "
+            "the first's rewards and only time varies).",
         ),
     ] = False,
     config: Annotated[
