@@ -289,6 +289,13 @@ def training_prompts(config: str, overrides: dict[str, Any]) -> Path:
     return bundled_prompts_path()
 
 
+def trains_in_the_world(config: str, overrides: dict[str, Any]) -> bool:
+    """Whether ``config`` trains on the shapes world's captions, and so on its weights with its evaluation kept."""
+    from fluxgrpo.data.benchmarks import shipped_set_path
+
+    return training_prompts(config, overrides) == shipped_set_path("shapes-train")
+
+
 def prepare_workspace(
     root: Path,
     seed: int,
@@ -531,12 +538,10 @@ def run_efficiency(
     from fluxgrpo.training.loop import train
 
     cfg.validate()
-    from fluxgrpo.data.benchmarks import shipped_set_path
-
     prompts = training_prompts(cfg.config, cfg.base_overrides)
+    world = trains_in_the_world(cfg.config, cfg.base_overrides)
     counter = WorkCounter()
     with tempfile.TemporaryDirectory(prefix="fluxgrpo-bench-efficiency-") as folder:
-        world = prompts == shipped_set_path("shapes-train")
         workspace = prepare_workspace(Path(folder), cfg.seed, cfg.text_tokens, log, prompts, world)
         base = base_training_config(cfg, workspace, evaluate=world)
         rows = compare(cfg, base, counted(train, counter), log, counter)

@@ -223,11 +223,10 @@ def _run_efficiency(
 
 def _check_plot(cfg: Any, path: Path) -> None:
     """Before anything trains: the runs will evaluate, matplotlib is there, and the PNG's folder exists."""
-    from fluxgrpo.bench.efficiency import training_prompts
-    from fluxgrpo.data.benchmarks import shipped_set_path
+    from fluxgrpo.bench.efficiency import trains_in_the_world
     from fluxgrpo.errors import UsageError
 
-    if training_prompts(cfg.config, cfg.base_overrides) != shipped_set_path("shapes-train"):
+    if not trains_in_the_world(cfg.config, cfg.base_overrides):
         raise UsageError(
             f"--plot draws the held-out score, and --config {cfg.config} does not evaluate in the bench: "
             "use --config shapes-cpu (or another shapes config), or drop --plot"

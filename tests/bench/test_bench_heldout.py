@@ -110,7 +110,8 @@ def _stand_in_trainer(cfg):
     return [{"reward_mean": 0.1, **clock}, {"reward_mean": 0.2, **clock}]
 
 
-def test_compare_reports_the_heldout_gain_spread_and_verdict_per_algorithm(tmp_path):
+def _stand_in_comparison(tmp_path, log) -> list[dict]:
+    """dance and dance-t2, 3 repeats of 2 iterations each, trained by the stand-in (CURVES), evaluated at 0 and 2."""
     workspace = Workspace(tmp_path / "flux", tmp_path / "hps", tmp_path / "index.json", tmp_path / "runs")
     cfg = EfficiencyConfig(
         algorithms=("dance-t2",),
@@ -118,11 +119,12 @@ def test_compare_reports_the_heldout_gain_spread_and_verdict_per_algorithm(tmp_p
         repeats=3,
         base_overrides={"reward": "shapes", "eval_every": 2, "eval_prompts": "shapes-heldout"},
     )
+    return compare(cfg, base_training_config(cfg, workspace), _stand_in_trainer, log)
+
+
+def test_compare_reports_the_heldout_gain_spread_and_verdict_per_algorithm(tmp_path):
     lines: list[str] = []
-    rows = {
-        row["algorithm"]: row
-        for row in compare(cfg, base_training_config(cfg, workspace), _stand_in_trainer, lines.append)
-    }
+    rows = {row["algorithm"]: row for row in _stand_in_comparison(tmp_path, lines.append)}
     dance, short = rows["dance"], rows["dance-t2"]
     assert dance["heldout_reward"] == "shapes"
     assert dance["heldout_gain_runs"] == pytest.approx([0.05, 0.0, 0.10])
@@ -139,14 +141,7 @@ def test_the_plot_puts_each_evaluation_at_its_training_seconds_with_the_repeats_
     from fluxgrpo.bench.heldout_plot import curve_points, heldout_png
     from fluxgrpo.errors import UsageError
 
-    workspace = Workspace(tmp_path / "flux", tmp_path / "hps", tmp_path / "index.json", tmp_path / "runs")
-    cfg = EfficiencyConfig(
-        algorithms=("dance-t2",),
-        iterations=2,
-        repeats=3,
-        base_overrides={"reward": "shapes", "eval_every": 2, "eval_prompts": "shapes-heldout"},
-    )
-    rows = compare(cfg, base_training_config(cfg, workspace), _stand_in_trainer, lambda _: None)
+    rows = _stand_in_comparison(tmp_path, lambda _: None)
     dance = next(row for row in rows if row["algorithm"] == "dance")
     # 1 s per iteration (0.5 + 0.1 + 0.4): iteration 2 at 2 s; dance's three runs end at 0.45, 0.40, 0.50
     assert curve_points(dance) == [(0.0, 0.4, 0.4, 0.4), (2.0, pytest.approx(0.45), 0.4, pytest.approx(0.5))]
