@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,65 @@ class _TrajectoryStore:
             self.current[start:stop] = value
 
 
+@dataclass(frozen=True)
+class _ModelCall:
+    """Everything one transformer forward of a rollout shares across steps and chunks."""
+
+    transformer: nn.Module
+    cond: Conditioning
+    chunks: list[tuple[int, int]]
+    guidance_values: torch.Tensor  # [B]
+    img_ids: torch.Tensor
+    device_type: str
+    compute_dtype: torch.dtype | None
+
+    def velocity(self, x: torch.Tensor, start: int, stop: int, timestep: torch.Tensor) -> torch.Tensor:
+        """v for the trajectories ``start:stop`` at the model-fed ``timestep`` (a scalar tensor)."""
+        return predict_velocity(
+            self.transformer,
+            x,
+            self.cond.rows(start, stop),
+            timestep.expand(stop - start),
+            self.guidance_values[start:stop],
+            self.img_ids,
+            self.device_type,
+            self.compute_dtype,
+        )
+
+
+@contextlib.contextmanager
+def _sampling_mode(transformer: nn.Module, device_type: str, compute_dtype: torch.dtype | None) -> Iterator[None]:
+    """Eval mode for the rollout, one autocast region around it, and on the way out FSDP2 parameters resharded and
+    the module's train/eval mode restored.
+
+    Autocast keeps every weight's low-precision copy until its outermost region ends, so a full copy of the model is
+    alive at the end of each forward anyway: spanning the whole loop costs no extra peak memory and replaces
+    steps × chunks casts of every weight by one (the results are bit-identical either way; the steps work in fp32 on
+    fp32 inputs, which autocast leaves alone). Not for FSDP2-sharded modules: their cached copies would be keyed to
+    unsharded parameters that FSDP2 frees and re-gathers, an implementation detail not to lean on (FSDP2's own mixed
+    precision is the way to skip those casts).
+    """
+    was_training = transformer.training
+    transformer.eval()
+    cast_once = contextlib.nullcontext() if has_sharded_modules(transformer) else autocast(device_type, compute_dtype)
+    try:
+        with cast_once:
+            yield
+    finally:
+        reshard_sharded_modules(transformer)
+        transformer.train(was_training)
+
+
+@dataclass
+class _StepRecords:
+    """What the table steps write besides the latents: per-step log-probs, SDE means, and the x̂0 history."""
+
+    log_probs: torch.Tensor  # [B, N], NaN at ODE steps
+    means: torch.Tensor | None  # [B, K−1, L, C] with ``keep_means``
+    final_x0: torch.Tensor  # x̂0 of the last model call
+    previous_x0: torch.Tensor  # the same, as DPM-Solver++'s history
+
+
 @torch.no_grad()
 def sample_trajectories(
     transformer: nn.Module,
@@ -139,81 +199,73 @@ def sample_trajectories(
     sigmas = sigmas.to(device=device, dtype=torch.float32)
     num_steps = sigmas.shape[0] - 1
     plan = plan if plan is not None else StepPlan.every_step(num_steps)
-    fed_timesteps = model_timesteps(sigmas)
-    img_ids = img_ids.to(device)
-    table_steps = plan.table_steps(num_steps)
     kept = num_steps + 1 if plan.tail_sigmas is None and plan.last_step_sde else plan.sde_stop + 1
-    compute_dtype, sampler = settings.compute_dtype, settings.sampler
-
-    was_training = transformer.training
-    transformer.eval()
-    store = _TrajectoryStore(initial_noise, kept, num_steps, device)
-    log_probs = torch.full((num_trajectories, num_steps), float("nan"), dtype=torch.float32, device=device)
-    means = torch.zeros_like(store.latents[:, 1:]) if settings.keep_means else None
-    final_x0 = torch.empty_like(store.latents[:, 0])
-    previous_x0 = torch.empty_like(store.latents[:, 0])  # x̂0 of the last model call, DPM-Solver++'s history
     guidance_values = torch.full((num_trajectories,), settings.guidance, dtype=torch.float32, device=device)
-
-    # Autocast keeps every weight's low-precision copy until its outermost region ends, so a full copy of the
-    # model is alive at the end of each forward anyway: spanning the whole loop costs no extra peak memory and
-    # replaces steps × chunks casts of every weight by one. (The steps work in fp32 on fp32 inputs, which
-    # autocast leaves alone.) Not for FSDP2-sharded modules: their cached copies would be keyed to unsharded
-    # parameters that FSDP2 frees and re-gathers, an implementation detail not to lean on (FSDP2's own mixed
-    # precision is the way to skip those casts).
-    cast_once = contextlib.nullcontext() if has_sharded_modules(transformer) else autocast(device_type, compute_dtype)
-    try:
-        with cast_once:
-            for step in range(table_steps):
-                step_noise = torch.randn(
-                    store.latents[:, 0].shape, generator=generator, device=generator.device, dtype=torch.float32
-                ).to(device)
-                for start, stop in chunks:
-                    x = store.at(step, start, stop)
-                    velocity = predict_velocity(
-                        transformer,
-                        x,
-                        cond.rows(start, stop),
-                        fed_timesteps[step].expand(stop - start),
-                        guidance_values[start:stop],
-                        img_ids,
-                        device_type,
-                        compute_dtype,
-                    )
-                    if plan.is_sde(step, num_steps):
-                        result = sampler.step(x, velocity, sigmas[step], sigmas[step + 1], noise=step_noise[start:stop])
-                        log_probs[start:stop, step] = result.log_prob
-                        if means is not None and step < kept - 1:
-                            means[start:stop, step] = result.mean
-                        following, x0_pred = result.prev_sample, result.x0_pred
-                    else:
-                        following = euler_step(x, velocity, sigmas[step], sigmas[step + 1])
-                        x0_pred = x.to(torch.float32) - sigmas[step] * velocity.to(torch.float32)
-                    store.store(step + 1, start, stop, following)
-                    final_x0[start:stop] = x0_pred
-                    previous_x0[start:stop] = x0_pred
-            if plan.tail_sigmas is not None:
-                assert store.current is not None  # the tail's steps lie past the kept ones
-                _integrate_tail(
-                    transformer, cond, plan.tail_sigmas, sigmas[plan.sde_stop - 1], chunks, store.current,
-                    previous_x0, final_x0, guidance_values, img_ids, device_type, compute_dtype,
-                )  # fmt: skip
-    finally:
-        reshard_sharded_modules(transformer)
-        transformer.train(was_training)
+    call = _ModelCall(
+        transformer, cond, chunks, guidance_values, img_ids.to(device), device_type, settings.compute_dtype
+    )
+    store = _TrajectoryStore(initial_noise, kept, num_steps, device)
+    records = _StepRecords(
+        log_probs=torch.full((num_trajectories, num_steps), float("nan"), dtype=torch.float32, device=device),
+        means=torch.zeros_like(store.latents[:, 1:]) if settings.keep_means else None,
+        final_x0=torch.empty_like(store.latents[:, 0]),
+        previous_x0=torch.empty_like(store.latents[:, 0]),
+    )
+    with _sampling_mode(transformer, device_type, settings.compute_dtype):
+        _table_steps(call, sigmas, plan, settings.sampler, store, records, generator)
+        if plan.tail_sigmas is not None:
+            assert store.current is not None  # the tail's steps lie past the kept ones
+            _integrate_tail(
+                call, plan.tail_sigmas, sigmas[plan.sde_stop - 1], store.current, records.previous_x0, records.final_x0
+            )
 
     return Rollout(
         latents=store.latents,
-        log_probs=log_probs,
-        final_x0=final_x0,
+        log_probs=records.log_probs,
+        final_x0=records.final_x0,
         sigmas=sigmas,
-        img_ids=img_ids,
+        img_ids=call.img_ids,
         guidance=float(settings.guidance),
-        sampler=sampler,
+        sampler=settings.sampler,
         captions=cond.captions,
         sde_steps=(plan.sde_start, plan.sde_stop),
-        means=means,
+        means=records.means,
         final_latent=store.current if store.current is not None else store.latents[:, -1],
     )
+
+
+def _table_steps(
+    call: _ModelCall,
+    sigmas: torch.Tensor,
+    plan: StepPlan,
+    sampler: Sampler,
+    store: _TrajectoryStore,
+    records: _StepRecords,
+    generator: torch.Generator,
+) -> None:
+    """The steps on the σ table: the sampler's SDE step inside the plan's window, Euler outside it. Each step's noise
+    is drawn for all B trajectories at once, whether the step is SDE or not (see ``sample_trajectories``)."""
+    num_steps = sigmas.shape[0] - 1
+    fed_timesteps = model_timesteps(sigmas)
+    for step in range(plan.table_steps(num_steps)):
+        step_noise = torch.randn(
+            store.latents[:, 0].shape, generator=generator, device=generator.device, dtype=torch.float32
+        ).to(sigmas.device)
+        for start, stop in call.chunks:
+            x = store.at(step, start, stop)
+            velocity = call.velocity(x, start, stop, fed_timesteps[step])
+            if plan.is_sde(step, num_steps):
+                result = sampler.step(x, velocity, sigmas[step], sigmas[step + 1], noise=step_noise[start:stop])
+                records.log_probs[start:stop, step] = result.log_prob
+                if records.means is not None and step < store.kept - 1:
+                    records.means[start:stop, step] = result.mean
+                following, x0_pred = result.prev_sample, result.x0_pred
+            else:
+                following = euler_step(x, velocity, sigmas[step], sigmas[step + 1])
+                x0_pred = x.to(torch.float32) - sigmas[step] * velocity.to(torch.float32)
+            store.store(step + 1, start, stop, following)
+            records.final_x0[start:stop] = x0_pred
+            records.previous_x0[start:stop] = x0_pred
 
 
 @torch.no_grad()
@@ -252,36 +304,23 @@ def sample_final_latents(
         path = torch.empty((num_trajectories, sigmas.shape[0], *current.shape[1:]), dtype=torch.float32, device=device)
         path[:, 0] = current
     guidance_values = torch.full((num_trajectories,), guidance, dtype=torch.float32, device=device)
-    was_training = transformer.training
-    transformer.eval()
-    cast_once = contextlib.nullcontext() if has_sharded_modules(transformer) else autocast(device_type, compute_dtype)
-    try:
-        with cast_once:
-            _integrate_tail(
-                transformer, cond, sigmas, sigmas[0], chunks, current, previous_x0, torch.empty_like(current),
-                guidance_values, img_ids, device_type, compute_dtype, first_order_start=True, path=path,
-            )  # fmt: skip
-    finally:
-        reshard_sharded_modules(transformer)
-        transformer.train(was_training)
+    call = _ModelCall(transformer, cond, chunks, guidance_values, img_ids, device_type, compute_dtype)
+    with _sampling_mode(transformer, device_type, compute_dtype):
+        _integrate_tail(
+            call, sigmas, sigmas[0], current, previous_x0, torch.empty_like(current), first_order_start=True, path=path
+        )
     return FinalSamples(
         final_x0=current, sigmas=sigmas, img_ids=img_ids, guidance=float(guidance), captions=cond.captions, path=path
     )
 
 
 def _integrate_tail(
-    transformer: nn.Module,
-    cond: Conditioning,
+    call: _ModelCall,
     tail_sigmas: torch.Tensor,
     previous_sigma: torch.Tensor,
-    chunks: list[tuple[int, int]],
     current: torch.Tensor,
     previous_x0: torch.Tensor,
     final_x0: torch.Tensor,
-    guidance_values: torch.Tensor,
-    img_ids: torch.Tensor,
-    device_type: str,
-    compute_dtype: torch.dtype | None,
     *,
     first_order_start: bool = False,
     path: torch.Tensor | None = None,
@@ -294,12 +333,9 @@ def _integrate_tail(
     for j in range(tail_sigmas.shape[0] - 1):
         sigma, sigma_next = tail_sigmas[j], tail_sigmas[j + 1]
         sigma_previous = previous_sigma if j == 0 else tail_sigmas[j - 1]
-        for start, stop in chunks:
+        for start, stop in call.chunks:
             x = current[start:stop]
-            velocity = predict_velocity(
-                transformer, x, cond.rows(start, stop), fed[j].expand(stop - start), guidance_values[start:stop],
-                img_ids, device_type, compute_dtype,
-            ).to(torch.float32)  # fmt: skip
+            velocity = call.velocity(x, start, stop, fed[j]).to(torch.float32)
             x0_pred = x - sigma * velocity
             if j == tail_sigmas.shape[0] - 2 or (first_order_start and j == 0):
                 current[start:stop] = euler_step(x, velocity, sigma, sigma_next)
