@@ -16,13 +16,16 @@ CPU, seeded, in four stages:
    train with the transformer (stage 3) and ship as trained, frozen from then on like FLUX's.
 3. **Transformer** (``FluxTransformer2DModel``) by rectified flow on the VAE's normalised, packed latents:
    x_σ = (1 − σ)·x0 + σ·ε, target v = ε − x0, σ = FLUX's time shift (3) of a logit-normal/uniform draw, fed
-   quantised as the sampler feeds it (``grpo.schedule.model_timesteps``) with a random distilled-guidance value
-   (the model is not guidance-distilled, so it learns to ignore it). An EMA of the weights is what ships.
-4. **Tiny HPS**: an open_clip CLIP trained contrastively on (image, caption) pairs (the renders) with one hard
-   negative caption per image (a colour, shape, count or relation changed), and, as HPSv2 was fine-tuned on people's
-   rankings of generated images, with HPSv2's ranking loss on pairs of the base model's own samples of training
-   prompts ranked by the rule checker; through HPSv2's own preprocessing; written in HPSv2's layout
-   (``HPS_v2.1_compressed.pt`` + ``open_clip_config.json``).
+   quantised as the sampler feeds it (``grpo.schedule.model_timesteps``) with a random guidance value (this
+   stage learns to ignore it); a tenth of the rows get the empty caption, so the model also knows the
+   unconditional velocity, as classifier-free guidance trains it. An EMA of the weights is kept.
+4. **Guidance distillation**, as FLUX.1-dev is guidance-distilled: a copy of the transformer learns, at guidance
+   input g, the stage-3 model's classifier-free-guided velocity v_u + g·(v_c − v_u), so that ``--guidance 3.5``
+   (every sampler's and config's default) binds the caption as CFG 3.5 would, in one forward. Without it the
+   conditional model drew the right objects but bound colours, counts and relations to the caption in 5–40 % of
+   samples. Its EMA is what ships.
+5. **Tiny HPS** (``shapes/build_hps.py``): an open_clip CLIP in HPSv2's layout, trained on the renders and on the
+   base model's own samples ranked by the rule checker.
 
 ``--quick`` runs every stage a few steps (the tests). The same seed, torch version and thread count give the same
 files. ``build.json`` records the plan, the losses and the time of each stage.
@@ -32,114 +35,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fluxgrpo.shapes import world
+from fluxgrpo.shapes.build_hps import judged_base_samples, train_hps, write_hps
+from fluxgrpo.shapes.plan import (
+    BUILD_INFO,
+    FLUX_SUBDIR,
+    FULL_PLAN,
+    HPS_SUBDIR,
+    QUICK_PLAN,
+    WORLD_TRANSFORMER_CONFIG,
+    WORLD_VAE_CONFIG,
+    BuildPlan,
+    log,
+    training_captions,
+    warmup_cosine,
+)
 from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH, build_world_clip_tokenizer, build_world_t5_tokenizer
 
-BUILD_INFO = "build.json"
-FLUX_SUBDIR = "flux"
-HPS_SUBDIR = "hps"
-
-# FLUX's parts at laptop size. The transformer sees 16 image tokens (a 64² image) and 12 text tokens.
-WORLD_TRANSFORMER_CONFIG: dict[str, Any] = {
-    "patch_size": 1,
-    "in_channels": 64,  # 16 latent channels x 2x2 packing
-    "num_layers": 2,
-    "num_single_layers": 2,
-    "attention_head_dim": 32,
-    "num_attention_heads": 4,
-    "joint_attention_dim": 32,  # = the T5's d_model
-    "pooled_projection_dim": 32,  # = the CLIP's hidden size
-    "guidance_embeds": True,
-    "axes_dims_rope": (8, 12, 12),  # each even, summing to attention_head_dim
-}
-WORLD_VAE_CONFIG: dict[str, Any] = {
-    "in_channels": 3,
-    "out_channels": 3,
-    "down_block_types": ("DownEncoderBlock2D",) * 4,
-    "up_block_types": ("UpDecoderBlock2D",) * 4,
-    "block_out_channels": (8, 16, 32, 32),
-    "layers_per_block": 1,
-    "latent_channels": 16,
-    "norm_num_groups": 4,
-    "sample_size": 64,
-    "use_quant_conv": False,
-    "use_post_quant_conv": False,
-}
-# open_clip's model-config format, read back by ``rewards/open_clip_model.py``. The vision tower takes the 64²
-# images as they are (HPSv2's resize is then the identity); the text tower has open_clip's own vocabulary.
-WORLD_HPS_CONFIG: dict[str, Any] = {
-    "embed_dim": 32,
-    "vision_cfg": {"image_size": 64, "layers": 2, "width": 64, "head_width": 16, "patch_size": 8},
-    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
-}
-
-
-@dataclass(frozen=True)
-class BuildPlan:
-    """Sizes and lengths of every stage; ``FULL_PLAN`` is what ships, ``QUICK_PLAN`` what the tests run."""
-
-    seed: int = 0
-    images: int = 8000  # rendered training images (train-split captions, families weighed evenly)
-    vae_images: int = 8000  # rendered images of every caption of the grammar, for the caption-free VAE
-    vae_steps: int = 400
-    vae_batch: int = 16
-    vae_lr: float = 2e-3
-    decoder_steps: int = 1200  # the decoder alone afterwards, the encoder frozen
-    decoder_lr: float = 1e-3
-    # The objects cover ~15 % of an image: unweighted, the loss spends itself on the plain background while an
-    # object's colour drifts towards another palette colour. Object pixels (and a 1-px rim) weigh 1 + this.
-    decoder_object_weight: float = 8.0
-    transformer_steps: int = 8000
-    transformer_batch: int = 48
-    transformer_lr: float = 1e-3
-    ema_decay: float = 0.998
-    text_encoders: bool = True  # the CLIP and T5 train with the transformer (see train_transformer)
-    hps_steps: int = 400
-    hps_batch: int = 96  # distinct captions per step, one image each
-    hps_lr: float = 2e-3
-    hps_judged_prompts: int = 240  # training prompts whose base samples the checker ranks for HPS's ranking loss
-    hps_judged_per_prompt: int = 8
-    hps_judged_steps: int = 12  # sampler steps, as the shapes configs evaluate
-    hps_pair_batch: int = 64
-    threads: int = 2
-
-
-FULL_PLAN = BuildPlan()
-QUICK_PLAN = BuildPlan(
-    images=16,
-    vae_images=16,
-    vae_steps=2,
-    vae_batch=2,
-    decoder_steps=2,
-    transformer_steps=2,
-    transformer_batch=4,
-    hps_steps=2,
-    hps_batch=8,
-    hps_judged_prompts=2,
-    hps_judged_per_prompt=2,
-    hps_judged_steps=2,
-    hps_pair_batch=4,
-)
-
-
-_START = time.monotonic()
-
-
-def _log(message: str) -> None:
-    print(f"[{time.monotonic() - _START:7.1f}s] {message}", flush=True)
-
-
-def training_captions() -> list[str]:
-    return list(world.split().train)
+if TYPE_CHECKING:
+    import torch
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import CLIPTextModel, PreTrainedTokenizerBase, T5EncoderModel
 
 
 def render_dataset(count: int, seed: int, captions: list[str] | None = None) -> tuple[np.ndarray, list[int]]:
@@ -163,20 +87,14 @@ def render_dataset(count: int, seed: int, captions: list[str] | None = None) -> 
     return images, indices
 
 
-def _to_pixels(images: np.ndarray) -> Any:
+def _to_pixels(images: np.ndarray) -> torch.Tensor:
     """uint8 [N, H, W, 3] → float32 [N, 3, H, W] in [-1, 1], the VAE's input range."""
     import torch
 
     return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
 
 
-def _warmup_cosine(step: int, total: int, warmup: int) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))) * 0.9 + 0.1
-
-
-def train_vae(images: np.ndarray, plan: BuildPlan) -> tuple[Any, list[float]]:
+def train_vae(images: np.ndarray, plan: BuildPlan) -> tuple[AutoencoderKL, list[float]]:
     import torch
     from diffusers import AutoencoderKL
 
@@ -188,7 +106,7 @@ def train_vae(images: np.ndarray, plan: BuildPlan) -> tuple[Any, list[float]]:
     vae.train()
     for step in range(plan.vae_steps):
         for group in optimizer.param_groups:
-            group["lr"] = plan.vae_lr * _warmup_cosine(step, plan.vae_steps, 20)
+            group["lr"] = plan.vae_lr * warmup_cosine(step, plan.vae_steps, 20)
         batch = _to_pixels(images[torch.randint(len(images), (plan.vae_batch,), generator=generator).numpy()])
         posterior = vae.encode(batch).latent_dist
         latents = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=generator)
@@ -201,11 +119,11 @@ def train_vae(images: np.ndarray, plan: BuildPlan) -> tuple[Any, list[float]]:
         optimizer.step()
         losses.append(loss.item())
         if step % 20 == 0 or step == plan.vae_steps - 1:
-            _log(f"vae step {step}/{plan.vae_steps} loss {loss.item():.4f}")
+            log(f"vae step {step}/{plan.vae_steps} loss {loss.item():.4f}")
     return vae.eval().requires_grad_(False), losses
 
 
-def object_weights(images: np.ndarray, extra: float) -> Any:
+def object_weights(images: np.ndarray, extra: float) -> torch.Tensor:
     """[N, 1, H, W] float32: 1 on the background, 1 + ``extra`` on an object's pixels and a 1-px rim around them
     (anti-aliased edges included)."""
     import torch
@@ -215,7 +133,7 @@ def object_weights(images: np.ndarray, extra: float) -> Any:
     return 1 + extra * torch.nn.functional.max_pool2d(objects, 3, stride=1, padding=1)
 
 
-def finetune_decoder(vae: Any, images: np.ndarray, plan: BuildPlan) -> list[float]:
+def finetune_decoder(vae: AutoencoderKL, images: np.ndarray, plan: BuildPlan) -> list[float]:
     """More training for the decoder alone, the encoder frozen (as Stable Diffusion's ft-MSE VAE was): the latents,
     and so the transformer's data, stay as they are while colours and edges sharpen; the objects' pixels weigh more
     (``plan.decoder_object_weight``). In place; the loss per step."""
@@ -232,7 +150,7 @@ def finetune_decoder(vae: Any, images: np.ndarray, plan: BuildPlan) -> list[floa
     vae.train()
     for step in range(plan.decoder_steps):
         for group in optimizer.param_groups:
-            group["lr"] = plan.decoder_lr * _warmup_cosine(step, plan.decoder_steps, 20)
+            group["lr"] = plan.decoder_lr * warmup_cosine(step, plan.decoder_steps, 20)
         chosen = images[torch.randint(len(images), (plan.vae_batch,), generator=generator).numpy()]
         batch = _to_pixels(chosen)
         weights = object_weights(chosen, plan.decoder_object_weight)
@@ -248,12 +166,12 @@ def finetune_decoder(vae: Any, images: np.ndarray, plan: BuildPlan) -> list[floa
         optimizer.step()
         losses.append(loss.item())
         if step % 20 == 0 or step == plan.decoder_steps - 1:
-            _log(f"decoder step {step}/{plan.decoder_steps} loss {loss.item():.4f}")
+            log(f"decoder step {step}/{plan.decoder_steps} loss {loss.item():.4f}")
     vae.eval().requires_grad_(False)
     return losses
 
 
-def encode_dataset(vae: Any, images: np.ndarray, batch: int = 256) -> Any:
+def encode_dataset(vae: AutoencoderKL, images: np.ndarray, batch: int = 256) -> torch.Tensor:
     """Posterior means [N, 16, 8, 8] of every image (no noise: the data the flow is trained to reach)."""
     import torch
 
@@ -263,7 +181,9 @@ def encode_dataset(vae: Any, images: np.ndarray, batch: int = 256) -> Any:
         )
 
 
-def build_text_encoders(seed: int) -> tuple[Any, Any, Any, Any]:
+def build_text_encoders(
+    seed: int,
+) -> tuple[CLIPTextModel, PreTrainedTokenizerBase, T5EncoderModel, PreTrainedTokenizerBase]:
     """The world's CLIP-L and T5 text encoders (random, seeded, frozen) and their tokenizers."""
     import torch
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
@@ -307,7 +227,7 @@ def build_text_encoders(seed: int) -> tuple[Any, Any, Any, Any]:
     return clip.eval().requires_grad_(False), clip_tokenizer, t5.eval().requires_grad_(False), t5_tokenizer
 
 
-def draw_sigmas(count: int, generator: Any, shift: float = 3.0) -> Any:
+def draw_sigmas(count: int, generator: torch.Generator, shift: float = 3.0) -> torch.Tensor:
     """σ for flow-matching training: half logit-normal, half uniform, through FLUX's time shift σ = s·u/(1+(s−1)·u).
 
     The shift is the one the RL sampler's table uses (``grpo.schedule.sigma_schedule``), so the noisy early steps,
@@ -320,7 +240,9 @@ def draw_sigmas(count: int, generator: Any, shift: float = 3.0) -> Any:
     return shift * u / (1 + (shift - 1) * u)
 
 
-def tokenize_captions(clip_tokenizer: Any, t5_tokenizer: Any, captions: list[str]) -> tuple[Any, Any]:
+def tokenize_captions(
+    clip_tokenizer: PreTrainedTokenizerBase, t5_tokenizer: PreTrainedTokenizerBase, captions: list[str]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(CLIP ids [n, 77], T5 ids [n, 12]) padded exactly as ``models.flux.encode_prompts`` pads them."""
     from fluxgrpo.models.flux import CLIP_MAX_LENGTH
 
@@ -334,13 +256,19 @@ def tokenize_captions(clip_tokenizer: Any, t5_tokenizer: Any, captions: list[str
 
 
 def train_transformer(
-    latents: Any, caption_index: list[int], clip: Any, t5: Any, token_ids: tuple[Any, Any], plan: BuildPlan
-) -> tuple[Any, Any, Any, list[float]]:
+    latents: torch.Tensor,
+    caption_index: list[int],
+    clip: CLIPTextModel,
+    t5: T5EncoderModel,
+    token_ids: tuple[torch.Tensor, torch.Tensor],
+    plan: BuildPlan,
+) -> tuple[FluxTransformer2DModel, CLIPTextModel, T5EncoderModel, list[float]]:
     """Rectified-flow training of the transformer, and of both text encoders with it (``plan.text_encoders``).
 
     The encoders learn with the transformer because random ones hand it nearly one pooled vector for every caption
-    (cosine ≈ 0.97): FLUX's own encoders arrive pretrained and discriminative, ours must become so. Returns the EMA
-    transformer, CLIP and T5 (eval mode, gradients off) and the loss per step.
+    (cosine ≈ 0.97): FLUX's own encoders arrive pretrained and discriminative, ours must become so. The last row of
+    ``token_ids`` is the empty caption, which a ``plan.caption_dropout`` share of the rows get in place of their
+    own. Returns the EMA transformer, CLIP and T5 (eval mode, gradients off) and the loss per step.
     """
     import copy
 
@@ -366,6 +294,7 @@ def train_transformer(
     clip_ids, t5_ids = token_ids
     packed = pack_latents(latents)
     captions = torch.tensor(caption_index)
+    unconditional = len(t5_ids) - 1
     img_ids = image_ids(64, 64)
     text_ids = torch.zeros(WORLD_TEXT_LENGTH, 3)
     generator = torch.Generator().manual_seed(plan.seed + 20)
@@ -376,16 +305,18 @@ def train_transformer(
         t5.eval()
     for step in range(plan.transformer_steps):
         for group in optimizer.param_groups:
-            group["lr"] = plan.transformer_lr * _warmup_cosine(step, plan.transformer_steps, 100)
+            group["lr"] = plan.transformer_lr * warmup_cosine(step, plan.transformer_steps, 100)
         rows = torch.randint(len(packed), (plan.transformer_batch,), generator=generator)
         x0 = packed[rows]
         noise = torch.randn(x0.shape, generator=generator)
         sigma = draw_sigmas(len(rows), generator)
         noisy = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
         guidance = 1 + 4 * torch.rand(len(rows), generator=generator)
+        dropped = torch.rand(len(rows), generator=generator) < plan.caption_dropout
+        chosen = torch.where(dropped, unconditional, captions[rows])
         with torch.set_grad_enabled(plan.text_encoders):
-            pooled = clip(clip_ids[captions[rows]]).pooler_output
-            prompt_embeds = t5(t5_ids[captions[rows]])[0]
+            pooled = clip(clip_ids[chosen]).pooler_output
+            prompt_embeds = t5(t5_ids[chosen])[0]
         cond = Conditioning(prompt_embeds, pooled, text_ids)
         velocity = predict_velocity(transformer, noisy, cond, model_timesteps(sigma), guidance, img_ids, "cpu")
         loss = (velocity.float() - (noise - x0)).pow(2).mean()
@@ -399,145 +330,92 @@ def train_transformer(
                 kept.lerp_(live, 1 - decay)
         losses.append(loss.item())
         if step % 100 == 0 or step == plan.transformer_steps - 1:
-            _log(f"transformer step {step}/{plan.transformer_steps} loss {loss.item():.4f}")
+            log(f"transformer step {step}/{plan.transformer_steps} loss {loss.item():.4f}")
     ema.eval()
     return ema["transformer"], ema["clip"], ema["t5"], losses
 
 
-def hard_negative(text: str, rng: random.Random) -> str | None:
-    """The caption with one claim changed (a colour, a shape, the count or the relation), seen combinations only;
-    None when no change stays in the grammar's seen part."""
-    caption = world.parse_caption(text)
-    options: list[world.Caption] = []
-    for i, spec in enumerate(caption.objects):
-        for colour in world.COLOURS:
-            if spec.colour and colour != spec.colour:
-                objects = list(caption.objects)
-                objects[i] = world.ObjectSpec(spec.shape, colour)
-                options.append(replace(caption, objects=tuple(objects)))
-        for shape in world.SHAPES:
-            others = {o.shape for j, o in enumerate(caption.objects) if j != i}
-            if shape != spec.shape and shape not in others:
-                objects = list(caption.objects)
-                objects[i] = world.ObjectSpec(shape, spec.colour)
-                options.append(replace(caption, objects=tuple(objects)))
-    if caption.count is not None:
-        options += [replace(caption, count=n) for n in (2, 3) if n != caption.count]
-    if caption.relation is not None:
-        options += [replace(caption, relation=r) for r in world.RELATIONS if r != caption.relation]
-        options.append(replace(caption, objects=caption.objects[::-1]))
-    seen = [option for option in options if not world.is_novel(option) and option.text() != text]
-    return rng.choice(seen).text() if seen else None
+def distill_guidance(
+    teacher: FluxTransformer2DModel,
+    clip: CLIPTextModel,
+    t5: T5EncoderModel,
+    latents: torch.Tensor,
+    caption_index: list[int],
+    token_ids: tuple[torch.Tensor, torch.Tensor],
+    plan: BuildPlan,
+) -> tuple[FluxTransformer2DModel, list[float]]:
+    """A copy of ``teacher`` trained so that its velocity at guidance input g is the teacher's classifier-free-guided
+    one, v_u + g·(v_c − v_u), with g ~ U(``plan.distill_guidance_low``, ``…_high``); the text encoders frozen (their embeddings are
+    computed once). ``token_ids``' last row is the empty caption. Returns the student's EMA and the loss per step.
+    """  # fmt: skip
+    import copy
 
-
-@dataclass(frozen=True)
-class JudgedSamples:
-    """The base model's own images of training prompts, each scored by the checker: HPS's "human" preferences.
-
-    HPSv2 was fine-tuned on pairs of *generated* images that people ranked; here the rule checker ranks them. Pairs
-    are (better, worse) rows of one prompt's group whose checker scores differ."""
-
-    images: np.ndarray  # uint8 [N, 64, 64, 3]
-    prompts: list[str]
-    scores: list[float]
-    pairs: list[tuple[int, int]]
-
-
-def judged_base_samples(flux_dir: Path, plan: BuildPlan) -> JudgedSamples:
-    """``plan.hps_judged_prompts`` training prompts × ``plan.hps_judged_per_prompt`` base samples, checked."""
-    from fluxgrpo.shapes.checker import check
-    from fluxgrpo.shapes.measure import sample_images
-
-    captions = training_captions()
-    prompts = random.Random(plan.seed + 40).sample(captions, min(plan.hps_judged_prompts, len(captions)))
-    # Seed 7: apart from the measurement's sampling seeds (0 held-out, 1 training prompts).
-    groups = sample_images(flux_dir, prompts, plan.hps_judged_per_prompt, plan.hps_judged_steps, seed=7)
-    images: list[np.ndarray] = []
-    texts: list[str] = []
-    scores: list[float] = []
-    pairs: list[tuple[int, int]] = []
-    for prompt, group in zip(prompts, groups, strict=True):
-        first = len(images)
-        for image in group:
-            images.append(image)
-            texts.append(prompt)
-            scores.append(check(image, prompt).score)
-        rows = range(first, len(images))
-        pairs += [(i, j) for i in rows for j in rows if scores[i] > scores[j]]
-    stacked = np.stack(images) if images else np.empty((0, 64, 64, 3), np.uint8)
-    return JudgedSamples(stacked, texts, scores, pairs)
-
-
-def train_hps(
-    images: np.ndarray, caption_index: list[int], judged: JudgedSamples, plan: BuildPlan
-) -> tuple[Any, list[float]]:
-    """The tiny open_clip CLIP: contrastive (render, caption) training with hard negatives, plus HPSv2's ranking
-    loss on the judged base samples (the better image of a pair gets the higher ``logit_scale · cos``, a softmax over
-    the pair as HPSv2's training computes it). Returns it in eval mode."""
-    import open_clip
     import torch
-    import torch.nn.functional as F
-    from open_clip.model import CLIP
 
-    from fluxgrpo.rewards.base import normalize_clip
-    from fluxgrpo.rewards.hpsv2 import resize_longest_and_pad
-    from fluxgrpo.rewards.open_clip_model import register_open_clip_config
+    from fluxgrpo.grpo.latents import image_ids, pack_latents
+    from fluxgrpo.grpo.rollout import predict_velocity
+    from fluxgrpo.grpo.schedule import model_timesteps
+    from fluxgrpo.grpo.types import Conditioning
 
-    captions = training_captions()
-    tokenizer = open_clip.get_tokenizer(register_open_clip_config(WORLD_HPS_CONFIG))
-    torch.manual_seed(plan.seed + 2)
-    model = CLIP(**json.loads(json.dumps(WORLD_HPS_CONFIG)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=plan.hps_lr, weight_decay=0.0)
-    by_caption: dict[int, list[int]] = {}
-    for row, index in enumerate(caption_index):
-        by_caption.setdefault(index, []).append(row)
-    rng = random.Random(plan.seed + 30)
-    size = WORLD_HPS_CONFIG["vision_cfg"]["image_size"]
-
-    def prepare(batch: np.ndarray) -> Any:  # HPSv2's own preprocessing, on uint8 [n, 64, 64, 3]
-        pixels = torch.from_numpy(batch).permute(0, 3, 1, 2).float() / 255.0
-        return normalize_clip(resize_longest_and_pad(pixels, size))
-
-    def ranking_loss(model: Any, tokenizer: Any, judged: JudgedSamples, pairs: list[tuple[int, int]]) -> Any:
-        better, worse = [i for i, _ in pairs], [j for _, j in pairs]
-        image_features = F.normalize(model.encode_image(prepare(judged.images[better + worse])), dim=-1)
-        text_features = F.normalize(model.encode_text(tokenizer([judged.prompts[i] for i in better])), dim=-1)
-        scores = model.logit_scale.exp() * (image_features * text_features.repeat(2, 1)).sum(-1)
-        logits = torch.stack([scores[: len(pairs)], scores[len(pairs) :]], dim=1)  # [pairs, 2]: better first
-        return F.cross_entropy(logits, torch.zeros(len(pairs), dtype=torch.long))
-
+    torch.manual_seed(plan.seed + 5)
+    teacher.eval().requires_grad_(False)
+    student = copy.deepcopy(teacher).train().requires_grad_(True)
+    ema = copy.deepcopy(teacher)
+    optimizer = torch.optim.AdamW(student.parameters(), lr=plan.distill_lr, weight_decay=1e-4)
+    with torch.no_grad():
+        pooled = clip(token_ids[0]).pooler_output  # [captions + 1, D]
+        embeds = t5(token_ids[1])[0]  # [captions + 1, T, D]
+    unconditional = len(embeds) - 1
+    packed = pack_latents(latents)
+    captions = torch.tensor(caption_index)
+    img_ids, text_ids = image_ids(64, 64), torch.zeros(WORLD_TEXT_LENGTH, 3)
+    low, high = plan.distill_guidance_low, plan.distill_guidance_high
+    generator = torch.Generator().manual_seed(plan.seed + 60)
     losses = []
-    model.train()
-    for step in range(plan.hps_steps):
+    for step in range(plan.distill_steps):
         for group in optimizer.param_groups:
-            group["lr"] = plan.hps_lr * _warmup_cosine(step, plan.hps_steps, 50)
-        chosen = rng.sample(sorted(by_caption), min(plan.hps_batch, len(by_caption)))
-        rows = [rng.choice(by_caption[index]) for index in chosen]
-        texts = [captions[index] for index in chosen]
-        negatives = [hard_negative(text, rng) or text for text in texts]
-        image_features = F.normalize(model.encode_image(prepare(images[rows])), dim=-1)
-        text_features = F.normalize(model.encode_text(tokenizer(texts + negatives)), dim=-1)
-        logits = model.logit_scale.exp() * image_features @ text_features.T  # [b, 2b]
-        # A hard negative that equals another image's own caption is masked for that image only.
-        own = torch.tensor([[t == texts[i] for t in texts + negatives] for i in range(len(texts))])
-        own[torch.arange(len(texts)), torch.arange(len(texts))] = False
-        logits = logits.masked_fill(own, float("-inf"))
-        targets = torch.arange(len(texts))
-        loss = (F.cross_entropy(logits, targets) + F.cross_entropy(logits[:, : len(texts)].T, targets)) / 2
-        if judged.pairs:
-            loss = loss + ranking_loss(model, tokenizer, judged, rng.choices(judged.pairs, k=plan.hps_pair_batch))
+            group["lr"] = plan.distill_lr * warmup_cosine(step, plan.distill_steps, 50)
+        rows = torch.randint(len(packed), (plan.transformer_batch,), generator=generator)
+        x0 = packed[rows]
+        noise = torch.randn(x0.shape, generator=generator)
+        sigma = draw_sigmas(len(rows), generator)
+        noisy = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
+        guidance = low + (high - low) * torch.rand(len(rows), generator=generator)
+        timesteps = model_timesteps(sigma)
+        chosen = captions[rows]
+        both = torch.cat([chosen, torch.full_like(chosen, unconditional)])  # conditional rows, then unconditional
+        with torch.no_grad():
+            teacher_cond = Conditioning(embeds[both], pooled[both], text_ids)
+            v_cond, v_uncond = predict_velocity(
+                teacher, noisy.repeat(2, 1, 1), teacher_cond, timesteps.repeat(2), guidance.repeat(2), img_ids, "cpu"
+            ).chunk(2)
+            target = v_uncond + guidance[:, None, None] * (v_cond - v_uncond)
+        cond = Conditioning(embeds[chosen], pooled[chosen], text_ids)
+        velocity = predict_velocity(student, noisy, cond, timesteps, guidance, img_ids, "cpu")
+        loss = (velocity.float() - target).pow(2).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         optimizer.step()
+        decay = min(plan.ema_decay, (1 + step) / (10 + step))
         with torch.no_grad():
-            model.logit_scale.clamp_(0, math.log(100))
+            for kept, live in zip(ema.parameters(), student.parameters(), strict=True):
+                kept.lerp_(live, 1 - decay)
         losses.append(loss.item())
-        if step % 50 == 0 or step == plan.hps_steps - 1:
-            _log(f"hps step {step}/{plan.hps_steps} loss {loss.item():.4f}")
-    return model.eval().requires_grad_(False), losses
+        if step % 100 == 0 or step == plan.distill_steps - 1:
+            log(f"guidance distillation step {step}/{plan.distill_steps} loss {loss.item():.4f}")
+    return ema.eval().requires_grad_(False), losses
 
 
-def write_flux(folder: Path, vae: Any, transformer: Any, clip: Any, clip_tokenizer: Any, t5: Any, t5_tokenizer: Any):
+def write_flux(
+    folder: Path,
+    vae: AutoencoderKL,
+    transformer: FluxTransformer2DModel,
+    clip: CLIPTextModel,
+    clip_tokenizer: PreTrainedTokenizerBase,
+    t5: T5EncoderModel,
+    t5_tokenizer: PreTrainedTokenizerBase,
+) -> None:
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
     from fluxgrpo.models.tiny import FLUX_SCHEDULER_CONFIG
@@ -552,16 +430,6 @@ def write_flux(folder: Path, vae: Any, transformer: Any, clip: Any, clip_tokeniz
         transformer=transformer,
     )
     pipeline.save_pretrained(folder)
-
-
-def write_hps(folder: Path, model: Any) -> None:
-    import torch
-
-    from fluxgrpo.weights.layout import HPS_CHECKPOINT, REWARD_ARCH_FILE
-
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.save({"state_dict": model.state_dict()}, folder / HPS_CHECKPOINT)
-    (folder / REWARD_ARCH_FILE).write_text(json.dumps(WORLD_HPS_CONFIG, indent=2) + "\n")
 
 
 def build(out: Path, plan: BuildPlan = FULL_PLAN) -> dict[str, Any]:
@@ -593,10 +461,15 @@ def build(out: Path, plan: BuildPlan = FULL_PLAN) -> dict[str, Any]:
 
     stage = time.monotonic()
     clip, clip_tokenizer, t5, t5_tokenizer = build_text_encoders(plan.seed + 3)
-    token_ids = tokenize_captions(clip_tokenizer, t5_tokenizer, training_captions())
-    transformer, clip, t5, flow_losses = train_transformer(latents, caption_index, clip, t5, token_ids, plan)
+    # the training captions and, last, the empty one (caption dropout's and the distillation's unconditional row)
+    token_ids = tokenize_captions(clip_tokenizer, t5_tokenizer, [*training_captions(), ""])
+    teacher, clip, t5, flow_losses = train_transformer(latents, caption_index, clip, t5, token_ids, plan)
     info["seconds"]["transformer"] = round(time.monotonic() - stage, 1)
-    info["transformer"] = {"final_loss": float(np.mean(flow_losses[-50:]))}
+    stage = time.monotonic()
+    transformer, distill_losses = distill_guidance(teacher, clip, t5, latents, caption_index, token_ids, plan)
+    info["seconds"]["distillation"] = round(time.monotonic() - stage, 1)
+    info["transformer"] = {"final_loss": float(np.mean(flow_losses[-50:])),
+                           "distillation_final_loss": float(np.mean(distill_losses[-50:]))}  # fmt: skip
     write_flux(out / FLUX_SUBDIR, vae, transformer, clip, clip_tokenizer, t5, t5_tokenizer)
 
     stage = time.monotonic()

@@ -4,7 +4,8 @@ Measures the four properties issue 29 asks of the shipped weights, through the p
 
 - **base accuracy**: the base model's images of the held-out prompts (``shapes-heldout``), sampled as ``fluxgrpo
   sample`` and the training's evaluation sample them (FluxPipeline's deterministic Euler sampler, ``image_seed``
-  seeds), checked by the rule checker: strict (all claims) rate and mean score, seen and novel combinations apart;
+  seeds), checked by the rule checker: strict (all claims) rate and mean score, seen and novel combinations apart,
+  and the strict rate per task family;
 - **spread**: the fraction of groups (the images of one prompt, 8 by default) whose checker scores are not all
   equal, on the training prompts (what GRPO's groups see) and on the held-out ones;
 - **VAE**: the checker's strict rate on VAE reconstructions of rendered images of every caption;
@@ -75,6 +76,10 @@ def accuracy(prompts: list[str], results: list[list[Any]]) -> dict[str, Any]:
             }
     spread = [len({r.score for r in group}) > 1 for group in results]
     summary["groups_with_spread"] = round(float(np.mean(spread)), 4)
+    families: dict[str, list[bool]] = {}
+    for prompt in prompts:
+        families.setdefault(world.parse_caption(prompt).family, []).extend(r.strict for r in by_prompt[prompt])
+    summary["strict_by_family"] = {family: round(float(np.mean(v)), 4) for family, v in sorted(families.items())}
     return summary
 
 

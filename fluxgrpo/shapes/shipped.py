@@ -39,7 +39,7 @@ def _shipped(source: Path, relative: str) -> Path:
 
 def write_shapes_flux(flux_dir: Path, source: Path | None = None) -> int:
     """Copy the shipped FLUX folder to ``flux_dir`` and write its manifest; the bytes written (manifest excluded)."""
-    from fluxgrpo.shapes.build import FLUX_SUBDIR
+    from fluxgrpo.shapes.plan import FLUX_SUBDIR
 
     shipped = _shipped(source or shipped_weights_dir(), FLUX_SUBDIR)
     flux_dir = Path(flux_dir)
@@ -59,7 +59,7 @@ def write_shapes_reward(hps_dir: Path, source: Path | None = None) -> tuple[int,
     """
     import torch
 
-    from fluxgrpo.shapes.build import HPS_SUBDIR
+    from fluxgrpo.shapes.plan import HPS_SUBDIR
 
     shipped = _shipped(source or shipped_weights_dir(), HPS_SUBDIR)
     hps_dir = Path(hps_dir)

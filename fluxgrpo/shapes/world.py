@@ -60,6 +60,10 @@ SEEN_EVAL_FRACTION = 0.2  # of the seen-combination captions, held out from RL b
 TRAIN_PER_FAMILY = 40
 EVAL_PER_FAMILY = 4
 PROMPT_SETS = ("shapes-train", "shapes-heldout")
+# An object's radius (the circle it is drawn inside), as a fraction of the image size, drawn uniformly: 9–13 px at
+# 64², about one packed latent token (16 px) or more, so a tiny FLUX draws a legible shape (at 0.10–0.16 its
+# triangles and squares came out as blobs).
+OBJECT_RADIUS = (0.14, 0.20)
 
 
 @dataclass(frozen=True)
@@ -294,7 +298,7 @@ def sample_scene(caption: Caption, rng: random.Random, size: int = 64) -> Scene:
     for _ in range(1000):
         placed: list[PlacedObject] = []
         for spec in specs:
-            radius = rng.uniform(0.10, 0.16) * size
+            radius = rng.uniform(*OBJECT_RADIUS) * size
             colour = spec.colour or rng.choice(sorted(COLOURS))
             for _ in range(200):
                 x = rng.uniform(radius + 2, size - radius - 2)

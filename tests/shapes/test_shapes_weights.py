@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from fluxgrpo.cli.app import app
-from fluxgrpo.shapes import build, world
+from fluxgrpo.shapes import build, build_hps, world
 from fluxgrpo.shapes.shipped import shipped_weights_dir, write_shapes_weights
 from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH, build_world_clip_tokenizer, build_world_t5_tokenizer
 from fluxgrpo.weights.layout import CLIP_MANIFEST, HPS_MANIFEST, check_flux_dir, check_hps_dir
@@ -34,7 +34,7 @@ def test_world_tokenizers_know_every_world_word_whole():
 def test_hard_negative_changes_one_claim_and_stays_seen():
     rng = random.Random(0)
     for text in world.split().train[:60]:
-        negative = build.hard_negative(text, rng)
+        negative = build_hps.hard_negative(text, rng)
         if negative is None:
             continue
         assert negative != text and world.combination_kind(negative) == "seen"
@@ -69,7 +69,7 @@ def test_shortened_build_writes_every_part_and_its_record(quick_build):
     # the latent normalisation is measured on the dataset's latents, as FLUX's was
     assert vae_config["shift_factor"] == info["vae"]["shift_factor"]
     assert vae_config["scaling_factor"] == info["vae"]["scaling_factor"] > 0
-    assert set(info["seconds"]) == {"render", "vae", "transformer", "hps", "total"}
+    assert set(info["seconds"]) == {"render", "vae", "transformer", "distillation", "hps", "total"}
 
 
 def test_the_same_seed_rebuilds_the_same_files(quick_build, tmp_path):
@@ -148,3 +148,31 @@ def test_fetch_weights_source_shapes_refuses_hub_flags_and_seed():
         assert extra[0] in result.output
     result = runner.invoke(app, ["fetch-weights", "--source", "shapes", "--only", "pickscore"])
     assert result.exit_code == 2 and "for --source shapes" in result.output
+
+
+def test_guidance_distillation_learns_the_teachers_classifier_free_guided_velocity():
+    """At guidance 1 the target v_u + 1·(v_c − v_u) is the teacher's conditional velocity, so a student that starts
+    as the teacher has nothing to learn (its first loss is 0: the conditional rows are paired with their own
+    captions); at guidance 3 the target leaves v_c by 2·(v_c − v_u), which the first loss measures."""
+    from dataclasses import replace
+
+    from diffusers import FluxTransformer2DModel
+
+    from fluxgrpo.shapes.plan import WORLD_TRANSFORMER_CONFIG
+
+    clip, clip_tokenizer, t5, t5_tokenizer = build.build_text_encoders(3)
+    captions = ["a red circle", "two blue triangles", "a square left of a circle"]
+    token_ids = build.tokenize_captions(clip_tokenizer, t5_tokenizer, [*captions, ""])
+    torch.manual_seed(0)
+    teacher = FluxTransformer2DModel(**WORLD_TRANSFORMER_CONFIG)
+    latents = torch.randn(6, 16, 8, 8)
+    index = [0, 1, 2, 0, 1, 2]
+    plan = replace(build.QUICK_PLAN, distill_steps=1, transformer_batch=4)
+
+    def first_loss(guidance: float) -> float:
+        fixed = replace(plan, distill_guidance_low=guidance, distill_guidance_high=guidance)
+        _, losses = build.distill_guidance(teacher, clip, t5, latents, index, token_ids, fixed)
+        return losses[0]
+
+    assert first_loss(1.0) < 1e-10
+    assert first_loss(3.0) > 1e-6

@@ -1,0 +1,129 @@
+"""The shapes world builder's plan: the sizes of FLUX's parts at laptop size and the length of every stage.
+
+Read by the builder's stages (``shapes/build.py``: VAE, text encoders, transformer, guidance distillation;
+``shapes/build_hps.py``: the tiny HPS) and by what they share: the log line, the learning-rate schedule and the
+training captions.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fluxgrpo.shapes import world
+
+BUILD_INFO = "build.json"
+FLUX_SUBDIR = "flux"
+HPS_SUBDIR = "hps"
+
+# FLUX's parts at laptop size. The transformer sees 16 image tokens (a 64² image) and 12 text tokens.
+WORLD_TRANSFORMER_CONFIG: dict[str, Any] = {
+    "patch_size": 1,
+    "in_channels": 64,  # 16 latent channels x 2x2 packing
+    "num_layers": 2,
+    "num_single_layers": 2,
+    "attention_head_dim": 32,
+    "num_attention_heads": 4,
+    "joint_attention_dim": 32,  # = the T5's d_model
+    "pooled_projection_dim": 32,  # = the CLIP's hidden size
+    "guidance_embeds": True,
+    "axes_dims_rope": (8, 12, 12),  # each even, summing to attention_head_dim
+}
+WORLD_VAE_CONFIG: dict[str, Any] = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ("DownEncoderBlock2D",) * 4,
+    "up_block_types": ("UpDecoderBlock2D",) * 4,
+    "block_out_channels": (8, 16, 32, 32),
+    "layers_per_block": 1,
+    "latent_channels": 16,
+    "norm_num_groups": 4,
+    "sample_size": 64,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+}
+# open_clip's model-config format, read back by ``rewards/open_clip_model.py``. The vision tower takes the 64²
+# images as they are (HPSv2's resize is then the identity); the text tower has open_clip's own vocabulary.
+WORLD_HPS_CONFIG: dict[str, Any] = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 64, "layers": 2, "width": 64, "head_width": 16, "patch_size": 8},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
+}
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """Sizes and lengths of every stage; ``FULL_PLAN`` is what ships, ``QUICK_PLAN`` what the tests run."""
+
+    seed: int = 0
+    images: int = 8000  # rendered training images (train-split captions, families weighed evenly)
+    vae_images: int = 8000  # rendered images of every caption of the grammar, for the caption-free VAE
+    vae_steps: int = 400
+    vae_batch: int = 16
+    vae_lr: float = 2e-3
+    decoder_steps: int = 1200  # the decoder alone afterwards, the encoder frozen
+    decoder_lr: float = 1e-3
+    # The objects cover ~15 % of an image: unweighted, the loss spends itself on the plain background while an
+    # object's colour drifts towards another palette colour. Object pixels (and a 1-px rim) weigh 1 + this.
+    decoder_object_weight: float = 8.0
+    transformer_steps: int = 8000
+    transformer_batch: int = 48
+    transformer_lr: float = 1e-3
+    ema_decay: float = 0.998
+    text_encoders: bool = True  # the CLIP and T5 train with the transformer (see train_transformer)
+    # The share of transformer rows trained on the empty caption, as classifier-free guidance trains the
+    # unconditional velocity the distillation below reads.
+    caption_dropout: float = 0.1
+    # Guidance distillation (FLUX.1-dev is guidance-distilled): a copy learns, at guidance input g, the teacher's
+    # classifier-free-guided velocity v_u + g·(v_c − v_u), g drawn uniformly from [low, high].
+    distill_steps: int = 1500
+    distill_lr: float = 3e-4
+    distill_guidance_low: float = 1.0
+    distill_guidance_high: float = 6.0
+    hps_steps: int = 800
+    hps_batch: int = 96  # distinct captions per step, one image each
+    hps_lr: float = 2e-3
+    hps_judged_prompts: int = 240  # training prompts whose base samples the checker ranks for HPS's ranking loss
+    hps_judged_per_prompt: int = 8
+    hps_judged_steps: int = 12  # sampler steps, as the shapes configs evaluate
+    hps_pair_batch: int = 64
+    threads: int = 2
+
+
+FULL_PLAN = BuildPlan()
+QUICK_PLAN = BuildPlan(
+    images=16,
+    vae_images=16,
+    vae_steps=2,
+    vae_batch=2,
+    decoder_steps=2,
+    transformer_steps=2,
+    transformer_batch=4,
+    distill_steps=2,
+    hps_steps=2,
+    hps_batch=8,
+    hps_judged_prompts=2,
+    hps_judged_per_prompt=2,
+    hps_judged_steps=2,
+    hps_pair_batch=4,
+)
+
+
+_START = time.monotonic()
+
+
+def log(message: str) -> None:
+    print(f"[{time.monotonic() - _START:7.1f}s] {message}", flush=True)
+
+
+def training_captions() -> list[str]:
+    return list(world.split().train)
+
+
+def warmup_cosine(step: int, total: int, warmup: int) -> float:
+    """The learning-rate factor of every stage: linear warm-up, then cosine down to 0.1."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))) * 0.9 + 0.1
