@@ -477,7 +477,14 @@ def compare(
     returns their rows with ratios and time verdicts, in ``cfg.runs`` order. With ``counter`` (active around each
     run, ``bench.heldout.counted``) each row also has its work per iteration; with evaluation on, its held-out gain
     (``bench/heldout.py``)."""
-    from fluxgrpo.bench.heldout import heldout_gain, heldout_reward, heldout_scores, heldout_summary, work_per_iteration
+    from fluxgrpo.bench.heldout import (
+        gain_per_kilo_forward_equivalent,
+        heldout_gain,
+        heldout_reward,
+        heldout_scores,
+        heldout_summary,
+        work_per_iteration,
+    )
     from fluxgrpo.training.eval import eval_prompt_list
 
     reward = heldout_reward(base)
@@ -511,6 +518,7 @@ def compare(
         # The same every repeat (the plan and the batch sizes fix it): the first's, with every repeat's kept.
         row["work_per_iteration"] = work[name][0] if work[name] else None
         row["work_per_iteration_runs"] = work[name]
+        row["heldout_gain_per_kilo_forward_equivalent"] = gain_per_kilo_forward_equivalent(row)
         if not row["rewards_identical"]:
             gains = ", ".join(f"{gain:.6g}" for gain in row["reward_gain_runs"])
             log(

@@ -95,6 +95,12 @@ def heldout_verdict(row: dict[str, Any], baseline: dict[str, Any]) -> str | None
 # --------------------------------------------------------------------------------------------- work counts
 
 
+# A backward pass costs about two forwards (the gradient with respect to the activations and to the weights: each
+# a matrix product the size of the forward's), so a trained image costs about three forwards; the usual 6·N·tokens
+# training-FLOP rule against 2·N·tokens per forward.
+BACKWARD_IN_FORWARDS = 2
+
+
 @dataclass
 class WorkCounts:
     forwards: int = 0  # images through the transformer, evaluation's included (see WorkCounter)
@@ -155,8 +161,18 @@ def work_per_iteration(
     return {
         "forwards": forwards / iterations,
         "backwards": counts.backwards / iterations,
+        "forward_equivalents": (forwards + BACKWARD_IN_FORWARDS * counts.backwards) / iterations,
         "optimizer_steps": steps / iterations,
     }
+
+
+def gain_per_kilo_forward_equivalent(row: dict[str, Any]) -> float | None:
+    """The row's held-out gain per 1,000 forward-equivalents of training (its forward-equivalents per iteration ×
+    iterations): the cost measure that does not depend on the machine; None without a gain or counted work."""
+    work = row.get("work_per_iteration")
+    if row.get("heldout_gain") is None or not work or not work.get("forward_equivalents"):
+        return None
+    return 1000 * row["heldout_gain"] / (work["forward_equivalents"] * row["iterations"])
 
 
 def counted(

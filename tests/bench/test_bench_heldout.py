@@ -178,15 +178,30 @@ def test_the_table_shows_the_heldout_gain_and_the_work_per_iteration(tmp_path, c
     rows[0]["work_per_iteration"] = {"forwards": 22.0, "backwards": 4.0, "optimizer_steps": 2.0}
     rows[1]["work_per_iteration"] = {"forwards": 50.0, "backwards": 36.0, "optimizer_steps": 4.0}
     rows[1]["heldout_verdict"] = "better"
+    rows[0]["heldout_gain_per_kilo_forward_equivalent"] = None
+    rows[1]["heldout_gain_per_kilo_forward_equivalent"] = 0.0205
     from rich.console import Console
 
     _render_heldout_and_work(Console(width=200), rows, repeats=3)
     lines = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
     assert (
-        "algorithm held-out shapes first→last gain gain min–max vs dance gain/s forwards/it backwards/it optimizer steps/it"
-        in lines
+        "algorithm held-out shapes first→last gain gain min–max vs dance gain/s forwards/it backwards/it optimizer "
+        "steps/it gain/1k fwd-eq" in lines
     )
-    assert "nft 0.4000→0.6500 +0.2500 +0.2000–+0.3000 better 0.01 50 36 4" in lines
+    assert "nft 0.4000→0.6500 +0.2500 +0.2000–+0.3000 better 0.01 50 36 4 0.0205" in lines
+    assert "dance 0.4000→0.4500 +0.0500 +0.0000–+0.1000 - 0.01 22 4 2 -" in lines
+
+
+def test_the_gain_per_forward_equivalent_counts_a_backward_as_two_forwards():
+    """Hand-worked: 50 forwards and 36 backwards per iteration are 50 + 2·36 = 122 forward-equivalents; 10
+    iterations of them, 1,220, bought a gain of +0.25: 0.25 / 1.22 per thousand."""
+    from fluxgrpo.bench.heldout import gain_per_kilo_forward_equivalent
+
+    work = {"forwards": 50.0, "backwards": 36.0, "forward_equivalents": 122.0, "optimizer_steps": 4.0}
+    row = {"heldout_gain": 0.25, "iterations": 10, "work_per_iteration": work}
+    assert gain_per_kilo_forward_equivalent(row) == pytest.approx(0.25 / 1.22)
+    assert gain_per_kilo_forward_equivalent({**row, "heldout_gain": None}) is None
+    assert gain_per_kilo_forward_equivalent({**row, "work_per_iteration": None}) is None
 
 
 # --- the work counter on the real loop ------------------------------------------------------------------------
@@ -245,6 +260,7 @@ def test_the_work_counter_counts_the_loops_transformer_calls_and_leaves_the_eval
     trajectories = cfg.num_generations * cfg.train_batch_size
     # DanceGRPO: every trained transition of every trajectory is one forward with grad and one backward.
     assert plain["backwards"] == trajectories * cfg.train_timesteps
+    assert plain["forward_equivalents"] == plain["forwards"] + 2 * plain["backwards"]
     assert plain["forwards"] >= trajectories * (cfg.rollout_model_calls + cfg.train_timesteps)
     assert plain["optimizer_steps"] == cfg.derived(1)["optimizer_steps_per_iteration"]
 
