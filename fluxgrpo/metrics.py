@@ -6,8 +6,9 @@ import json
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.run_folder import (
@@ -18,6 +19,18 @@ from fluxgrpo.run_folder import (
     read_run_file,
     write_run_file,
 )
+
+if TYPE_CHECKING:
+    from fluxgrpo.runtime.dist import DistContext
+
+
+@dataclass(frozen=True)
+class WandbRun:
+    """Where ``--wandb`` logs: its project, the run's display name ("" lets wandb choose) and mode ("" its own)."""
+
+    project: str = "fluxgrpo"
+    name: str = ""
+    mode: str = ""
 
 
 class MetricsLogger:
@@ -33,23 +46,21 @@ class MetricsLogger:
         *,
         enabled: bool,
         tensorboard: bool = False,
-        wandb: bool = False,
+        wandb: WandbRun | None = None,
         config: dict[str, Any] | None = None,
         resume_after: int = 0,
-        ctx: Any = None,
-        wandb_project: str = "fluxgrpo",
-        wandb_name: str = "",
-        wandb_mode: str = "",
+        ctx: DistContext | None = None,
         run_info: dict[str, Any] | None = None,
     ) -> None:
         """Keep only records of iterations ≤ ``resume_after`` (0 for a fresh run): a run that died past its last
         checkpoint logged iterations that the resumed run repeats, and metrics.jsonl must read as one run.
 
-        ``ctx`` (a DistContext) is needed only to gather histograms across ranks; ``run_info`` (versions and
-        hardware, see ``run_info``) is written to ``run_info.json`` for ``fluxgrpo report``."""
+        ``wandb`` (None: off) says where wandb logs; ``ctx`` is needed only to gather histograms across ranks;
+        ``run_info`` (versions and hardware, see ``run_info``) is written to ``run_info.json`` for
+        ``fluxgrpo report``."""
         self.enabled = enabled
         self._ctx = ctx
-        self._gathers = tensorboard or wandb  # the same on every rank, so the collective matches
+        self._gathers = tensorboard or wandb is not None  # the same on every rank, so the collective matches
         self._file = None
         self._tb = None
         self._wandb = None
@@ -75,8 +86,8 @@ class MetricsLogger:
             self._tb = SummaryWriter(
                 str(output_dir / "tensorboard"), purge_step=resume_after + 1 if resume_after else None
             )
-        if wandb:
-            self._wandb = _start_wandb(output_dir, config, wandb_project, wandb_name, wandb_mode)
+        if wandb is not None:
+            self._wandb = _start_wandb(output_dir, config, wandb)
 
     def log(self, record: dict[str, Any], histograms: dict[str, Any] | None = None) -> None:
         """One metrics.jsonl line; ``histograms`` (name → tensor of this rank's values) go to TensorBoard/wandb
@@ -139,7 +150,7 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def _start_wandb(output_dir: Path, config: dict[str, Any] | None, project: str, name: str, mode: str) -> Any:
+def _start_wandb(output_dir: Path, config: dict[str, Any] | None, where: WandbRun) -> Any:
     """A wandb run whose id is kept in ``output_dir/wandb_run_id``, so a resumed training continues that run."""
     try:
         import wandb as wandb_module
@@ -154,9 +165,9 @@ def _start_wandb(output_dir: Path, config: dict[str, Any] | None, project: str, 
         run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
         write_run_file(id_file, run_id + "\n")
     return wandb_module.init(
-        project=project or "fluxgrpo",
-        name=name or None,
-        mode=mode or None,  # type: ignore[arg-type]  # config validation admits only wandb's modes
+        project=where.project or "fluxgrpo",
+        name=where.name or None,
+        mode=where.mode or None,  # type: ignore[arg-type]  # config validation admits only wandb's modes
         id=run_id,
         resume="allow",
         config=config,
@@ -165,7 +176,7 @@ def _start_wandb(output_dir: Path, config: dict[str, Any] | None, project: str, 
     )
 
 
-def run_info(ctx: Any) -> dict[str, Any]:
+def run_info(ctx: DistContext) -> dict[str, Any]:
     """Versions and hardware of this run, for ``run_info.json`` (written once by rank 0)."""
     import os
     import platform

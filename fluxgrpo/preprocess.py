@@ -16,7 +16,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.data.embeddings import (
     EMBEDDING_DIRS,
@@ -32,6 +32,11 @@ from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.models.flux import require_flux_dir
 from fluxgrpo.paths import EMBEDDINGS_INDEX, ensure_writable_dir, write_atomic
 from fluxgrpo.weights.manifest import read_manifest
+
+if TYPE_CHECKING:
+    from transformers import T5Tokenizer
+
+    from fluxgrpo.runtime.dist import DistContext
 
 STATE_FILE = ".fluxgrpo-preprocess.json"
 ENCODE_BATCH = 8  # prompts per encoder call; every T5 input is padded to the same length, so batching is exact
@@ -167,7 +172,7 @@ def preprocess(
 
 
 def _preprocess_on_rank(
-    ctx: Any, prompts_path: Path, flux_dir: Path, out: Path, max_sequence_length: int
+    ctx: DistContext, prompts_path: Path, flux_dir: Path, out: Path, max_sequence_length: int
 ) -> PreprocessSummary:
     from fluxgrpo.runtime import dist as rt_dist
 
@@ -220,7 +225,13 @@ def _preprocess_on_rank(
 
 
 def _encode_and_write(
-    ctx: Any, flux_dir: Path, out: Path, prompts: list[str], mine: list[int], todo: list[int], max_sequence_length: int
+    ctx: DistContext,
+    flux_dir: Path,
+    out: Path,
+    prompts: list[str],
+    mine: list[int],
+    todo: list[int],
+    max_sequence_length: int,
 ) -> tuple[int, str | None]:
     """Encode this rank's ``todo`` prompts and write them; returns (this rank's truncated count, stored dtype).
 
@@ -253,7 +264,7 @@ def _encode_and_write(
     return truncated, str(dtype).removeprefix("torch.")
 
 
-def _count_truncated(tokenizer: Any, prompts: list[str], max_sequence_length: int) -> int:
+def _count_truncated(tokenizer: T5Tokenizer, prompts: list[str], max_sequence_length: int) -> int:
     if not prompts:
         return 0
     ids = tokenizer(prompts, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]

@@ -38,7 +38,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from fluxgrpo.data.prompts import read_prompts
 from fluxgrpo.errors import FluxgrpoError, UsageError, not_usable
@@ -57,6 +57,9 @@ from fluxgrpo.rewards.scoring import (
 )
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.sampling.folder import GRID_FILE, read_index
+
+if TYPE_CHECKING:
+    import torch
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
@@ -211,6 +214,9 @@ class _Pairable(Protocol):  # read-only members, so frozen dataclasses match
     def seed(self) -> int | None: ...
 
 
+_P = TypeVar("_P", bound=_Pairable)  # both runs' images are of one type, and the pairs keep it
+
+
 # --------------------------------------------------------------------------------------------- inputs
 
 
@@ -234,7 +240,7 @@ def read_prompt_lines(path: str | Path) -> list[str]:
     return prompts
 
 
-def natural_key(name: str) -> tuple[list[Any], str]:
+def natural_key(name: str) -> tuple[list[int | str], str]:
     """Sort key comparing digit runs as numbers: ``img2.png`` < ``img10.png``; ties broken by the exact name."""
     parts = re.split(r"(\d+)", name)
     return [int(part) if index % 2 else part.casefold() for index, part in enumerate(parts)], name
@@ -293,9 +299,7 @@ def images_from_index(index_path: str | Path) -> list[ImageToScore]:
     ]
 
 
-def match_runs(
-    this: Sequence[_Pairable], other: Sequence[_Pairable], this_name: str, other_name: str
-) -> list[tuple[Any, Any]]:
+def match_runs(this: Sequence[_P], other: Sequence[_P], this_name: str, other_name: str) -> list[tuple[_P, _P]]:
     """Pair two runs' images by (prompt_index, image_index), in ``this`` order.
 
     Raises:
@@ -412,7 +416,11 @@ def read_inputs(request: ScoreRequest) -> ScoreInputs:
 
 
 def score_with_reward(
-    name: str, inputs: ScoreInputs, request: ScoreRequest, device: Any, progress: Any = None
+    name: str,
+    inputs: ScoreInputs,
+    request: ScoreRequest,
+    device: torch.device | str,
+    progress: Callable[[int], None] | None = None,
 ) -> ScoreReport:
     """Load reward ``name``, score ``inputs`` with it and summarise; the model is dropped when this returns."""
     scorer = load_scorer(name, request.hps_dir, device)
@@ -443,7 +451,9 @@ def check_reward_weights(names: list[str], hps_dir: str | Path) -> None:
 
 
 def score_rewards(
-    request: ScoreRequest, progress: Any = None, on_reward: Callable[[str, int, int], None] | None = None
+    request: ScoreRequest,
+    progress: Callable[[int], None] | None = None,
+    on_reward: Callable[[str, int, int], None] | None = None,
 ) -> MultiScoreReport:
     """Score the images ``request`` names with every reward it lists, one reward model in memory at a time.
 
@@ -472,7 +482,7 @@ def score_rewards(
     return MultiScoreReport(reports)
 
 
-def score(request: ScoreRequest, progress: Any = None) -> ScoreReport:
+def score(request: ScoreRequest, progress: Callable[[int], None] | None = None) -> ScoreReport:
     """Score the images ``request`` names (and, with ``compare``, the other run's) with its one reward.
 
     ``progress(n)`` is called after every batch of n images. Every input is checked (index, files, image headers,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -129,4 +130,7 @@ def grpo_update(
 
     objective = GrpoObjective(GrpoSettings(num_train_timesteps, clip_range, kl_beta, ratio_normalization))
     plumbing = UpdatePlumbing(micro_batch_size, grad_accum_steps, max_grad_norm, compute_dtype)
-    return run_update(transformer, objective, rollout, cond, advantages, optimizer, lr_scheduler, plumbing, **driver)
+    trainee = SimpleNamespace(
+        transformer=transformer, optimizer=optimizer, lr_scheduler=lr_scheduler, reference=driver.pop("reference", None)
+    )
+    return run_update(trainee, objective, rollout, cond, advantages, plumbing, **driver)

@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from fluxgrpo.models.flux import set_activation_checkpointing
+
 if TYPE_CHECKING:
     import torch
 
@@ -73,10 +75,7 @@ def _iteration(sweep: _Sweep, inputs: _Inputs, checkpointing: bool) -> tuple[flo
     cfg, ctx, model = sweep.cfg, sweep.ctx, sweep.model
     rollout_size, micro_size = max(cfg.rollout_batch_sizes), max(cfg.micro_batch_sizes)
     transformer = model.transformer
-    if checkpointing:
-        transformer.enable_gradient_checkpointing()  # type: ignore[operator]  # a diffusers method reached through nn.Module.__getattr__
-    else:
-        transformer.disable_gradient_checkpointing()  # type: ignore[operator]  # a diffusers method reached through nn.Module.__getattr__
+    set_activation_checkpointing(transformer, checkpointing)
     rt_device.synchronize(ctx.device)
     start = time.perf_counter()
     rollout = sweep.setup.rollout(transformer, inputs, rollout_size, sweep.compute_dtype)

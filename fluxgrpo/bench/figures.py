@@ -58,52 +58,50 @@ class Timing:
         return statistics.median(self.seconds)
 
 
+@dataclass(frozen=True)
+class MeasuredRow:
+    """What one row measures, before its timing is known (the first six fields of a ``PhaseFigure``)."""
+
+    phase: str
+    resolution: str
+    batch_size: int | None
+    activation_checkpointing: bool | None
+    work: int
+    unit: str
+
+
 def phase_figure(
-    phase: str,
-    resolution: str,
-    batch_size: int | None,
-    checkpointing: bool | None,
-    work: int,
-    unit: str,
+    row: MeasuredRow,
     timing: Timing | None,
-    flops: int | None,
-    peak_tflops: float | None,
+    flops: int | None = None,
+    peak_tflops: float | None = None,
     *,
     error: str | None = None,
     activation_bytes: int | None = None,
     max_abs_log_ratio: float | None = None,
 ) -> PhaseFigure:
+    """The row's figures from its timing; without a timing (or runs), its error (default "not measured")."""
     if timing is None or not timing.seconds:
         return PhaseFigure(
-            phase,
-            resolution,
-            batch_size,
-            checkpointing,
-            work,
-            unit,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            activation_bytes,
-            max_abs_log_ratio,
-            error or "not measured",
+            **asdict(row),
+            seconds=None,
+            seconds_min=None,
+            per_second=None,
+            speedup=None,
+            tflops=None,
+            mfu=None,
+            peak_memory_bytes=None,
+            activation_bytes=activation_bytes,
+            max_abs_log_ratio=max_abs_log_ratio,
+            error=error or "not measured",
         )
     seconds = timing.median
     tflops = flops / seconds / 1e12 if flops is not None and seconds > 0 else None
     return PhaseFigure(
-        phase=phase,
-        resolution=resolution,
-        batch_size=batch_size,
-        activation_checkpointing=checkpointing,
-        work=work,
-        unit=unit,
+        **asdict(row),
         seconds=seconds,
         seconds_min=min(timing.seconds),
-        per_second=work / seconds if seconds > 0 else None,
+        per_second=row.work / seconds if seconds > 0 else None,
         speedup=None,
         tflops=tflops,
         mfu=tflops / peak_tflops if tflops is not None and peak_tflops else None,

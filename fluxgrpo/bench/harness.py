@@ -36,9 +36,10 @@ from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.bench.compile_cost import ConstantSchedule
 from fluxgrpo.bench.config import TRAINING_DEFAULTS, BenchConfig
-from fluxgrpo.bench.figures import PhaseFigure, Timing, phase_figure, summarize, with_speedups
+from fluxgrpo.bench.figures import MeasuredRow, PhaseFigure, Timing, phase_figure, summarize, with_speedups
 from fluxgrpo.bench.flops import rollout_flops, transformer_forward_flops, update_flops
 from fluxgrpo.bench.models import BenchModel, build_bench_model, device_memory_bytes
+from fluxgrpo.models.flux import set_activation_checkpointing
 
 if TYPE_CHECKING:
     import torch
@@ -356,7 +357,11 @@ class _Sweep:
             kept = result if result is not None else kept
             figures.append(
                 phase_figure(
-                    "rollout", resolution, size, None, count, "images", timing, flops, self.peak_tflops, error=error
+                    MeasuredRow("rollout", resolution, size, None, count, "images"),
+                    timing,
+                    flops,
+                    self.peak_tflops,
+                    error=error,
                 )
             )
         self._publish(figures)
@@ -388,7 +393,7 @@ class _Sweep:
             timing, result, error = self._attempt(label, lambda label=label, call=decode: self._measure(label, call))  # type: ignore[misc]  # default arguments bind the loop values
             images = result if result is not None else images
             figures.append(
-                phase_figure("decode", resolution, size, None, count, "images", timing, None, None, error=error)
+                phase_figure(MeasuredRow("decode", resolution, size, None, count, "images"), timing, error=error)
             )
         self._publish(figures)
         if images is None:
@@ -402,7 +407,7 @@ class _Sweep:
             label = f"reward {resolution} batch {size}"
             timing, _, error = self._attempt(label, lambda label=label, call=score: self._measure(label, call))  # type: ignore[misc]  # default arguments bind the loop values
             figures.append(
-                phase_figure("reward", resolution, size, None, count, "images", timing, None, None, error=error)
+                phase_figure(MeasuredRow("reward", resolution, size, None, count, "images"), timing, error=error)
             )
         self._publish(figures)
 
@@ -415,10 +420,7 @@ class _Sweep:
         step_timing = Timing()  # every timed update run takes exactly one optimizer step
         figures = []
         for checkpointing in self.cfg.checkpointing_modes:
-            if checkpointing:
-                transformer.enable_gradient_checkpointing()  # type: ignore[operator]  # a peft/diffusers method reached through nn.Module.__getattr__
-            else:
-                transformer.disable_gradient_checkpointing()  # type: ignore[operator]  # a peft/diffusers method reached through nn.Module.__getattr__
+            set_activation_checkpointing(transformer, checkpointing)
             for size in self.cfg.micro_batch_sizes:
 
                 def call(size: int = size) -> _Run:
@@ -440,12 +442,7 @@ class _Sweep:
                 if timing is not None:
                     step_timing.seconds.extend(timing.excluded_seconds)
                 figure = phase_figure(
-                    "update",
-                    resolution,
-                    size,
-                    checkpointing,
-                    count * trained,
-                    "samples",
+                    MeasuredRow("update", resolution, size, checkpointing, count * trained, "samples"),
                     timing,
                     flops,
                     self.peak_tflops,
@@ -457,7 +454,7 @@ class _Sweep:
                     figure = replace(figure, error="non-finite gradient norm: the optimizer step was skipped")
                 figures.append(figure)
         step_timing.peak_memory_bytes = optimizer.step_peak_bytes
-        figures.append(phase_figure("optimizer", resolution, None, None, 1, "steps", step_timing, None, None))
+        figures.append(phase_figure(MeasuredRow("optimizer", resolution, None, None, 1, "steps"), step_timing))
         self._publish(figures)
 
     def _activation_probe(self, rollout: Rollout, inputs: _Inputs, size: int) -> int:
@@ -506,6 +503,69 @@ def _compute_dtype(cfg: BenchConfig, device_type: str) -> tuple[torch.dtype, str
     return dtype, "bf16" if dtype == torch.bfloat16 else "fp32"
 
 
+def _environment_records(
+    cfg: BenchConfig, ctx: DistContext, name: str, dtype_name: str, peak_tflops: float | None, peak_source: str
+) -> list[dict[str, Any]]:
+    """The ``config``, ``device`` and ``versions`` records: what a figure was measured on."""
+    import platform
+
+    import torch
+
+    from fluxgrpo import __version__
+    from fluxgrpo.runtime.peak import accelerator_stack
+    from fluxgrpo.runtime.report import package_versions
+
+    return [
+        {"record": "config", **cfg.to_dict(), "dtype": dtype_name},
+        {
+            "record": "device",
+            "type": ctx.device_type,
+            "name": name,
+            "world_size": ctx.world_size,
+            "memory_bytes": device_memory_bytes(ctx),
+            "peak_tflops": peak_tflops,
+            "peak_source": peak_source,
+            "compute_dtype": dtype_name,
+            "threads": torch.get_num_threads() if ctx.device_type == "cpu" else None,
+        },
+        {
+            "record": "versions",
+            "fluxgrpo": __version__,
+            "python": platform.python_version(),
+            **package_versions(),
+            "accelerator": accelerator_stack(ctx.device_type),
+        },
+    ]
+
+
+def _model_record(cfg: BenchConfig, bench_model: BenchModel) -> dict[str, Any]:
+    """The ``model`` record: the shape measured and the FLOPs of one transformer forward per resolution."""
+    from fluxgrpo.grpo.latents import latent_shape
+
+    shape = bench_model.shape
+    return {
+        "record": "model",
+        "name": cfg.model,
+        "double_blocks": shape.double_blocks,
+        "single_blocks": shape.single_blocks,
+        "hidden": shape.hidden,
+        "head_dim": shape.head_dim,
+        "transformer_parameters": sum(p.numel() for p in bench_model.transformer.parameters()),
+        "vae_parameters": sum(p.numel() for p in bench_model.vae.parameters()),
+        "reward": bench_model.reward_name,
+        "reward_parameters": bench_model.reward_parameters,
+        "text_tokens": cfg.text_tokens,
+        "trajectories": cfg.num_trajectories,
+        "steps": cfg.steps,
+        "train_timesteps": cfg.num_train_timesteps,
+        "compile": cfg.compile,
+        "forward_flops_per_sample": {
+            f"{h}x{w}": transformer_forward_flops(shape, latent_shape(h, w).num_tokens, cfg.text_tokens)
+            for h, w in cfg.resolved_resolutions()
+        },
+    }
+
+
 def bench_on_rank(
     cfg: BenchConfig, ctx: DistContext, emit: Callable[[dict[str, Any]], None], log: Callable[[str], None]
 ) -> list[dict[str, Any]]:
@@ -514,14 +574,7 @@ def bench_on_rank(
     ``emit`` receives each record as soon as it exists: ``config``, ``device``, ``versions``, ``model``, then a
     ``figure`` per measured configuration and a ``summary`` per resolution. Returns the records.
     """
-    import platform
-
-    import torch
-
-    from fluxgrpo import __version__
-    from fluxgrpo.grpo.latents import latent_shape
-    from fluxgrpo.runtime.peak import accelerator_stack, device_name, peak_throughput
-    from fluxgrpo.runtime.report import package_versions
+    from fluxgrpo.runtime.peak import device_name, peak_throughput
 
     records: list[dict[str, Any]] = []
 
@@ -532,29 +585,8 @@ def bench_on_rank(
     compute_dtype, dtype_name = _compute_dtype(cfg, ctx.device_type)
     name = device_name(ctx.device)
     peak = peak_throughput(ctx.device_type, name, dtype_name, cfg.peak_tflops)
-    keep({"record": "config", **cfg.to_dict(), "dtype": dtype_name})
-    keep(
-        {
-            "record": "device",
-            "type": ctx.device_type,
-            "name": name,
-            "world_size": ctx.world_size,
-            "memory_bytes": device_memory_bytes(ctx),
-            "peak_tflops": peak.tflops,
-            "peak_source": peak.source,
-            "compute_dtype": dtype_name,
-            "threads": torch.get_num_threads() if ctx.device_type == "cpu" else None,
-        }
-    )
-    keep(
-        {
-            "record": "versions",
-            "fluxgrpo": __version__,
-            "python": platform.python_version(),
-            **package_versions(),
-            "accelerator": accelerator_stack(ctx.device_type),
-        }
-    )
+    for record in _environment_records(cfg, ctx, name, dtype_name, peak.tflops, peak.source):
+        keep(record)
 
     log(f"building {cfg.model} on {ctx.device_type} ({name})")
     bench_model = build_bench_model(cfg, ctx, compute_dtype)
@@ -562,30 +594,7 @@ def bench_on_rank(
         from fluxgrpo.runtime.dist import shard_transformer
 
         shard_transformer(bench_model.transformer, cpu_offload=False, compute_dtype=compute_dtype)
-    shape = bench_model.shape
-    keep(
-        {
-            "record": "model",
-            "name": cfg.model,
-            "double_blocks": shape.double_blocks,
-            "single_blocks": shape.single_blocks,
-            "hidden": shape.hidden,
-            "head_dim": shape.head_dim,
-            "transformer_parameters": sum(p.numel() for p in bench_model.transformer.parameters()),
-            "vae_parameters": sum(p.numel() for p in bench_model.vae.parameters()),
-            "reward": bench_model.reward_name,
-            "reward_parameters": bench_model.reward_parameters,
-            "text_tokens": cfg.text_tokens,
-            "trajectories": cfg.num_trajectories,
-            "steps": cfg.steps,
-            "train_timesteps": cfg.num_train_timesteps,
-            "compile": cfg.compile,
-            "forward_flops_per_sample": {
-                f"{h}x{w}": transformer_forward_flops(shape, latent_shape(h, w).num_tokens, cfg.text_tokens)
-                for h, w in cfg.resolved_resolutions()
-            },
-        }
-    )
+    keep(_model_record(cfg, bench_model))
     sweep = _Sweep(cfg, ctx, bench_model, compute_dtype, peak.tflops, keep, log)
     compiled = False
     for height, width in cfg.resolved_resolutions():

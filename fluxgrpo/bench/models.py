@@ -17,7 +17,6 @@ tiny HPS-shaped CLIP instead, which measures the preprocessing and data movement
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +31,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from fluxgrpo.rewards.base import RewardFn
     from fluxgrpo.runtime.dist import DistContext
 
 # fp32 weights, gradients and AdamW's two moments: what one trained parameter costs before any activation.
@@ -48,7 +48,7 @@ FLUX_DEV_VAE_CONFIG = KNOWN_FLUX_DEV_VAE
 # --------------------------------------------------------------------------------------------- models
 
 
-def random_hps_reward(architecture: str, device: Any, seed: int) -> Any:
+def random_hps_reward(architecture: str, device: torch.device | str, seed: int) -> RewardFn:
     """HPSv2's reward (``rewards.load_reward("hpsv2", ...)``, the trainer's own code) with random weights.
 
     ``architecture`` is "tiny-clip" (the tiny HPS-shaped CLIP of ``fetch-weights --source tiny``) or "vit-h-14"
@@ -89,7 +89,7 @@ class BenchModel:
     name: str
     transformer: nn.Module
     vae: nn.Module
-    reward: Callable[[Any, list[str]], Any]
+    reward: RewardFn
     reward_name: str
     reward_parameters: int | None
     shape: FluxShape

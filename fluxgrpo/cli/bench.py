@@ -9,12 +9,17 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from fluxgrpo.bench.efficiency import ALGORITHMS, BASELINE
 from fluxgrpo.cli.common import err_console, escape, handle_errors, out_console, print_json
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from fluxgrpo.bench.efficiency import EfficiencyConfig
 
 
 def _option(name: str, help: str) -> Any:
@@ -221,7 +226,7 @@ def _run_efficiency(
         _render_efficiency(document)
 
 
-def _check_plot(cfg: Any, path: Path) -> None:
+def _check_plot(cfg: EfficiencyConfig, path: Path) -> None:
     """Before anything trains: the runs will evaluate, matplotlib is there, and the PNG's folder exists."""
     from fluxgrpo.bench.efficiency import trains_in_the_world
     from fluxgrpo.errors import UsageError
@@ -309,7 +314,7 @@ def _render_efficiency(document: dict[str, Any]) -> None:
             )
 
 
-def _render_heldout_and_work(console: Any, rows: list[dict[str, Any]], repeats: int) -> None:
+def _render_heldout_and_work(console: Console, rows: list[dict[str, Any]], repeats: int) -> None:
     """The held-out gain (with evaluation on) and the work per iteration, one row per algorithm."""
     from rich import box
     from rich.table import Table
@@ -340,6 +345,9 @@ def _render_heldout_and_work(console: Any, rows: list[dict[str, Any]], repeats: 
 
         columns += [("forwards/it", work("forwards")), ("backwards/it", work("backwards"))]
         columns.append(("optimizer steps/it", work("optimizer_steps")))
+        if reward is not None:
+            per_work = "heldout_gain_per_kilo_forward_equivalent"
+            columns.append(("gain/1k fwd-eq", lambda r: "-" if r.get(per_work) is None else f"{r[per_work]:.3g}"))
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for index, (header, _) in enumerate(columns):
         table.add_column(header, justify="left" if index == 0 else "right", no_wrap=True)
@@ -357,6 +365,11 @@ def _render_heldout_and_work(console: Any, rows: list[dict[str, Any]], repeats: 
         notes.append(
             "forwards, backwards: images through the transformer per iteration (rollout, update, reference and "
             "drift probe; not the held-out evaluation); optimizer steps per iteration"
+            + (
+                "; gain/1k fwd-eq: the held-out gain per 1,000 forward-equivalents (a backward counts as 2 forwards)"
+                if reward is not None
+                else ""
+            )
         )
     console.print("; ".join(notes), highlight=False, markup=False)
 
@@ -383,7 +396,7 @@ def _phase(figure: dict[str, Any]) -> str:
     return figure["phase"] + ("" if checkpointing is None else (" ckpt" if checkpointing else " no-ckpt"))
 
 
-def _render_compile(console: Any, records: list[dict[str, Any]]) -> None:
+def _render_compile(console: Console, records: list[dict[str, Any]]) -> None:
     """The --compile comparison: one row per mode, then the regional/whole-model compile-time ratio."""
     from rich import box
     from rich.table import Table
@@ -427,9 +440,7 @@ def _render_compile(console: Any, records: list[dict[str, Any]]) -> None:
 
 
 def _render(records: list[dict[str, Any]]) -> None:
-    from rich import box
     from rich.console import Console
-    from rich.table import Table
 
     # A pipe or a CI log has no width of its own: do not squeeze the table into rich's 80-column default.
     console = out_console if out_console.is_terminal else Console(width=160)
@@ -456,59 +467,65 @@ def _render(records: list[dict[str, Any]]) -> None:
         highlight=False,
     )
     for summary in (r for r in records if r["record"] == "summary"):
-        resolution = summary["resolution"]
-        rows = [f for f in figures if f["resolution"] == resolution]
-        # (header, cell); a column that is empty in every row (MFU and memory on cpu) is left out.
-        columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
-            ("phase", _phase),
-            ("batch", lambda f: str(f["batch_size"] or "-")),
-            (
-                "seconds",
-                lambda f: _seconds(f["seconds"]) if f["seconds"] is not None else f"[red]{escape(f['error'])}[/]",
-            ),
-            ("rate", lambda f: _seconds(f["per_second"])),
-            ("×", lambda f: _ratio(f["speedup"])),
-            ("TFLOP/s", lambda f: "-" if f["tflops"] is None else f"{f['tflops']:.3g}"),
-            ("MFU", lambda f: "-" if f["mfu"] is None else f"{f['mfu']:.1%}"),
-            ("peak mem", lambda f: _bytes(f["peak_memory_bytes"])),
-            ("act mem", lambda f: _bytes(f["activation_bytes"])),
-            ("|log ρ|", lambda f: "-" if f["max_abs_log_ratio"] is None else f"{f['max_abs_log_ratio']:.0e}"),
-        ]
-        cells = [[cell(f) for _, cell in columns] for f in rows]
-        keep = [i for i in range(len(columns)) if i < 3 or any(row[i] != "-" for row in cells)]
-        table = Table(
-            title=f"{resolution}, {rows[0]['work'] if rows else 0} images per iteration",
-            title_justify="left",
-            box=box.SIMPLE_HEAD,
-            pad_edge=False,
-        )
-        for i in keep:
-            table.add_column(columns[i][0], justify="left" if i == 0 else "right", no_wrap=True)
-        for row in cells:
-            table.add_row(*(row[i] for i in keep))
-        console.print(table)
-        for it in summary["iterations"]:
-            mode = "checkpointing on" if it["activation_checkpointing"] else "checkpointing off"
-            same = it["smallest"]["batch_sizes"] == it["largest"]["batch_sizes"]
-            for end in ("smallest",) if same else ("smallest", "largest"):
-                part = it[end]
-                shares = ", ".join(f"{phase} {share:.0%}" for phase, share in part["share"].items())
-                sizes = ", ".join(f"{phase} {size}" for phase, size in part["batch_sizes"].items())
-                console.print(
-                    f"iteration ({mode}; {sizes}): {part['seconds']:.3g} s, "
-                    f"{part['images_per_second']:.3g} images/s: {shares}",
-                    highlight=False,
-                )
-            if not same:
-                console.print(
-                    f"iteration speed-up, largest vs smallest batches ({mode}): {it['speedup']:.2f}×", highlight=False
-                )
-        for size, saved in summary["activation_checkpointing_by_micro_batch"].items():
-            savings = [f"{_bytes(saved['activation_bytes_saved'])} of activations held for backward"]
-            if saved["peak_memory_saved_bytes"] is not None:
-                savings.insert(0, f"{_bytes(saved['peak_memory_saved_bytes'])} of peak memory")
+        _render_resolution(console, summary, [f for f in figures if f["resolution"] == summary["resolution"]])
+
+
+def _render_resolution(console: Console, summary: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """One resolution: its table of measured rows, then the whole iteration and what checkpointing saves."""
+    from rich import box
+    from rich.table import Table
+
+    # (header, cell); a column that is empty in every row (MFU and memory on cpu) is left out.
+    columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("phase", _phase),
+        ("batch", lambda f: str(f["batch_size"] or "-")),
+        (
+            "seconds",
+            lambda f: _seconds(f["seconds"]) if f["seconds"] is not None else f"[red]{escape(f['error'])}[/]",
+        ),
+        ("rate", lambda f: _seconds(f["per_second"])),
+        ("×", lambda f: _ratio(f["speedup"])),
+        ("TFLOP/s", lambda f: "-" if f["tflops"] is None else f"{f['tflops']:.3g}"),
+        ("MFU", lambda f: "-" if f["mfu"] is None else f"{f['mfu']:.1%}"),
+        ("peak mem", lambda f: _bytes(f["peak_memory_bytes"])),
+        ("act mem", lambda f: _bytes(f["activation_bytes"])),
+        ("|log ρ|", lambda f: "-" if f["max_abs_log_ratio"] is None else f"{f['max_abs_log_ratio']:.0e}"),
+    ]
+    cells = [[cell(f) for _, cell in columns] for f in rows]
+    keep = [i for i in range(len(columns)) if i < 3 or any(row[i] != "-" for row in cells)]
+    table = Table(
+        title=f"{summary['resolution']}, {rows[0]['work'] if rows else 0} images per iteration",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for i in keep:
+        table.add_column(columns[i][0], justify="left" if i == 0 else "right", no_wrap=True)
+    for row in cells:
+        table.add_row(*(row[i] for i in keep))
+    console.print(table)
+    for it in summary["iterations"]:
+        mode = "checkpointing on" if it["activation_checkpointing"] else "checkpointing off"
+        same = it["smallest"]["batch_sizes"] == it["largest"]["batch_sizes"]
+        for end in ("smallest",) if same else ("smallest", "largest"):
+            part = it[end]
+            shares = ", ".join(f"{phase} {share:.0%}" for phase, share in part["share"].items())
+            sizes = ", ".join(f"{phase} {size}" for phase, size in part["batch_sizes"].items())
             console.print(
-                f"activation checkpointing at micro-batch {size}: saves {' and '.join(savings)}; update "
-                f"time × {_ratio(saved['time_ratio_on_over_off'])}",
+                f"iteration ({mode}; {sizes}): {part['seconds']:.3g} s, "
+                f"{part['images_per_second']:.3g} images/s: {shares}",
                 highlight=False,
             )
+        if not same:
+            console.print(
+                f"iteration speed-up, largest vs smallest batches ({mode}): {it['speedup']:.2f}×", highlight=False
+            )
+    for size, saved in summary["activation_checkpointing_by_micro_batch"].items():
+        savings = [f"{_bytes(saved['activation_bytes_saved'])} of activations held for backward"]
+        if saved["peak_memory_saved_bytes"] is not None:
+            savings.insert(0, f"{_bytes(saved['peak_memory_saved_bytes'])} of peak memory")
+        console.print(
+            f"activation checkpointing at micro-batch {size}: saves {' and '.join(savings)}; update "
+            f"time × {_ratio(saved['time_ratio_on_over_off'])}",
+            highlight=False,
+        )

@@ -10,7 +10,7 @@ from fluxgrpo.cli.common import JsonOption, escape, handle_errors, log, out_cons
 from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR, DEFAULT_PROMPTS_DIR
 
 if TYPE_CHECKING:
-    from fluxgrpo.weights.hub import FetchSummary
+    from fluxgrpo.weights.hub import FetchRequest, FetchSummary
 
 SOURCES = ("tiny", "shapes", "hf", "modelscope")
 HUB_HELP = "Hub sources (hf, modelscope)"
@@ -169,20 +169,23 @@ def command(
         return
     if seed is not None:
         raise UsageError("--seed applies to --source tiny only: hub weights are the published ones")
-    _hub(
+    from fluxgrpo.weights.hub import DEFAULT_PARTS, FetchRequest
+
+    request = FetchRequest(
         source,
-        parts,
-        flux_dir,
-        hps_dir,
+        parts=parts or list(DEFAULT_PARTS),
+        flux_dir=flux_dir,
+        hps_dir=hps_dir,
+        prompts_dir=prompts_dir,
         revision=revision,
         token=token,
         endpoint=endpoint,
         dry_run=dry_run,
         max_workers=8 if max_workers is None else max_workers,
+        progress=not json_output,
         rehash=rehash,
-        json_output=json_output,
-        prompts_dir=prompts_dir,
     )
+    _hub(request, json_output)
 
 
 def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_output: bool) -> None:
@@ -275,40 +278,13 @@ def _report_written(
     out_console.print(table)
 
 
-def _hub(
-    source: str,
-    parts: list[str] | None,
-    flux_dir: str,
-    hps_dir: str,
-    *,
-    revision: str | None,
-    token: str | None,
-    endpoint: str | None,
-    dry_run: bool,
-    max_workers: int,
-    rehash: bool,
-    json_output: bool,
-    prompts_dir: str,
-) -> None:
-    from fluxgrpo.weights.hub import DEFAULT_PARTS, fetch_from_hub
+def _hub(request: FetchRequest, json_output: bool) -> None:
+    from fluxgrpo.weights.hub import fetch_from_hub
 
-    summary = fetch_from_hub(
-        source,
-        parts=parts or list(DEFAULT_PARTS),
-        flux_dir=flux_dir,
-        hps_dir=hps_dir,
-        revision=revision,
-        token=token,
-        endpoint=endpoint,
-        dry_run=dry_run,
-        max_workers=max_workers,
-        progress=not json_output,
-        rehash=rehash,
-        prompts_dir=prompts_dir,
-    )
+    summary = fetch_from_hub(request)
     if json_output:
         print_json(summary.to_dict())
-    elif dry_run:
+    elif request.dry_run:
         _print_plan(summary)
     else:
         _print_summary(summary)

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from fluxgrpo.cli.common import err_console, escape, handle_errors, log, out_console, print_json, say
 from fluxgrpo.cli.help import HelpCommand
+
+if TYPE_CHECKING:
+    from fluxgrpo.config import TrainConfig
+    from fluxgrpo.training.launch_plan import TrainPlan
 
 _PY_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 # Config keys whose flag `command` declares itself, among the launch options (the YAML key still sets it).
@@ -98,9 +102,7 @@ def _train(
         _list_configs()
         return
     from fluxgrpo.config import build_config
-    from fluxgrpo.metrics import held_out_trend, reward_trend
     from fluxgrpo.runtime.dist import CollectiveTimeout
-    from fluxgrpo.training.guards import GUARD_STOP_EXIT_CODE, guard_stop
     from fluxgrpo.training.launch_plan import launch_spec, launch_training, plan_training
 
     cfg = build_config(config, {**hyperparameters, "dies": dies})
@@ -120,26 +122,39 @@ def _train(
     for model_warning in plan.memory.warnings:
         log(f"warning: {model_warning}")
     if dry_run:
-        for line in plan.memory.lines():
-            err_console.print(line, highlight=False)
-        for check in plan.skipped_checks:
-            log(f"not checked (dry run): {check}")
-        print_json(
-            {
-                "config": cfg.to_dict(),
-                "derived": plan.derived,
-                "device_type": plan.device_type,
-                "worker_env": plan.worker_env,
-                "resume_from": plan.resume_checkpoint,
-                "memory_per_die": plan.memory.as_dict(),
-                "skipped_checks": plan.skipped_checks,
-            }
-        )
+        _print_dry_run(cfg, plan)
         return
     err_console.print(
         f"[bold]fluxgrpo train[/]: {plan.device_type} × {spec.world_size}, output {escape(cfg.output_dir)}"
     )
-    records = launch_training(plan, log=log)
+    _summarize_run(cfg, launch_training(plan, log=log), json_output)
+
+
+def _print_dry_run(cfg: TrainConfig, plan: TrainPlan) -> None:
+    """What a launch would run: the memory model on stderr, the resolved plan as JSON on stdout."""
+    for line in plan.memory.lines():
+        err_console.print(line, highlight=False)
+    for check in plan.skipped_checks:
+        log(f"not checked (dry run): {check}")
+    print_json(
+        {
+            "config": cfg.to_dict(),
+            "derived": plan.derived,
+            "device_type": plan.device_type,
+            "worker_env": plan.worker_env,
+            "resume_from": plan.resume_checkpoint,
+            "memory_per_die": plan.memory.as_dict(),
+            "skipped_checks": plan.skipped_checks,
+        }
+    )
+
+
+def _summarize_run(cfg: TrainConfig, records: list[dict[str, Any]], json_output: bool) -> None:
+    """The finished run's result: the train-reward trend, its collapse warning, the held-out change, a guard's stop
+    (exit code GUARD_STOP_EXIT_CODE)."""
+    from fluxgrpo.metrics import held_out_trend, reward_trend
+    from fluxgrpo.training.guards import GUARD_STOP_EXIT_CODE, guard_stop
+
     trend = reward_trend(records)
     iterations = [r for r in records if "reward_mean" in r]  # metrics.jsonl also holds evaluation and guard records
     stopped = guard_stop(records)

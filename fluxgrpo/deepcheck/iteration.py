@@ -46,7 +46,9 @@ from fluxgrpo.deepcheck.result import FAILED, PASSED, SKIPPED, CheckResult
 if TYPE_CHECKING:
     import torch
 
+    from fluxgrpo.bench.config import BenchConfig
     from fluxgrpo.runtime.dist import DistContext
+    from fluxgrpo.training.memory import MemoryEstimate
 
 # The on-policy tolerance is the |log ρ| a rollout rounded once to the other precision gives, divided by this.
 ROUNDING_FRACTION = 4
@@ -88,7 +90,7 @@ class IterationSettings:
         return max(1, int((self.sampling_steps - 1) * self.timestep_fraction))
 
 
-def _bench_config(settings: IterationSettings) -> Any:
+def _bench_config(settings: IterationSettings) -> BenchConfig:
     from fluxgrpo.bench.config import BenchConfig
 
     return BenchConfig(
@@ -109,7 +111,7 @@ def _bench_config(settings: IterationSettings) -> Any:
 class _PhasePeaks:
     """The device allocator's peak of each phase, and the allocated bytes after the build (None on cpu)."""
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self.peaks: dict[str, int | None] = {}
 
@@ -141,6 +143,7 @@ def run_iteration(
     from fluxgrpo.bench.harness import BenchTrainee, PhaseSetup, _make_inputs, _materialize_optimizer_state
     from fluxgrpo.bench.models import build_bench_model
     from fluxgrpo.deepcheck.hostmem import HostPeak
+    from fluxgrpo.models.flux import set_activation_checkpointing
     from fluxgrpo.runtime import device as rt_device
     from fluxgrpo.training.stages import decode_images, score_images
 
@@ -153,8 +156,7 @@ def run_iteration(
         peaks.start()
         model = build_bench_model(bench_cfg, ctx, compute_dtype)
         transformer = model.transformer
-        if settings.gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()  # type: ignore[operator]  # a diffusers method reached through nn.Module.__getattr__
+        set_activation_checkpointing(transformer, settings.gradient_checkpointing)
         trainable = [p for p in transformer.parameters() if p.requires_grad]
         # Learning rate 0: AdamW's full arithmetic and state, weights unchanged, so the ratio must stay 1.
         optimizer = torch.optim.AdamW(trainable, lr=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-4)
@@ -255,7 +257,7 @@ class _NoSchedule:
 def estimate_for_iteration(
     settings: IterationSettings, transformer_config: dict[str, Any], vae_config: dict[str, Any], reward_bytes: int,
     compute_bytes: int,
-) -> Any:  # fmt: skip
+) -> MemoryEstimate:  # fmt: skip
     """``training.memory``'s estimate of this iteration on one die, its reward term set to ``reward_bytes``."""
     from fluxgrpo.training import memory
 

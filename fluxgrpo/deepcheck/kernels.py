@@ -4,14 +4,17 @@ and dtype). The comparisons themselves are device-specific and live in ``runtime
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fluxgrpo.deepcheck.result import FAILED, PASSED, CheckResult, skipped
+
+if TYPE_CHECKING:
+    import torch
 
 RULE = "normwise max error ≤ tolerance"
 
 
-def check_kernels(device: Any, height: int, width: int, text_tokens: int) -> list[CheckResult]:
+def check_kernels(device: torch.device, height: int, width: int, text_tokens: int) -> list[CheckResult]:
     from fluxgrpo.runtime.kernel_check import compare_swapped_kernels, kernel_check_skip_reason
 
     reason = kernel_check_skip_reason(device.type)

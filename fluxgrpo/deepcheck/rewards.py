@@ -20,9 +20,12 @@ from __future__ import annotations
 import importlib.util
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.deepcheck.result import FAILED, PASSED, CheckResult, skipped
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPE_TOLERANCE = 1e-2
 CAPTIONS = ["a smooth gradient from red to blue", "a black and white checkerboard with a yellow disc"]
@@ -30,7 +33,7 @@ AUTHORS_PACKAGES = {"hpsv2": "hpsv2", "imagereward": "ImageReward", "hpsv3": "hp
 RULE = "fp32 scores finite and repeatable; reward dtype within 1e-2·max(1,|s|)"
 
 
-def reference_images(size: int = 256) -> Any:
+def reference_images(size: int = 256) -> torch.Tensor:
     """[2, 3, size, size] in [0, 1]: a red→blue gradient with a green ramp, and a checkerboard with a yellow disc."""
     import torch
 
@@ -45,7 +48,9 @@ def reference_images(size: int = 256) -> Any:
     return torch.stack([gradient, checker])
 
 
-def check_rewards(names: list[str], hps_dir: str | Path, device: Any, reward_dtype: str) -> list[CheckResult]:
+def check_rewards(
+    names: list[str], hps_dir: str | Path, device: torch.device | str, reward_dtype: str
+) -> list[CheckResult]:
     from fluxgrpo import rewards
 
     results = []

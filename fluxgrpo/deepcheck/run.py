@@ -10,11 +10,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.deepcheck.result import FAILED, PASSED, CheckResult, DeepReport, skipped
 from fluxgrpo.errors import UsageError
 from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR
+
+if TYPE_CHECKING:
+    from fluxgrpo.config import TrainConfig
+    from fluxgrpo.deepcheck.iteration import IterationSettings
 
 DEFAULT_REPORT_FILE = "env-check-deep.json"
 NOT_NODE_ZERO = "this node's workers took part; node 0 (--node-rank 0) reports every rank's figures"
@@ -48,7 +52,7 @@ class DeepCheckSettings:
         return "quick" if self.quick else "full"
 
 
-def _train_config(settings: DeepCheckSettings, device_type: str) -> Any:
+def _train_config(settings: DeepCheckSettings, device_type: str) -> TrainConfig:
     from fluxgrpo.config import build_config
 
     name = settings.config or ("tiny-cpu" if device_type == "cpu" else None)
@@ -77,7 +81,7 @@ def _dies(settings: DeepCheckSettings, device_type: str) -> int:
     return max(1, rt_device.device_count(device_type))
 
 
-def _iteration_settings(settings: DeepCheckSettings, cfg: Any, device_type: str) -> Any:
+def _iteration_settings(settings: DeepCheckSettings, cfg: TrainConfig, device_type: str) -> IterationSettings:
     from fluxgrpo.bench.config import SHAPED_MODEL, TINY_MODEL
     from fluxgrpo.config import SAMPLERS
     from fluxgrpo.deepcheck.iteration import IterationSettings
@@ -108,7 +112,7 @@ def _iteration_settings(settings: DeepCheckSettings, cfg: Any, device_type: str)
 
 
 def _environment(
-    settings: DeepCheckSettings, cfg: Any, device_type: str, device_name: str, dies: int
+    settings: DeepCheckSettings, cfg: TrainConfig, device_type: str, device_name: str, dies: int
 ) -> dict[str, Any]:
     from fluxgrpo import __version__
     from fluxgrpo.runtime.peak import accelerator_stack
@@ -136,7 +140,7 @@ def _environment(
 DAMAGED_WEIGHTS = "damaged FLUX weights"  # how a load reason that fails the check (not skips it) begins
 
 
-def _load_payload(settings: DeepCheckSettings, cfg: Any) -> tuple[dict[str, Any] | None, str | None]:
+def _load_payload(settings: DeepCheckSettings, cfg: TrainConfig) -> tuple[dict[str, Any] | None, str | None]:
     """The train config the load check builds the transformer with, or why it does not run: weights that are
     absent skip it; weights that are there but damaged (a truncated shard) fail it, as `train` would refuse them."""
     from fluxgrpo.models.shard_loading import transformer_weight_files

@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fluxgrpo.runtime.dist import DistContext
 
 MIN_NOMINAL_FRACTION = 0.25
 LOAD_SLACK_BYTES = 1 << 30
 WARMUP, REPEATS = 1, 3
 
 
-def _collectives(ctx: Any, collective_bytes: int) -> dict[str, Any]:
+def _collectives(ctx: DistContext, collective_bytes: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -63,7 +66,7 @@ def _collectives(ctx: Any, collective_bytes: int) -> dict[str, Any]:
     return out
 
 
-def _load(ctx: Any, config: dict[str, Any]) -> dict[str, Any]:
+def _load(ctx: DistContext, config: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from fluxgrpo.config import TrainConfig

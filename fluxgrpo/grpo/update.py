@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ from fluxgrpo.grpo.objectives.base import (
 )
 from fluxgrpo.grpo.reference import ReferenceModel
 from fluxgrpo.grpo.rollout import predict_velocity
-from fluxgrpo.grpo.types import Conditioning, UpdateStats
+from fluxgrpo.grpo.types import Conditioning, FinalSamples, Rollout, UpdateStats
 from fluxgrpo.runtime.dist import reshard_sharded_modules
 
 
@@ -124,7 +124,7 @@ class UpdatePass:
         self,
         transformer: nn.Module,
         objective: Objective,
-        rollout: Any,
+        rollout: Rollout | FinalSamples,
         cond: Conditioning,
         advantages: torch.Tensor,
         plumbing: UpdatePlumbing,
@@ -187,34 +187,44 @@ class UpdatePass:
         return StepResult(loss, {"loss_sum": loss.detach(), **step_loss.metrics}, stop - start)
 
 
+class Trainee(Protocol):
+    """What an update trains and steps: the training's parts, or the bench's and the deep check's own."""
+
+    @property
+    def transformer(self) -> nn.Module: ...
+    @property
+    def optimizer(self) -> Any: ...  # step() and zero_grad(): a torch optimizer, or the bench's timed wrapper
+    @property
+    def lr_scheduler(self) -> Any: ...  # step(); its last_epoch counts the run's optimizer steps
+    @property
+    def reference(self) -> ReferenceModel | None: ...  # answers the KL term's forwards; None without a KL
+
+
 def run_update(
-    transformer: nn.Module,
+    trainee: Trainee,
     objective: Objective,
-    rollout: Any,
+    rollout: Rollout | FinalSamples,
     cond: Conditioning,
     advantages: torch.Tensor,
-    optimizer: torch.optim.Optimizer,
-    lr_scheduler: Any,
     plumbing: UpdatePlumbing,
     *,
     device_type: str,
     generator_cpu: torch.Generator,
-    reference: ReferenceModel | None = None,
 ) -> UpdateStats:
-    """Train ``transformer`` on one rollout with ``objective``; returns statistics reduced once at the end.
+    """Train ``trainee.transformer`` on one rollout with ``objective``; returns statistics reduced once at the end.
 
     Computation happens on ``cond.prompt_embeds.device``; ``advantages`` [B] are already clipped;
-    ``generator_cpu`` draws what the objective draws (save it for an exact resume); ``reference`` answers the KL
-    term's forwards. For each micro-batch, each of its ``work.slots`` loss steps (``UpdatePass.step``) is
+    ``generator_cpu`` draws what the objective draws (save it for an exact resume). For each micro-batch, each of its ``work.slots`` loss steps (``UpdatePass.step``) is
     backpropagated at once (no graph is kept across steps). After micro-batch m, if (m+1) % GA == 0 (the recipe's
     ``(i//mbs+1) % GA == 0``), an ``optimizer_step``. Gradients left over at the end (micro-batch count not a
     multiple of GA) are stepped too, with the same scale, so that window weighs less; DanceGRPO dropped them. A
     boundary whose gradient norm is not finite is skipped (weights untouched) and shows as a non-finite entry of
     ``UpdateStats.grad_norms``. Gradients present on entry are discarded.
     """
+    transformer, optimizer, lr_scheduler = trainee.transformer, trainee.optimizer, trainee.lr_scheduler
     update = UpdatePass(
         transformer, objective, rollout, cond, advantages, plumbing, device_type=device_type,
-        generator_cpu=generator_cpu, reference=reference,
+        generator_cpu=generator_cpu, reference=trainee.reference,
     )  # fmt: skip
     specs = update_metrics(objective)
     tally = MetricTally(specs, cond.prompt_embeds.device, rollout.num_steps)

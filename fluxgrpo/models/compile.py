@@ -35,10 +35,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch._dynamo.callback import CallbackArgs
 
 # diffusers' FluxTransformer2DModel._repeated_blocks; listed here too so any module with FLUX's blocks qualifies.
 FLUX_REPEATED_BLOCKS = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
@@ -154,11 +157,11 @@ class _CompileCallbacks:
         self.seconds = 0.0
         self.started: float | None = None
 
-    def start(self, args: Any) -> None:
+    def start(self, args: CallbackArgs) -> None:
         with self.lock:
             self.started = time.perf_counter()
 
-    def end(self, args: Any) -> None:
+    def end(self, args: CallbackArgs) -> None:
         from torch._dynamo.callback import CallbackTrigger
 
         with self.lock:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.weights.layout import check_flux_dir
@@ -18,6 +18,25 @@ from fluxgrpo.weights.layout import check_flux_dir
 if TYPE_CHECKING:
     import torch
     from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from torch import nn
+    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
+
+
+class _Checkpointable(Protocol):
+    """diffusers' ModelMixin switches (kept through a peft wrapper), which ``nn.Module.__getattr__`` cannot type."""
+
+    def enable_gradient_checkpointing(self) -> None: ...
+    def disable_gradient_checkpointing(self) -> None: ...
+
+
+def set_activation_checkpointing(transformer: nn.Module, on: bool) -> None:
+    """Activation checkpointing in every block of a diffusers transformer, on or off."""
+    model = cast("_Checkpointable", transformer)
+    if on:
+        model.enable_gradient_checkpointing()
+    else:
+        model.disable_gradient_checkpointing()
+
 
 CLIP_MAX_LENGTH = 77  # CLIP-L's context; FluxPipeline truncates the pooled prompt to it
 
@@ -35,7 +54,7 @@ def require_flux_dir(flux_dir: str | Path) -> Path:
 
 
 def load_transformer(
-    flux_dir: str | Path, dtype: torch.dtype | None = None, device: Any = "cpu"
+    flux_dir: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
 ) -> FluxTransformer2DModel:
     """The FLUX transformer from ``<flux_dir>/transformer`` in ``dtype`` (default float32) on ``device``."""
     import torch
@@ -53,7 +72,9 @@ def load_transformer(
     return model.to(device)
 
 
-def load_vae(flux_dir: str | Path, dtype: torch.dtype | None = None, device: Any = "cpu") -> AutoencoderKL:
+def load_vae(
+    flux_dir: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> AutoencoderKL:
     """The VAE from ``<flux_dir>/vae`` in ``dtype`` (default float32) on ``device``, in eval mode."""
     import torch
     from diffusers import AutoencoderKL
@@ -97,10 +118,10 @@ def read_transformer_config(flux_dir: str | Path) -> dict[str, Any]:
 class TextEncoders:
     """FLUX's two text encoders and their tokenizers, in eval mode with gradients off."""
 
-    clip: Any  # transformers CLIPTextModel (pooled output, hidden size P)
-    clip_tokenizer: Any  # CLIPTokenizer, context 77
-    t5: Any  # transformers T5EncoderModel (last_hidden_state, width D)
-    t5_tokenizer: Any  # T5Tokenizer
+    clip: CLIPTextModel  # pooled output, hidden size P
+    clip_tokenizer: CLIPTokenizer  # context 77
+    t5: T5EncoderModel  # last_hidden_state, width D
+    t5_tokenizer: T5Tokenizer
 
     @property
     def embed_dim(self) -> int:
@@ -113,11 +134,13 @@ class TextEncoders:
         return int(self.clip.config.hidden_size)
 
     @property
-    def device(self) -> Any:
+    def device(self) -> torch.device:
         return next(self.t5.parameters()).device
 
 
-def load_text_encoders(flux_dir: str | Path, dtype: torch.dtype | None = None, device: Any = "cpu") -> TextEncoders:
+def load_text_encoders(
+    flux_dir: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> TextEncoders:
     """CLIP (``text_encoder``, ``tokenizer``) and T5 (``text_encoder_2``, ``tokenizer_2``) from a FLUX folder."""
     import torch
     from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer

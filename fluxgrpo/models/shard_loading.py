@@ -24,7 +24,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -166,7 +166,7 @@ def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 def fill_transformer(
     model: torch.nn.Module,
     flux_dir: str | Path,
-    device: Any,
+    device: torch.device | str,
     stored_name: Callable[[str], str | None] = lambda name: name,
 ) -> None:
     """Allocate the (possibly FSDP2-sharded) meta ``model`` on ``device`` and read its weights from the

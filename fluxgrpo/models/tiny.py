@@ -21,6 +21,7 @@ from fluxgrpo.tiny_tokenizers import CLIP_MAX_LENGTH, build_tiny_clip_tokenizer
 
 if TYPE_CHECKING:
     from diffusers import FluxPipeline
+    from transformers import T5Tokenizer
 
 # FLUX.1-dev's own scheduler settings (dynamic shifting by image sequence length).
 FLUX_SCHEDULER_CONFIG: dict[str, Any] = {
@@ -469,7 +470,7 @@ _T5_WORDS = [
 _T5_CHARACTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"-()&/%$#@*+=_"
 
 
-def build_tiny_t5_tokenizer() -> Any:
+def build_tiny_t5_tokenizer() -> T5Tokenizer:
     """A T5 unigram tokenizer over a few hundred common English words plus single ASCII characters."""
     from transformers import T5Tokenizer
 

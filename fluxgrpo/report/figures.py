@@ -58,7 +58,20 @@ def _every_panel(runs: list[RunData]) -> list[Panel]:
         "reward",
         [Line("reward_mean", "mean", band=("reward_min", "reward_max"))],
     )
-    panels = [train_reward]
+    panels = [train_reward, *_eval_panels(runs), *_guard_panels(runs), *_update_panels(runs)]
+    panels += _other_number_panels(runs, panels)
+    phase_keys = sorted({k for run in runs for r in run.records for k in r if k.startswith("seconds_")})
+    panels += [
+        Panel("Seconds per phase", "seconds", [Line(k, k.removeprefix("seconds_")) for k in phase_keys]),
+        Panel("Throughput", "images / s", [Line("images_per_second", "images/s")]),
+        Panel("Peak device memory", "GiB", [Line("peak_memory_gib", "peak")]),
+    ]
+    return panels
+
+
+def _eval_panels(runs: list[RunData]) -> list[Panel]:
+    """Per evaluation reward its mean and its own numbers, then the diversity of a prompt's seeds."""
+    panels = []
     rewards: dict[str, None] = {}
     for run in runs:
         rewards.update(dict.fromkeys(run.eval_rewards()))
@@ -99,6 +112,11 @@ def _every_panel(runs: list[RunData]) -> list[Panel]:
             [Line("eval_diversity", "weights", eval_line=True), Line("eval_ema_diversity", "EMA", eval_line=True)],
         )
     )
+    return panels
+
+
+def _guard_panels(runs: list[RunData]) -> list[Panel]:
+    panels = []
     guarded: dict[str, None] = {}
     for run in runs:
         guarded.update(dict.fromkeys(run.guard_names()))
@@ -116,7 +134,12 @@ def _every_panel(runs: list[RunData]) -> list[Panel]:
     # From the guard records, written after each evaluation: the iteration records' own ``guards_fired`` is taken
     # before that iteration's evaluation, so it never shows a firing at the iteration where the run stopped.
     panels.append(Panel("Guard rules fired (at each check)", "rules", [Line("guards_fired", "fired", guard_line=True)]))
-    panels += [
+    return panels
+
+
+def _update_panels(runs: list[RunData]) -> list[Panel]:
+    """What the policy update did: drift, group spread, ratio and clipping, KL, gradients, loss, learning rate."""
+    panels = [
         Panel("Velocity-norm ratio, policy / reference (drift)", "ratio", [Line("velocity_norm_ratio", "‖v‖ ratio")]),
         Panel("Within-group reward std", "std", [Line("group_std_mean", "group std mean")]),
         Panel("Groups with zero reward spread", "fraction", [Line("zero_std_group_fraction", "zero-std fraction")]),
@@ -138,9 +161,13 @@ def _every_panel(runs: list[RunData]) -> list[Panel]:
         Panel("Loss", "loss", [Line("loss", "loss")]),
         Panel("Learning rate", "lr", [Line("lr", "lr")]),
     ]
-    # Any other number an objective logs (nft's policy_loss, awm's fm_mse, …) gets a panel of its own.
-    claimed = {key for panel in panels for line in panel.lines for key in (line.key, *(line.band or ()))}
-    claimed |= {
+    return panels
+
+
+# Record keys that are bookkeeping or shown elsewhere (the summary, the phase and throughput panels), never a panel
+# of their own.
+_UNDRAWN_KEYS = frozenset(
+    {
         "iteration",
         "optimizer_steps",
         "skipped_steps",
@@ -148,8 +175,21 @@ def _every_panel(runs: list[RunData]) -> list[Panel]:
         "sde_window_start",
         "first_abs_log_ratio",
         "guards_fired",
+        "reward_std",
+        "nonfinite_rewards",
+        "advantage_abs_mean",
+        "advantage_min",
+        "advantage_max",
+        "images_per_second",
+        "peak_memory_gib",
     }
-    claimed |= {"reward_std", "nonfinite_rewards", "advantage_abs_mean", "advantage_min", "advantage_max"}
+)
+
+
+def _other_number_panels(runs: list[RunData], panels: list[Panel]) -> list[Panel]:
+    """Any other number an objective logs (nft's policy_loss, awm's fm_mse, …) gets a panel of its own."""
+    claimed = {key for panel in panels for line in panel.lines for key in (line.key, *(line.band or ()))}
+    claimed |= _UNDRAWN_KEYS
     other_keys = sorted(
         {
             k
@@ -160,19 +200,11 @@ def _every_panel(runs: list[RunData]) -> list[Panel]:
             and not k.startswith(("seconds_", "reward_", "eval_", "kl"))
             and isinstance(v, int | float)
             and not isinstance(v, bool)
-            and k not in ("images_per_second", "peak_memory_gib")
         }
     )
     # a number that is the loss itself under another name (nft's policy_loss without a KL) is not drawn twice
     other_keys = [k for k in other_keys if any(run.series(k) != run.series("loss") for run in runs)]
-    panels += [Panel(key.replace("_", " ").capitalize(), key, [Line(key, key)]) for key in other_keys]
-    phase_keys = sorted({k for run in runs for r in run.records for k in r if k.startswith("seconds_")})
-    panels += [
-        Panel("Seconds per phase", "seconds", [Line(k, k.removeprefix("seconds_")) for k in phase_keys]),
-        Panel("Throughput", "images / s", [Line("images_per_second", "images/s")]),
-        Panel("Peak device memory", "GiB", [Line("peak_memory_gib", "peak")]),
-    ]
-    return panels
+    return [Panel(key.replace("_", " ").capitalize(), key, [Line(key, key)]) for key in other_keys]
 
 
 @dataclass(frozen=True)

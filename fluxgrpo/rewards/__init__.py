@@ -10,7 +10,7 @@ imported by the loader that needs them, not here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fluxgrpo.rewards.base import REWARD_DTYPES, RewardFn, reward_torch_dtype
 from fluxgrpo.rewards.registry import (
@@ -22,8 +22,13 @@ from fluxgrpo.rewards.registry import (
     reward_weights_status,
 )
 
+if TYPE_CHECKING:
+    import torch
 
-def load_reward(name: str, hps_dir: str | Path, device: Any = "cpu", reward_dtype: str = "fp32") -> RewardFn:
+
+def load_reward(
+    name: str, hps_dir: str | Path, device: torch.device | str = "cpu", reward_dtype: str = "fp32"
+) -> RewardFn:
     """The reward called ``name`` (``reward_names()``), loaded from ``hps_dir`` onto ``device``.
 
     ``reward_dtype`` (``fp32`` | ``bf16``, ``--reward-dtype``) is the dtype its encoders run in; scores are float32.

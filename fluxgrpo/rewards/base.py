@@ -99,15 +99,15 @@ def resize_like_pil(images: torch.Tensor, height: int, width: int, mode: str = "
 class TextFeatureCache:
     """Bounded LRU of per-prompt text features: GRPO scores every prompt G times per iteration."""
 
-    def __init__(self, encode: Callable[[list[str]], Any], max_size: int) -> None:
+    def __init__(self, encode: Callable[[list[str]], torch.Tensor], max_size: int) -> None:
         self._encode = encode  # distinct prompts → [n, E] float32 features, one row per prompt
-        self._rows: OrderedDict[str, Any] = OrderedDict()
+        self._rows: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._max_size = max_size
 
     def __len__(self) -> int:
         return len(self._rows)
 
-    def __call__(self, prompts: list[str]) -> Any:
+    def __call__(self, prompts: list[str]) -> torch.Tensor:
         """[B, E] features for ``prompts`` (encoding only those not cached)."""
         import torch
 

@@ -66,7 +66,7 @@ class ClipScoreReward(OpenClipCosine):
     def __init__(
         self,
         hps_dir: str | Path,
-        device: Any = "cpu",
+        device: torch.device | str = "cpu",
         batch_size: int = 32,
         text_cache_size: int = 4096,
         compute_dtype: torch.dtype | None = None,
@@ -106,7 +106,7 @@ class ClipScoreReward(OpenClipCosine):
         return (CLIPSCORE_WEIGHT * self.cosine(pixels, prompts)).clamp(min=0.0)
 
 
-def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> ClipScoreReward:
+def _load(hps_dir: Path, device: torch.device | str, dtype: torch.dtype) -> ClipScoreReward:
     return ClipScoreReward(hps_dir, device, compute_dtype=dtype)
 
 

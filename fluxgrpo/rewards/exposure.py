@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fluxgrpo.rewards.base import check_batch
 from fluxgrpo.rewards.registry import RewardRecord
@@ -29,7 +29,7 @@ class ExposureReward:
         return 1.0 - 2.0 * excess.mean(dim=(1, 2, 3))
 
 
-def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> ExposureReward:
+def _load(hps_dir: Path, device: torch.device | str, dtype: torch.dtype) -> ExposureReward:
     return ExposureReward()
 
 

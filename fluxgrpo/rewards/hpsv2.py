@@ -106,7 +106,7 @@ class HpsV2Reward(OpenClipCosine):
     def __init__(
         self,
         hps_dir: str | Path,
-        device: Any = "cpu",
+        device: torch.device | str = "cpu",
         batch_size: int = 32,
         text_cache_size: int = 4096,
         compute_dtype: torch.dtype | None = None,
@@ -142,7 +142,7 @@ class HpsV2Reward(OpenClipCosine):
         return normalize_clip(pixels)
 
 
-def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> HpsV2Reward:
+def _load(hps_dir: Path, device: torch.device | str, dtype: torch.dtype) -> HpsV2Reward:
     return HpsV2Reward(hps_dir, device, compute_dtype=dtype)
 
 

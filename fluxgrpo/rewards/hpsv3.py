@@ -54,6 +54,8 @@ from fluxgrpo.weights.tiny_writing import fresh_subfolders, write_subfolder_mani
 if TYPE_CHECKING:
     import torch
     from PIL import Image
+    from torch import nn
+    from transformers import Qwen2Tokenizer, Qwen2VLConfig
 
 # qwen-vl-utils' smart_resize with the authors' min_pixels = max_pixels = 256·28²; 28 = patch 14 × merge 2.
 IMAGE_PIXELS = 256 * 28 * 28
@@ -155,7 +157,7 @@ def _qwen2_vl_classes() -> tuple[Any, Any, Any]:
     return Qwen2VLConfig, Qwen2VisionTransformerPretrainedModel, Qwen2VLTextModel
 
 
-def read_base_config(path: Path, vocab_rows: int, fix: str) -> Any:
+def read_base_config(path: Path, vocab_rows: int, fix: str) -> Qwen2VLConfig:
     """Qwen2-VL's config.json as a ``Qwen2VLConfig``: see ``read_base_config_values``."""
     try:
         values = json.loads(path.read_text())
@@ -164,7 +166,7 @@ def read_base_config(path: Path, vocab_rows: int, fix: str) -> Any:
         raise FluxgrpoError(f"cannot read {path} as a Qwen2-VL config ({type(exc).__name__}: {exc}): {fix}") from exc
 
 
-def read_base_config_values(values: dict[str, Any], vocab_rows: int) -> Any:
+def read_base_config_values(values: dict[str, Any], vocab_rows: int) -> Qwen2VLConfig:
     """A ``Qwen2VLConfig`` from config.json's values, with ``vocab_rows`` token embeddings (the authors resize them
     to the tokenizer's length once ``<|Reward|>`` is added) and SDPA attention."""
     config_class, _, _ = _qwen2_vl_classes()
@@ -175,7 +177,7 @@ def read_base_config_values(values: dict[str, Any], vocab_rows: int) -> Any:
     return config
 
 
-def build_hpsv3_modules(config: Any, empty: bool = False) -> Any:
+def build_hpsv3_modules(config: Qwen2VLConfig, empty: bool = False) -> Any:
     """An ``nn.ModuleDict`` of ``visual`` (the vision tower with its merger), ``language_model`` (the decoder without
     lm_head) and ``rm_head``, random; ``empty`` puts the parameters on the meta device (buffers stay real)."""
     import contextlib
@@ -245,7 +247,9 @@ def embedding_rows(checkpoint: Path, fix: str) -> int:
     raise FluxgrpoError(f"{checkpoint} has no token embeddings (model.embed_tokens.weight): {fix}")
 
 
-def load_hpsv3_weights(modules: Any, checkpoint: Path, device: Any, dtype: torch.dtype, fix: str) -> None:
+def load_hpsv3_weights(
+    modules: nn.ModuleDict, checkpoint: Path, device: torch.device | str, dtype: torch.dtype, fix: str
+) -> None:
     """Assign the checkpoint's tensors to ``modules`` (built empty), each read once straight to ``device`` in
     ``dtype``: the host never holds more than one tensor of the 7B model."""
     from safetensors import safe_open
@@ -278,7 +282,7 @@ def load_hpsv3_weights(modules: Any, checkpoint: Path, device: Any, dtype: torch
         raise FluxgrpoError(f"{checkpoint} does not fit HPSv3's Qwen2-VL ({first_line}): {fix}") from exc
 
 
-def load_hpsv3(folder: str | Path, device: Any, dtype: torch.dtype) -> tuple[Any, Any, Any]:
+def load_hpsv3(folder: str | Path, device: torch.device | str, dtype: torch.dtype) -> tuple[Any, Any, Any]:
     """(modules, tokenizer, config) from an HPSv3 folder, on ``device`` in ``dtype`` (rm_head float32), eval."""
 
     folder = Path(folder)
@@ -319,7 +323,7 @@ def load_hpsv3(folder: str | Path, device: Any, dtype: torch.dtype) -> tuple[Any
     return modules.eval().requires_grad_(False), tokenizer, config
 
 
-def round_rotary_tables_as_trained(modules: Any) -> None:
+def round_rotary_tables_as_trained(modules: nn.ModuleDict) -> None:
     """Give every rotary embedding the inverse frequencies HPSv3 was trained and run with: bfloat16-rounded.
 
     The authors' ``create_model_and_processor`` calls ``model.to(torch.bfloat16)``, which casts the rotary
@@ -349,10 +353,10 @@ class HpsV3Reward:
     def __init__(
         self,
         folder: str | Path,
-        device: Any = "cpu",
+        device: torch.device | str = "cpu",
         batch_size: int = 8,
         text_cache_size: int = 4096,
-        compute_dtype: Any = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         import torch
 
@@ -483,7 +487,7 @@ class HpsV3Reward:
         return ids
 
 
-def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> HpsV3Reward:
+def _load(hps_dir: Path, device: torch.device | str, dtype: torch.dtype) -> HpsV3Reward:
     return HpsV3Reward(hpsv3_dir(hps_dir), device, compute_dtype=dtype)
 
 
@@ -555,7 +559,7 @@ TINY_HPSV3_VISION: dict[str, Any] = {
 }
 
 
-def build_tiny_qwen2_tokenizer() -> Any:
+def build_tiny_qwen2_tokenizer() -> Qwen2Tokenizer:
     """A Qwen2 tokenizer: the 256 byte symbols, merges spelling the instruction's words, then Qwen2-VL's specials."""
     from transformers import Qwen2Tokenizer
 
@@ -579,7 +583,7 @@ def build_tiny_qwen2_tokenizer() -> Any:
     return tokenizer
 
 
-def tiny_hpsv3_base_config(tokenizer: Any) -> dict[str, Any]:
+def tiny_hpsv3_base_config(tokenizer: Qwen2Tokenizer) -> dict[str, Any]:
     """config.json of the tiny Qwen2-VL, in the real Qwen2-VL-7B-Instruct file's (flat, transformers 4.4x) format."""
     ids = dict(
         zip(QWEN2_VL_SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(QWEN2_VL_SPECIAL_TOKENS)), strict=True)
@@ -624,7 +628,7 @@ def tiny_hpsv3_base_config(tokenizer: Any) -> dict[str, Any]:
 TINY_HPSV3_ATTENTION_STD = 0.35
 
 
-def build_tiny_hpsv3_state(tokenizer: Any, seed: int = 0) -> dict[str, Any]:
+def build_tiny_hpsv3_state(tokenizer: Qwen2Tokenizer, seed: int = 0) -> dict[str, Any]:
     """A random tiny HPSv3's weights under the authors' checkpoint keys (transformers 4.45 names, ``lm_head`` kept),
     all bfloat16 as in the real file; seeded, global RNG untouched.
 

@@ -226,10 +226,10 @@ class ImageRewardReward:
     def __init__(
         self,
         folder: str | Path,
-        device: Any = "cpu",
+        device: torch.device | str = "cpu",
         batch_size: int = 32,
         text_cache_size: int = 4096,
-        compute_dtype: Any = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         import torch
 
@@ -313,7 +313,7 @@ class ImageRewardReward:
         return torch.stack([encoded["input_ids"], encoded["attention_mask"]], dim=1).to(self.device)
 
 
-def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> ImageRewardReward:
+def _load(hps_dir: Path, device: torch.device | str, dtype: torch.dtype) -> ImageRewardReward:
     return ImageRewardReward(imagereward_dir(hps_dir), device, compute_dtype=dtype)
 
 

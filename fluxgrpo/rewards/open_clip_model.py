@@ -14,10 +14,13 @@ import logging
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.weights.config_guard import open_clip_architecture
 from fluxgrpo.weights.layout import REWARD_ARCH_FILE, reward_architecture
+
+if TYPE_CHECKING:
+    import torch
 
 REAL_REWARD_ARCH = "ViT-H-14"
 
@@ -91,7 +94,13 @@ class OpenClipCosine:
     """
 
     def __init__(
-        self, model: Any, arch: str, device: Any, batch_size: int, text_cache_size: int, compute_dtype: Any
+        self,
+        model: Any,
+        arch: str,
+        device: torch.device | str,
+        batch_size: int,
+        text_cache_size: int,
+        compute_dtype: torch.dtype | None,
     ) -> None:
         import open_clip
         import torch
@@ -107,7 +116,7 @@ class OpenClipCosine:
         self.compute_dtype = torch.float32 if compute_dtype is None else compute_dtype
         self._text_features = TextFeatureCache(self._encode_text, text_cache_size)
 
-    def cosine(self, pixels: Any, prompts: list[str]) -> Any:
+    def cosine(self, pixels: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         """Normalised pixels [B, 3, S, S] → cosine(image features, text features) [B] float32."""
         import torch
 
@@ -119,7 +128,7 @@ class OpenClipCosine:
                 scores.append((features * text_features[start : start + self.batch_size]).sum(dim=-1))
         return torch.cat(scores)
 
-    def image_features(self, pixels: Any) -> Any:
+    def image_features(self, pixels: torch.Tensor) -> torch.Tensor:
         """Normalised pixels [B, 3, S, S] → [B, E] float32 L2-normalised image features (the evaluation's
         diversity embedding, ``training/diversity.py``)."""
         import torch
@@ -132,7 +141,7 @@ class OpenClipCosine:
                 ]
             )
 
-    def _image_features(self, pixels: Any) -> Any:
+    def _image_features(self, pixels: torch.Tensor) -> torch.Tensor:
         import torch.nn.functional as F
 
         from fluxgrpo.runtime.device import autocast
@@ -141,7 +150,7 @@ class OpenClipCosine:
             features = self.model.encode_image(pixels)
         return F.normalize(features.float(), dim=-1)
 
-    def _encode_text(self, prompts: list[str]) -> Any:
+    def _encode_text(self, prompts: list[str]) -> torch.Tensor:
         """[n, E] float32 L2-normalised text features."""
         import torch
         import torch.nn.functional as F

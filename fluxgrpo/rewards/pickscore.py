@@ -139,10 +139,10 @@ class PickScoreReward:
     def __init__(
         self,
         folder: str | Path,
-        device: Any = "cpu",
+        device: torch.device | str = "cpu",
         batch_size: int = 32,
         text_cache_size: int = 4096,
-        compute_dtype: Any = None,
+        compute_dtype: torch.dtype | None = None,
     ):
         import torch
         from transformers import CLIPImageProcessor, CLIPModel, CLIPTokenizer
@@ -221,7 +221,7 @@ class PickScoreReward:
         return F.normalize(_projected(output).float(), dim=-1)
 
 
-def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> PickScoreReward:
+def _load(hps_dir: Path, device: torch.device | str, dtype: torch.dtype) -> PickScoreReward:
     return PickScoreReward(pickscore_dir(hps_dir), device, compute_dtype=dtype)
 
 

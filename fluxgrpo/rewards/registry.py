@@ -17,7 +17,7 @@ import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fluxgrpo.errors import UsageError
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from fluxgrpo.weights.layout import PartStatus
 
 # A loader builds one reward: (hps_dir, device, encoder dtype) → RewardFn.
-RewardLoader = Callable[[Path, Any, "torch.dtype"], "RewardFn"]
+RewardLoader = Callable[[Path, "torch.device | str", "torch.dtype"], "RewardFn"]
 
 # In the order `--reward`'s help, env-check and `score` list them; hpsv2 (the default) first.
 BUILTIN_REWARD_MODULES = (

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fluxgrpo.errors import UsageError
 
@@ -136,7 +136,7 @@ class RewardSet:
     ``names`` and ``weights`` (normalised to sum 1, float32, on the scores' device) are in the spec's order.
     """
 
-    def __init__(self, terms: list[RewardTerm], rewards: list[RewardFn], device: Any = "cpu") -> None:
+    def __init__(self, terms: list[RewardTerm], rewards: list[RewardFn], device: torch.device | str = "cpu") -> None:
         import torch
 
         self.names = [term.name for term in terms]
@@ -150,7 +150,9 @@ class RewardSet:
         return torch.stack([reward(images, prompts).float() for reward in self.rewards], dim=1)
 
 
-def load_reward_set(spec: str, hps_dir: str | Path, device: Any = "cpu", reward_dtype: str = "fp32") -> RewardSet:
+def load_reward_set(
+    spec: str, hps_dir: str | Path, device: torch.device | str = "cpu", reward_dtype: str = "fp32"
+) -> RewardSet:
     """Parse ``spec`` and load each reward it names (``rewards.load_reward``) onto ``device``."""
     from fluxgrpo.rewards import load_reward
 

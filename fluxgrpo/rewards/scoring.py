@@ -5,14 +5,20 @@ encoders in float32), the statistics as population mean and std."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.rewards import load_reward
 from fluxgrpo.rewards.base import pil_to_tensor
+
+if TYPE_CHECKING:
+    import torch
+    from PIL import Image
+
+    from fluxgrpo.rewards.base import RewardFn
 
 DEFAULT_SCORE_BATCH = 16
 
@@ -51,7 +57,7 @@ def check_images_readable(items: Iterable[ImageToScore]) -> None:
             raise FluxgrpoError(f"cannot read image {item.path} ({exc}): replace or remove it") from None
 
 
-def load_image(path: Path) -> Any:
+def load_image(path: Path) -> Image.Image:
     """The image at ``path``, fully decoded, as RGB."""
     from PIL import Image, UnidentifiedImageError
 
@@ -69,7 +75,7 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))
 
 
-def load_scorer(name: str, hps_dir: str | Path, device: Any) -> Any:
+def load_scorer(name: str, hps_dir: str | Path, device: torch.device | str) -> RewardFn:
     """The reward ``name`` on ``device``, its encoders in float32: scores compared across runs should not carry
     bf16 rounding (8 significant bits)."""
 
@@ -77,7 +83,11 @@ def load_scorer(name: str, hps_dir: str | Path, device: Any) -> Any:
 
 
 def score_items(
-    items: Sequence[ImageToScore], scorer: Any, batch_size: int, device: Any = "cpu", progress: Any = None
+    items: Sequence[ImageToScore],
+    scorer: RewardFn,
+    batch_size: int,
+    device: torch.device | str = "cpu",
+    progress: Callable[[int], None] | None = None,
 ) -> list[ScoredImage]:
     """Score ``items`` in batches of ``batch_size`` images (decoded per batch, so memory stays bounded)."""
     import torch

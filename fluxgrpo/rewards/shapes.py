@@ -127,7 +127,7 @@ def image_size_problems(height: int, width: int) -> list[str]:
     ]
 
 
-def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> ShapesReward:
+def _load(hps_dir: Path, device: torch.device | str, dtype: torch.dtype) -> ShapesReward:
     return ShapesReward()
 
 

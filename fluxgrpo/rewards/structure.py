@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fluxgrpo.rewards.base import check_batch
 from fluxgrpo.rewards.registry import RewardRecord
@@ -57,7 +57,7 @@ class StructureReward:
         return F.cosine_similarity(features, self.target_features.to(features.device), dim=1)
 
 
-def _load(hps_dir: Path, device: Any, dtype: torch.dtype) -> StructureReward:
+def _load(hps_dir: Path, device: torch.device | str, dtype: torch.dtype) -> StructureReward:
     return StructureReward()
 
 

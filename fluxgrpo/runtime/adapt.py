@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import UsageError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from fluxgrpo.runtime.npu import NpuAdaptReport
 
 # --attention choices: PyTorch's scaled_dot_product_attention, or torch_npu's fused kernel (bf16/fp16 only).
 ATTENTION_BACKENDS = ("sdpa", "npu-fusion")
@@ -25,7 +30,9 @@ COMPILE_BACKEND_ENV = "FLUXGRPO_COMPILE_BACKEND"
 FORCE_NPU_ADAPT_ENV = "FLUXGRPO_FORCE_NPU_ADAPT"
 
 
-def adapt_transformer(transformer: Any, device_type: str, *, attention: str = "sdpa", compute_dtype: Any = None) -> Any:
+def adapt_transformer(
+    transformer: nn.Module, device_type: str, *, attention: str = "sdpa", compute_dtype: Any = None
+) -> NpuAdaptReport | None:
     """Swap in the accelerator's kernels; returns the adaptation report (None when nothing applies).
 
     On npu (or when FLUXGRPO_FORCE_NPU_ADAPT=1): fused RMSNorm for FLUX's q/k norms, float32 RoPE, and the

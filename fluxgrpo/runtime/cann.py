@@ -11,11 +11,11 @@ import importlib
 import importlib.metadata
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from fluxgrpo.runtime.device import npu_import_status
+from fluxgrpo.runtime.device import NpuImportStatus, npu_import_status
 from fluxgrpo.runtime.npu_env import NPU_ENV_DEFAULTS, NPU_ENV_INFORMATIONAL
 
 # --- environment report -------------------------------------------------------------------------------------
@@ -141,7 +141,6 @@ def _fill_runtime_report(report: dict[str, Any], environ: Mapping[str, str]) -> 
 
     names = [var.name for var in NPU_ENV_DEFAULTS] + list(NPU_ENV_INFORMATIONAL)
     report["env"] = {name: environ.get(name) for name in names}
-    autoload = environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD")
 
     try:
         import torch as torch_module
@@ -159,10 +158,22 @@ def _fill_runtime_report(report: dict[str, Any], environ: Mapping[str, str]) -> 
     report["torch_npu_importable"] = status.importable
     report["torch_npu_error"] = status.error
     report["torch_npu_version"] = status.version or _installed_torch_npu_version()
+    torch_npu = importlib.import_module("torch_npu") if status.importable else None
+    _fill_cann_version(report, torch_npu, environ)
+    device_count_error = None if torch_npu is None else _fill_devices(report, torch_npu)
+    _note_what_blocks_the_npu(report, status, device_count_error, environ, notes, blocker)
 
-    torch_npu = None
-    if status.importable:
-        torch_npu = importlib.import_module("torch_npu")
+    torch_release, npu_release = _release(report["torch_version"]), _release(report["torch_npu_version"])
+    if torch_release and npu_release and torch_release != npu_release:
+        notes.append(
+            f"torch {report['torch_version']} with torch_npu {report['torch_npu_version']}: torch-npu X.Y.Z needs "
+            f"exactly torch X.Y.Z (a cpu build); install torch=={npu_release}"
+        )
+
+
+def _fill_cann_version(report: dict[str, Any], torch_npu: Any, environ: Mapping[str, str]) -> None:
+    """The CANN version as torch_npu reports it, else from the install's version files."""
+    if torch_npu is not None:
         try:
             cann = importlib.import_module("torch_npu.utils").get_cann_version()
         except Exception:  # absent before torch_npu 2.5-era releases; '' before CANN 8.1.RC1
@@ -176,20 +187,32 @@ def _fill_runtime_report(report: dict[str, Any], environ: Mapping[str, str]) -> 
             report["cann_version"], source = found[0], found[1]
             report["cann_version_source"] = str(source)
 
-    device_count_error = None
-    if torch_npu is not None:
-        device_api = torch_npu.npu
-        try:
-            device_count = int(device_api.device_count())
-        except Exception as exc:
-            device_count, device_count_error = 0, f"{type(exc).__name__}: {exc}"
-        for index in range(device_count):
-            try:
-                name = str(device_api.get_device_name(index))
-            except Exception as exc:
-                name = f"unknown ({type(exc).__name__})"
-            report["devices"].append({"index": index, "name": name, "peak_tflops": peak_tflops(name)})
 
+def _fill_devices(report: dict[str, Any], torch_npu: Any) -> str | None:
+    """Each visible NPU with its name and peak; returns why counting them failed (None: it did not)."""
+    device_api = torch_npu.npu
+    try:
+        device_count, error = int(device_api.device_count()), None
+    except Exception as exc:
+        device_count, error = 0, f"{type(exc).__name__}: {exc}"
+    for index in range(device_count):
+        try:
+            name = str(device_api.get_device_name(index))
+        except Exception as exc:
+            name = f"unknown ({type(exc).__name__})"
+        report["devices"].append({"index": index, "name": name, "peak_tflops": peak_tflops(name)})
+    return error
+
+
+def _note_what_blocks_the_npu(
+    report: dict[str, Any],
+    status: NpuImportStatus,
+    device_count_error: str | None,
+    environ: Mapping[str, str],
+    notes: list[str],
+    blocker: Callable[[str], None],
+) -> None:
+    """Why an NPU run cannot start here (torch_npu missing, not importing, seeing no NPU) and what fixes it."""
     if not status.installed:
         notes.append(
             "torch_npu is not installed: NPU runs need the matched set torch==X.Y.Z, torch-npu==X.Y.Z[.postN] "
@@ -208,6 +231,7 @@ def _fill_runtime_report(report: dict[str, Any], environ: Mapping[str, str]) -> 
             f"{where}: source /usr/local/Ascend/cann/set_env.sh (CANN >= 8.5) or "
             "/usr/local/Ascend/ascend-toolkit/set_env.sh, then rerun `fluxgrpo env-check`"
         )
+        autoload = environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD")
         blocker(
             "with torch-npu installed and no CANN, `import torch` itself fails unless TORCH_DEVICE_BACKEND_AUTOLOAD=0 "
             f"(torch autoloads torch_npu as a backend extension); it is {autoload!r} here. Keep it 0 for cpu/cuda "
@@ -221,13 +245,6 @@ def _fill_runtime_report(report: dict[str, Any], environ: Mapping[str, str]) -> 
         )
     if status.installed and report["cann_version"] is None and status.importable:
         notes.append("CANN version unknown: torch_npu did not report it and no version file was found")
-
-    torch_release, npu_release = _release(report["torch_version"]), _release(report["torch_npu_version"])
-    if torch_release and npu_release and torch_release != npu_release:
-        notes.append(
-            f"torch {report['torch_version']} with torch_npu {report['torch_npu_version']}: torch-npu X.Y.Z needs "
-            f"exactly torch X.Y.Z (a cpu build); install torch=={npu_release}"
-        )
 
 
 # --- peak throughput ------------------------------------------------------------------------------------------

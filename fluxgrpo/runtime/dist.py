@@ -38,7 +38,7 @@ class DistContext:
     local_rank: int
     world_size: int
     device_type: str  # npu | cuda | cpu
-    device: Any  # torch.device
+    device: torch.device
     backend: str  # hccl | nccl | gloo
 
     @property

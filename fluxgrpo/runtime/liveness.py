@@ -26,9 +26,12 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fluxgrpo.errors import FluxgrpoError
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 HEARTBEAT_SECONDS = 1.0
 SILENT_BEATS = 3  # a rank whose counter did not move for this many intervals has stopped
@@ -50,7 +53,7 @@ class Whereabouts:
 class Liveness:
     """One rank's registration, heartbeat thread and view of its peers (see the module docstring)."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, node: int) -> None:
+    def __init__(self, store: Store, rank: int, world_size: int, node: int) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.me = Whereabouts(rank, node, socket.gethostname(), os.getpid())
         self.position = self._base = "starting"
@@ -76,10 +79,10 @@ class Liveness:
         with contextlib.suppress(Exception):  # at once, not at the next beat: iterations can be shorter than it
             self.store.set(f"at/{self.rank}", self.position)
 
-    def _beat(self, store: Any, counter: int) -> None:
+    def _beat(self, store: Store, counter: int) -> None:
         store.set(f"beat/{self.rank}", f"{counter} {self.position}")
 
-    def _beat_forever(self, store: Any) -> None:
+    def _beat_forever(self, store: Store) -> None:
         counter = 1
         while not self._stop.wait(HEARTBEAT_SECONDS):
             try:

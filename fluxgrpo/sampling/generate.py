@@ -13,11 +13,13 @@ from fluxgrpo.sampling.request import SampledImage, SampleRequest, SampleSetting
 
 if TYPE_CHECKING:
     import torch
+    from diffusers import FluxPipeline
+    from PIL import Image
 
     from fluxgrpo.runtime.dist import DistContext
 
 
-def load_pipeline(request: SampleRequest, ctx: DistContext) -> Any:
+def load_pipeline(request: SampleRequest, ctx: DistContext) -> FluxPipeline:
     """FluxPipeline from ``request.model`` in the compute dtype on ``ctx.device``, with the trained transformer
     swapped in when there is a checkpoint, adapted to the device by the runtime."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
@@ -62,7 +64,12 @@ def load_pipeline(request: SampleRequest, ctx: DistContext) -> Any:
 
 
 def denoise(
-    pipe: Any, settings: SampleSettings, embeds: torch.Tensor, pooled: torch.Tensor, seeds: list[int], output_type: str
+    pipe: FluxPipeline,
+    settings: SampleSettings,
+    embeds: torch.Tensor,
+    pooled: torch.Tensor,
+    seeds: list[int],
+    output_type: str,
 ) -> Any:
     """One FluxPipeline call with ``settings`` from each seed's initial noise: the forward `sample` makes per batch
     (and the evaluation's padding forwards repeat, so every rank runs the same sharded steps)."""
@@ -93,7 +100,7 @@ def initial_latents(seeds: list[int], height: int, width: int) -> torch.Tensor:
     return pack_latents(torch.cat(rows))
 
 
-def _save_png(image: Any, path: Path, prompt: str, seed: int) -> None:
+def _save_png(image: Image.Image, path: Path, prompt: str, seed: int) -> None:
     """Write a PNG under a temp name and rename it, so a killed run never leaves a truncated image."""
     from PIL.PngImagePlugin import PngInfo
 
@@ -138,7 +145,7 @@ class _Progress:
 
 
 def encode_prompt(
-    pipe: Any, prompt: str, ctx: DistContext, max_sequence_length: int
+    pipe: FluxPipeline, prompt: str, ctx: DistContext, max_sequence_length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(T5 embeddings, pooled CLIP embedding) of one prompt, encoded on its own (a batch of one)."""
     import torch
@@ -151,7 +158,7 @@ def encode_prompt(
 
 
 def generate_images(
-    pipe: Any,
+    pipe: FluxPipeline,
     request: SampleRequest,
     prompt_indices: list[int],
     ctx: DistContext,

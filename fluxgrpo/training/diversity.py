@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 from fluxgrpo.rewards.scoring import load_image
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
 # Rewards whose scorer exposes ``embed_pil`` (CLIP image features), most general first: plain CLIP, then HPSv2's
@@ -58,7 +60,7 @@ def diversity(features: torch.Tensor, prompt_indices: Sequence[int]) -> float:
     return math.fsum(per_prompt) / len(per_prompt) if per_prompt else math.nan
 
 
-def image_diversity(scorer: Any, paths: Sequence[Any], prompt_indices: Sequence[int], batch_size: int) -> float:
+def image_diversity(scorer: Any, paths: Sequence[Path], prompt_indices: Sequence[int], batch_size: int) -> float:
     """``diversity`` of the images at ``paths`` in ``scorer.embed_pil``'s features, read back from disk."""
     import torch
 

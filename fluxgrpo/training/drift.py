@@ -28,11 +28,17 @@ training numbers are the same with and without it. Its time counts in the iterat
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fluxgrpo.runtime import dist as rt_dist
+
+if TYPE_CHECKING:
+    from fluxgrpo.config import TrainConfig
+    from fluxgrpo.grpo.reference import ReferenceModel
+    from fluxgrpo.grpo.types import Conditioning
+    from fluxgrpo.training.parts import TrainingParts
 
 PAIRED, FIRST_ITERATION = "paired", "iteration-1"
 
@@ -40,14 +46,14 @@ PAIRED, FIRST_ITERATION = "paired", "iteration-1"
 class DriftProbe:
     """The per-iteration velocity-norm probe of one rank (a collective: call it on every rank)."""
 
-    def __init__(self, cfg: Any, parts: Any, state: dict[str, Any] | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, parts: TrainingParts, state: dict[str, Any] | None = None) -> None:
         from fluxgrpo.grpo.reference import AdapterDisabledReference
         from fluxgrpo.lora import is_lora_model
 
         self.cfg = cfg
         self.parts = parts
         if parts.reference is not None:
-            self.reference: Any = parts.reference
+            self.reference: ReferenceModel | None = parts.reference
         elif is_lora_model(parts.transformer):
             self.reference = AdapterDisabledReference(parts.transformer)
         else:
@@ -60,7 +66,7 @@ class DriftProbe:
         return {"mode": self.mode, "base_norms": dict(self.base_norms)}
 
     @torch.no_grad()
-    def measure(self, iteration: int, rollout: Any, cond: Any, timestep_generator: torch.Generator) -> dict:
+    def measure(self, iteration: int, rollout: Any, cond: Conditioning, timestep_generator: torch.Generator) -> dict:
         """``{"velocity_norm_ratio": r}`` at ``iteration`` (NaN when nothing comparable was probed, and for the
         objectives that keep no trajectory to probe: ``--objective nft/awm``)."""
         if not hasattr(rollout, "latents"):  # FinalSamples: the final latents only

@@ -52,7 +52,12 @@ from fluxgrpo.sampling.request import SampledImage, SampleRequest, SampleSetting
 from fluxgrpo.training.diversity import embedding_reward, image_diversity
 
 if TYPE_CHECKING:
+    import torch
+    from diffusers import FluxPipeline
+
     from fluxgrpo.metrics import MetricsLogger
+    from fluxgrpo.rewards.base import RewardFn
+    from fluxgrpo.rewards.reward_set import RewardSet
     from fluxgrpo.runtime.dist import DistContext
     from fluxgrpo.training.parts import TrainingParts
 
@@ -118,9 +123,9 @@ class Evaluator:
             # a model trained on short padded text (the shapes world's) is evaluated as it trains.
             max_sequence_length=training_text_length(cfg),
         ).validate()
-        self._pipe: Any = None
-        self._encoded: dict[int, tuple[Any, Any]] | None = None
-        self._scorers: dict[str, Any] = {}
+        self._pipe: FluxPipeline | None = None
+        self._encoded: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._scorers: dict[str, RewardFn] = {}
 
     # ----------------------------------------------------------------------------------------- entry points
 
@@ -177,7 +182,7 @@ class Evaluator:
 
     # ----------------------------------------------------------------------------------------- one evaluation
 
-    def _evaluate(self, iteration: int, parts: Any, ema: bool) -> dict[str, float]:
+    def _evaluate(self, iteration: int, parts: TrainingParts, ema: bool) -> dict[str, float]:
         from fluxgrpo.grpo.rollout import reshard_sharded_modules
 
         ctx = self.ctx
@@ -214,7 +219,14 @@ class Evaluator:
         return values
 
     def _finish(
-        self, out: Path, request: Any, images: list[Any], iteration: int, ema: bool, dtype: Any, training_rewards: Any
+        self,
+        out: Path,
+        request: SampleRequest,
+        images: list[SampledImage],
+        iteration: int,
+        ema: bool,
+        dtype: torch.dtype,
+        training_rewards: RewardSet,
     ) -> dict:
         """Rank 0: grid, scores, index.json (last), image and histograms to the trackers; the metrics values."""
         import numpy as np
@@ -266,7 +278,7 @@ class Evaluator:
             )
         return logged
 
-    def _scorer(self, name: str, training: Any) -> Any:
+    def _scorer(self, name: str, training: RewardSet) -> RewardFn:
         """The float32 reward model ``fluxgrpo score`` would load, kept for the run; the training reward's own model
         when that is the same one (``--reward-dtype fp32``), so rank 0 holds no second copy (HPSv3 is 31 GB)."""
 
@@ -277,7 +289,7 @@ class Evaluator:
                 self._scorers[name] = scoring.load_scorer(name, self.cfg.hps_dir, self.ctx.device)
         return self._scorers[name]
 
-    def _score(self, scorer: Any, out: Path, images: list[Any]) -> list[float]:
+    def _score(self, scorer: RewardFn, out: Path, images: list[SampledImage]) -> list[float]:
         """Per-image scores, in (prompt, image) order, computed as ``fluxgrpo score --index`` computes them."""
 
         items = [
@@ -296,7 +308,7 @@ class Evaluator:
 
     # ----------------------------------------------------------------------------------------- set-up
 
-    def _pipeline(self, parts: TrainingParts) -> Any:
+    def _pipeline(self, parts: TrainingParts) -> FluxPipeline:
         """A FluxPipeline around the live transformer and the training VAE, without text encoders."""
         if self._pipe is None:
             from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
@@ -314,7 +326,7 @@ class Evaluator:
             self._pipe.set_progress_bar_config(disable=True)
         return self._pipe
 
-    def _encodings(self) -> dict[int, tuple[Any, Any]]:
+    def _encodings(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """This rank's prompts encoded once with `sample`'s code (text encoders loaded, used, and freed); a rank
         without prompts encodes prompt 0 for its padding forwards."""
         if self._encoded is None:
@@ -336,7 +348,9 @@ class Evaluator:
             rt_device.empty_cache(self.ctx.device)
         return self._encoded
 
-    def _pad_forwards(self, pipe: Any, prompts_here: int, encoded: dict[int, tuple[Any, Any]]) -> None:
+    def _pad_forwards(
+        self, pipe: FluxPipeline, prompts_here: int, encoded: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
         """Discarded pipeline calls so this rank runs as many sharded forwards as the busiest rank."""
         import torch
 

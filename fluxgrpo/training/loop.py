@@ -25,6 +25,7 @@ resumed run draws exactly what an uninterrupted one would have.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from fluxgrpo.grpo.latents import image_ids
 from fluxgrpo.grpo.reward_aggregation import aggregate_rewards
 from fluxgrpo.grpo.schedule import sigma_schedule
 from fluxgrpo.grpo.step_plan import plan_for_iteration
-from fluxgrpo.metrics import MetricsLogger, run_info
+from fluxgrpo.metrics import MetricsLogger, WandbRun, run_info
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime.dist import DistContext
@@ -67,6 +68,38 @@ def derive_seed(seed: int, rank: int, iteration: int, stream: int) -> int:
 
 
 NOISE_STREAM, TIMESTEP_STREAM, WINDOW_STREAM = 1, 2, 3
+
+
+@dataclass(frozen=True)
+class IterationRandomness:
+    """The iteration's three random streams, seeded by (seed, rank, iteration): a resumed run draws what an
+    uninterrupted one would have."""
+
+    noise: torch.Generator  # on the device: initial noise and the SDE steps' noise
+    timestep: torch.Generator  # on the CPU: which timesteps are trained, drift probes
+    window: torch.Generator  # on the CPU, rank 0's seed: which steps are SDE, the same on every rank
+
+
+def iteration_randomness(cfg: TrainConfig, ctx: DistContext, iteration: int) -> IterationRandomness:
+    return IterationRandomness(
+        noise=torch.Generator(device=ctx.device).manual_seed(derive_seed(cfg.seed, ctx.rank, iteration, NOISE_STREAM)),
+        timestep=torch.Generator().manual_seed(derive_seed(cfg.seed, ctx.rank, iteration, TIMESTEP_STREAM)),
+        window=torch.Generator().manual_seed(derive_seed(cfg.seed, 0, iteration, WINDOW_STREAM)),
+    )
+
+
+def open_metrics(cfg: TrainConfig, ctx: DistContext, resume_after: int) -> MetricsLogger:
+    """metrics.jsonl (rank 0) cut back to the resumed iteration, with TensorBoard / wandb when asked."""
+    return MetricsLogger(
+        Path(cfg.output_dir),
+        enabled=ctx.is_main,
+        tensorboard=cfg.tensorboard,
+        wandb=WandbRun(cfg.wandb_project, cfg.wandb_name, cfg.wandb_mode) if cfg.wandb else None,
+        config=cfg.to_dict(),
+        resume_after=resume_after,
+        ctx=ctx,
+        run_info=run_info(ctx) if ctx.is_main else None,
+    )
 
 
 def save_training_checkpoint(
@@ -138,19 +171,7 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
         parts = build_parts(cfg, ctx)
         checkpoint = checkpoint_to_resume(ctx, output_dir, resume, launch_token)
         start = restore(ctx, parts, checkpoint)
-        metrics = MetricsLogger(
-            output_dir,
-            enabled=ctx.is_main,
-            tensorboard=cfg.tensorboard,
-            wandb=cfg.wandb,
-            config=cfg.to_dict(),
-            resume_after=start,
-            ctx=ctx,
-            wandb_project=cfg.wandb_project,
-            wandb_name=cfg.wandb_name,
-            wandb_mode=cfg.wandb_mode,
-            run_info=run_info(ctx) if ctx.is_main else None,
-        )
+        metrics = open_metrics(cfg, ctx, start)
         evaluator = Evaluator(cfg, ctx, metrics)
         monitor = RunMonitor(cfg, parts, metrics, checkpoint)  # guards, best checkpoint, drift signals
         sigmas = sigma_schedule(cfg.sampling_steps, cfg.shift).to(ctx.device)  # [N+1]
@@ -167,22 +188,17 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
             rt_dist.mark(f"iteration {iteration}")  # named if this rank stops or falls behind the others
             rt_device.reset_peak_memory(ctx.device)
             clock = PhaseClock(ctx.device)
-            noise_gen = torch.Generator(device=ctx.device).manual_seed(
-                derive_seed(cfg.seed, ctx.rank, iteration, NOISE_STREAM)
-            )
-            timestep_gen = torch.Generator().manual_seed(derive_seed(cfg.seed, ctx.rank, iteration, TIMESTEP_STREAM))
-
+            rng = iteration_randomness(cfg, ctx, iteration)
             # Which steps are SDE (and trained): all (DanceGRPO) or a window; the same on every rank.
-            window_gen = torch.Generator().manual_seed(derive_seed(cfg.seed, 0, iteration, WINDOW_STREAM))
-            plan = plan_for_iteration(step_plan_settings, sigmas, iteration, window_gen)
+            plan = plan_for_iteration(step_plan_settings, sigmas, iteration, rng.window)
 
             cond = draw_prompts(parts, cfg)  # [B = prompts × G] rows, groups contiguous
-            noise = initial_noise(cfg, cfg.train_batch_size, noise_gen, ctx.device)  # [B, L, C]
+            noise = initial_noise(cfg, cfg.train_batch_size, rng.noise, ctx.device)  # [B, L, C]
             rollout = rollout_stage(
                 parts.transformer, objective, rollout_setup, cond, noise, sigmas, img_ids,
-                device_type=ctx.device_type, generator=noise_gen, plan=plan,
+                device_type=ctx.device_type, generator=rng.noise, plan=plan,
             )  # fmt: skip
-            drift = monitor.measure_drift(iteration, rollout, cond, timestep_gen)  # no RNG drawn, no weight moved
+            drift = monitor.measure_drift(iteration, rollout, cond, rng.timestep)  # no RNG drawn, no weight moved
             clock.lap("rollout")
 
             decoded = rollout.final_x0 if cfg.decode_sample == "x0" else rollout.final_latent
@@ -195,7 +211,7 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
             ).as_tuple()
             update = update_stage(
                 parts, objective, rollout, cond, adv.advantages, plumbing, device_type=ctx.device_type,
-                generator_cpu=timestep_gen, learnable=any_finite_reward(ctx, rewards),
+                generator_cpu=rng.timestep, learnable=any_finite_reward(ctx, rewards),
             )  # fmt: skip
             clock.lap("update")
 

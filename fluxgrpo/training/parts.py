@@ -4,13 +4,23 @@ the rewards, the optimizer and scheduler, EMA, the prompt data and its distribut
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fluxgrpo.config import TrainConfig
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime.dist import DistContext, shard_transformer
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from fluxgrpo.data.embeddings import EmbeddingDataset
+    from fluxgrpo.data.sampler import PromptSampler
+    from fluxgrpo.grpo.policy_copy import PolicyCopy
+    from fluxgrpo.grpo.reference import ReferenceModel
+    from fluxgrpo.models.compile import CompileMeter
+    from fluxgrpo.rewards.reward_set import RewardSet
 
 
 @dataclass
@@ -20,15 +30,15 @@ class TrainingParts:
     ctx: DistContext
     transformer: torch.nn.Module
     vae: torch.nn.Module
-    reward_fn: Any  # a RewardSet: images, prompts → scores [B, K], one column per --reward entry
+    reward_fn: RewardSet  # images, prompts → scores [B, K], one column per --reward entry
     optimizer: torch.optim.Optimizer
-    lr_scheduler: Any
-    ema: Any
-    dataset: Any
-    sampler: Any
-    reference: Any = None  # the KL's reference model (``--kl-beta`` > 0)
-    policy_copies: dict[str, Any] = field(default_factory=dict)  # name → PolicyCopy (NFT's old, AWM's EMA policy)
-    compile_meter: Any = None  # a models.compile.CompileMeter with --compile: compilations per metrics record
+    lr_scheduler: LRScheduler
+    ema: Any  # a grpo.ema.ShardedEMA with --use-ema, else None
+    dataset: EmbeddingDataset
+    sampler: PromptSampler
+    reference: ReferenceModel | None = None  # the KL's reference model (``--kl-beta`` > 0)
+    policy_copies: dict[str, PolicyCopy] = field(default_factory=dict)  # name → NFT's old, AWM's EMA policy
+    compile_meter: CompileMeter | None = None  # with --compile: compilations per metrics record
 
 
 def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
@@ -83,7 +93,7 @@ def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
     )
 
 
-def build_reference(cfg: TrainConfig, ctx: DistContext, transformer: torch.nn.Module):
+def build_reference(cfg: TrainConfig, ctx: DistContext, transformer: torch.nn.Module) -> ReferenceModel:
     """The KL's reference, the base model: for a LoRA run the policy with its adapters disabled; for full
     fine-tuning the base weights again, frozen, in the compute dtype (a forward is all it does), built and sharded
     like the policy (meta device, each rank reading its own shards). Built from ``cfg.model``, so a resumed run gets

@@ -6,20 +6,23 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from fluxgrpo.config import TrainConfig
+from fluxgrpo.grpo.update import Trainee
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.training.parts import TrainingParts
 
 if TYPE_CHECKING:
+    from fluxgrpo.grpo.ema import ShardedEMA
     from fluxgrpo.grpo.objectives.base import Objective
     from fluxgrpo.grpo.rollout import RolloutSettings
     from fluxgrpo.grpo.step_plan import StepPlan
     from fluxgrpo.grpo.types import Conditioning, FinalSamples, Rollout, UpdateStats
     from fluxgrpo.grpo.update import UpdatePlumbing
+    from fluxgrpo.rewards.base import RewardFn
 
 
 def draw_prompts(parts: TrainingParts, cfg: TrainConfig):
@@ -94,7 +97,7 @@ def decode_images(
     return torch.cat(images)
 
 
-def score_images(reward_fn: Any, images: torch.Tensor, captions, chunk: int) -> torch.Tensor:
+def score_images(reward_fn: RewardFn, images: torch.Tensor, captions, chunk: int) -> torch.Tensor:
     """Rewards [B] (one reward) or [B, K] (a RewardSet) fp32 of images [B,3,H,W] and their captions, ``chunk`` at a
     time."""
     with torch.no_grad():
@@ -165,19 +168,12 @@ def rollout_stage(
         )  # fmt: skip
 
 
-class TrainedModel(Protocol):
-    """What an update trains and steps (``TrainingParts`` is one; the bench and the deep check build their own)."""
+class TrainedModel(Trainee, Protocol):
+    """What an update trains and steps, and its EMA (``TrainingParts`` is one; the bench and the deep check build
+    their own)."""
 
     @property
-    def transformer(self) -> torch.nn.Module: ...
-    @property
-    def optimizer(self) -> Any: ...  # step() and zero_grad(): a torch optimizer, or the bench's timed wrapper
-    @property
-    def lr_scheduler(self) -> Any: ...  # step(); its last_epoch counts the run's optimizer steps
-    @property
-    def reference(self) -> Any: ...  # the KL's ``ReferenceModel``, or None
-    @property
-    def ema(self) -> Any: ...  # a ``ShardedEMA`` updated once per update that stepped, or None
+    def ema(self) -> ShardedEMA | None: ...  # updated once per update that stepped
 
 
 def update_stage(
@@ -204,9 +200,8 @@ def update_stage(
             device=cond.prompt_embeds.device,
         )  # fmt: skip
     update = run_update(
-        model.transformer, objective, rollout, cond, advantages, model.optimizer, model.lr_scheduler, plumbing,
-        device_type=device_type, generator_cpu=generator_cpu, reference=model.reference,
-    )  # fmt: skip
+        model, objective, rollout, cond, advantages, plumbing, device_type=device_type, generator_cpu=generator_cpu
+    )
     # the optimizer steps taken so far in the run (the scheduler steps with each one and is saved with checkpoints):
     # the step count DiffusionNFT's and AWM's decay schedules read
     objective.finish(model.transformer, int(model.lr_scheduler.last_epoch))

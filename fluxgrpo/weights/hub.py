@@ -260,34 +260,44 @@ def plan_fetch(
     return FetchPlan(source, client.endpoint, plans)
 
 
-def fetch_from_hub(
-    source: str,
-    *,
-    parts: Sequence[str] = DEFAULT_PARTS,
-    flux_dir: str | Path = DEFAULT_FLUX_DIR,
-    hps_dir: str | Path = DEFAULT_HPS_DIR,
-    revision: str | None = None,
-    token: str | None = None,
-    endpoint: str | None = None,
-    dry_run: bool = False,
-    max_workers: int = 8,
-    progress: bool = True,
-    rehash: bool = False,
-    prompts_dir: str | Path = DEFAULT_PROMPTS_DIR,
-) -> FetchSummary:
-    """Fetch the selected parts from ``source`` ("hf" or "modelscope") into the standard layout.
+@dataclass(frozen=True)
+class FetchRequest:
+    """What ``fetch-weights --source hf|modelscope`` asks for.
 
     ``parts`` are names from ``hub_parts.part_choices()`` (a group such as "pickscore" stands for its parts). ``revision``
     (branch, tag or commit) pins the repo of a single selected part; ``token`` and ``endpoint`` default to the
     hub's own settings (HF_TOKEN / ``hf auth login``, HF_ENDPOINT; MODELSCOPE_API_TOKEN / ``modelscope login``,
-    MODELSCOPE_ENDPOINT). ``dry_run`` only plans (see ``plan_fetch``). Progress and notes
-    go to stderr when ``progress``. Raises ``FluxgrpoError`` with one actionable line on any failure; files
-    finished before it are kept and count on the next run.
+    MODELSCOPE_ENDPOINT). ``dry_run`` only plans (see ``plan_fetch``). Progress and notes go to stderr when
+    ``progress``.
     """
+
+    source: str  # "hf" or "modelscope"
+    parts: Sequence[str] = DEFAULT_PARTS
+    flux_dir: str | Path = DEFAULT_FLUX_DIR
+    hps_dir: str | Path = DEFAULT_HPS_DIR
+    prompts_dir: str | Path = DEFAULT_PROMPTS_DIR
+    revision: str | None = None
+    token: str | None = None
+    endpoint: str | None = None
+    dry_run: bool = False
+    max_workers: int = 8
+    progress: bool = True
+    rehash: bool = False
+
+
+def fetch_from_hub(request: FetchRequest) -> FetchSummary:
+    """Fetch the selected parts from ``request.source`` into the standard layout.
+
+    Raises ``FluxgrpoError`` with one actionable line on any failure; files finished before it are kept and count
+    on the next run.
+    """
+    source, parts, revision = request.source, request.parts, request.revision
+    flux_dir, hps_dir, prompts_dir = request.flux_dir, request.hps_dir, request.prompts_dir
+    token, endpoint, max_workers, rehash = request.token, request.endpoint, request.max_workers, request.rehash
     started = time.monotonic()
     if max_workers < 1:
         raise UsageError(f"--max-workers must be at least 1, got {max_workers}")
-    if dry_run:
+    if request.dry_run:
         plan = plan_fetch(
             source,
             parts=parts,
@@ -304,7 +314,7 @@ def fetch_from_hub(
     selected = _select_parts(parts, revision)
     client = open_client(source, token=token, endpoint=endpoint)
     roots = {part.name: _part_root(part, flux_dir, hps_dir, prompts_dir) for part in selected}
-    with ProgressView(progress) as view:
+    with ProgressView(request.progress) as view:
         note = client.token_note()
         if note:
             view.log(note)

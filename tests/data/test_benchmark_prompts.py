@@ -12,7 +12,7 @@ from fluxgrpo.config import build_config
 from fluxgrpo.data.benchmarks import BENCHMARKS, benchmark_path
 from fluxgrpo.data.prompts import read_prompts
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.weights.hub import fetch_from_hub
+from fluxgrpo.weights.hub import FetchRequest, fetch_from_hub
 from fluxgrpo.weights.hub_parts import hub_parts
 
 PROMPTS = [f"prompt number {i}, a photo" for i in range(400)]
@@ -37,11 +37,13 @@ def test_hpdv2_prompts_fetch_verify_and_read_as_the_eval_set(tmp_path, monkeypat
     prompts_dir = tmp_path / "data" / "eval_prompts"
     with FakeHub("hf", [repo]) as hub:
         summary = fetch_from_hub(
-            "hf", parts=["hpdv2-prompts"], prompts_dir=prompts_dir, endpoint=hub.url, progress=False
+            FetchRequest("hf", parts=["hpdv2-prompts"], prompts_dir=prompts_dir, endpoint=hub.url, progress=False)
         )
         assert [path for _, path, _ in hub.content_requests()] == ["test.json"]  # only the allow-listed file
         hub.reset_requests()
-        again = fetch_from_hub("hf", parts=["hpdv2-prompts"], prompts_dir=prompts_dir, endpoint=hub.url, progress=False)
+        again = fetch_from_hub(
+            FetchRequest("hf", parts=["hpdv2-prompts"], prompts_dir=prompts_dir, endpoint=hub.url, progress=False)
+        )
         assert hub.content_requests() == []  # a complete set downloads nothing
     assert summary.parts[0].files_downloaded == 1 and again.parts[0].files_downloaded == 0
     path = benchmark_path("hpdv2", prompts_dir)
@@ -55,7 +57,9 @@ def test_a_model_repo_of_the_same_name_is_not_taken_for_the_dataset(tmp_path):
     repo = served_hpdv2(tmp_path)
     repo.repo_type = "model"
     with FakeHub("hf", [repo]) as hub, pytest.raises(FluxgrpoError):
-        fetch_from_hub("hf", parts=["hpdv2-prompts"], prompts_dir=tmp_path / "p", endpoint=hub.url, progress=False)
+        fetch_from_hub(
+            FetchRequest("hf", parts=["hpdv2-prompts"], prompts_dir=tmp_path / "p", endpoint=hub.url, progress=False)
+        )
 
 
 def test_missing_benchmark_names_the_fetch_command_and_modelscope_has_no_copy(tmp_path, monkeypatch):
@@ -66,7 +70,7 @@ def test_missing_benchmark_names_the_fetch_command_and_modelscope_has_no_copy(tm
         build_config("tiny-cpu", {"eval_prompts": "geneval", "eval_every": 2})
     assert hub_parts()["hpdv2-prompts"].repos["modelscope"] == ()
     with pytest.raises(UsageError, match="no known repository on modelscope"):
-        fetch_from_hub("modelscope", parts=["hpdv2-prompts"], prompts_dir=tmp_path / "p", progress=False)
+        fetch_from_hub(FetchRequest("modelscope", parts=["hpdv2-prompts"], prompts_dir=tmp_path / "p", progress=False))
 
 
 def test_json_prompt_files_must_be_a_list_of_objects_with_a_prompt(tmp_path):

@@ -224,7 +224,7 @@ def test_wandb_run_id_is_kept_and_offline_run_logged(eval_run):
 
 def test_resumed_wandb_run_continues_the_same_run(eval_run, tmp_path):
     pytest.importorskip("wandb")
-    from fluxgrpo.metrics import MetricsLogger
+    from fluxgrpo.metrics import MetricsLogger, WandbRun
 
     _, out, _ = eval_run
     folder = tmp_path / "again"
@@ -232,9 +232,7 @@ def test_resumed_wandb_run_continues_the_same_run(eval_run, tmp_path):
     (folder / WANDB_ID_FILE).write_text((out / WANDB_ID_FILE).read_text())
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("WANDB_SILENT", "true")
-        logger = MetricsLogger(
-            folder, enabled=True, wandb=True, wandb_mode="offline", wandb_name="named", resume_after=2
-        )
+        logger = MetricsLogger(folder, enabled=True, wandb=WandbRun(mode="offline", name="named"), resume_after=2)
         try:
             assert logger._wandb.id == (out / WANDB_ID_FILE).read_text().strip()
             assert logger._wandb.name == "named"

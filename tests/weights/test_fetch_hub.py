@@ -25,7 +25,7 @@ from fakehub import (
 )
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.weights.hub import FETCH_LOCK, fetch_from_hub, hub_parts, plan_fetch
+from fluxgrpo.weights.hub import FETCH_LOCK, FetchRequest, fetch_from_hub, hub_parts, plan_fetch
 from fluxgrpo.weights.layout import check_flux_dir, check_hps_dir
 from fluxgrpo.weights.manifest import read_manifest
 
@@ -91,7 +91,7 @@ def make_repos(
 def fetch(hub: FakeHub, tmp_path: Path, **kwargs):
     kwargs.setdefault("progress", False)
     return fetch_from_hub(
-        hub.flavour, flux_dir=tmp_path / "flux", hps_dir=tmp_path / "hps_ckpt", endpoint=hub.url, **kwargs
+        FetchRequest(hub.flavour, flux_dir=tmp_path / "flux", hps_dir=tmp_path / "hps_ckpt", endpoint=hub.url, **kwargs)
     )
 
 
@@ -450,7 +450,7 @@ def test_modelscope_falls_back_to_the_ai_modelscope_clip_copy(tmp_path):
 def test_an_unreachable_endpoint_is_named(tmp_path):
     url = free_port_url()
     with pytest.raises(FluxgrpoError, match=f"cannot reach {url}"):
-        fetch_from_hub("hf", parts=["hps"], hps_dir=tmp_path / "hps_ckpt", endpoint=url, progress=False)
+        fetch_from_hub(FetchRequest("hf", parts=["hps"], hps_dir=tmp_path / "hps_ckpt", endpoint=url, progress=False))
 
 
 def test_another_fetch_into_the_same_folder_is_refused(tmp_path):
@@ -468,11 +468,11 @@ def test_another_fetch_into_the_same_folder_is_refused(tmp_path):
 
 def test_bad_arguments_are_usage_errors(tmp_path):
     with pytest.raises(UsageError, match="--only"):
-        fetch_from_hub("hf", parts=["flux", "nope"], flux_dir=tmp_path, hps_dir=tmp_path)
+        fetch_from_hub(FetchRequest("hf", parts=["flux", "nope"], flux_dir=tmp_path, hps_dir=tmp_path))
     with pytest.raises(UsageError, match="--only flux --revision"):
-        fetch_from_hub("hf", parts=["flux", "hps"], revision="main", flux_dir=tmp_path, hps_dir=tmp_path)
+        fetch_from_hub(FetchRequest("hf", parts=["flux", "hps"], revision="main", flux_dir=tmp_path, hps_dir=tmp_path))
     with pytest.raises(UsageError, match="--source"):
-        fetch_from_hub("civitai", parts=["flux"], flux_dir=tmp_path, hps_dir=tmp_path)
+        fetch_from_hub(FetchRequest("civitai", parts=["flux"], flux_dir=tmp_path, hps_dir=tmp_path))
 
 
 # -- planning and disk space -----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ step. The EMA policy is soft-updated after the update with d = min(0.3, 0.001·o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +29,9 @@ from fluxgrpo.grpo.objectives.draws import group_bounds, indices_per_unit, linsp
 from fluxgrpo.grpo.objectives.nft import FlowMatchingBatch
 from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.types import FinalSamples
+
+if TYPE_CHECKING:
+    from fluxgrpo.config import TrainConfig
 
 AWM_METRICS = {
     "policy_loss": Metric("policy_loss", "mean"),
@@ -109,7 +112,7 @@ class AwmSettings:
     group_size: int = 1  # G, the rows a group-shared draw covers
 
     @classmethod
-    def from_config(cls, cfg: Any) -> AwmSettings:
+    def from_config(cls, cfg: TrainConfig) -> AwmSettings:
         sharing, timestep_rule = cfg.flow_matching_draws
         return cls(
             num_train_timesteps=cfg.train_timesteps, weighting=cfg.awm_weighting, ghuber_power=cfg.awm_ghuber_power,
@@ -132,7 +135,7 @@ class AwmObjective:
         self.policy_copies = {} if ema_policy is None else {EMA_POLICY: ema_policy}
 
     @classmethod
-    def from_config(cls, cfg: Any, policy_copies: dict[str, PolicyCopy]) -> AwmObjective:
+    def from_config(cls, cfg: TrainConfig, policy_copies: dict[str, PolicyCopy]) -> AwmObjective:
         return cls(AwmSettings.from_config(cfg), policy_copies.get(EMA_POLICY))
 
     def rollout_policy(self) -> PolicyCopy | None:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fluxgrpo.config import TrainConfig
 
 OLD_POLICY, EMA_POLICY = "old_policy", "ema_policy"  # the names policy copies are saved under
 NFT_DECAY_TYPES = (0, 1, 2)
@@ -44,17 +47,17 @@ TRAJECTORY_SETTINGS = (
 )
 
 
-def _no_problems(cfg: Any) -> list[str]:
+def _no_problems(cfg: TrainConfig) -> list[str]:
     return []
 
 
-def _no_copies(cfg: Any) -> tuple[str, ...]:
+def _no_copies(cfg: TrainConfig) -> tuple[str, ...]:
     return ()
 
 
 @dataclass(frozen=True)
 class ObjectiveEntry:
-    """One objective as the run's plumbing sees it. ``cfg`` below is a ``TrainConfig`` (duck-typed: no import)."""
+    """One objective as the run's plumbing sees it. ``cfg`` below is a ``TrainConfig`` (imported for type checking only)."""
 
     name: str
     # The class to train with: "module:Class" (imported when a run builds it) or the class itself; its
@@ -63,26 +66,26 @@ class ObjectiveEntry:
     # True: the rollout is the SDE with per-step log-probs (``Rollout``); False: the ODE's final samples only.
     keeps_trajectory: bool
     # cfg → the timesteps a sample may train on (T_train = int(this·fraction)).
-    trainable_timesteps: Callable[[Any], int]
+    trainable_timesteps: Callable[[TrainConfig], int]
     # The copies of the trainable weights it keeps (saved with checkpoints, counted by the memory model).
-    policy_copies: Callable[[Any], tuple[str, ...]] = _no_copies
+    policy_copies: Callable[[TrainConfig], tuple[str, ...]] = _no_copies
     # Its own flags' problems, checked whichever objective is chosen (a wrong value is wrong anyway).
-    option_problems: Callable[[Any], list[str]] = _no_problems
+    option_problems: Callable[[TrainConfig], list[str]] = _no_problems
     # Problems of a run with this objective (settings it cannot train with).
-    run_problems: Callable[[Any], list[str]] = _no_problems
+    run_problems: Callable[[TrainConfig], list[str]] = _no_problems
     # The flags (``TrainConfig`` fields) only the objectives naming them read: one left off its default is refused,
     # naming it, with an objective that does not.
     options: tuple[str, ...] = ()
     # cfg → T_train, when it is not int(trainable·fraction) (or ``--fm-timesteps`` where ``options`` has it).
-    train_timesteps: Callable[[Any], int] | None = None
+    train_timesteps: Callable[[TrainConfig], int] | None = None
     # (sharing, timestep rule) of ``--fm-draws auto`` / ``--fm-timestep-rule auto``: the authors'.
     draws: tuple[str, str] = ("sample", "stratified")
     # cfg → the samples one rank's update trains (micro-batches cut these): every trajectory by default.
-    trained_samples: Callable[[Any], int] | None = None
+    trained_samples: Callable[[TrainConfig], int] | None = None
     # cfg → latent rows one trained sample puts through a training forward (V-GRPO's N_MC pairs: one batch).
-    rows_per_forward: Callable[[Any], int] | None = None
+    rows_per_forward: Callable[[TrainConfig], int] | None = None
     # cfg → the update's kept latents when they are not the final-sample formula of ``update_latents``.
-    kept_latents: Callable[[Any], int] | None = None
+    kept_latents: Callable[[TrainConfig], int] | None = None
     # Settings every objective has that this one does not read (``TRAJECTORY_SETTINGS`` aside): the report leaves
     # them out of the run's config table.
     ignores: tuple[str, ...] = ()
@@ -92,7 +95,7 @@ class ObjectiveEntry:
         """The guard rules it cannot be checked by (their probe would only report NaN)."""
         return () if self.keeps_trajectory else TRAJECTORY_GUARDS
 
-    def update_latents(self, cfg: Any) -> int:
+    def update_latents(self, cfg: TrainConfig) -> int:
         """[trajectories × T_train] latents its update keeps besides the rollout's: the fresh noise and each policy
         copy's velocity per trained slot (the final-sample objectives); none for the trajectory objectives."""
         if self.kept_latents is not None:
@@ -102,7 +105,7 @@ class ObjectiveEntry:
         return cfg.trajectories_per_rank * cfg.train_timesteps * (1 + len(self.policy_copies(cfg)))
 
 
-def _nft_option_problems(cfg: Any) -> list[str]:
+def _nft_option_problems(cfg: TrainConfig) -> list[str]:
     out = []
     if not cfg.nft_beta > 0:
         out.append(f"--nft-beta {cfg.nft_beta} must be positive")
@@ -111,7 +114,7 @@ def _nft_option_problems(cfg: Any) -> list[str]:
     return out
 
 
-def _draw_option_problems(cfg: Any) -> list[str]:
+def _draw_option_problems(cfg: TrainConfig) -> list[str]:
     """``--fm-draws``, ``--fm-timestep-rule``, ``--fm-timesteps``: shared by nft, awm and vgrpo, checked once here."""
     out = []
     for flag, value, allowed in (
@@ -125,7 +128,7 @@ def _draw_option_problems(cfg: Any) -> list[str]:
     return out
 
 
-def _fm_timesteps_run_problems(cfg: Any) -> list[str]:
+def _fm_timesteps_run_problems(cfg: TrainConfig) -> list[str]:
     if cfg.fm_timesteps > cfg.trainable_timesteps:
         return [
             f"--fm-timesteps {cfg.fm_timesteps}: --objective {cfg.objective} has only {cfg.trainable_timesteps} "
@@ -134,7 +137,7 @@ def _fm_timesteps_run_problems(cfg: Any) -> list[str]:
     return []
 
 
-def _awm_option_problems(cfg: Any) -> list[str]:
+def _awm_option_problems(cfg: TrainConfig) -> list[str]:
     out = []
     if cfg.awm_time_type not in AWM_TIME_TYPES:
         out.append(f"--awm-time-type {cfg.awm_time_type!r}: use one of {', '.join(AWM_TIME_TYPES)}")
@@ -147,7 +150,7 @@ def _awm_option_problems(cfg: Any) -> list[str]:
     return out
 
 
-def _awm_run_problems(cfg: Any) -> list[str]:
+def _awm_run_problems(cfg: TrainConfig) -> list[str]:
     if cfg.sampling_steps >= 1 and cfg.trainable_timesteps < 1:
         return [
             f"--objective awm trains at grid indices {AWM_TIME_TYPES.get(cfg.awm_time_type, 1)} … int(0.9·N)−1, "
@@ -156,11 +159,11 @@ def _awm_run_problems(cfg: Any) -> list[str]:
     return _fm_timesteps_run_problems(cfg)
 
 
-def _awm_trainable(cfg: Any) -> int:
+def _awm_trainable(cfg: TrainConfig) -> int:
     return max(int(cfg.sampling_steps * AWM_TIME_FRACTION) - AWM_TIME_TYPES.get(cfg.awm_time_type, 1), 0)
 
 
-def _vgrpo_option_problems(cfg: Any) -> list[str]:
+def _vgrpo_option_problems(cfg: TrainConfig) -> list[str]:
     out = []
     if cfg.vgrpo_mc_samples < 1:
         out.append(f"--vgrpo-mc-samples {cfg.vgrpo_mc_samples} must be at least 1 (the authors' N_MC: 4)")
@@ -169,7 +172,7 @@ def _vgrpo_option_problems(cfg: Any) -> list[str]:
     return out
 
 
-def _vgrpo_run_problems(cfg: Any) -> list[str]:
+def _vgrpo_run_problems(cfg: TrainConfig) -> list[str]:
     if cfg.vgrpo_mc_samples > cfg.sampling_steps >= 1:
         return [
             f"--vgrpo-mc-samples {cfg.vgrpo_mc_samples}: one pair per stratum of the {cfg.sampling_steps} "
@@ -178,7 +181,7 @@ def _vgrpo_run_problems(cfg: Any) -> list[str]:
     return []
 
 
-def _neighbor_option_problems(cfg: Any) -> list[str]:
+def _neighbor_option_problems(cfg: TrainConfig) -> list[str]:
     out = []
     if not 0 < cfg.neighbor_sigma <= 1:
         out.append(f"--neighbor-sigma {cfg.neighbor_sigma} must be in (0, 1] (the authors: 0.3)")
@@ -191,12 +194,12 @@ def _neighbor_option_problems(cfg: Any) -> list[str]:
     return out
 
 
-def _neighbor_anchors(cfg: Any) -> int:
+def _neighbor_anchors(cfg: TrainConfig) -> int:
     """The anchors one rank's update trains: B of each group's G candidates."""
     return cfg.train_batch_size * min(cfg.neighbor_anchors, cfg.num_generations)
 
 
-def _neighbor_run_problems(cfg: Any) -> list[str]:
+def _neighbor_run_problems(cfg: TrainConfig) -> list[str]:
     if cfg.neighbor_anchors > cfg.num_generations >= 1:
         return [
             f"--neighbor-anchors {cfg.neighbor_anchors} must be at most --num-generations {cfg.num_generations} "

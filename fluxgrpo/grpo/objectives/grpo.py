@@ -29,7 +29,7 @@ std_dev_t², not by the step variance std_dev_t²·|dt|); fluxgrpo keeps their d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +38,9 @@ from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.samplers import SdeStep
 from fluxgrpo.grpo.schedule import model_timesteps
 from fluxgrpo.grpo.types import Rollout
+
+if TYPE_CHECKING:
+    from fluxgrpo.config import TrainConfig
 
 GRPO_METRICS = {
     "ratio_mean": Metric("ratio_mean", "mean"),  # mean ρ over every trained (trajectory, timestep)
@@ -146,7 +149,7 @@ class GrpoSettings:
     ratio_normalization: str = "none"  # ``config.RATIO_NORMALIZATIONS``
 
     @classmethod
-    def from_config(cls, cfg: Any) -> GrpoSettings:
+    def from_config(cls, cfg: TrainConfig) -> GrpoSettings:
         return cls(cfg.train_timesteps, cfg.clip_range, cfg.kl_beta, cfg.ratio_normalization)
 
 
@@ -163,7 +166,7 @@ class GrpoObjective:
         self.policy_copies: dict[str, PolicyCopy] = {}  # none: the ratio's π_old is the rollout's own log-prob
 
     @classmethod
-    def from_config(cls, cfg: Any, policy_copies: dict[str, PolicyCopy]) -> GrpoObjective:
+    def from_config(cls, cfg: TrainConfig, policy_copies: dict[str, PolicyCopy]) -> GrpoObjective:
         return cls(GrpoSettings.from_config(cfg))
 
     @property

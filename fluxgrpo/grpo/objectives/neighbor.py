@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,6 +35,9 @@ from fluxgrpo.grpo.objectives.base import CURRENT_POLICY, Metric, ModelInput, St
 from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.schedule import model_timesteps
 from fluxgrpo.grpo.types import FinalSamples
+
+if TYPE_CHECKING:
+    from fluxgrpo.config import TrainConfig
 
 NEIGHBOR_METRICS = {
     "policy_loss": Metric("policy_loss", "mean"),
@@ -89,7 +92,7 @@ class NeighborSettings:
     kl_beta: float = 0.0  # kl_beta: weight of mean((v − v_ref)²) at the anchor
 
     @classmethod
-    def from_config(cls, cfg: Any) -> NeighborSettings:
+    def from_config(cls, cfg: TrainConfig) -> NeighborSettings:
         return cls(
             num_train_timesteps=cfg.train_timesteps, num_anchors=cfg.neighbor_anchors, group_size=cfg.num_generations,
             clip_range=cfg.clip_range, quasi_norm_power=cfg.neighbor_quasi_norm_p,
@@ -112,7 +115,7 @@ class NeighborObjective:
         self.policy_copies: dict[str, PolicyCopy] = {}
 
     @classmethod
-    def from_config(cls, cfg: Any, policy_copies: dict[str, PolicyCopy]) -> NeighborObjective:
+    def from_config(cls, cfg: TrainConfig, policy_copies: dict[str, PolicyCopy]) -> NeighborObjective:
         return cls(NeighborSettings.from_config(cfg))
 
     def update_size(self, rollout: FinalSamples) -> int:

@@ -19,7 +19,7 @@ not change during an update); the authors compute it inline, which gives the sam
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,6 +37,9 @@ from fluxgrpo.grpo.objectives.draws import (
 from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.schedule import model_timesteps
 from fluxgrpo.grpo.types import FinalSamples
+
+if TYPE_CHECKING:
+    from fluxgrpo.config import TrainConfig
 
 # The authors' decay types: (steps held at 0, rise per step, ceiling).
 DECAY_TYPES = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}
@@ -105,7 +108,7 @@ class NftSettings:
     group_size: int = 1  # G, the rows a group-shared draw covers
 
     @classmethod
-    def from_config(cls, cfg: Any) -> NftSettings:
+    def from_config(cls, cfg: TrainConfig) -> NftSettings:
         sharing, timestep_rule = cfg.flow_matching_draws
         return cls(
             cfg.train_timesteps, cfg.nft_beta, cfg.kl_beta, cfg.adv_clip_max, cfg.nft_decay_type, sharing,
@@ -125,7 +128,7 @@ class NftObjective:
         self.policy_copies = {OLD_POLICY: old_policy}
 
     @classmethod
-    def from_config(cls, cfg: Any, policy_copies: dict[str, PolicyCopy]) -> NftObjective:
+    def from_config(cls, cfg: TrainConfig, policy_copies: dict[str, PolicyCopy]) -> NftObjective:
         return cls(NftSettings.from_config(cfg), policy_copies[OLD_POLICY])
 
     def rollout_policy(self) -> PolicyCopy:

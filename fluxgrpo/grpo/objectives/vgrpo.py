@@ -22,7 +22,7 @@ weights before the first optimizer step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from fluxgrpo.grpo.objectives.draws import group_bounds, indices_per_unit, rando
 from fluxgrpo.grpo.objectives.nft import FlowMatchingBatch
 from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.types import FinalSamples
+
+if TYPE_CHECKING:
+    from fluxgrpo.config import TrainConfig
 
 VGRPO_METRICS = {
     "policy_loss": Metric("policy_loss", "mean"),
@@ -88,7 +91,7 @@ class VgrpoSettings:
     timestep_rule: str = "stratified"  # fm_timestep_rule
 
     @classmethod
-    def from_config(cls, cfg: Any) -> VgrpoSettings:
+    def from_config(cls, cfg: TrainConfig) -> VgrpoSettings:
         sharing, timestep_rule = cfg.flow_matching_draws
         return cls(
             num_mc=cfg.vgrpo_mc_samples, group_size=cfg.num_generations, clip_range=cfg.clip_range,
@@ -110,7 +113,7 @@ class VgrpoObjective:
         self.policy_copies: dict[str, PolicyCopy] = {}
 
     @classmethod
-    def from_config(cls, cfg: Any, policy_copies: dict[str, PolicyCopy]) -> VgrpoObjective:
+    def from_config(cls, cfg: TrainConfig, policy_copies: dict[str, PolicyCopy]) -> VgrpoObjective:
         return cls(VgrpoSettings.from_config(cfg))
 
     def rollout_policy(self) -> None:
