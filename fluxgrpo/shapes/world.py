@@ -292,6 +292,16 @@ def _relation_holds(relation: str, a: PlacedObject, b: PlacedObject, margin: flo
     }[relation]
 
 
+# How far a shape reaches from its centre, in radii: a square's corners (half side 0.85·r) and a triangle's vertices
+# (circumradius 1.2·r) lie outside the circle of radius r. Objects are kept 3 px apart at these reaches, so two of one
+# colour never touch and merge into one component (at radius 9–13 px they did, in 1 % of the counting scenes).
+_REACH = {"circle": 1.0, "square": 0.85 * 2**0.5, "triangle": 1.2}
+
+
+def _reach(shape: str, radius: float) -> float:
+    return _REACH[shape] * radius
+
+
 def sample_scene(caption: Caption, rng: random.Random, size: int = 64) -> Scene:
     """A random scene the caption describes truly: its objects, any colour where it names none, placed apart."""
     specs = list(caption.objects) * (caption.count or 1)
@@ -303,7 +313,10 @@ def sample_scene(caption: Caption, rng: random.Random, size: int = 64) -> Scene:
             for _ in range(200):
                 x = rng.uniform(radius + 2, size - radius - 2)
                 y = rng.uniform(radius + 2, size - radius - 2)
-                if all((x - p.x) ** 2 + (y - p.y) ** 2 > (radius + p.radius + 3) ** 2 for p in placed):
+                if all(
+                    (x - p.x) ** 2 + (y - p.y) ** 2 > (_reach(spec.shape, radius) + _reach(p.shape, p.radius) + 3) ** 2
+                    for p in placed
+                ):
                     placed.append(PlacedObject(spec.shape, colour, x, y, radius))
                     break
         if len(placed) != len(specs):
