@@ -255,6 +255,16 @@ def tokenize_captions(
     return clip_ids, t5_ids
 
 
+def _ema_step(ema: torch.nn.Module, live: torch.nn.Module, step: int, decay: float) -> None:
+    """One EMA update of ``ema`` towards ``live``, the decay warmed up as (1 + step) / (10 + step) up to ``decay``."""
+    import torch
+
+    rate = 1 - min(decay, (1 + step) / (10 + step))
+    with torch.no_grad():
+        for kept, current in zip(ema.parameters(), live.parameters(), strict=True):
+            kept.lerp_(current, rate)
+
+
 def train_transformer(
     latents: torch.Tensor,
     caption_index: list[int],
@@ -324,10 +334,7 @@ def train_transformer(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
-        decay = min(plan.ema_decay, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for kept, live in zip(ema.parameters(), parts.parameters(), strict=True):
-                kept.lerp_(live, 1 - decay)
+        _ema_step(ema, parts, step, plan.ema_decay)
         losses.append(loss.item())
         if step % 100 == 0 or step == plan.transformer_steps - 1:
             log(f"transformer step {step}/{plan.transformer_steps} loss {loss.item():.4f}")
@@ -397,10 +404,7 @@ def distill_guidance(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         optimizer.step()
-        decay = min(plan.ema_decay, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for kept, live in zip(ema.parameters(), student.parameters(), strict=True):
-                kept.lerp_(live, 1 - decay)
+        _ema_step(ema, student, step, plan.ema_decay)
         losses.append(loss.item())
         if step % 100 == 0 or step == plan.distill_steps - 1:
             log(f"guidance distillation step {step}/{plan.distill_steps} loss {loss.item():.4f}")
