@@ -253,8 +253,12 @@ def _say_torn_line_dropped(message: str) -> None:
 
 def held_out_trend(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Each held-out reward's mean at the run's first and last evaluation (``eval_<reward>_mean``, the live
-    weights'): ``{reward: {"first_iteration", "first", "last_iteration", "last", "change"}}``; empty with fewer than
-    two evaluations."""
+    weights'): ``{reward: {"first_iteration", "first", "last_iteration", "last", "change"[, "noise"]}}``; empty with
+    fewer than two evaluations.
+
+    ``noise`` (when both evaluations recorded their image count and spread) is two standard errors of the change,
+    2·√(s₀²/n₀ + s₁²/n₁): a change inside it is what another draw of the same model's images could give (a base
+    model scored 0.66 on 60 images and 0.58 on 240), not an effect of training."""
     evaluations = [r for r in records if "eval_seconds" in r]
     if len(evaluations) < 2:
         return {}
@@ -262,13 +266,19 @@ def held_out_trend(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]
     out = {}
     for key, value in first.items():
         if key.startswith("eval_") and key.endswith("_mean") and not key.startswith("eval_ema_") and key in last:
-            out[key.removeprefix("eval_").removesuffix("_mean")] = {
+            name = key.removeprefix("eval_").removesuffix("_mean")
+            out[name] = {
                 "first_iteration": first["iteration"],
                 "first": value,
                 "last_iteration": last["iteration"],
                 "last": last[key],
                 "change": last[key] - value,
             }
+            spread = f"eval_{name}_std"
+            counted = all(isinstance(r.get("eval_images"), int) and r["eval_images"] > 0 for r in (first, last))
+            if counted and isinstance(first.get(spread), float) and isinstance(last.get(spread), float):
+                variance = first[spread] ** 2 / first["eval_images"] + last[spread] ** 2 / last["eval_images"]
+                out[name]["noise"] = 2 * math.sqrt(variance)
     return out
 
 

@@ -186,10 +186,19 @@ def _summarize_run(cfg: TrainConfig, records: list[dict[str, Any]], json_output:
             say(
                 f"held-out {name} {change['first']:.4f} (iteration {change['first_iteration']}) → "
                 f"{change['last']:.4f} (iteration {change['last_iteration']}), {change['change']:+.4f}"
+                + _against_noise(change)
             )
     if stopped:  # a clean end, told apart from success and failure by its exit code (training/guards.py)
         log(stopped["guard_stop_message"])  # one line, never cut (the rule, the iteration, the values)
         raise typer.Exit(GUARD_STOP_EXIT_CODE)
+
+
+def _against_noise(change: dict[str, float]) -> str:
+    """The held-out change told apart from sampling noise: another draw of the same model's images moves the mean."""
+    if "noise" not in change:
+        return ""
+    verdict = "within" if abs(change["change"]) <= change["noise"] else "beyond"
+    return f", {verdict} noise (±{change['noise']:.4f}: 2 standard errors of the two evaluations' means)"
 
 
 def _best_or_none(output_dir: str) -> dict[str, Any] | None:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG
+from fluxgrpo.shapes.plan import WORLD_TRANSFORMER_CONFIG, WORLD_VAE_CONFIG
+from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH
 
 # FLUX.1-dev's transformer/config.json and vae/config.json (11.9 B and 83.8 M parameters).
 FLUX_DEV_TRANSFORMER_CONFIG: dict[str, Any] = {
@@ -70,6 +72,13 @@ KNOWN_MODELS: dict[str, KnownModel] = {
     "flux-dev": KnownModel("flux-dev", "FLUX.1-dev", FLUX_DEV_TRANSFORMER_CONFIG, FLUX_DEV_VAE_CONFIG, 512),
     "tiny": KnownModel(
         "tiny", "the tiny random FLUX (fetch-weights --source tiny)", TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG, 32
+    ),
+    "shapes": KnownModel(
+        "shapes",
+        "the shapes world's pretrained FLUX (fetch-weights --source shapes)",
+        WORLD_TRANSFORMER_CONFIG,
+        WORLD_VAE_CONFIG,
+        WORLD_TEXT_LENGTH,
     ),
 }
 MODEL_FAMILIES = (*KNOWN_MODELS, WEIGHTS)

@@ -263,7 +263,7 @@ class Evaluator:
         self.metrics.log_image(f"{prefix}grid", pixels, iteration, caption=f"iteration {iteration}")
         for name, values in scores.items():
             self.metrics.log_histogram(f"{prefix}{name}", np.asarray(values, dtype=np.float64), iteration)
-        logged: dict[str, float] = {}
+        logged: dict[str, float] = {f"{prefix}images": len(images)}  # how many images each mean is over
         for name, (mean, std) in summary.items():
             logged[f"{prefix}{name}_mean"] = mean
             logged[f"{prefix}{name}_std"] = std

@@ -71,6 +71,7 @@ def test_evaluates_at_zero_every_k_and_writes_sample_indexes(eval_run):
     evals = [r for r in read_metrics(out) if "eval_brightness_mean" in r]
     assert [r["iteration"] for r in evals] == [0, 2, 4]
     for record in evals:
+        assert record["eval_images"] == record["eval_ema_images"] == 3 * 2  # each mean's count, for its noise
         for key in ("eval_brightness", "eval_hpsv2", "eval_ema_brightness", "eval_ema_hpsv2"):
             assert np.isfinite(record[f"{key}_mean"]) and record[f"{key}_std"] >= 0
         for suffix in ("", "-ema"):

@@ -301,3 +301,15 @@ def test_a_dry_run_without_any_weights_still_plans_and_says_what_a_launch_would_
     plan = json.loads(result.stdout)
     assert plan["memory_per_die"]["peak_gib"] >= 20 and plan["memory_per_die"]["warnings"] == []
     assert any("fetch-weights" in check for check in plan["skipped_checks"])
+
+
+@pytest.mark.parametrize("name", ["shapes-cpu", "shapes-cpu-awm", "shapes-cpu-hps"])
+def test_the_shapes_configs_size_a_dry_run_from_the_world_model_and_fit_a_laptop(name, tmp_path):
+    """The quickstart's configs name the world model: a --dry-run before fetch-weights plans its shapes (not
+    FLUX.1-dev's, which refused the quickstart's own dry run at 168 GiB), and the shipped weights raise no warning."""
+    from fluxgrpo.shapes.shipped import shipped_weights_dir
+
+    before_fetch = estimate_for_config(build_config(name, {"model": str(tmp_path / "absent")}), 2, "cpu", True)
+    assert "shapes world" in before_fetch.sized_from and before_fetch.peak / GiB < 8  # a laptop's share per die
+    fetched = estimate_for_config(build_config(name, {"model": str(shipped_weights_dir() / "flux")}), 2, "cpu", True)
+    assert fetched.warnings == []

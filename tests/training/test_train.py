@@ -337,3 +337,21 @@ def test_reward_statistics_by_hand():
     assert (stats["reward_min"], stats["reward_max"]) == (1.0, 3.0)
     assert stats["group_std_mean"] == pytest.approx(2**0.5 / 2)
     assert stats["zero_std_group_fraction"] == 0.5 and stats["nonfinite_rewards"] == 1.0
+
+
+def test_the_held_out_change_is_told_apart_from_the_noise_of_a_redraw():
+    from fluxgrpo.cli.train import _against_noise
+    from fluxgrpo.metrics import held_out_trend
+
+    first = {"iteration": 0, "eval_seconds": 1.0, "eval_images": 100, "eval_shapes_mean": 0.5, "eval_shapes_std": 0.3}
+    last = {**first, "iteration": 8, "eval_shapes_mean": 0.58, "eval_shapes_std": 0.4}
+    trend = held_out_trend([first, {"iteration": 1, "reward_mean": 0.1}, last])["shapes"]
+    # 2·√(0.3²/100 + 0.4²/100) = 2·√0.0025 = 0.1
+    assert trend["change"] == pytest.approx(0.08) and trend["noise"] == pytest.approx(0.1)
+    assert _against_noise(trend).startswith(", within noise (±0.1000: 2 standard errors")
+    assert _against_noise(held_out_trend([first, {**last, "eval_shapes_mean": 0.65}])["shapes"]).startswith(
+        ", beyond noise"
+    )
+    older = {key: value for key, value in first.items() if key != "eval_images"}  # a run from before the count
+    assert "noise" not in held_out_trend([older, last])["shapes"]
+    assert _against_noise(held_out_trend([older, last])["shapes"]) == ""
