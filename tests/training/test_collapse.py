@@ -64,6 +64,22 @@ def test_diversity_warns_below_half_of_the_iteration_0_evaluation():
     assert sign.signal == "diversity" and "0.2 → 0.08 (-60 %" in sign.text
 
 
+def test_a_held_out_fall_beyond_the_noise_of_its_evaluations_warns_with_the_training_rise_beside_it():
+    def evaluation(iteration, mean):  # 100 images of spread 0.3 at each end: 2·√(2·0.09/100) = 0.0849 of noise
+        return {"iteration": iteration, "eval_seconds": 1.0, "eval_images": 100, "eval_shapes_mean": mean,
+                "eval_shapes_std": 0.3}  # fmt: skip
+
+    trained = [{"iteration": k, "reward_mean": 0.4 + 0.02 * k} for k in range(1, 11)]
+    assert record_signs([evaluation(0, 0.6), *trained, evaluation(10, 0.52)]) == []  # −0.08: within the noise
+    (sign,) = record_signs([evaluation(0, 0.6), *trained, evaluation(10, 0.50)])
+    assert sign.signal == "held_out"
+    assert sign.text == (
+        "held-out shapes 0.6 → 0.5 (-0.1, beyond the ±0.085 a redraw of the images could give) while the training "
+        "reward rose +0.1"  # the means of the first and last 5 iterations: 0.46 → 0.56
+    )
+    assert record_signs([evaluation(0, 0.6), *trained, evaluation(10, 0.70)]) == []  # a rise is no sign
+
+
 def save(path: Path, colour) -> Path:
     Image.new("RGB", (16, 16), colour).save(path)
     return path
