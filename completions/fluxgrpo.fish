@@ -139,7 +139,7 @@ complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l overwrite -d 'Sta
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l dry-run -d 'Validate, print the resolved config as JSON, start nothing.'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l json -d 'Print the run summary as one JSON document.'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l model -r -F -d 'FLUX diffusers folder (from `fluxgrpo fetch-weights`). \[default: data/flux]'
-complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l model-family -r -F -d 'The model this config is for: flux-dev, tiny, weights (whatever --model holds). A --dry-run plans from its known shapes without its weights, and says when --model holds another model. \[default: flux-dev]'
+complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l model-family -r -F -d 'The model this config is for: flux-dev, tiny, shapes, weights (whatever --model holds). A --dry-run plans from its known shapes without its weights, and says when --model holds another model. \[default: flux-dev]'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l hps-dir -r -F -d 'Folder of the reward weights (`fetch-weights --hps-dir`): the HPS and open_clip files, pickscore/, imagereward/, hpsv3/. \[default: hps_ckpt]'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l data-json-path -r -F -d 'Embeddings index written by `fluxgrpo preprocess`. \[default: data/rl_embeddings/videos2caption.json]'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from train' -l output-dir -r -F -d 'Checkpoints, metrics.jsonl, sample images and the resolved config. \[default: data/outputs/grpo]'

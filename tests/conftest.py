@@ -16,7 +16,6 @@ name.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,19 +38,6 @@ class TinyEmbeddings:
     prompts_path: Path
     prompts: list[str]
     flux_dir: Path
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """One compute thread per pytest-xdist worker, for it and the processes it starts.
-
-    The suite runs as 2 xdist workers on CI's 2 cores; torch's default of one thread per core in each worker (and in
-    each single-process run a test starts) oversubscribes the cores, and the tiny models' small kernels then spend
-    their time in thread hand-offs. An OMP_NUM_THREADS already set wins; tests that need another count set it themselves."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        import torch
-
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)
