@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG
-from fluxgrpo.shapes.plan import WORLD_TRANSFORMER_CONFIG, WORLD_VAE_CONFIG
-from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH
+from fluxgrpo.shapes.sizes import WORLD_TEXT_LENGTH, WORLD_TRANSFORMER_CONFIG, WORLD_VAE_CONFIG
 
 # FLUX.1-dev's transformer/config.json and vae/config.json (11.9 B and 83.8 M parameters).
 FLUX_DEV_TRANSFORMER_CONFIG: dict[str, Any] = {

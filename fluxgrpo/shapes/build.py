@@ -51,13 +51,12 @@ from fluxgrpo.shapes.plan import (
     FULL_PLAN,
     HPS_SUBDIR,
     QUICK_PLAN,
-    WORLD_TRANSFORMER_CONFIG,
-    WORLD_VAE_CONFIG,
     BuildPlan,
     log,
     training_captions,
     warmup_cosine,
 )
+from fluxgrpo.shapes.sizes import WORLD_TRANSFORMER_CONFIG, WORLD_VAE_CONFIG
 from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH, build_world_clip_tokenizer, build_world_t5_tokenizer
 
 if TYPE_CHECKING:

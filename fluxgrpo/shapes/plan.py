@@ -1,4 +1,5 @@
-"""The shapes world builder's plan: the sizes of FLUX's parts at laptop size and the length of every stage.
+"""The shapes world builder's plan: the tiny HPS's size and the length of every stage (the FLUX parts' sizes are
+``shapes/sizes.py``'s).
 
 Read by the builder's stages (``shapes/build.py``: VAE, text encoders, transformer, guidance distillation;
 ``shapes/build_hps.py``: the tiny HPS) and by what they share: the log line, the learning-rate schedule and the
@@ -18,32 +19,6 @@ BUILD_INFO = "build.json"
 FLUX_SUBDIR = "flux"
 HPS_SUBDIR = "hps"
 
-# FLUX's parts at laptop size. The transformer sees 16 image tokens (a 64² image) and 12 text tokens.
-WORLD_TRANSFORMER_CONFIG: dict[str, Any] = {
-    "patch_size": 1,
-    "in_channels": 64,  # 16 latent channels x 2x2 packing
-    "num_layers": 2,
-    "num_single_layers": 2,
-    "attention_head_dim": 32,
-    "num_attention_heads": 4,
-    "joint_attention_dim": 32,  # = the T5's d_model
-    "pooled_projection_dim": 32,  # = the CLIP's hidden size
-    "guidance_embeds": True,
-    "axes_dims_rope": (8, 12, 12),  # each even, summing to attention_head_dim
-}
-WORLD_VAE_CONFIG: dict[str, Any] = {
-    "in_channels": 3,
-    "out_channels": 3,
-    "down_block_types": ("DownEncoderBlock2D",) * 4,
-    "up_block_types": ("UpDecoderBlock2D",) * 4,
-    "block_out_channels": (8, 16, 32, 32),
-    "layers_per_block": 1,
-    "latent_channels": 16,
-    "norm_num_groups": 4,
-    "sample_size": 64,
-    "use_quant_conv": False,
-    "use_post_quant_conv": False,
-}
 # open_clip's model-config format, read back by ``rewards/open_clip_model.py``. The vision tower takes the 64²
 # images as they are (HPSv2's resize is then the identity); the text tower has open_clip's own vocabulary.
 WORLD_HPS_CONFIG: dict[str, Any] = {

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from fluxgrpo.shapes.sizes import WORLD_TEXT_LENGTH
 from fluxgrpo.shapes.world import VOCABULARY
 from fluxgrpo.tiny_tokenizers import CLIP_MAX_LENGTH, byte_level_symbols
 
-# The world's captions are at most 8 words ("a red circle left of a yellow square"), 9 T5 tokens with the end token:
-# the world's configs pad T5 to this length instead of FLUX's 512.
-WORLD_TEXT_LENGTH = 12
 _T5_CHARACTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"-()&/%$#@*+=_"
 
 

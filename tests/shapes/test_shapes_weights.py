@@ -158,7 +158,7 @@ def test_guidance_distillation_learns_the_teachers_classifier_free_guided_veloci
 
     from diffusers import FluxTransformer2DModel
 
-    from fluxgrpo.shapes.plan import WORLD_TRANSFORMER_CONFIG
+    from fluxgrpo.shapes.sizes import WORLD_TRANSFORMER_CONFIG
 
     clip, clip_tokenizer, t5, t5_tokenizer = build.build_text_encoders(3)
     captions = ["a red circle", "two blue triangles", "a square left of a circle"]
