@@ -61,6 +61,21 @@ def default_out_dir(checkpoint: str | Path | None, ema: bool) -> Path:
     return Path(DEFAULT_SAMPLES_DIR) / f"{checkpoint.parent.name}-{checkpoint.name}{'-ema' if ema else ''}"
 
 
+def model_sample_defaults(model: str | Path) -> tuple[int, int]:
+    """(image side, T5 tokens) `sample` uses when --height/--width/--max-sequence-length are not given: the model's
+    own where ``--model`` holds a known model trained at other ones (the shapes world: 64 and 12, where FLUX.1-dev's
+    720 and 512 give noise), else FLUX.1-dev's. A folder without a readable config gets FLUX.1-dev's; the request's
+    checks then say what is wrong with it."""
+    from fluxgrpo.models.flux import read_transformer_config
+    from fluxgrpo.models.known import KNOWN_MODELS, known_model
+
+    try:
+        known = known_model(read_transformer_config(model))
+    except FluxgrpoError:
+        known = None
+    return (known or KNOWN_MODELS["flux-dev"]).sample_defaults
+
+
 def build_request(
     *,
     model: str,

@@ -10,6 +10,8 @@ from fluxgrpo.cli.common import DeviceOption, JsonOption, handle_errors, log, ou
 from fluxgrpo.paths import DEFAULT_FLUX_DIR
 from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 
+_OWN = "[default: the model's own: 720 for FLUX.1-dev, 64 for the shapes world]"
+
 
 @handle_errors
 def command(
@@ -34,8 +36,13 @@ def command(
         list[str] | None, typer.Option("--prompt", help="A prompt; repeat the flag for more (instead of --prompts).")
     ] = None,
     images_per_prompt: Annotated[int, typer.Option("--images-per-prompt", help="Images K per prompt.")] = 1,
-    height: Annotated[int, typer.Option("--height", help="Image height in pixels (multiple of 16).")] = 720,
-    width: Annotated[int, typer.Option("--width", help="Image width in pixels (multiple of 16).")] = 720,
+    height: Annotated[
+        int | None,
+        typer.Option("--height", help=f"Image height in pixels (multiple of 16). {_OWN}", show_default=False),
+    ] = None,
+    width: Annotated[
+        int | None, typer.Option("--width", help=f"Image width in pixels (multiple of 16). {_OWN}", show_default=False)
+    ] = None,
     steps: Annotated[int, typer.Option("--steps", help="Denoising steps.")] = 28,
     guidance: Annotated[float, typer.Option("--guidance", help="FLUX-dev distilled guidance.")] = 3.5,
     seed: Annotated[int, typer.Option("--seed", help="Run seed S; image j of prompt i is seeded from (S, i, j).")] = 0,
@@ -67,8 +74,14 @@ def command(
         str, typer.Option("--attention", help=f"Attention kernel: {' or '.join(ATTENTION_BACKENDS)}.")
     ] = "sdpa",
     max_sequence_length: Annotated[
-        int, typer.Option("--max-sequence-length", help="T5 tokens per prompt (padded; longer prompts are cut).")
-    ] = 512,
+        int | None,
+        typer.Option(
+            "--max-sequence-length",
+            help="T5 tokens per prompt (padded; longer prompts are cut). [default: the model's own: 512, the shapes "
+            "world 12]",
+            show_default=False,
+        ),
+    ] = None,
     compile_model: Annotated[
         bool,
         typer.Option(
@@ -92,7 +105,7 @@ def command(
     from fluxgrpo.data.prompts import read_prompts
     from fluxgrpo.errors import UsageError
     from fluxgrpo.runtime.launch import LaunchSpec, run_workers
-    from fluxgrpo.sample import build_request
+    from fluxgrpo.sample import build_request, model_sample_defaults
     from fluxgrpo.sampling.request import SampleSettings
 
     spec = LaunchSpec(nproc_per_node=dies)
@@ -103,15 +116,18 @@ def command(
         prompts = read_prompts(prompts_file)
     else:
         prompts = list(dict.fromkeys(text.strip() for text in prompt or [] if text.strip()))
+    side, tokens = model_sample_defaults(model)
+    if (side, tokens) != (720, 512) and None in (height, width, max_sequence_length):
+        log(f"{model} holds a model trained at {side}x{side} pixels and {tokens} T5 tokens: its own are the defaults")
     settings = SampleSettings(
-        height=height,
-        width=width,
+        height=side if height is None else height,
+        width=side if width is None else width,
         steps=steps,
         guidance=guidance,
         seed=seed,
         images_per_prompt=images_per_prompt,
         batch_size=batch_size,
-        max_sequence_length=max_sequence_length,
+        max_sequence_length=tokens if max_sequence_length is None else max_sequence_length,
         attention=attention,
         compile=compile_model,
     )

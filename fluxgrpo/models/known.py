@@ -62,6 +62,9 @@ class KnownModel:
     transformer: dict[str, Any]
     vae: dict[str, Any]
     text_tokens: int  # the T5 sequence length its embeddings have
+    # What `fluxgrpo sample` defaults to when --model holds it: (image side in pixels, T5 tokens). FLUX.1-dev's
+    # training recipe's 720 and 512 unless the model was trained at its own (the shapes world: 64 and 12).
+    sample_defaults: tuple[int, int] = (720, 512)
 
     def matches(self, transformer_config: dict[str, Any]) -> bool:
         return all(transformer_config.get(key) == self.transformer.get(key) for key in SIZING_KEYS)
@@ -78,16 +81,22 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         WORLD_TRANSFORMER_CONFIG,
         WORLD_VAE_CONFIG,
         WORLD_TEXT_LENGTH,
+        sample_defaults=(WORLD_VAE_CONFIG["sample_size"], WORLD_TEXT_LENGTH),
     ),
 }
 MODEL_FAMILIES = (*KNOWN_MODELS, WEIGHTS)
 
 
+def known_model(transformer_config: dict[str, Any]) -> KnownModel | None:
+    """The known model a transformer config is, or None."""
+    return next((model for model in KNOWN_MODELS.values() if model.matches(transformer_config)), None)
+
+
 def identify(transformer_config: dict[str, Any]) -> str:
     """What a transformer config is, in words: a known model's title, or its size."""
-    for model in KNOWN_MODELS.values():
-        if model.matches(transformer_config):
-            return model.title
+    known = known_model(transformer_config)
+    if known is not None:
+        return known.title
     blocks = f"{transformer_config.get('num_layers')} + {transformer_config.get('num_single_layers')} blocks"
     heads, dim = transformer_config.get("num_attention_heads"), transformer_config.get("attention_head_dim")
     width = heads * dim if isinstance(heads, int) and isinstance(dim, int) else "?"

@@ -176,3 +176,21 @@ def test_guidance_distillation_learns_the_teachers_classifier_free_guided_veloci
 
     assert first_loss(1.0) < 1e-10
     assert first_loss(3.0) > 1e-6
+
+
+def test_sample_defaults_to_the_world_models_own_size_and_text_length(tmp_path):
+    from PIL import Image
+
+    from fluxgrpo.sample import model_sample_defaults
+
+    write_shapes_weights(tmp_path / "flux", tmp_path / "hps", parts=["flux"])
+    assert model_sample_defaults(tmp_path / "flux") == (64, WORLD_TEXT_LENGTH)
+    assert model_sample_defaults(tmp_path / "nothing") == (720, 512)  # FLUX.1-dev's; the request then names the fix
+    out = tmp_path / "samples"
+    args = ["sample", "--model", str(tmp_path / "flux"), "--prompt", "two red squares", "--steps", "2", "--json"]
+    result = runner.invoke(app, [*args, "--out", str(out), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "trained at 64x64 pixels and 12 T5 tokens: its own are the defaults" in result.stderr
+    index = json.loads((out / "index.json").read_text())
+    with Image.open(out / index["images"][0]["file"]) as image:
+        assert image.size == (64, 64)
