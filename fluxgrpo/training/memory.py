@@ -84,12 +84,47 @@ def shard_elements(shapes: dict[str, tuple[int, ...]] | list[tuple[int, ...]], d
 
 
 def transformer_shape(config: dict[str, Any]) -> TransformerShape:
+    """FluxTransformer2DModel's sizes for ``config``: from its architecture written out (``models/flux_shapes.py``,
+    no diffusers import in the launching command), else from a build on the meta device (no memory)."""
+    from fluxgrpo.models.flux_shapes import transformer_layout
+
+    layout = transformer_layout(config)
+    if layout is None:
+        return _built_transformer_shape(config)
+    shapes = layout[0]
+    double = _block_count(shapes, "transformer_blocks.")
+    single = _block_count(shapes, "single_transformer_blocks.")
+    blocks = [f"transformer_blocks.{i}." for i in range(double)] + [
+        f"single_transformer_blocks.{i}." for i in range(single)
+    ]
+    block_sizes = [sum(math.prod(s) for name, s in shapes.items() if name.startswith(block)) for block in blocks]
+    in_blocks = sum(block_sizes)
+    return TransformerShape(
+        parameter_shapes=dict(shapes),
+        block_parameters=max(block_sizes),
+        root_parameters=sum(math.prod(s) for s in shapes.values()) - in_blocks,
+        width=int(config.get("num_attention_heads", 24)) * int(config.get("attention_head_dim", 128)),
+        double_blocks=double,
+        single_blocks=single,
+    )
+
+
+def _block_count(shapes: dict[str, tuple[int, ...]], prefix: str) -> int:
+    return len({name[len(prefix) :].split(".")[0] for name in shapes if name.startswith(prefix)})
+
+
+def _built_transformer_shape(config: dict[str, Any]) -> TransformerShape:
     """Build FluxTransformer2DModel from its config on the meta device (no memory) and read its sizes."""
     import torch
     from diffusers import FluxTransformer2DModel
 
     with torch.device("meta"):
         model = FluxTransformer2DModel.from_config(config)
+    return shape_of(model)
+
+
+def shape_of(model: Any) -> TransformerShape:
+    """The sizes of a built FluxTransformer2DModel."""
     blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
     in_blocks = {id(p) for block in blocks for p in block.parameters()}
     return TransformerShape(
@@ -104,15 +139,26 @@ def transformer_shape(config: dict[str, Any]) -> TransformerShape:
 
 def lora_adapter_shapes(config: dict[str, Any], targets: tuple[str, ...], rank: int) -> tuple[tuple[int, ...], ...]:
     """The A (rank × in) and B (out × rank) matrices LoRA adds to every Linear that ``targets`` name."""
-    import torch
-    from diffusers import FluxTransformer2DModel
+    from fluxgrpo.models.flux_shapes import transformer_layout
 
-    with torch.device("meta"):
-        model = FluxTransformer2DModel.from_config(config)
+    layout = transformer_layout(config)
+    if layout is not None:
+        linears = layout[1]
+    else:  # a config the written-out architecture does not model: build it on the meta device
+        import torch
+        from diffusers import FluxTransformer2DModel
+
+        with torch.device("meta"):
+            model = FluxTransformer2DModel.from_config(config)
+        linears = {
+            name: (module.in_features, module.out_features)
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear)
+        }
     shapes: list[tuple[int, ...]] = []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
-            shapes += [(rank, module.in_features), (module.out_features, rank)]
+    for name, (d_in, d_out) in linears.items():
+        if any(name == t or name.endswith("." + t) for t in targets):
+            shapes += [(rank, d_in), (d_out, rank)]
     return tuple(shapes)
 
 
@@ -123,13 +169,17 @@ class VaeShape:
 
 
 def vae_shape(config: dict[str, Any]) -> VaeShape:
-    import torch
-    from diffusers import AutoencoderKL
+    from fluxgrpo.models.flux_shapes import vae_parameter_count
 
-    with torch.device("meta"):
-        vae = AutoencoderKL.from_config(config)
-    channels = list(vae.config.block_out_channels)
-    return VaeShape(sum(p.numel() for p in vae.parameters()), channels[min(1, len(channels) - 1)])
+    parameters = vae_parameter_count(config)
+    if parameters is None:  # a config the written-out architecture does not model: build it on the meta device
+        import torch
+        from diffusers import AutoencoderKL
+
+        with torch.device("meta"):
+            parameters = sum(p.numel() for p in AutoencoderKL.from_config(config).parameters())
+    channels = list(config.get("block_out_channels", (64,)))
+    return VaeShape(parameters, int(channels[min(1, len(channels) - 1)]))
 
 
 @dataclass(frozen=True)
