@@ -42,6 +42,7 @@ BUILTIN_REWARD_MODULES = (
     "fluxgrpo.rewards.exposure",
     "fluxgrpo.rewards.structure",
     "fluxgrpo.rewards.shapes",  # the shapes world's checker
+    "fluxgrpo.rewards.shapes_scene",  # the checker and "nothing else in the image", a training reward
 )
 
 

@@ -33,32 +33,35 @@ _FIX = (
 
 
 @lru_cache(maxsize=4096)
-def _caption(prompt: str) -> Caption:
+def _caption(prompt: str, reward: str = "shapes") -> Caption:
     from fluxgrpo.shapes.world import CaptionError, parse_caption
 
     try:
         return parse_caption(prompt)
     except CaptionError as exc:
-        raise FluxgrpoError(f"--reward shapes cannot read the prompt {exc}: {_FIX}") from None
+        raise FluxgrpoError(f"--reward {reward} cannot read the prompt {exc}: {_FIX}") from None
 
 
 class ShapesReward:
-    """The fraction of the caption's claims each image satisfies, in [0, 1] (deterministic, on the CPU)."""
+    """The fraction of the caption's claims each image satisfies, in [0, 1] (deterministic, on the CPU); with
+    ``scene``, the claim that nothing else is in the image counts too (``shapes-scene``)."""
 
-    name = "shapes"
+    def __init__(self, scene: bool = False) -> None:
+        self.scene = scene
+        self.name = "shapes-scene" if scene else "shapes"
 
     def check(self, images: torch.Tensor, prompts: list[str]) -> list[Any]:
         """One ``shapes.checker.CheckResult`` per image: each claim, whether it holds and what was found."""
         from fluxgrpo.shapes.checker import ImageSizeError, check
 
         check_batch(images, prompts)
-        captions = [_caption(prompt) for prompt in prompts]  # every prompt read before the first image
+        captions = [_caption(prompt, self.name) for prompt in prompts]  # every prompt read before the first image
         # Back to the bytes the image was made of: [0, 1] floats from a PNG (x/255) round-trip exactly.
         pixels = (images.detach().float().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).cpu().numpy()
         try:
-            return [check(image, caption) for image, caption in zip(pixels, captions, strict=True)]
+            return [check(image, caption, scene=self.scene) for image, caption in zip(pixels, captions, strict=True)]
         except ImageSizeError as exc:
-            raise FluxgrpoError(f"--reward shapes: {exc}") from None
+            raise FluxgrpoError(f"--reward {self.name}: {exc}") from None
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         import torch
@@ -88,9 +91,9 @@ def summarize(prompts: Sequence[str], scores: Sequence[float]) -> dict[str, floa
     return out
 
 
-def explain(path: Path, prompt: str) -> list[str]:
+def explain(path: Path, prompt: str, *, scene: bool = False) -> list[str]:
     """Each claim of ``prompt`` on the image file, ``✓ claim`` or ``✗ claim (what was found)``; [] for an image or
-    prompt the checker cannot read (the report still renders)."""
+    prompt the checker cannot read (the report still renders). ``scene``: with the nothing-else claim."""
     import numpy as np
     from PIL import Image
 
@@ -100,22 +103,22 @@ def explain(path: Path, prompt: str) -> list[str]:
     try:
         with Image.open(path) as image:
             pixels = np.asarray(image.convert("RGB"))
-        return [claim.label() for claim in check(pixels, prompt).claims]
+        return [claim.label() for claim in check(pixels, prompt, scene=scene).claims]
     except (OSError, ValueError, SyntaxError, CaptionError, ImageSizeError):
         return []
 
 
-def prompt_problems(prompts: Sequence[str]) -> list[str]:
+def prompt_problems(prompts: Sequence[str], *, reward: str = "shapes") -> list[str]:
     """The first prompt the checker cannot read, in one line naming its words (one is enough to say what to fix)."""
     for prompt in dict.fromkeys(prompts):
         try:
-            _caption(prompt)
+            _caption(prompt, reward)
         except FluxgrpoError as exc:
             return [str(exc)]
     return []
 
 
-def image_size_problems(height: int, width: int) -> list[str]:
+def image_size_problems(height: int, width: int, *, reward: str = "shapes") -> list[str]:
     """A run's image size the checker cannot read, said before any worker starts."""
     from fluxgrpo.shapes.checker import WORLD_SIZES
 
@@ -123,7 +126,7 @@ def image_size_problems(height: int, width: int) -> list[str]:
         return []
     sizes = " or ".join(str(size) for size in WORLD_SIZES)
     return [
-        f"--reward shapes checks {sizes}-pixel square images: use --height and --width {sizes} (got {height}x{width})"
+        f"--reward {reward} checks {sizes}-pixel square images: use --height and --width {sizes} (got {height}x{width})"
     ]
 
 

@@ -69,7 +69,7 @@ class FoundObject:
 class Claim:
     """One thing a caption says, and whether the image shows it."""
 
-    kind: str  # present | count | colour | relation
+    kind: str  # present | count | colour | relation | scene
     text: str  # what it claims, in the caption's words: "two triangles", "the circle is red", ...
     holds: bool
     found: str  # what the image shows instead, when it does not hold ("" when it does)
@@ -287,12 +287,36 @@ def claims_of(caption: Caption, objects: list[FoundObject]) -> list[Claim]:
     return claims
 
 
-def check(image: np.ndarray, caption: str | Caption) -> CheckResult:
-    """Check one image (``[H, W, 3]``, uint8 or float in [0, 1]) against one caption of the world.
+def objects_asked(caption: Caption) -> int:
+    """How many objects the caption's scene holds: its count, or one per object it names (the renderer draws no
+    others)."""
+    return caption.count if caption.count is not None else len(caption.objects)
+
+
+def scene_claim(caption: Caption, objects: list[FoundObject] | tuple[FoundObject, ...]) -> Claim:
+    """The scene holds nothing but what the caption asks for: as many objects as it names, of any shape and colour.
+
+    Not one of GenEval's claims (it penalizes extra objects only in counting): the ``shapes-scene`` reward adds it so
+    that a policy trained on it cannot score a caption's claims by scattering fragments of every colour.
+    """
+    asked = objects_asked(caption)
+    holds = len(objects) == asked
+    return Claim(
+        "scene",
+        f"nothing else ({asked} object{'s' if asked > 1 else ''})",
+        holds,
+        "" if holds else f"{len(objects)} found",
+    )
+
+
+def check(image: np.ndarray, caption: str | Caption, *, scene: bool = False) -> CheckResult:
+    """Check one image (``[H, W, 3]``, uint8 or float in [0, 1]) against one caption of the world; with ``scene``,
+    also that nothing else is in it (:func:`scene_claim`).
 
     Raises :class:`~fluxgrpo.shapes.world.CaptionError` for a caption outside the grammar (naming its words) and
     :class:`ImageSizeError` for an image the world cannot be (naming its size).
     """
     parsed = parse_caption(caption) if isinstance(caption, str) else caption
     objects = find_objects(image)
-    return CheckResult(parsed.text(), tuple(claims_of(parsed, objects)), tuple(objects))
+    claims = claims_of(parsed, objects) + ([scene_claim(parsed, objects)] if scene else [])
+    return CheckResult(parsed.text(), tuple(claims), tuple(objects))

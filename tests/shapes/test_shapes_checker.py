@@ -150,6 +150,26 @@ def test_an_extra_object_fails_the_count():
     assert _claims(_scene(*two, ("circle", "red", 30, 48)), "two triangles") == {"two triangles": True}
 
 
+def test_the_scene_claim_counts_every_object_found_against_the_objects_asked():
+    two = (("triangle", "blue", 14, 14), ("triangle", "blue", 48, 14))
+    with_circle = render(_scene(*two, ("circle", "red", 30, 48)))
+    # GenEval's claims all hold with an object of another shape beside them; the scene claim does not.
+    assert check(with_circle, "two triangles").strict
+    result = check(with_circle, "two triangles", scene=True)
+    assert [(c.kind, c.holds) for c in result.claims] == [("count", True), ("scene", False)]
+    assert result.claims[-1].label() == "✗ nothing else (2 objects) (3 found)"
+    assert result.score == pytest.approx(1 / 2)
+    exact = check(render(_scene(*two)), "two blue triangles", scene=True)
+    assert exact.strict and exact.claims[-1].label() == "✓ nothing else (2 objects)"
+    # One object per object named, for the families without a count; a position caption names two.
+    scene = _scene(("circle", "red", 14, 32), ("square", "yellow", 48, 30))
+    assert check(render(scene), "a red circle left of a yellow square", scene=True).strict
+    assert [c.holds for c in check(render(scene), "a red circle", scene=True).claims] == [True, True, False]
+    assert checker.objects_asked(parse_caption("three green squares")) == 3
+    assert checker.objects_asked(parse_caption("a circle and a triangle")) == 2
+    assert checker.objects_asked(parse_caption("a yellow triangle")) == 1
+
+
 def test_colour_is_checked_on_the_largest_objects_of_the_shape():
     # GenEval checks the colour of its most confident detections; area stands in for confidence here.
     big_blue = Scene(64, [PlacedObject("circle", "blue", 16, 32, 10.0), PlacedObject("circle", "red", 48, 32, 7.0)])

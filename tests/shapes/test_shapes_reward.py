@@ -47,6 +47,27 @@ def test_shapes_is_a_registry_reward_without_weights(tmp_path):
     assert scores.dtype == torch.float32 and scores.tolist() == pytest.approx([1.0, 4 / 5, 1.0])
 
 
+def test_shapes_scene_adds_the_nothing_else_claim_and_names_itself_in_its_errors(tmp_path):
+    from fluxgrpo.rewards import load_reward, reward_names, reward_record
+
+    assert "shapes-scene" in reward_names()
+    reward = load_reward("shapes-scene", tmp_path)
+    two = _true_image("two blue triangles")
+    extra = render(Scene(64, [PlacedObject("circle", "red", 16, 32, 8), PlacedObject("square", "blue", 48, 32, 8)]))
+    scores = reward(_tensor(two, extra), ["two blue triangles", "a red circle"])
+    # 3 claims each: the count (or presence) and the colour, then nothing else; the blue square costs the third.
+    assert scores.tolist() == pytest.approx([1.0, 2 / 3])
+    assert load_reward("shapes", tmp_path)(_tensor(extra), ["a red circle"]).tolist() == [1.0]
+    record = reward_record("shapes-scene")
+    assert record.prompt_problems is not None and record.image_size_problems is not None
+    assert record.prompt_problems(["a purple dog"])[0].startswith("--reward shapes-scene cannot read the prompt")
+    assert record.image_size_problems(32, 32)[0].startswith("--reward shapes-scene checks 64 or 128-pixel")
+    path = tmp_path / "extra.png"
+    Image.fromarray(extra).save(path)
+    assert record.explain is not None
+    assert record.explain(path, "a red circle")[-1] == "✗ nothing else (1 object) (2 found)"
+
+
 def test_summary_gives_the_strict_rate_and_seen_and_novel_apart():
     from fluxgrpo.rewards.shapes import summarize
 
