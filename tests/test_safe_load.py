@@ -18,7 +18,8 @@ from training_helpers import tiny_train_argv
 from fluxgrpo.checkpoint.state import TrainingState, load_checkpoint, save_checkpoint
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.runtime.dist import DistContext
-from fluxgrpo.safe_load import UnsafeFileError, load_plain, read_dcp_metadata
+from fluxgrpo.safe_dcp import read_dcp_metadata
+from fluxgrpo.safe_load import UnsafeFileError, load_plain
 
 WORKER_PATH = Path(__file__).with_name("_ckpt_worker.py")
 _spec = importlib.util.spec_from_file_location("_ckpt_worker", WORKER_PATH)

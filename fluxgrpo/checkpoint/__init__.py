@@ -25,7 +25,7 @@ never taken for a complete one either.
 With more than one process ``output_dir`` must be on a filesystem every rank sees (DCP requires it anyway).
 
 Loading runs no code from the folder: the RNG files are read with ``torch.load(weights_only=True)`` and the DCP
-files through ``fluxgrpo.safe_load`` (see there), so a checkpoint from someone else is data, not a program.
+files through ``fluxgrpo.safe_dcp`` (see there), so a checkpoint from someone else is data, not a program.
 
 The package: ``layout`` (names, discovery, --resume, atomic file steps), ``state`` (save / load the exact
 resume state), ``export`` (the diffusers folder), ``best`` (``best/``). Import from the module that holds a name.

@@ -39,7 +39,8 @@ from fluxgrpo.lora import adapter_metadata, is_lora_model
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime.dist import DistContext
-from fluxgrpo.safe_load import SafeFileSystemReader, SafeLoadPlanner, load_plain
+from fluxgrpo.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+from fluxgrpo.safe_load import load_plain
 
 
 @dataclass
