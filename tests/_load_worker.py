@@ -11,6 +11,10 @@ Run under torchrun by tests/models/test_shard_loading.py, or by hand for the REA
 way and writes, per rank, how far the process's resident memory rose above what it held just before loading
 (peak RSS, with the kernel's high-water mark reset first), to ``OUT_DIR/memory_rank{r}.json``. ``terms`` writes
 the bytes each rank's weight shards and AdamW moments take, for the memory model's test.
+
+Several modes joined by ``+`` run one after the other in the same launch (``memory+compare FLUX_DIR OUT_DIR
+sharded``): a launch of two workers costs tens of seconds of imports on a small CPU host. ``memory`` must come first
+there, so that its peak is measured in a process that has loaded nothing yet.
 """
 
 from __future__ import annotations
@@ -144,54 +148,64 @@ def _proc_status_kib(key: str) -> int:
 
 
 def main() -> None:
+    from fluxgrpo.runtime import dist as rt_dist
+
+    torch.set_num_threads(1)
+    modes, flux_dir, out_dir = sys.argv[1].split("+"), sys.argv[2], Path(sys.argv[3])
+    if "memory" in modes and modes[0] != "memory":
+        raise SystemExit("memory must be the first mode: its peak is measured in a process that loaded nothing yet")
+    ctx = rt_dist.init_distributed("cpu")
+    try:
+        for mode in modes:
+            run_mode(mode, ctx, flux_dir, out_dir)
+    finally:
+        rt_dist.teardown()
+
+
+def run_mode(mode: str, ctx, flux_dir: str, out_dir: Path) -> None:
+    """One mode on every rank (the module docstring says what each writes)."""
     import torch.distributed as dist
 
     from fluxgrpo.runtime import dist as rt_dist
 
-    torch.set_num_threads(1)
-    mode, flux_dir, out_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    ctx = rt_dist.init_distributed("cpu")
-    try:
-        if mode == "compare":
-            sharded, pretrained = load_sharded(flux_dir), load_pretrained(flux_dir)
-            mismatches = [
-                name
-                for (name, a), (_, b) in zip(sharded.named_parameters(), pretrained.named_parameters(), strict=True)
-                if not torch.equal(a.to_local(), b.to_local())
-            ]
-            all_mismatches = rt_dist.all_gather_object(ctx, mismatches)
-            if ctx.is_main:
-                result = {
-                    "mismatches": all_mismatches,
-                    "param_type": type(next(sharded.parameters())).__name__,
-                    "parameters": len(list(sharded.parameters())),
-                    "training": sharded.training,
-                }
-                (out_dir / "compare.json").write_text(json.dumps(result))
-        elif mode == "lora-bf16":
-            (out_dir / f"lora_rank{ctx.rank}.json").write_text(json.dumps(lora_bf16_steps(flux_dir, ctx.rank)))
-        elif mode == "terms":
-            (out_dir / f"terms_rank{ctx.rank}.json").write_text(json.dumps(allocated_terms(load_sharded(flux_dir))))
-        else:
-            loader = {"sharded": load_sharded, "pretrained": load_pretrained}[sys.argv[4]]
-            # Imports first: diffusers alone adds ~300 MB to a process, which is not the weights' memory.
-            import diffusers.models  # noqa: F401
-            from diffusers import FluxTransformer2DModel  # noqa: F401
-            from torch.distributed.fsdp import fully_shard  # noqa: F401
+    if mode == "compare":
+        sharded, pretrained = load_sharded(flux_dir), load_pretrained(flux_dir)
+        mismatches = [
+            name
+            for (name, a), (_, b) in zip(sharded.named_parameters(), pretrained.named_parameters(), strict=True)
+            if not torch.equal(a.to_local(), b.to_local())
+        ]
+        all_mismatches = rt_dist.all_gather_object(ctx, mismatches)
+        if ctx.is_main:
+            result = {
+                "mismatches": all_mismatches,
+                "param_type": type(next(sharded.parameters())).__name__,
+                "parameters": len(list(sharded.parameters())),
+                "training": sharded.training,
+            }
+            (out_dir / "compare.json").write_text(json.dumps(result))
+    elif mode == "lora-bf16":
+        (out_dir / f"lora_rank{ctx.rank}.json").write_text(json.dumps(lora_bf16_steps(flux_dir, ctx.rank)))
+    elif mode == "terms":
+        (out_dir / f"terms_rank{ctx.rank}.json").write_text(json.dumps(allocated_terms(load_sharded(flux_dir))))
+    else:
+        loader = {"sharded": load_sharded, "pretrained": load_pretrained}[sys.argv[4]]
+        # Imports first: diffusers alone adds ~300 MB to a process, which is not the weights' memory.
+        import diffusers.models  # noqa: F401
+        from diffusers import FluxTransformer2DModel  # noqa: F401
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
 
-            import fluxgrpo.models.shard_loading  # noqa: F401
+        import fluxgrpo.models.shard_loading  # noqa: F401
 
-            dist.barrier()
-            Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark to the current RSS
-            before = _proc_status_kib("VmRSS")
-            model = loader(flux_dir)
-            peak = _proc_status_kib("VmHWM")
-            local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-            record = {"rank": ctx.rank, "rss_before": before * 1024, "peak_rise": (peak - before) * 1024}
-            record["local_parameter_bytes"] = local
-            (out_dir / f"memory_rank{ctx.rank}.json").write_text(json.dumps(record))
-    finally:
-        rt_dist.teardown()
+        dist.barrier()
+        Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark to the current RSS
+        before = _proc_status_kib("VmRSS")
+        model = loader(flux_dir)
+        peak = _proc_status_kib("VmHWM")
+        local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        record = {"rank": ctx.rank, "rss_before": before * 1024, "peak_rise": (peak - before) * 1024}
+        record["local_parameter_bytes"] = local
+        (out_dir / f"memory_rank{ctx.rank}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":
