@@ -117,7 +117,11 @@ def command(
     else:
         prompts = list(dict.fromkeys(text.strip() for text in prompt or [] if text.strip()))
     side, tokens = model_sample_defaults(model)
-    if (side, tokens) != (720, 512) and None in (height, width, max_sequence_length):
+    if (side, tokens) != (SampleSettings.height, SampleSettings.max_sequence_length) and None in (
+        height,
+        width,
+        max_sequence_length,
+    ):
         log(f"{model} holds a model trained at {side}x{side} pixels and {tokens} T5 tokens: its own are the defaults")
     settings = SampleSettings(
         height=side if height is None else height,

@@ -115,12 +115,16 @@ def _block_count(shapes: dict[str, tuple[int, ...]], prefix: str) -> int:
 
 def _built_transformer_shape(config: dict[str, Any]) -> TransformerShape:
     """Build FluxTransformer2DModel from its config on the meta device (no memory) and read its sizes."""
+    return shape_of(_meta_transformer(config))
+
+
+def _meta_transformer(config: dict[str, Any]) -> Any:
+    """FluxTransformer2DModel from ``config`` on the meta device: its shapes, no storage (imports diffusers)."""
     import torch
     from diffusers import FluxTransformer2DModel
 
     with torch.device("meta"):
-        model = FluxTransformer2DModel.from_config(config)
-    return shape_of(model)
+        return FluxTransformer2DModel.from_config(config)
 
 
 def shape_of(model: Any) -> TransformerShape:
@@ -146,13 +150,10 @@ def lora_adapter_shapes(config: dict[str, Any], targets: tuple[str, ...], rank: 
         linears = layout[1]
     else:  # a config the written-out architecture does not model: build it on the meta device
         import torch
-        from diffusers import FluxTransformer2DModel
 
-        with torch.device("meta"):
-            model = FluxTransformer2DModel.from_config(config)
         linears = {
             name: (module.in_features, module.out_features)
-            for name, module in model.named_modules()
+            for name, module in _meta_transformer(config).named_modules()
             if isinstance(module, torch.nn.Linear)
         }
     shapes: list[tuple[int, ...]] = []
