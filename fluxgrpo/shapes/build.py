@@ -28,7 +28,9 @@ CPU, seeded, in four stages:
    base model's own samples ranked by the rule checker.
 
 ``--quick`` runs every stage a few steps (the tests). The same seed, torch version and thread count give the same
-files. ``build.json`` records the plan, the losses and the time of each stage.
+files. ``build.json`` records the plan, the losses and the time of each stage. ``--only hps`` reruns stage 5 alone
+on a finished build (it reads the base model from disk and seeds itself, so it writes what a whole build would):
+minutes, where the whole build takes about an hour.
 """
 
 from __future__ import annotations
@@ -475,16 +477,57 @@ def build(out: Path, plan: BuildPlan = FULL_PLAN) -> dict[str, Any]:
                            "distillation_final_loss": float(np.mean(distill_losses[-50:]))}  # fmt: skip
     write_flux(out / FLUX_SUBDIR, vae, transformer, clip, clip_tokenizer, t5, t5_tokenizer)
 
-    stage = time.monotonic()
-    judged = judged_base_samples(out / FLUX_SUBDIR, plan)
-    hps, hps_losses = train_hps(images, caption_index, judged, plan)
-    info["seconds"]["hps"] = round(time.monotonic() - stage, 1)
-    info["hps"] = {"final_loss": float(np.mean(hps_losses[-20:])), "judged_samples": len(judged.scores),
-                   "judged_pairs": len(judged.pairs)}  # fmt: skip
-    write_hps(out / HPS_SUBDIR, hps)
+    info.update(hps_stage(out, plan, images, caption_index))
+    info["seconds"]["hps"] = info.pop("hps_seconds")
 
     info["seconds"]["total"] = round(time.monotonic() - start, 1)
     (out / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def hps_stage(out: Path, plan: BuildPlan, images: np.ndarray, caption_index: list[int]) -> dict[str, Any]:
+    """Stage 5 on the FLUX folder already written in ``out``: judge its samples, train the tiny HPS, write it.
+
+    It reads the base model from disk and seeds itself, so it gives the same files alone as inside :func:`build`."""
+    stage = time.monotonic()
+    judged = judged_base_samples(out / FLUX_SUBDIR, plan)
+    hps, hps_losses = train_hps(images, caption_index, judged, plan)
+    write_hps(out / HPS_SUBDIR, hps)
+    return {
+        "hps": {"final_loss": float(np.mean(hps_losses[-20:])), "judged_samples": len(judged.scores),
+                "judged_pairs": len(judged.pairs)},
+        "hps_seconds": round(time.monotonic() - stage, 1),
+    }  # fmt: skip
+
+
+def rebuild_hps(out: Path, plan: BuildPlan = FULL_PLAN) -> dict[str, Any]:
+    """Run stage 5 alone on a finished build in ``out`` (``--only hps``) and update its ``build.json``.
+
+    The plan's other stages must be those that built ``out``: the HPS is judged on that base model."""
+    import torch
+
+    from fluxgrpo.errors import UsageError
+
+    torch.set_num_threads(plan.threads)
+    out = Path(out)
+    record = out / BUILD_INFO
+    if not record.is_file() or not (out / FLUX_SUBDIR / "model_index.json").is_file():
+        raise UsageError(f"--only hps needs a finished build in {out} (flux/ and {BUILD_INFO}): build it first")
+    info = json.loads(record.read_text())
+    wanted = asdict(plan)
+    changed = [k for k, v in info["plan"].items() if not k.startswith("hps_") and k != "threads" and wanted[k] != v]
+    if changed:
+        raise UsageError(
+            f"--only hps: {out} was built with another plan ({', '.join(changed)} differ); rebuild every stage"
+        )
+    images, caption_index = render_dataset(plan.images, plan.seed)
+    stage = hps_stage(out, plan, images, caption_index)
+    info["plan"] = wanted
+    info["hps"] = {**stage["hps"], "rebuilt_alone": True}
+    old = info["seconds"].get("hps", 0.0)
+    info["seconds"]["hps"] = stage["hps_seconds"]
+    info["seconds"]["total"] = round(info["seconds"]["total"] - old + stage["hps_seconds"], 1)
+    record.write_text(json.dumps(info, indent=2) + "\n")
     return info
 
 
@@ -494,9 +537,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=FULL_PLAN.seed)
     parser.add_argument("--threads", type=int, default=FULL_PLAN.threads, help="torch CPU threads (default 2)")
     parser.add_argument("--quick", action="store_true", help="a few steps per stage (the tests' shortened build)")
+    parser.add_argument(
+        "--only",
+        choices=["hps"],
+        help="rerun one stage on a finished build in --out (hps: the tiny HPS, judged on that base model)",
+    )
     args = parser.parse_args(argv)
     plan = replace(QUICK_PLAN if args.quick else FULL_PLAN, seed=args.seed, threads=args.threads)
-    info = build(Path(args.out), plan)
+    info = rebuild_hps(Path(args.out), plan) if args.only == "hps" else build(Path(args.out), plan)
     print(json.dumps(info["seconds"]))
     return 0
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from fluxgrpo.cli.app import app
+from fluxgrpo.errors import UsageError
 from fluxgrpo.shapes import build, build_hps, world
 from fluxgrpo.shapes.shipped import shipped_weights_dir, write_shapes_weights
 from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH, build_world_clip_tokenizer, build_world_t5_tokenizer
@@ -80,6 +83,25 @@ def test_the_same_seed_rebuilds_the_same_files(quick_build, tmp_path):
     hps_a = torch.load(out / build.HPS_SUBDIR / "HPS_v2.1_compressed.pt", weights_only=True)["state_dict"]
     hps_b = torch.load(tmp_path / build.HPS_SUBDIR / "HPS_v2.1_compressed.pt", weights_only=True)["state_dict"]
     assert all(torch.equal(hps_a[k], hps_b[k]) for k in hps_a)
+
+
+def test_the_hps_stage_alone_rebuilds_the_same_hps_on_a_finished_build(quick_build, tmp_path):
+    out, info = quick_build
+    copy = tmp_path / "build"
+    shutil.copytree(out, copy)
+    (copy / build.HPS_SUBDIR / "HPS_v2.1_compressed.pt").unlink()
+    rebuilt = build.rebuild_hps(copy, build.QUICK_PLAN)
+    alone = torch.load(copy / build.HPS_SUBDIR / "HPS_v2.1_compressed.pt", weights_only=True)["state_dict"]
+    whole = torch.load(out / build.HPS_SUBDIR / "HPS_v2.1_compressed.pt", weights_only=True)["state_dict"]
+    assert alone.keys() == whole.keys() and all(torch.equal(alone[k], whole[k]) for k in whole)
+    assert rebuilt["hps"] == {**info["hps"], "rebuilt_alone": True}
+    assert json.loads((copy / build.BUILD_INFO).read_text()) == rebuilt
+    assert rebuilt["seconds"]["vae"] == info["seconds"]["vae"]  # the other stages' record is kept
+    # a build made with another plan for the base model is refused: the HPS would be judged on the wrong model
+    with pytest.raises(UsageError, match="transformer_steps differ"):
+        build.rebuild_hps(copy, replace(build.QUICK_PLAN, transformer_steps=3))
+    with pytest.raises(UsageError, match="needs a finished build"):
+        build.rebuild_hps(tmp_path / "empty", build.QUICK_PLAN)
 
 
 def test_fetched_build_loads_through_the_products_own_loaders(quick_build, tmp_path):
@@ -154,7 +176,6 @@ def test_guidance_distillation_learns_the_teachers_classifier_free_guided_veloci
     """At guidance 1 the target v_u + 1·(v_c − v_u) is the teacher's conditional velocity, so a student that starts
     as the teacher has nothing to learn (its first loss is 0: the conditional rows are paired with their own
     captions); at guidance 3 the target leaves v_c by 2·(v_c − v_u), which the first loss measures."""
-    from dataclasses import replace
 
     from diffusers import FluxTransformer2DModel
 
