@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -544,7 +545,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     plan = replace(QUICK_PLAN if args.quick else FULL_PLAN, seed=args.seed, threads=args.threads)
-    info = rebuild_hps(Path(args.out), plan) if args.only == "hps" else build(Path(args.out), plan)
+    if args.only == "hps":
+        from fluxgrpo.errors import UsageError
+
+        try:
+            info = rebuild_hps(Path(args.out), plan)
+        except UsageError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    else:
+        info = build(Path(args.out), plan)
     print(json.dumps(info["seconds"]))
     return 0
 

@@ -85,7 +85,7 @@ def test_the_same_seed_rebuilds_the_same_files(quick_build, tmp_path):
     assert all(torch.equal(hps_a[k], hps_b[k]) for k in hps_a)
 
 
-def test_the_hps_stage_alone_rebuilds_the_same_hps_on_a_finished_build(quick_build, tmp_path):
+def test_the_hps_stage_alone_rebuilds_the_same_hps_on_a_finished_build(quick_build, tmp_path, capsys):
     out, info = quick_build
     copy = tmp_path / "build"
     shutil.copytree(out, copy)
@@ -102,6 +102,9 @@ def test_the_hps_stage_alone_rebuilds_the_same_hps_on_a_finished_build(quick_bui
         build.rebuild_hps(copy, replace(build.QUICK_PLAN, transformer_steps=3))
     with pytest.raises(UsageError, match="needs a finished build"):
         build.rebuild_hps(tmp_path / "empty", build.QUICK_PLAN)
+    capsys.readouterr()  # the stage's own progress above
+    assert build.main(["--out", str(tmp_path / "empty"), "--only", "hps", "--quick"]) == 2  # one line, no traceback
+    assert capsys.readouterr().err.startswith("error: --only hps needs a finished build")
 
 
 def test_fetched_build_loads_through_the_products_own_loaders(quick_build, tmp_path):
