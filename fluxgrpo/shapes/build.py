@@ -516,7 +516,7 @@ def rebuild_hps(out: Path, plan: BuildPlan = FULL_PLAN) -> dict[str, Any]:
         raise UsageError(f"--only hps needs a finished build in {out} (flux/ and {BUILD_INFO}): build it first")
     info = json.loads(record.read_text())
     wanted = asdict(plan)
-    changed = [k for k, v in info["plan"].items() if not k.startswith("hps_") and k != "threads" and wanted[k] != v]
+    changed = [k for k, v in info["plan"].items() if not k.startswith("hps_") and k != "threads" and wanted.get(k) != v]
     if changed:
         raise UsageError(
             f"--only hps: {out} was built with another plan ({', '.join(changed)} differ); rebuild every stage"
