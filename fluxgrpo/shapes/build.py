@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fluxgrpo.errors import UsageError
 from fluxgrpo.shapes import world
 from fluxgrpo.shapes.build_hps import judged_base_samples, train_hps, write_hps
 from fluxgrpo.shapes.plan import (
@@ -478,27 +479,25 @@ def build(out: Path, plan: BuildPlan = FULL_PLAN) -> dict[str, Any]:
                            "distillation_final_loss": float(np.mean(distill_losses[-50:]))}  # fmt: skip
     write_flux(out / FLUX_SUBDIR, vae, transformer, clip, clip_tokenizer, t5, t5_tokenizer)
 
-    info.update(hps_stage(out, plan, images, caption_index))
-    info["seconds"]["hps"] = info.pop("hps_seconds")
+    info["hps"], info["seconds"]["hps"] = hps_stage(out, plan, images, caption_index)
 
     info["seconds"]["total"] = round(time.monotonic() - start, 1)
     (out / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
     return info
 
 
-def hps_stage(out: Path, plan: BuildPlan, images: np.ndarray, caption_index: list[int]) -> dict[str, Any]:
+def hps_stage(out: Path, plan: BuildPlan, images: np.ndarray, caption_index: list[int]) -> tuple[dict[str, Any], float]:
     """Stage 5 on the FLUX folder already written in ``out``: judge its samples, train the tiny HPS, write it.
+    Returns its record for ``build.json`` and its seconds.
 
     It reads the base model from disk and seeds itself, so it gives the same files alone as inside :func:`build`."""
     stage = time.monotonic()
     judged = judged_base_samples(out / FLUX_SUBDIR, plan)
     hps, hps_losses = train_hps(images, caption_index, judged, plan)
     write_hps(out / HPS_SUBDIR, hps)
-    return {
-        "hps": {"final_loss": float(np.mean(hps_losses[-20:])), "judged_samples": len(judged.scores),
-                "judged_pairs": len(judged.pairs)},
-        "hps_seconds": round(time.monotonic() - stage, 1),
-    }  # fmt: skip
+    record = {"final_loss": float(np.mean(hps_losses[-20:])), "judged_samples": len(judged.scores),
+              "judged_pairs": len(judged.pairs)}  # fmt: skip
+    return record, round(time.monotonic() - stage, 1)
 
 
 def rebuild_hps(out: Path, plan: BuildPlan = FULL_PLAN) -> dict[str, Any]:
@@ -506,8 +505,6 @@ def rebuild_hps(out: Path, plan: BuildPlan = FULL_PLAN) -> dict[str, Any]:
 
     The plan's other stages must be those that built ``out``: the HPS is judged on that base model."""
     import torch
-
-    from fluxgrpo.errors import UsageError
 
     torch.set_num_threads(plan.threads)
     out = Path(out)
@@ -522,12 +519,12 @@ def rebuild_hps(out: Path, plan: BuildPlan = FULL_PLAN) -> dict[str, Any]:
             f"--only hps: {out} was built with another plan ({', '.join(changed)} differ); rebuild every stage"
         )
     images, caption_index = render_dataset(plan.images, plan.seed)
-    stage = hps_stage(out, plan, images, caption_index)
+    hps_record, seconds = hps_stage(out, plan, images, caption_index)
     info["plan"] = wanted
-    info["hps"] = {**stage["hps"], "rebuilt_alone": True}
+    info["hps"] = {**hps_record, "rebuilt_alone": True}
     old = info["seconds"].get("hps", 0.0)
-    info["seconds"]["hps"] = stage["hps_seconds"]
-    info["seconds"]["total"] = round(info["seconds"]["total"] - old + stage["hps_seconds"], 1)
+    info["seconds"]["hps"] = seconds
+    info["seconds"]["total"] = round(info["seconds"]["total"] - old + seconds, 1)
     record.write_text(json.dumps(info, indent=2) + "\n")
     return info
 
@@ -546,8 +543,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     plan = replace(QUICK_PLAN if args.quick else FULL_PLAN, seed=args.seed, threads=args.threads)
     if args.only == "hps":
-        from fluxgrpo.errors import UsageError
-
         try:
             info = rebuild_hps(Path(args.out), plan)
         except UsageError as exc:
