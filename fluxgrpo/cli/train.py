@@ -198,7 +198,12 @@ def _against_noise(change: dict[str, float]) -> str:
     if "noise" not in change:
         return ""
     verdict = "within" if abs(change["change"]) <= change["noise"] else "beyond"
-    return f", {verdict} noise (±{change['noise']:.4f}: 2 standard errors of the two evaluations' means)"
+    what = (
+        "2 standard errors of the per-image change, the same seeds at both"
+        if change.get("paired")
+        else "2 standard errors of the two evaluations' means"
+    )
+    return f", {verdict} noise (±{change['noise']:.4f}: {what})"
 
 
 def _best_or_none(output_dir: str) -> dict[str, Any] | None:

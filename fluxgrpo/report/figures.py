@@ -94,7 +94,8 @@ def _eval_panels(runs: list[RunData]) -> list[Panel]:
                 for run in runs
                 for record in run.eval_records
                 for key in record
-                if key.startswith(f"eval_{reward}_") and not key.endswith(("_mean", "_std"))
+                # the paired noise of a change (metrics.held_out_trend reads it) is no score of the images
+                if key.startswith(f"eval_{reward}_") and not key.endswith(("_mean", "_std", "_change_noise"))
             }
         )
         if details:

@@ -13,7 +13,8 @@ while every prompt and seed turns into the same grid pattern. These signals do, 
 - image spread (``image_spread``: the RMS distance of a set of images from their mean image, 0–255, no model
   needed): the last evaluation's (or the trained run's, in ``score --compare``) below half of the base model's.
 - ``held_out`` (``metrics.held_out_trend``): a held-out reward's last evaluation below its first by more than the
-  noise of a redraw of the images (2 standard errors of the two means), the training reward's rise beside it: the
+  noise of a redraw of the images (2 standard errors of the change: image by image when both evaluations drew the
+  same seeds, else of the two means), the training reward's rise beside it: the
   shapes world's AWM at lr 3e-4 raised its training reward by 0.15 while the held-out checker fell 0.08 (README).
 
 Nothing here imports torch or loads a model: the report and ``score`` call it as they are.

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -126,6 +126,8 @@ class Evaluator:
         self._pipe: FluxPipeline | None = None
         self._encoded: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._scorers: dict[str, RewardFn] = {}
+        # The evaluation every later one is compared with, image by image (``_paired_noise``).
+        self._reference: PerImageScores | None = None
 
     # ----------------------------------------------------------------------------------------- entry points
 
@@ -268,6 +270,8 @@ class Evaluator:
             logged[f"{prefix}{name}_mean"] = mean
             logged[f"{prefix}{name}_std"] = std
             logged.update({f"{prefix}{name}_{key}": value for key, value in details[name].items()})
+        if not ema:
+            logged.update(self._paired_noise(PerImageScores(iteration, _seeds(images), scores)))
         embedder = embedding_reward(self.rewards)
         if embedder is not None and self.settings.images_per_prompt > 1:
             logged[f"{prefix}diversity"] = image_diversity(
@@ -277,6 +281,26 @@ class Evaluator:
                 DEFAULT_SCORE_BATCH,
             )
         return logged
+
+    def _paired_noise(self, current: PerImageScores) -> dict[str, float]:
+        """``eval_<reward>_change_noise`` (``metrics.paired_change_noise``) against the run's first evaluation of the
+        live weights, and ``eval_change_from``, its iteration: the same seeds, so the change is read image by image.
+        The first evaluation becomes that reference; a resumed run reads it back from the earliest evaluation
+        folder. Nothing when the two drew different images (other prompts or seeds after a resume)."""
+        from fluxgrpo.metrics import paired_change_noise
+
+        if self._reference is None:
+            self._reference = earliest_evaluation(self.cfg.output_dir, current.iteration) or current
+        reference = self._reference
+        if reference.iteration >= current.iteration or reference.seeds != current.seeds:
+            return {}
+        out: dict[str, float] = {}
+        for name, after in current.scores.items():
+            before = reference.scores.get(name)
+            noise = paired_change_noise(before, after) if before is not None else None
+            if noise is not None:
+                out[f"eval_{name}_change_noise"] = noise
+        return {**out, "eval_change_from": reference.iteration} if out else {}
 
     def _scorer(self, name: str, training: RewardSet) -> RewardFn:
         """The float32 reward model ``fluxgrpo score`` would load, kept for the run; the training reward's own model
@@ -364,6 +388,45 @@ class Evaluator:
         for _ in range(calls - done):
             with torch.no_grad(), autocast(self.ctx.device_type):
                 denoise(pipe, settings, embeds, pooled, [EVAL_SEED], output_type="latent")
+
+
+@dataclass(frozen=True)
+class PerImageScores:
+    """One evaluation's per-image scores of each reward, with the (prompt, seed) of every image in order."""
+
+    iteration: int
+    seeds: list[tuple[str, int]]
+    scores: dict[str, list[float]]
+
+
+def _seeds(images: list[SampledImage]) -> list[tuple[str, int]]:
+    return [(image.prompt, image.seed) for image in images]
+
+
+def earliest_evaluation(output_dir: str | Path, before: int) -> PerImageScores | None:
+    """The per-image scores of the earliest evaluation of the live weights in ``output_dir`` before iteration
+    ``before`` (read from its ``index.json``); None when there is none or it cannot be read (then no paired noise
+    is logged: a damaged old folder never stops a run)."""
+    import json
+
+    from fluxgrpo.errors import FluxgrpoError
+    from fluxgrpo.sampling.folder import read_index
+
+    folders = []
+    for folder in (Path(output_dir) / EVAL_DIR).glob("iteration-*"):
+        number = folder.name.removeprefix("iteration-")
+        if number.isdigit() and int(number) < before:
+            folders.append((int(number), folder))
+    if not folders:
+        return None
+    iteration, folder = min(folders)
+    try:
+        index = read_index(folder)
+        document = json.loads(index.path.read_text(encoding="utf-8"))
+        scores = {name: [float(v) for v in entry["per_image"]] for name, entry in document["scores"].items()}
+    except (FluxgrpoError, OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return PerImageScores(iteration, _seeds(index.images), scores)
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:

@@ -110,7 +110,10 @@ def fake_run(
                 }
             )
         if k % eval_every == 0:
-            lines.append({"iteration": k, "eval_brightness_mean": 0.4 + 0.02 * k, "eval_brightness_std": 0.05})
+            record = {"iteration": k, "eval_brightness_mean": 0.4 + 0.02 * k, "eval_brightness_std": 0.05}
+            if k > 0:  # a later evaluation's paired noise against iteration 0, as training logs it
+                record.update({"eval_brightness_change_noise": 0.03, "eval_change_from": 0})
+            lines.append(record)
             out = folder / "eval" / f"iteration-{k}"
             out.mkdir(parents=True)
             images = []
@@ -149,6 +152,12 @@ def test_report_html_is_self_contained_and_shows_curves_grids_and_facts(tmp_path
     assert "Train reward (mean, min–max band)" in document["panels"]
     assert any(p.startswith("Eval brightness") for p in document["panels"])
     assert not any(p.startswith("KL") for p in document["panels"])
+    from fluxgrpo.report.figures import panels_for
+    from fluxgrpo.report.run import read_run
+
+    titles = [panel.title for panel in panels_for([read_run(run)])]
+    assert "Eval brightness (held-out prompts, mean ± std)" in titles
+    assert not any("change noise" in title for title in titles)  # a noise figure, not a score of the images
     # 4 evaluations (0, 2, 4, 6) × 3 prompts, same prompt on a row
     assert len(page.images) == 12
     assert "iteration 0, prompt 0, seed 7" in page.images

@@ -81,6 +81,19 @@ def test_evaluates_at_zero_every_k_and_writes_sample_indexes(eval_run):
                 (p, j) for p in range(3) for j in range(2)
             ]
             assert index.settings["steps"] == 2 and index.settings["seed"] == 0
+    # each later evaluation logs its paired noise against iteration 0's images (the same seeds), worked from the
+    # per-image scores both index.json files hold
+    from fluxgrpo.metrics import paired_change_noise
+
+    assert "eval_change_from" not in evals[0]
+    first = json.loads((out / "eval/iteration-0/index.json").read_text())["scores"]
+    for record in evals[1:]:
+        later = json.loads((out / f"eval/iteration-{record['iteration']}/index.json").read_text())["scores"]
+        assert record["eval_change_from"] == 0
+        for name in ("brightness", "hpsv2"):
+            expected = paired_change_noise(first[name]["per_image"], later[name]["per_image"])
+            assert record[f"eval_{name}_change_noise"] == pytest.approx(expected)
+        assert not any(key.startswith("eval_ema_") and key.endswith("change_noise") for key in record)
     # at iteration 0 the EMA is the base model, so both evaluations are the same images
     for name in ("0000_00.png", "0002_01.png"):
         assert np.array_equal(pixels(out / "eval/iteration-0" / name), pixels(out / "eval/iteration-0-ema" / name))
@@ -167,6 +180,9 @@ def test_resume_neither_repeats_nor_misses_an_evaluation(eval_run, tmp_path):
     original = {r["iteration"]: r for r in read_metrics(out) if "eval_hpsv2_mean" in r}
     again = {r["iteration"]: r for r in records if "eval_hpsv2_mean" in r}
     assert again[4]["eval_hpsv2_mean"] == original[4]["eval_hpsv2_mean"]
+    # the resumed run read its reference (iteration 0) back from disk: the same paired noise
+    assert again[4]["eval_change_from"] == 0
+    assert again[4]["eval_hpsv2_change_noise"] == original[4]["eval_hpsv2_change_noise"]
 
 
 def test_evaluation_changes_no_training_number(eval_run, tmp_path):

@@ -355,3 +355,30 @@ def test_the_held_out_change_is_told_apart_from_the_noise_of_a_redraw():
     older = {key: value for key, value in first.items() if key != "eval_images"}  # a run from before the count
     assert "noise" not in held_out_trend([older, last])["shapes"]
     assert _against_noise(held_out_trend([older, last])["shapes"]) == ""
+
+
+def test_the_paired_noise_of_the_same_seeds_is_worked_by_hand_and_preferred_when_it_is_against_the_first():
+    from fluxgrpo.cli.train import _against_noise
+    from fluxgrpo.metrics import held_out_trend, paired_change_noise
+
+    # d = (1, 0, 0, −1): mean 0, sd (n − 1) = √(2/3), 2·sd/√4 = √(2/3) = 0.8165
+    assert paired_change_noise([0.0, 1.0, 0.5, 1.0], [1.0, 1.0, 0.5, 0.0]) == pytest.approx((2 / 3) ** 0.5)
+    # a constant change has no spread: every image moved alike, the noise is 0
+    assert paired_change_noise([0.2, 0.4, 0.6], [0.3, 0.5, 0.7]) == pytest.approx(0.0, abs=1e-12)
+    # non-finite pairs are left out; fewer than two pairs give none
+    assert paired_change_noise([0.0, float("nan"), 1.0], [1.0, 0.0, 1.0]) == pytest.approx(1.0)
+    assert paired_change_noise([0.0, float("nan")], [1.0, 0.0]) is None
+    with pytest.raises(ValueError, match="as many images"):
+        paired_change_noise([0.0], [0.0, 1.0])
+
+    first = {"iteration": 0, "eval_seconds": 1.0, "eval_images": 100, "eval_shapes_mean": 0.5, "eval_shapes_std": 0.3}
+    last = {**first, "iteration": 8, "eval_shapes_mean": 0.58, "eval_shapes_std": 0.4}
+    paired = {**last, "eval_shapes_change_noise": 0.05, "eval_change_from": 0}
+    trend = held_out_trend([first, paired])["shapes"]
+    assert trend["noise"] == 0.05 and trend["paired"] == 1.0
+    assert _against_noise(trend) == (
+        ", beyond noise (±0.0500: 2 standard errors of the per-image change, the same seeds at both)"
+    )
+    # measured against another evaluation than the first: the unpaired figure from the two means
+    elsewhere = held_out_trend([first, {**paired, "eval_change_from": 4}])["shapes"]
+    assert elsewhere["noise"] == pytest.approx(0.1) and "paired" not in elsewhere
