@@ -14,7 +14,8 @@ while every prompt and seed turns into the same grid pattern. These signals do, 
   needed): the last evaluation's (or the trained run's, in ``score --compare``) below half of the base model's.
 - ``held_out`` (``metrics.held_out_trend``): a held-out reward's last evaluation below its first by more than the
   noise of a redraw of the images (2 standard errors of the change: image by image when both evaluations drew the
-  same seeds, else of the two means), the training reward's rise beside it: the
+  same seeds, else of the two means) and by ``HELD_OUT_FALL`` (5 %) of the first or more, the training reward's rise
+  beside it: the
   shapes world's AWM at lr 3e-4 raised its training reward by 0.15 while the held-out checker fell 0.08 (README).
 
 Nothing here imports torch or loads a model: the report and ``score`` call it as they are.
@@ -31,6 +32,10 @@ from typing import Any
 from fluxgrpo.metrics import held_out_trend, reward_trend
 
 VELOCITY_NORM_ALARM = 1.05
+# A held-out fall is a sign only when it is also this fraction of the first evaluation or more: the paired noise of
+# weights that barely moved is a few thousandths, so a real but negligible drift (the toy's exposure 0.872 → 0.868
+# after 2 iterations) is beyond it; the shapes world's AWM hack fell 14 %, and `--guard REWARD:-10%` is the usual stop.
+HELD_OUT_FALL = 0.05
 GROUP_SPREAD_FALL = 3.0
 KEPT_FRACTION = 0.5
 WINDOW = 5
@@ -112,7 +117,8 @@ def held_out_signs(records: Sequence[dict[str, Any]]) -> list[CollapseSign]:
     signs = []
     for name, change in held_out_trend(list(records)).items():
         noise = change.get("noise")
-        if noise is not None and change["change"] < -noise:
+        large = change["change"] < -HELD_OUT_FALL * abs(change["first"])
+        if noise is not None and change["change"] < -noise and large:
             signs.append(
                 CollapseSign(
                     "held_out",
