@@ -212,6 +212,22 @@ def _objective_problems(cfg: TrainConfig) -> list[str]:
     return out
 
 
+def unread_flag_problems(cfg: TrainConfig, given: list[str]) -> list[str]:
+    """Settings given as flags (``given``: their field names) that ``--objective`` does not read: the SDE rollout's
+    (``--eta``, ``--sampler``, …) for an objective that rolls out with the ODE, an entry's ``ignores`` (``--clip-range``
+    for nft, ``--timestep-fraction`` for vgrpo) and the other objectives' own flags. A config file's value for them
+    stays allowed: ``--config shapes-cpu --objective vgrpo`` keeps the file's dance settings unread, but a flag the
+    user typed for the run must do something."""
+    from fluxgrpo.grpo.objectives.catalogue import settings_not_read
+
+    values = {name: getattr(cfg, name) for name in given}
+    return [
+        f"--{flag(name)} {values[name]}: --objective {cfg.objective} does not read it; leave it out (`fluxgrpo train "
+        "--help` says what each flag applies to)"
+        for name in settings_not_read(cfg.objective, values)
+    ]
+
+
 def _ignored_option_problems(cfg: TrainConfig, entry: ObjectiveEntry) -> list[str]:
     """An objective's own flag (``ObjectiveEntry.options``) set off its default for an objective that ignores it."""
     defaults = {field.name: field.default for field in fields(cfg)}

@@ -8,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from fluxgrpo.config.checks import unread_flag_problems
 from fluxgrpo.config.schema import TrainConfig, config_fields
 from fluxgrpo.errors import UsageError
 from fluxgrpo.run_folder import write_run_file
@@ -82,7 +83,11 @@ def build_config(config: str | None = None, overrides: dict[str, Any] | None = N
         from fluxgrpo.yaml_reader import capped
 
         raise UsageError("invalid training configuration:\n  - " + "\n  - ".join(capped(problems)))
-    return TrainConfig(**values).validate()
+    cfg = TrainConfig(**values).validate()
+    unread = unread_flag_problems(cfg, [key for key, value in (overrides or {}).items() if value is not None])
+    if unread:
+        raise UsageError("invalid training configuration:\n  - " + "\n  - ".join(unread))
+    return cfg
 
 
 def _coerce(f: dataclasses.Field, value: Any) -> Any:

@@ -108,3 +108,26 @@ def test_resolved_config_round_trips(tmp_path):
     save_resolved(cfg, path, cfg.derived(2))
     assert build_config(str(path)) == cfg  # what `--config <resolved config.yaml>` loads
     assert "images_per_iteration: 16" in path.read_text()
+
+
+@pytest.mark.parametrize(
+    ("objective", "flags", "named"),
+    [
+        ("vgrpo", {"eta": 0.05}, "--eta 0.05"),  # V-GRPO rolls out with the ODE: no SDE noise to set
+        ("vgrpo", {"timestep_fraction": 0.3}, "--timestep-fraction 0.3"),  # its N_MC pairs are its trained timesteps
+        ("nft", {"clip_range": 0.01}, "--clip-range 0.01"),  # no probability ratio to clip
+        ("neighbor", {"sampler": "cps"}, "--sampler cps"),
+    ],
+)
+def test_a_flag_the_objective_does_not_read_is_refused_naming_it(objective, flags, named):
+    with pytest.raises(UsageError, match=f"{named}: --objective {objective} does not read it; leave it out"):
+        build_config("shapes-cpu", {"objective": objective, **flags})
+
+
+def test_a_config_files_settings_for_another_objective_stay_allowed_and_read_ones_pass_as_flags():
+    # shapes-cpu.yaml sets dance's eta 0.5 and timestep_fraction 0.6: switching the objective keeps the file usable
+    cfg = build_config("shapes-cpu", {"objective": "vgrpo"})
+    assert cfg.objective == "vgrpo" and cfg.eta == 0.5
+    # the same flags for an objective that reads them
+    assert build_config("shapes-cpu", {"eta": 0.7, "timestep_fraction": 0.3}).eta == 0.7
+    assert build_config("shapes-cpu", {"objective": "nft", "timestep_fraction": 0.3}).timestep_fraction == 0.3

@@ -4,6 +4,7 @@ without duplicates, and that it changes no training number. Also the TensorBoard
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -299,7 +300,7 @@ def test_shipped_eval_prompts_are_held_out_and_cover_the_four_styles():
 
 def derived_config(cfg, **changes):
     """The fixture run's config with ``changes``, without the trackers (they are tested on the fixture run)."""
-    return build_config(None, {**cfg.to_dict(), "tensorboard": False, "wandb": False, **changes})
+    return dataclasses.replace(cfg, tensorboard=False, wandb=False, **changes).validate()
 
 
 def test_is_due_marks_zero_every_k_and_the_last_iteration():
