@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -302,9 +303,7 @@ def paired_change_noise(before: list[float], after: list[float]) -> float | None
     changes = [b - a for a, b in zip(before, after, strict=True) if math.isfinite(a) and math.isfinite(b)]
     if len(changes) < 2:
         return None
-    mean = math.fsum(changes) / len(changes)
-    variance = math.fsum((d - mean) ** 2 for d in changes) / (len(changes) - 1)
-    return 2 * math.sqrt(variance / len(changes))
+    return 2 * statistics.stdev(changes) / math.sqrt(len(changes))
 
 
 def reward_trend(records: list[dict[str, Any]], window: int = 5) -> dict[str, float] | None:

@@ -220,11 +220,13 @@ def unread_flag_problems(cfg: TrainConfig, given: list[str]) -> list[str]:
     user typed for the run must do something."""
     from fluxgrpo.grpo.objectives.catalogue import settings_not_read
 
-    values = {name: getattr(cfg, name) for name in given}
+    # Judged on the whole config (a file's --fm-timesteps leaves a typed --timestep-fraction unread), reported for
+    # the typed flags only.
     return [
-        f"--{flag(name)} {values[name]}: --objective {cfg.objective} does not read it; leave it out (`fluxgrpo train "
-        "--help` says what each flag applies to)"
-        for name in settings_not_read(cfg.objective, values)
+        f"--{flag(name)} {getattr(cfg, name)}: --objective {cfg.objective} does not read it; leave it out (`fluxgrpo "
+        "train --help` says what each flag applies to)"
+        for name in settings_not_read(cfg.objective, cfg.to_dict())
+        if name in given
     ]
 
 

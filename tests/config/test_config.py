@@ -131,3 +131,12 @@ def test_a_config_files_settings_for_another_objective_stay_allowed_and_read_one
     # the same flags for an objective that reads them
     assert build_config("shapes-cpu", {"eta": 0.7, "timestep_fraction": 0.3}).eta == 0.7
     assert build_config("shapes-cpu", {"objective": "nft", "timestep_fraction": 0.3}).timestep_fraction == 0.3
+
+
+def test_a_typed_flag_left_unread_by_the_config_files_settings_is_refused(tmp_path):
+    # the file trains nft on 2 timesteps per image, so a typed --timestep-fraction would change nothing
+    path = tmp_path / "nft2.yaml"
+    path.write_text("objective: nft\nfm_timesteps: 2\n")
+    with pytest.raises(UsageError, match="--timestep-fraction 0.3: --objective nft does not read it"):
+        build_config(str(path), {"timestep_fraction": 0.3})
+    assert build_config(str(path), {"learning_rate": 3e-4}).fm_timesteps == 2
