@@ -80,7 +80,27 @@ def accuracy(prompts: list[str], results: list[list[Any]]) -> dict[str, Any]:
     for prompt in prompts:
         families.setdefault(world.parse_caption(prompt).family, []).extend(r.strict for r in by_prompt[prompt])
     summary["strict_by_family"] = {family: round(float(np.mean(v)), 4) for family, v in sorted(families.items())}
+    summary.update(claim_breakdown(prompts, results))
     return summary
+
+
+def claim_breakdown(prompts: list[str], results: list[list[Any]]) -> dict[str, Any]:
+    """Where the score is lost: the share of each kind of claim that holds (present, count, colour, relation), and
+    the objects found beyond those asked for, per image (GenEval's rules charge an extra object only in counting)."""
+    from fluxgrpo.shapes.checker import objects_asked
+
+    held: dict[str, list[bool]] = {}
+    extra = []
+    for prompt, group in zip(prompts, results, strict=True):
+        asked = objects_asked(world.parse_caption(prompt))
+        for result in group:
+            extra.append(len(result.objects) - asked)
+            for claim in result.claims:
+                held.setdefault(claim.kind, []).append(claim.holds)
+    return {
+        "claims_held": {kind: round(float(np.mean(v)), 4) for kind, v in sorted(held.items())},
+        "objects_found_minus_asked": round(float(np.mean(extra)), 4) if extra else None,
+    }
 
 
 def vae_reconstruction_strict(flux_dir: Path, per_caption: int = 2, seed: int = 0) -> dict[str, Any]:

@@ -25,3 +25,35 @@ def test_accuracy_reports_strict_rates_overall_by_combination_kind_and_by_family
     families = {world.parse_caption(seen).family: [1.0, 1.0], world.parse_caption(novel).family: []}
     families[world.parse_caption(novel).family] += [1.0, 0.0]
     assert summary["strict_by_family"] == {f: float(np.mean(v)) for f, v in sorted(families.items())}
+
+
+def test_claim_breakdown_counts_each_kind_of_claim_and_the_extra_objects():
+    from fluxgrpo.shapes.measure import claim_breakdown
+
+    prompt = "a red circle left of a blue square"
+
+    def scene(*objects: tuple[str, str, float, float]) -> np.ndarray:
+        return world.render(world.Scene(64, [world.PlacedObject(s, c, x, y, 11.0) for s, c, x, y in objects]))
+
+    true = scene(("circle", "red", 16, 40), ("square", "blue", 48, 40))
+    swapped = scene(("circle", "red", 48, 40), ("square", "blue", 16, 40))
+    extra = scene(("circle", "red", 16, 40), ("square", "blue", 48, 40), ("triangle", "yellow", 32, 12))
+    results = [[check(image, prompt) for image in (true, swapped, extra)]]
+    breakdown = claim_breakdown([prompt], results)
+    # the present and colour claims hold in all three images, the relation in the first and the third
+    assert breakdown["claims_held"] == {"colour": 1.0, "present": 1.0, "relation": round(2 / 3, 4)}
+    assert breakdown["objects_found_minus_asked"] == round(1 / 3, 4)  # 0, 0 and 1 extra
+
+
+def test_slot_probe_reads_a_linearly_coded_label_and_not_a_random_one():
+    from fluxgrpo.shapes.capacity import caption_slots, slot_probe
+
+    assert caption_slots("three blue squares") == ("blue", "square", "-", "-", "-", "3")
+    assert caption_slots("a circle left of a red square") == ("-", "circle", "red", "square", "left of", "-")
+    rng = np.random.default_rng(0)
+    labels = [str(i % 3) for i in range(90)]
+    coded = np.eye(3)[[int(label) for label in labels]] * 3 + rng.normal(size=(90, 3)) * 0.1
+    features = np.hstack([coded, rng.normal(size=(90, 20))])
+    assert slot_probe(features[:60], labels[:60], features[60:], labels[60:]) == 1.0
+    noise = rng.normal(size=(90, 23))
+    assert slot_probe(noise[:60], labels[:60], noise[60:], labels[60:]) < 0.7  # chance is 1/3

@@ -1,0 +1,151 @@
+"""Is the shapes world's base model short of data, of text features or of size?
+``python -m fluxgrpo.shapes.capacity --flux-dir D``.
+
+Three readings of the shipped (or any built) FLUX folder, through the builder's own pieces, printed as one JSON
+document:
+
+- its rectified-flow loss on the builder's own training renders, on fresh renders of the same captions and on renders
+  of the held-out captions: a gap between the first two would be memorising (more renders would help); none means
+  the model is short of fitting even what it saw;
+- how well a linear read-out of the T5 features the transformer is handed, fitted on the training captions, recovers
+  each part of the held-out captions (colours, shapes, relation, count), seen and novel combinations apart: whether
+  the captions reach the transformer intact.
+
+README, "Why the cap", reads them against what RL changes (``shapes.measure``'s claim breakdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fluxgrpo.shapes import world
+
+
+def flow_loss(pipe: Any, images: np.ndarray, captions: list[str], seed: int = 7, batch: int = 250) -> float:
+    """The base model's rectified-flow loss on rendered images of ``captions`` (σ drawn as the builder draws them,
+    guidance input 1): the training objective, read on any renders."""
+    import torch
+
+    from fluxgrpo.grpo.latents import image_ids, pack_latents
+    from fluxgrpo.grpo.rollout import predict_velocity
+    from fluxgrpo.grpo.schedule import model_timesteps
+    from fluxgrpo.grpo.types import Conditioning
+    from fluxgrpo.shapes.build import draw_sigmas, encode_dataset
+    from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH
+
+    vae = pipe.vae
+    packed = pack_latents((encode_dataset(vae, images) - vae.config.shift_factor) * vae.config.scaling_factor)
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    with torch.no_grad():
+        for start in range(0, len(packed), batch):
+            x0 = packed[start : start + batch]
+            noise = torch.randn(x0.shape, generator=generator)
+            sigma = draw_sigmas(len(x0), generator)
+            noisy = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
+            embeds, pooled, _ = pipe.encode_prompt(
+                prompt=captions[start : start + batch], prompt_2=None, max_sequence_length=WORLD_TEXT_LENGTH
+            )
+            cond = Conditioning(embeds, pooled, torch.zeros(WORLD_TEXT_LENGTH, 3))
+            velocity = predict_velocity(pipe.transformer, noisy, cond, model_timesteps(sigma),
+                                        torch.ones(len(x0)), image_ids(64, 64), "cpu")  # fmt: skip
+            losses.append((velocity.float() - (noise - x0)).pow(2).mean(dim=(1, 2)))
+    return float(torch.cat(losses).mean())
+
+
+CAPTION_SLOTS = ("first_colour", "first_shape", "second_colour", "second_shape", "relation", "count")
+
+
+def caption_slots(text: str) -> tuple[str, ...]:
+    """A caption's parts as labels, one per :data:`CAPTION_SLOTS` ("-" where it has none)."""
+    caption = world.parse_caption(text)
+    first = caption.objects[0]
+    second = caption.objects[1] if len(caption.objects) > 1 else None
+    return (
+        first.colour or "-",
+        first.shape,
+        (second.colour or "-") if second else "-",
+        second.shape if second else "-",
+        caption.relation or "-",
+        str(caption.count or "-"),
+    )
+
+
+def slot_probe(train: np.ndarray, train_labels: list[str], test: np.ndarray, test_labels: list[str]) -> float:
+    """Accuracy on ``test`` of a linear read-out (ridge regression onto one-hot labels, standardised features, a
+    bias) fitted on ``train``: is the part of the caption linearly there in the features?"""
+    classes = sorted(set(train_labels))
+    mean, std = train.mean(0), train.std(0) + 1e-6
+
+    def design(x: np.ndarray) -> np.ndarray:
+        return np.hstack([(x - mean) / std, np.ones((len(x), 1))])
+
+    targets = np.eye(len(classes))[[classes.index(label) for label in train_labels]]
+    x = design(train)
+    weights = np.linalg.solve(x.T @ x + np.eye(x.shape[1]), x.T @ targets)
+    predicted = [classes[i] for i in (design(test) @ weights).argmax(1)]
+    return float(np.mean([p == t for p, t in zip(predicted, test_labels, strict=True)]))
+
+
+def capacity(flux_dir: Path, images: int = 2000) -> dict[str, Any]:
+    """Is the base model short of data, of text features or of size? Its flow loss on the builder's own training
+    renders, on fresh renders of the same captions and on renders of the held-out captions (a gap between the first
+    two would be memorising); and how well a linear read-out of the T5 features of the training captions recovers
+    each part of the held-out captions, seen and novel apart (what the transformer is handed)."""
+    import torch
+    from diffusers import FluxPipeline
+
+    from fluxgrpo.shapes.build import render_dataset
+    from fluxgrpo.shapes.plan import FULL_PLAN, training_captions
+    from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH
+
+    pipe = FluxPipeline.from_pretrained(flux_dir, dtype=torch.float32, trust_remote_code=False)
+    train_captions = training_captions()
+    parts = world.split()
+    heldout_captions = [*parts.eval_seen, *parts.eval_novel]
+    # The builder's own first renders (same seed, same order), fresh renders of the same captions, held-out renders.
+    built, built_index = render_dataset(images, FULL_PLAN.seed)
+    fresh, fresh_index = render_dataset(images, FULL_PLAN.seed + 1000)
+    held, held_index = render_dataset(images, FULL_PLAN.seed + 1001, heldout_captions)
+    loss = {
+        "training_renders": flow_loss(pipe, built, [train_captions[i] for i in built_index]),
+        "fresh_renders_of_training_captions": flow_loss(pipe, fresh, [train_captions[i] for i in fresh_index]),
+        "renders_of_heldout_captions": flow_loss(pipe, held, [heldout_captions[i] for i in held_index]),
+    }
+
+    def t5_features(captions: list[str]) -> np.ndarray:
+        with torch.no_grad():
+            embeds, _, _ = pipe.encode_prompt(prompt=captions, prompt_2=None, max_sequence_length=WORLD_TEXT_LENGTH)
+        return embeds.flatten(1).numpy()
+
+    train_x = t5_features(train_captions)
+    probe: dict[str, dict[str, float]] = {}
+    for kind, captions in (("seen", list(parts.eval_seen)), ("novel", list(parts.eval_novel))):
+        test_x = t5_features(captions)
+        for slot, name in enumerate(CAPTION_SLOTS):
+            train_y = [caption_slots(c)[slot] for c in train_captions]
+            test_y = [caption_slots(c)[slot] for c in captions]
+            probe.setdefault(name, {})[kind] = round(slot_probe(train_x, train_y, test_x, test_y), 4)
+    return {"flow_loss": {k: round(v, 4) for k, v in loss.items()}, "t5_slot_probe_heldout": probe}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    parser = argparse.ArgumentParser(prog="python -m fluxgrpo.shapes.capacity", description=__doc__.splitlines()[0])
+    parser.add_argument("--flux-dir", default="data/flux")
+    parser.add_argument("--images", type=int, default=2000, help="renders per flow-loss reading")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(json.dumps(capacity(Path(args.flux_dir), args.images), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
