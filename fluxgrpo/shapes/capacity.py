@@ -1,7 +1,7 @@
 """Is the shapes world's base model short of data, of text features or of size?
 ``python -m fluxgrpo.shapes.capacity --flux-dir D``.
 
-Three readings of the shipped (or any built) FLUX folder, through the builder's own pieces, printed as one JSON
+Two readings of the shipped (or any built) FLUX folder, through the builder's own pieces, printed as one JSON
 document:
 
 - its rectified-flow loss on the builder's own training renders, on fresh renders of the same captions and on renders
