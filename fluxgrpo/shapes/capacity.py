@@ -124,12 +124,14 @@ def capacity(flux_dir: Path, images: int = 2000) -> dict[str, Any]:
         return embeds.flatten(1).numpy()
 
     train_x = t5_features(train_captions)
+    train_slots = [caption_slots(c) for c in train_captions]
     probe: dict[str, dict[str, float]] = {}
     for kind, captions in (("seen", list(parts.eval_seen)), ("novel", list(parts.eval_novel))):
         test_x = t5_features(captions)
+        test_slots = [caption_slots(c) for c in captions]
         for slot, name in enumerate(CAPTION_SLOTS):
-            train_y = [caption_slots(c)[slot] for c in train_captions]
-            test_y = [caption_slots(c)[slot] for c in captions]
+            train_y = [labels[slot] for labels in train_slots]
+            test_y = [labels[slot] for labels in test_slots]
             probe.setdefault(name, {})[kind] = round(slot_probe(train_x, train_y, test_x, test_y), 4)
     return {"flow_loss": {k: round(v, 4) for k, v in loss.items()}, "t5_slot_probe_heldout": probe}
 
