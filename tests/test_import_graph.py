@@ -147,6 +147,39 @@ def test_the_algorithm_imports_nothing_above_it():
     assert not upward, "grpo/ may import only " + ", ".join(GRPO_MAY_IMPORT) + ":\n" + "\n".join(upward)
 
 
+# The shapes world sits low in the house (renderer, grammar, checker, the shipped weights' layout): it may not reach up
+# into the model parts, the rewards, the algorithm or the samplers. Its builder and measurements are the lab's.
+SHAPES_MAY_NOT_IMPORT = ("fluxgrpo.models", "fluxgrpo.rewards", "fluxgrpo.grpo", "fluxgrpo.sampling", "fluxgrpo.lab")
+
+
+def _under(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_the_shapes_world_imports_nothing_above_it():
+    graph = import_graph(PACKAGE)
+    upward = sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        if _under(module, "fluxgrpo.shapes")
+        for target in targets
+        if any(_under(target, banned) for banned in SHAPES_MAY_NOT_IMPORT)
+    )
+    assert not upward, "the shapes world may not import " + ", ".join(SHAPES_MAY_NOT_IMPORT) + ":\n" + "\n".join(upward)
+
+
+def test_nothing_in_the_product_imports_the_lab():
+    graph = import_graph(PACKAGE)
+    into_lab = sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        if not _under(module, "fluxgrpo.lab")
+        for target in targets
+        if _under(target, "fluxgrpo.lab")
+    )
+    assert not into_lab, "the lab (builder, measurements) is the top floor; nothing imports it:\n" + "\n".join(into_lab)
+
+
 @pytest.fixture
 def toy_package(tmp_path):
     """a ↔ b through a function-local import, c → a at the top, d → a only under TYPE_CHECKING, a relative import."""

@@ -161,7 +161,7 @@ def command(
             if seed is not None:
                 raise UsageError(
                     "--seed applies to --source tiny only: the shapes weights are one build's (rebuild another "
-                    "seed with `python -m fluxgrpo.shapes.build --out DIR --seed N`)"
+                    "seed with `python -m fluxgrpo.lab.build --out DIR --seed N`)"
                 )
             _shapes(parts, flux_dir, hps_dir, json_output)
             return

@@ -1,6 +1,6 @@
 """``fetch-weights --source shapes``: the shapes world's pretrained weights, shipped in the package, put in place.
 
-The package holds what ``python -m fluxgrpo.shapes.build --out fluxgrpo/shapes/weights`` wrote: ``flux/`` (a
+The package holds what ``python -m fluxgrpo.lab.build --out fluxgrpo/shapes/weights`` wrote: ``flux/`` (a
 diffusers FLUX folder) and ``hps/`` (the tiny HPS in HPSv2's layout). Writing them is a copy plus a manifest per
 part (source ``shapes``), offline, in seconds. The ``clip`` part (``open_clip_pytorch_model.bin``, what HPSv2 was
 fine-tuned from) holds the same contrastively trained CLIP: the world's HPS is that CLIP, with no preference
@@ -32,14 +32,14 @@ def _shipped(source: Path, relative: str) -> Path:
     if not path.exists():
         raise FluxgrpoError(
             f"the shapes weights are missing from the package ({path}): reinstall fluxgrpo, or rebuild them with "
-            f"`python -m fluxgrpo.shapes.build --out {source}`"
+            f"`python -m fluxgrpo.lab.build --out {source}`"
         )
     return path
 
 
 def write_shapes_flux(flux_dir: Path, source: Path | None = None) -> int:
     """Copy the shipped FLUX folder to ``flux_dir`` and write its manifest; the bytes written (manifest excluded)."""
-    from fluxgrpo.shapes.plan import FLUX_SUBDIR
+    from fluxgrpo.shapes.sizes import FLUX_SUBDIR
 
     shipped = _shipped(source or shipped_weights_dir(), FLUX_SUBDIR)
     flux_dir = Path(flux_dir)
@@ -59,7 +59,7 @@ def write_shapes_reward(hps_dir: Path, source: Path | None = None) -> tuple[int,
     """
     import torch
 
-    from fluxgrpo.shapes.plan import HPS_SUBDIR
+    from fluxgrpo.shapes.sizes import HPS_SUBDIR
 
     shipped = _shipped(source or shipped_weights_dir(), HPS_SUBDIR)
     hps_dir = Path(hps_dir)

@@ -1,9 +1,15 @@
 """The shapes world model's sizes, without the world: what ``models/known.py`` (imported with every config, so on
-``--help``'s path) names the ``shapes`` model family by, and what the builder builds (``shapes/plan.py``)."""
+``--help``'s path) names the ``shapes`` model family by, and what the builder builds (``lab/plan.py``)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+# The shipped build's layout (``fluxgrpo/shapes/weights``), read by ``fetch-weights --source shapes`` and written by
+# the builder: a diffusers FLUX folder, the tiny HPS, and the build's record.
+BUILD_INFO = "build.json"
+FLUX_SUBDIR = "flux"
+HPS_SUBDIR = "hps"
 
 # The world's captions are at most 8 words ("a red circle left of a yellow square"), 9 T5 tokens with the end token:
 # the world's configs pad T5 to this length instead of FLUX's 512.

@@ -1,4 +1,4 @@
-"""``python -m fluxgrpo.shapes.measure``'s accuracy summary, on the renderer's own images and on wrong ones."""
+"""``python -m fluxgrpo.lab.measure``'s accuracy summary, on the renderer's own images and on wrong ones."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 
 from fluxgrpo.shapes import world
 from fluxgrpo.shapes.checker import check
-from fluxgrpo.shapes.measure import accuracy
+from fluxgrpo.lab.measure import accuracy
 
 
 def test_accuracy_reports_strict_rates_overall_by_combination_kind_and_by_family():
@@ -28,7 +28,7 @@ def test_accuracy_reports_strict_rates_overall_by_combination_kind_and_by_family
 
 
 def test_claim_breakdown_counts_each_kind_of_claim_and_the_extra_objects():
-    from fluxgrpo.shapes.measure import claim_breakdown
+    from fluxgrpo.lab.measure import claim_breakdown
 
     prompt = "a red circle left of a blue square"
 
@@ -46,7 +46,7 @@ def test_claim_breakdown_counts_each_kind_of_claim_and_the_extra_objects():
 
 
 def test_slot_probe_reads_a_linearly_coded_label_and_not_a_random_one():
-    from fluxgrpo.shapes.capacity import caption_slots, slot_probe
+    from fluxgrpo.lab.capacity import caption_slots, slot_probe
 
     assert caption_slots("three blue squares") == ("blue", "square", "-", "-", "-", "3")
     assert caption_slots("a circle left of a red square") == ("-", "circle", "red", "square", "left of", "-")

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from fluxgrpo.cli.app import app
 from fluxgrpo.errors import UsageError
-from fluxgrpo.shapes import build, build_hps, world
+from fluxgrpo.lab import build, build_hps
+from fluxgrpo.shapes import world
 from fluxgrpo.shapes.shipped import shipped_weights_dir, write_shapes_weights
 from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH, build_world_clip_tokenizer, build_world_t5_tokenizer
 from fluxgrpo.weights.layout import CLIP_MANIFEST, HPS_MANIFEST, check_flux_dir, check_hps_dir
@@ -223,7 +224,7 @@ def test_sample_defaults_to_the_world_models_own_size_and_text_length(tmp_path):
 def test_shipped_text_encoders_carry_every_part_of_the_heldout_captions():
     """The T5 the shipped transformer reads codes each part of a held-out caption (novel combinations too) linearly:
     what the base model cannot draw, it was told (README, "Where RL tops out")."""
-    from fluxgrpo.shapes.capacity import CAPTION_SLOTS, capacity
+    from fluxgrpo.lab.capacity import CAPTION_SLOTS, capacity
 
     report = capacity(shipped_weights_dir() / build.FLUX_SUBDIR, images=16)
     assert set(report["t5_slot_probe_heldout"]) == set(CAPTION_SLOTS)

@@ -1,5 +1,5 @@
 """Is the shapes world's base model short of data, of text features or of size?
-``python -m fluxgrpo.shapes.capacity --flux-dir D``.
+``python -m fluxgrpo.lab.capacity --flux-dir D``.
 
 Two readings of the shipped (or any built) FLUX folder, through the builder's own pieces, printed as one JSON
 document:
@@ -11,7 +11,7 @@ document:
   each part of the held-out captions (colours, shapes, relation, count), seen and novel combinations apart: whether
   the captions reach the transformer intact.
 
-README, "Why the cap", reads them against what RL changes (``shapes.measure``'s claim breakdown).
+README, "Why the cap", reads them against what RL changes (``lab.measure``'s claim breakdown).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def flow_loss(pipe: Any, images: np.ndarray, captions: list[str], seed: int = 7,
     from fluxgrpo.grpo.rollout import predict_velocity
     from fluxgrpo.grpo.schedule import model_timesteps
     from fluxgrpo.grpo.types import Conditioning
-    from fluxgrpo.shapes.build import draw_sigmas, encode_dataset
+    from fluxgrpo.lab.build import draw_sigmas, encode_dataset
     from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH
 
     vae = pipe.vae
@@ -100,8 +100,8 @@ def capacity(flux_dir: Path, images: int = 2000) -> dict[str, Any]:
     import torch
     from diffusers import FluxPipeline
 
-    from fluxgrpo.shapes.build import render_dataset
-    from fluxgrpo.shapes.plan import FULL_PLAN, training_captions
+    from fluxgrpo.lab.build import render_dataset
+    from fluxgrpo.lab.plan import FULL_PLAN, training_captions
     from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH
 
     pipe = FluxPipeline.from_pretrained(flux_dir, dtype=torch.float32, trust_remote_code=False)
@@ -139,7 +139,7 @@ def capacity(flux_dir: Path, images: int = 2000) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    parser = argparse.ArgumentParser(prog="python -m fluxgrpo.shapes.capacity", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m fluxgrpo.lab.capacity", description=__doc__.splitlines()[0])
     parser.add_argument("--flux-dir", default="data/flux")
     parser.add_argument("--images", type=int, default=2000, help="renders per flow-loss reading")
     parser.add_argument("--threads", type=int, default=2)

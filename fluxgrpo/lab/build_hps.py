@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fluxgrpo.shapes import world
-from fluxgrpo.shapes.plan import WORLD_HPS_CONFIG, BuildPlan, log, training_captions, warmup_cosine
+from fluxgrpo.lab.plan import WORLD_HPS_CONFIG, BuildPlan, log, training_captions, warmup_cosine
 
 if TYPE_CHECKING:
     import torch
@@ -68,7 +68,7 @@ class JudgedSamples:
 def judged_base_samples(flux_dir: Path, plan: BuildPlan) -> JudgedSamples:
     """``plan.hps_judged_prompts`` training prompts × ``plan.hps_judged_per_prompt`` base samples, checked."""
     from fluxgrpo.shapes.checker import check
-    from fluxgrpo.shapes.measure import sample_images
+    from fluxgrpo.lab.measure import sample_images
 
     captions = training_captions()
     prompts = random.Random(plan.seed + 40).sample(captions, min(plan.hps_judged_prompts, len(captions)))

@@ -1,8 +1,8 @@
 """The shapes world builder's plan: the tiny HPS's size and the length of every stage (the FLUX parts' sizes are
 ``shapes/sizes.py``'s).
 
-Read by the builder's stages (``shapes/build.py``: VAE, text encoders, transformer, guidance distillation;
-``shapes/build_hps.py``: the tiny HPS) and by what they share: the log line, the learning-rate schedule and the
+Read by the builder's stages (``lab/build.py``: VAE, text encoders, transformer, guidance distillation;
+``lab/build_hps.py``: the tiny HPS) and by what they share: the log line, the learning-rate schedule and the
 training captions.
 """
 
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fluxgrpo.shapes import world
+from fluxgrpo.shapes.sizes import BUILD_INFO, FLUX_SUBDIR, HPS_SUBDIR
 
-BUILD_INFO = "build.json"
-FLUX_SUBDIR = "flux"
-HPS_SUBDIR = "hps"
+__all__ = ["BUILD_INFO", "FLUX_SUBDIR", "HPS_SUBDIR"]
+
 
 # open_clip's model-config format, read back by ``rewards/open_clip_model.py``. The vision tower takes the 64²
 # images as they are (HPSv2's resize is then the identity); the text tower has open_clip's own vocabulary.

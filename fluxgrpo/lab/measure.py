@@ -1,4 +1,4 @@
-"""Is the shapes world learnable, not solved? ``python -m fluxgrpo.shapes.measure --flux-dir D --hps-dir H``.
+"""Is the shapes world learnable, not solved? ``python -m fluxgrpo.lab.measure --flux-dir D --hps-dir H``.
 
 Measures the four properties issue 29 asks of the shipped weights, through the product's own code paths:
 
@@ -169,7 +169,7 @@ def measure(flux_dir: Path, hps_dir: Path | None, per_prompt: int = 8, steps: in
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    parser = argparse.ArgumentParser(prog="python -m fluxgrpo.shapes.measure", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m fluxgrpo.lab.measure", description=__doc__.splitlines()[0])
     parser.add_argument("--flux-dir", default="data/flux")
     parser.add_argument("--hps-dir", default="hps_ckpt", help="the tiny HPS; '' to skip the agreement")
     parser.add_argument("--images-per-prompt", type=int, default=8)

@@ -1,4 +1,4 @@
-"""Rebuild the shapes world's shipped weights from their seed: ``python -m fluxgrpo.shapes.build --out DIR``.
+"""Rebuild the shapes world's shipped weights from their seed: ``python -m fluxgrpo.lab.build --out DIR``.
 
 Everything is trained on rendered images of the *training* split's captions only (``world.split().train``), on the
 CPU, seeded, in four stages:
@@ -24,7 +24,7 @@ CPU, seeded, in four stages:
    (every sampler's and config's default) binds the caption as CFG 3.5 would, in one forward. Without it the
    conditional model drew the right objects but bound colours, counts and relations to the caption in 5–40 % of
    samples. Its EMA is what ships.
-5. **Tiny HPS** (``shapes/build_hps.py``): an open_clip CLIP in HPSv2's layout, trained on the renders and on the
+5. **Tiny HPS** (``lab/build_hps.py``): an open_clip CLIP in HPSv2's layout, trained on the renders and on the
    base model's own samples ranked by the rule checker.
 
 ``--quick`` runs every stage a few steps (the tests). The same seed, torch version and thread count give the same
@@ -48,8 +48,8 @@ import numpy as np
 
 from fluxgrpo.errors import UsageError
 from fluxgrpo.shapes import world
-from fluxgrpo.shapes.build_hps import judged_base_samples, train_hps, write_hps
-from fluxgrpo.shapes.plan import (
+from fluxgrpo.lab.build_hps import judged_base_samples, train_hps, write_hps
+from fluxgrpo.lab.plan import (
     BUILD_INFO,
     FLUX_SUBDIR,
     FULL_PLAN,
@@ -530,7 +530,7 @@ def rebuild_hps(out: Path, plan: BuildPlan = FULL_PLAN) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fluxgrpo.shapes.build", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m fluxgrpo.lab.build", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder to write flux/, hps/ and build.json into")
     parser.add_argument("--seed", type=int, default=FULL_PLAN.seed)
     parser.add_argument("--threads", type=int, default=FULL_PLAN.threads, help="torch CPU threads (default 2)")
