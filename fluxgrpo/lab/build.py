@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fluxgrpo.errors import UsageError
-from fluxgrpo.shapes import world
 from fluxgrpo.lab.build_hps import judged_base_samples, train_hps, write_hps
 from fluxgrpo.lab.plan import (
     BUILD_INFO,
@@ -60,6 +59,7 @@ from fluxgrpo.lab.plan import (
     training_captions,
     warmup_cosine,
 )
+from fluxgrpo.shapes import world
 from fluxgrpo.shapes.sizes import WORLD_TRANSFORMER_CONFIG, WORLD_VAE_CONFIG
 from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH, build_world_clip_tokenizer, build_world_t5_tokenizer
 

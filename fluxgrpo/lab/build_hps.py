@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fluxgrpo.shapes import world
 from fluxgrpo.lab.plan import WORLD_HPS_CONFIG, BuildPlan, log, training_captions, warmup_cosine
+from fluxgrpo.shapes import world
 
 if TYPE_CHECKING:
     import torch
@@ -67,8 +67,8 @@ class JudgedSamples:
 
 def judged_base_samples(flux_dir: Path, plan: BuildPlan) -> JudgedSamples:
     """``plan.hps_judged_prompts`` training prompts × ``plan.hps_judged_per_prompt`` base samples, checked."""
-    from fluxgrpo.shapes.checker import check
     from fluxgrpo.lab.measure import sample_images
+    from fluxgrpo.shapes.checker import check
 
     captions = training_captions()
     prompts = random.Random(plan.seed + 40).sample(captions, min(plan.hps_judged_prompts, len(captions)))

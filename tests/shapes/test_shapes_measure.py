@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from fluxgrpo.lab.measure import accuracy
 from fluxgrpo.shapes import world
 from fluxgrpo.shapes.checker import check
-from fluxgrpo.lab.measure import accuracy
 
 
 def test_accuracy_reports_strict_rates_overall_by_combination_kind_and_by_family():
