@@ -491,3 +491,33 @@ def test_reward_names_are_checked_before_anything_is_read(tmp_path, monkeypatch)
     assert "unknown reward 'nope'" in both and "brightness more than once" in both
     with pytest.raises(UsageError, match="use score_rewards for several"):
         score(ScoreRequest(index=missing, reward="hpsv2,brightness"))
+
+
+def png_header_only(path: Path, width: int, height: int) -> Path:
+    """A PNG whose header declares width × height over an empty image stream: PIL judges the size at open."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", b"") + chunk(b"IEND", b""))
+    return path
+
+
+@pytest.mark.parametrize("side", [40000, 12000])
+def test_an_oversized_image_is_refused_in_one_line_before_decoding(tmp_path, side):
+    images = tmp_path / "images"
+    images.mkdir()
+    png_header_only(images / "bomb.png", side, side)
+    (tmp_path / "p.txt").write_text("a red circle\n")
+    result = runner.invoke(
+        app,
+        ["score", "--images", str(images), "--prompts", str(tmp_path / "p.txt"), "--reward", "brightness"],
+    )
+    assert result.exit_code == 1, result.output
+    assert "bomb.png" in result.stderr and "cannot read image" in result.stderr
+    assert "Traceback" not in result.output and len(result.stderr.strip().splitlines()) == 1
+    if side == 12000:  # below PIL's own bomb limit: fluxgrpo's limit refuses it, saying so
+        assert "8192×8192" in result.stderr

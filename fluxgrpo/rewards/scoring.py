@@ -5,6 +5,7 @@ encoders in float32), the statistics as population mean and std."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,16 +46,39 @@ class ScoredImage:
     score: float
 
 
+# The largest image fluxgrpo reads: its own largest sample (8192² pixels, --height/--width's limit). Every reward
+# resizes to a few hundred pixels, so a larger file is refused before it is decoded (a 12000² PNG decodes to 430 MB,
+# a "decompression bomb" header of 40000² to gigabytes).
+MAX_SCORE_PIXELS = 8192 * 8192
+
+
+def _refusal(path: Path, why: str) -> FluxgrpoError:
+    return FluxgrpoError(f"cannot read image {path} ({why}): replace or remove it")
+
+
+def _checked_size(path: Path, image: Image.Image) -> None:
+    width, height = image.size
+    if width * height > MAX_SCORE_PIXELS:
+        raise _refusal(
+            path,
+            f"{width}×{height} is {width * height / 1e6:.0f} Mpixel, above the {MAX_SCORE_PIXELS / 1e6:.0f} Mpixel "
+            "(8192×8192) fluxgrpo reads",
+        )
+
+
 def check_images_readable(items: Iterable[ImageToScore]) -> None:
-    """Open every image's header, so a file that is no image fails before any model loads."""
+    """Open every image's header, so a file that is no image, or one too large to decode, fails before any model
+    loads."""
     from PIL import Image, UnidentifiedImageError
 
     for item in items:
         try:
-            with Image.open(item.path):
-                pass
-        except (OSError, UnidentifiedImageError, ValueError) as exc:
-            raise FluxgrpoError(f"cannot read image {item.path} ({exc}): replace or remove it") from None
+            with warnings.catch_warnings():  # the size is judged here, in one line, not in PIL's warning
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                with Image.open(item.path) as image:
+                    _checked_size(item.path, image)
+        except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
+            raise _refusal(item.path, str(exc)) from None
 
 
 def load_image(path: Path) -> Image.Image:
@@ -62,11 +86,14 @@ def load_image(path: Path) -> Image.Image:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(path) as image:
-            image.load()
-            return image.convert("RGB")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                _checked_size(path, image)
+                image.load()
+                return image.convert("RGB")
     except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError) as exc:
-        raise FluxgrpoError(f"cannot read image {path} ({exc}): replace or remove it") from None
+        raise _refusal(path, str(exc)) from None
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
