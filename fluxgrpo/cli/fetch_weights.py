@@ -218,26 +218,68 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
 
 
 def _shapes(parts: list[str] | None, flux_dir: str, hps_dir: str, json_output: bool) -> None:
+    """Write the shapes weights into hidden siblings of --flux-dir / --hps-dir first, then move them in: a failure
+    (a full disk) leaves the folders as they were and nothing half-written that would block the rerun."""
+    import os
+    import shutil
     from pathlib import Path
 
-    from fluxgrpo.errors import FluxgrpoError
+    from fluxgrpo.errors import FluxgrpoError, UsageError, disk_full_error
     from fluxgrpo.paths import ensure_writable_dir
     from fluxgrpo.shapes.shipped import SHAPES_PARTS, write_shapes_weights
+    from fluxgrpo.weights import layout
+    from fluxgrpo.weights.manifest import MANIFEST_NAME
+    from fluxgrpo.weights.tiny_writing import refuse_unless_tiny_or_empty
 
     selected = parts or list(SHAPES_PARTS)
+    unknown = [part for part in selected if part not in SHAPES_PARTS]
+    if unknown:
+        raise UsageError(
+            f"unknown part {unknown[0]!r} for --source shapes: choose from {', '.join(SHAPES_PARTS)} (--only)"
+        )
+    reward_manifests = (layout.HPS_MANIFEST, layout.CLIP_MANIFEST)
+    reward_files = (layout.HPS_CHECKPOINT, layout.OPEN_CLIP_WEIGHTS, layout.REWARD_ARCH_FILE, *reward_manifests)
+    targets: list[tuple[str, Path]] = []  # (part, the folder it goes to), each staged in a sibling
     if "flux" in selected:
         ensure_writable_dir(flux_dir, "FLUX weights", "--flux-dir")
+        refuse_unless_tiny_or_empty(Path(flux_dir), (MANIFEST_NAME,), None, "--flux-dir", making="shapes")
+        targets.append(("flux", Path(flux_dir)))
     if {"hps", "clip"} & set(selected):
         ensure_writable_dir(hps_dir, "reward weights", "--hps-dir")
+        refuse_unless_tiny_or_empty(Path(hps_dir), reward_manifests, reward_files, "--hps-dir", making="shapes")
+        targets.append(("hps", Path(hps_dir)))
     log(f"writing the shapes world's pretrained weights to {flux_dir} and {hps_dir}")
-    try:
-        written = write_shapes_weights(Path(flux_dir), Path(hps_dir), parts=selected)
-    except OSError as exc:
-        where = exc.filename or f"{flux_dir} / {hps_dir}"
-        raise FluxgrpoError(
-            f"cannot write the shapes weights to {where} ({exc.strerror or exc}): free space there or pass writable "
-            "folders with --flux-dir and --hps-dir"
-        ) from None
+    written: dict[str, int] = {}
+    for part, target in targets:
+        staging = target.with_name(f".{target.name}.fetching")  # a killed run's is ours to replace
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            if part == "flux":
+                written |= write_shapes_weights(staging, Path(hps_dir), parts=["flux"])
+            else:
+                written |= write_shapes_weights(Path(flux_dir), staging, parts=["hps"])
+        except BaseException as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            full = disk_full_error(exc, target.parent)
+            if full is not None:
+                raise full from None
+            if not isinstance(exc, OSError):
+                raise
+            first = exc.args[0][0] if isinstance(exc, shutil.Error) and exc.args and exc.args[0] else None
+            reason = first[2] if first else (exc.strerror or str(exc))
+            raise FluxgrpoError(
+                f"cannot write the shapes weights to {target} ({reason}): free space there or pass writable "
+                f"folders with --flux-dir and --hps-dir (nothing was left there)"
+            ) from None
+        if part == "flux":  # checked above as empty or offline-written: replaced whole
+            shutil.rmtree(target)
+            staging.rename(target)
+            continue
+        for name in reward_manifests:  # the part is unfinished until its manifests arrive, last
+            (target / name).unlink(missing_ok=True)
+        for name in sorted(os.listdir(staging), key=lambda name: name in reward_manifests):
+            os.replace(staging / name, target / name)  # a rename on one filesystem: no space needed
+        staging.rmdir()
     _report_written("shapes", written, flux_dir, hps_dir, json_output, {})
 
 

@@ -340,3 +340,48 @@ def test_a_hub_fetch_into_an_unwritable_folder_is_one_line(tmp_path):
     assert "Traceback" not in result.output
     assert f"cannot write weights to {blocker / 'flux'} (Not a directory)" in result.stderr
     assert "--flux-dir" in result.stderr
+
+
+@pytest.mark.parametrize("full_at", ["copyfile", "torch.save"])
+def test_shapes_on_a_full_disk_is_one_line_leaves_nothing_and_the_rerun_finishes(tmp_path, monkeypatch, full_at):
+    import errno
+
+    flux_dir, hps_dir = tmp_path / "data" / "flux", tmp_path / "hps_ckpt"
+    argv = ["fetch-weights", "--source", "shapes", "--flux-dir", str(flux_dir), "--hps-dir", str(hps_dir)]
+    real_copyfile, real_save = shutil.copyfile, torch.save
+    copied: list[str] = []
+
+    def copy_until_full(src, dst, *args, **kwargs):
+        if len(copied) >= 2:  # some files are in place when the disk fills
+            Path(dst).write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        copied.append(str(src))
+        return real_copyfile(src, dst, *args, **kwargs)
+
+    def save_on_a_full_disk(obj, f, *args, **kwargs):
+        Path(f).write_bytes(b"partial")
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing file: file "
+            "write failed (No space left on device)"
+        )
+
+    if full_at == "copyfile":
+        monkeypatch.setattr(shutil, "copyfile", copy_until_full)
+    else:
+        monkeypatch.setattr(torch, "save", save_on_a_full_disk)
+    failed = runner.invoke(app, argv)
+    assert failed.exit_code == 1, failed.output
+    errors = [line for line in failed.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in failed.output and "[(" not in errors[0], failed.stderr
+    assert "no space left on device writing into" in errors[0], errors[0]
+    assert not [p for p in tmp_path.rglob("*") if ".fetching" in p.name]
+    # nothing half-written where the weights go: a part there is complete (its manifest written) or absent
+    assert not any(flux_dir.iterdir()) or read_manifest(flux_dir, MANIFEST_NAME) is not None
+    assert not any(hps_dir.iterdir()) or read_manifest(hps_dir, HPS_MANIFEST) is not None
+
+    monkeypatch.setattr(shutil, "copyfile", real_copyfile)  # space freed: the same command finishes
+    monkeypatch.setattr(torch, "save", real_save)
+    rerun = runner.invoke(app, argv)
+    assert rerun.exit_code == 0, rerun.output
+    assert read_manifest(flux_dir, MANIFEST_NAME) is not None and read_manifest(hps_dir, HPS_MANIFEST) is not None
+    assert not [p for p in tmp_path.rglob("*") if ".fetching" in p.name]
