@@ -71,3 +71,14 @@ def test_train_groups_its_options_in_panels():
     from fluxgrpo.config import build_config
 
     assert build_config("tiny-cpu", {"init_same_noise": False}).init_same_noise is False
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_help_ends_with_its_reference_pages_which_ship_with_the_package(name):
+    from fluxgrpo.cli.app import DOCS, REFERENCE_PAGES
+
+    pages = REFERENCE_PAGES[name]
+    assert f"Reference: {', '.join(pages)} in {DOCS}" in " ".join(rendered_help(name, columns=400).split())
+    assert all((DOCS / page).is_file() for page in pages)
+    root = runner.invoke(app, ["--help"], env={"COLUMNS": "400"}, terminal_width=400)
+    assert f"Reference: {DOCS / 'index.md'}" in root.stdout and (DOCS / "index.md").is_file()
