@@ -34,12 +34,21 @@ def sample_images(
     import torch
     from diffusers import FluxPipeline
 
+    pipe = FluxPipeline.from_pretrained(flux_dir, dtype=torch.float32, trust_remote_code=False)
+    pipe.set_progress_bar_config(disable=True)
+    return sample_with(pipe, prompts, per_prompt, steps, guidance, seed)
+
+
+def sample_with(
+    pipe: Any, prompts: list[str], per_prompt: int, steps: int, guidance: float = 3.5, seed: int = 0
+) -> list[list[np.ndarray]]:
+    """:func:`sample_images` with a pipeline already loaded (its transformer perhaps being trained)."""
+    import torch
+
     from fluxgrpo.sampling.generate import denoise
     from fluxgrpo.sampling.request import SampleSettings, image_seed
     from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH
 
-    pipe = FluxPipeline.from_pretrained(flux_dir, dtype=torch.float32, trust_remote_code=False)
-    pipe.set_progress_bar_config(disable=True)
     settings = SampleSettings(
         height=64, width=64, steps=steps, guidance=guidance, max_sequence_length=WORLD_TEXT_LENGTH
     )

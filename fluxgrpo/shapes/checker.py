@@ -1,9 +1,12 @@
 """The shapes world's rule-based checker (GenEval's evaluator, for shapes): find the objects, then check each claim.
 
-1. **Segment by colour.** Every pixel goes to the nearest of the palette colours and the background; a pixel is an
-   object's when its nearest colour is a palette colour within :data:`MAX_COLOUR_DISTANCE`. Anti-aliased edges and
-   VAE blur mix an object's colour with the background only (objects never touch), so the nearest-colour rule puts
-   half the edge on each side instead of inventing a third colour.
+1. **Segment by colour.** Anti-aliased edges and VAE blur mix an object's colour with the background only (objects
+   never touch), so each pixel is read as a mix ``background + α·(colour − background)`` of one *anchor* colour:
+   the four palette colours and the six halfway blends between them (:data:`BLEND_COLOURS`: orange, purple, teal,
+   olive, brown, grey, as GenEval's colour list has orange and purple). A pixel belongs to the anchor whose
+   background line passes nearest to it, when it is at least half that colour (α ≥ 0.5) and within
+   :data:`MAX_LINE_DISTANCE` of the line; otherwise it is background. A blend is an object of its own colour that
+   fails every colour claim; a gradient across one shape falls apart into objects of several colours.
 2. **Objects** are the connected components of each colour's mask (``scipy.ndimage.label``, 8-connected), keeping
    those of at least :data:`MIN_AREA_FRACTION` of the image (specks of a blurred or generated image are not objects).
 3. **Shape**, from the object's coverage (each pixel's share of its colour against the background, read out to
@@ -13,7 +16,10 @@
    reads a VAE's soft reconstructions as it reads the renderer's anti-aliased images.
 4. **Claims** follow GenEval's ``evaluate``: an object is *present* when at least as many of its shape are found
    as the caption asks; a *count* is exact (GenEval's include N / exclude N+1); a *colour* is checked on the largest
-   objects of the shape (area stands in for GenEval's detector confidence); a *relation* is GenEval's
+   objects of the shape (area stands in for GenEval's detector confidence), and holds only when the object's solid
+   pixels (α ≥ :data:`SOLID_ALPHA`) sit within :data:`COLOUR_TOLERANCE` of the named palette colour (their 90th
+   percentile distance): a shape in an in-between hue, or shaded across, is not the colour it is nearest to; a
+   *relation* is GenEval's
    ``relative_position`` on bounding boxes (centres offset by more than 0.1 of the boxes' sizes, then the direction
    within 60° of the axis), and must hold for every pair of the two objects found.
 
@@ -32,9 +38,26 @@ from fluxgrpo.shapes.world import BACKGROUND, COLOURS, COUNT_WORDS, PLURALS, Cap
 # Image sizes the world renders at; the checker's area and shape thresholds are fractions of the image, but a
 # generated image of another size is a mistake in the run (the shapes configs render at 64), said in one line.
 WORLD_SIZES = (64, 128)
-# RGB distance beyond which a pixel is no palette colour (the palette colours are ≥ 150 apart; the background
-# competes for the light, washed-out pixels).
-MAX_COLOUR_DISTANCE = 110.0
+# The blends an image generator drifts to between two palette colours: each the halfway point of a pair. They are
+# anchors of the segmentation (so a blend is never read as the palette colour it is nearest to) and never a colour a
+# caption can name.
+BLEND_COLOURS: dict[str, tuple[int, int, int]] = {
+    "brown": (130, 105, 50),  # red + green
+    "purple": (130, 60, 130),  # red + blue
+    "orange": (228, 120, 40),  # red + yellow
+    "teal": (40, 125, 140),  # green + blue
+    "olive": (138, 185, 50),  # green + yellow
+    "grey": (138, 140, 130),  # blue + yellow
+}
+# RGB distance from an anchor's background line beyond which a pixel is no mix of that anchor with the background
+# (anchors are ≥ 55 apart off the line; the renderer's pixels lie on their lines, a VAE's within ~20 of them).
+MAX_LINE_DISTANCE = 45.0
+# An object's pixels that are at least this much its colour (the rest is its anti-aliased or blurred rim) judge its
+# colour claim: their 90th-percentile RGB distance from the line between the background and the named palette colour
+# must be within COLOUR_TOLERANCE. A halfway blend sits ≥ 55 off both ends' lines, a quarter blend (red a quarter of
+# the way to yellow) 28, a shade (red at 70 % brightness) 65; the renderer's pixels sit on the line, a VAE's within ~15.
+SOLID_ALPHA = 0.8
+COLOUR_TOLERANCE = 25.0
 # The smallest object the renderer draws covers ~1.9 % of a 64² image (a triangle of radius 0.10); a component
 # under a quarter of that is a speck.
 MIN_AREA_FRACTION = 0.005
@@ -42,8 +65,10 @@ MIN_AREA_FRACTION = 0.005
 POSITION_THRESHOLD = 0.1
 
 _PALETTE_NAMES = tuple(COLOURS)
-_PALETTE = np.array([COLOURS[name] for name in _PALETTE_NAMES] + [BACKGROUND], dtype=np.float32)
+ANCHORS: dict[str, tuple[int, int, int]] = {**COLOURS, **BLEND_COLOURS}
+_ANCHOR_NAMES = tuple(ANCHORS)
 BACKGROUND_RGB = np.array(BACKGROUND, dtype=np.float64)
+_DIRECTIONS = np.array([ANCHORS[name] for name in _ANCHOR_NAMES], dtype=np.float64) - BACKGROUND_RGB  # [K, 3]
 # How far past an object's segmented edge its coverage is still read (a blur of σ 1.5 px has spent 99 % by 3.5σ/√2).
 EDGE_PIXELS = 3.0
 
@@ -55,9 +80,14 @@ class ImageSizeError(ValueError):
 @dataclass(frozen=True)
 class FoundObject:
     shape: str
-    colour: str
+    colour: str  # a palette colour, or a blend's name (BLEND_COLOURS): never a colour a caption names
     area: int  # pixels
     box: tuple[int, int, int, int]  # x0, y0, x1, y1: pixel edges, x1/y1 exclusive
+    # its solid pixels within COLOUR_TOLERANCE of its palette colour (colour_is_true): a colour claim needs it
+    true_colour: bool = True
+
+    def colour_words(self) -> str:
+        return self.colour if self.true_colour or self.colour not in COLOURS else f"off-{self.colour}"
 
     @property
     def centre(self) -> tuple[float, float]:
@@ -108,13 +138,40 @@ def _as_rgb_uint8(image: np.ndarray) -> np.ndarray:
     return image
 
 
+def _mix(pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(alpha, distance)``, each ``[H, W, K]``: every pixel as ``background + α·(anchor − background)`` for each
+    of the :data:`ANCHORS` (α clipped to [0, 1]), and its RGB distance from that line."""
+    offset = pixels.astype(np.float64) - BACKGROUND_RGB
+    alpha = np.clip((offset @ _DIRECTIONS.T) / (_DIRECTIONS**2).sum(axis=1), 0.0, 1.0)
+    distance = np.linalg.norm(offset[:, :, None, :] - alpha[..., None] * _DIRECTIONS[None, None], axis=-1)
+    return alpha, distance
+
+
 def segment(image: np.ndarray) -> np.ndarray:
-    """``[H, W]`` int8: the palette index of each pixel's colour (:data:`COLOURS` order), -1 for the background."""
-    pixels = _as_rgb_uint8(image).astype(np.float32)
-    distances = np.linalg.norm(pixels[:, :, None, :] - _PALETTE[None, None], axis=-1)
-    nearest = distances.argmin(axis=-1)
-    is_object = (nearest < len(_PALETTE_NAMES)) & (distances.min(axis=-1) <= MAX_COLOUR_DISTANCE)
+    """``[H, W]`` int8: the anchor index of each pixel's colour (:data:`ANCHORS` order: the palette's
+    :data:`COLOURS` first, then the :data:`BLEND_COLOURS`), -1 for the background."""
+    alpha, distance = _mix(_as_rgb_uint8(image))
+    candidate = np.where(alpha >= 0.5, distance, np.inf)
+    nearest = candidate.argmin(axis=-1)
+    is_object = np.take_along_axis(candidate, nearest[..., None], axis=-1)[..., 0] <= MAX_LINE_DISTANCE
     return np.where(is_object, nearest, -1).astype(np.int8)
+
+
+def colour_is_true(pixels: np.ndarray, colour: str) -> bool:
+    """Whether ``pixels`` ([N, 3], an object's) are the palette ``colour``: its solid pixels (at least
+    :data:`SOLID_ALPHA` of it against the background) lie within :data:`COLOUR_TOLERANCE` of the line from the
+    background to the colour (their 90th percentile). The line, not the point: a blur or anti-aliasing moves a pixel
+    along it towards the background; a hue shift or a shade moves it off."""
+    if colour not in COLOURS:
+        return False
+    direction = np.array(COLOURS[colour], dtype=np.float64) - BACKGROUND_RGB
+    offset = pixels.astype(np.float64) - BACKGROUND_RGB
+    alpha = (offset @ direction) / float(direction @ direction)
+    solid = alpha >= SOLID_ALPHA
+    if not solid.any():
+        return False
+    off_line = np.linalg.norm(offset[solid] - alpha[solid, None] * direction, axis=-1)
+    return float(np.percentile(off_line, 90)) <= COLOUR_TOLERANCE
 
 
 def shape_features(weights: np.ndarray) -> tuple[float, float]:
@@ -167,7 +224,7 @@ def classify_shape(weights: np.ndarray) -> str:
 def _coverage(pixels: np.ndarray, colour: str) -> np.ndarray:
     """Each pixel's share of ``colour`` against the background: its projection on the line between the two (1 inside
     the object, 0 on the background, the anti-aliased fraction on an edge)."""
-    direction = np.array(COLOURS[colour], dtype=np.float64) - BACKGROUND_RGB
+    direction = np.array(ANCHORS[colour], dtype=np.float64) - BACKGROUND_RGB
     return ((pixels - BACKGROUND_RGB) @ direction) / float(direction @ direction)
 
 
@@ -179,8 +236,9 @@ def find_objects(image: np.ndarray) -> list[FoundObject]:
     labels_by_colour = segment(pixels)
     min_area = MIN_AREA_FRACTION * labels_by_colour.size
     components = np.zeros(labels_by_colour.shape, dtype=np.int32)
-    kept: list[tuple[str, int, tuple[int, int, int, int]]] = []  # colour, area, box of component len(kept) + 1
-    for index, colour in enumerate(_PALETTE_NAMES):
+    # colour, area, box, true colour of component len(kept) + 1
+    kept: list[tuple[str, int, tuple[int, int, int, int], bool]] = []
+    for index, colour in enumerate(_ANCHOR_NAMES):
         labels, _ = ndimage.label(labels_by_colour == index, structure=np.ones((3, 3), dtype=bool))
         for label, slices in enumerate(ndimage.find_objects(labels), start=1):
             if slices is None:
@@ -190,7 +248,8 @@ def find_objects(image: np.ndarray) -> list[FoundObject]:
             if area < min_area:
                 continue
             rows, cols = slices
-            kept.append((colour, area, (cols.start, rows.start, cols.stop, rows.stop)))
+            true = colour_is_true(pixels[mask], colour)
+            kept.append((colour, area, (cols.start, rows.start, cols.stop, rows.stop), true))
             components[mask] = len(kept)
     if not kept:
         return []
@@ -200,12 +259,12 @@ def find_objects(image: np.ndarray) -> list[FoundObject]:
     nearest = components[near_row, near_col]
     margin = int(np.ceil(EDGE_PIXELS))
     found: list[FoundObject] = []
-    for number, (colour, area, box) in enumerate(kept, start=1):
+    for number, (colour, area, box, true) in enumerate(kept, start=1):
         x0, y0, x1, y1 = box
         crop = np.s_[max(y0 - margin, 0) : y1 + margin, max(x0 - margin, 0) : x1 + margin]
         region = (nearest[crop] == number) & (distance[crop] <= EDGE_PIXELS)
         weights = np.where(region, _coverage(pixels[crop].astype(np.float64), colour), 0.0)
-        found.append(FoundObject(classify_shape(weights), colour, area, box))
+        found.append(FoundObject(classify_shape(weights), colour, area, box, true))
     return sorted(found, key=lambda obj: (-obj.area, obj.box))
 
 
@@ -237,7 +296,7 @@ def _noun(shape: str, n: int) -> str:
 def _describe(objects: list[FoundObject]) -> str:
     if not objects:
         return "none"
-    return ", ".join(f"{obj.colour} {obj.shape}" for obj in objects)
+    return ", ".join(f"{obj.colour_words()} {obj.shape}" for obj in objects)
 
 
 def _object_claims(spec: ObjectSpec, count: int, exact: bool, objects: list[FoundObject]) -> list[Claim]:
@@ -252,7 +311,7 @@ def _object_claims(spec: ObjectSpec, count: int, exact: bool, objects: list[Foun
         claims = [Claim("present", number, enough, "" if enough else "none found")]
     if spec.colour is not None:
         largest = of_shape[:count]
-        holds = enough and all(obj.colour == spec.colour for obj in largest)
+        holds = enough and all(obj.colour == spec.colour and obj.true_colour for obj in largest)
         subject = f"the {_noun(spec.shape, count)} {'are' if count > 1 else 'is'} {spec.colour}"
         found = "" if holds else (_describe(largest) if enough else f"{len(of_shape)} found")
         claims.append(Claim("colour", subject, holds, found))

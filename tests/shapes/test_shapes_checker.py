@@ -238,3 +238,50 @@ def test_claim_counts_follow_the_family():
     for caption, kinds in cases.items():
         claims = checker.claims_of(caption, empty)
         assert [c.kind for c in claims] == kinds and not any(c.holds for c in claims)
+
+
+def _painted(shape: str, rgb: tuple[int, int, int] | np.ndarray, x: float = 32, y: float = 32) -> np.ndarray:
+    """The renderer's image of one shape, its red pixels repainted in ``rgb`` with the anti-aliased edge kept: each
+    pixel's share of red against the background carried over to the new colour."""
+    image = render(Scene(64, [PlacedObject(shape, "red", x, y, 11.0)])).astype(np.float64)
+    background = np.array(world.BACKGROUND, dtype=np.float64)
+    direction = np.array(world.COLOURS["red"], dtype=np.float64) - background
+    alpha = np.clip(((image - background) @ direction) / (direction @ direction), 0, 1)[..., None]
+    colour = np.broadcast_to(np.asarray(rgb, dtype=np.float64), image.shape)
+    return np.clip(np.rint(background + alpha * (colour - background)), 0, 255).astype(np.uint8)
+
+
+@pytest.mark.parametrize(
+    ("blend", "near"),
+    [("orange", ("red", "yellow")), ("purple", ("red", "blue")), ("teal", ("green", "blue")),
+     ("olive", ("green", "yellow")), ("brown", ("red", "green")), ("grey", ("blue", "yellow"))],
+)  # fmt: skip
+def test_a_blended_colour_fails_every_colour_claim_but_is_still_an_object(blend, near):
+    image = _painted("circle", checker.BLEND_COLOURS[blend])
+    found = checker.find_objects(image)
+    assert [(o.shape, o.colour) for o in found] == [("circle", blend)]
+    assert check(image, "a circle").strict  # present: a shape was drawn
+    for colour in world.COLOURS:
+        result = check(image, f"a {colour} circle")
+        assert [c.holds for c in result.claims] == [True, False], (blend, colour)
+    assert all(f"({blend} circle)" in check(image, f"a {c} circle").claims[1].label() for c in near)
+
+
+def test_a_shade_or_a_gradient_across_one_shape_is_not_its_nearest_colour():
+    red, yellow = (np.array(world.COLOURS[c], dtype=np.float64) for c in ("red", "yellow"))
+    # a quarter of the way from red to yellow: mostly segmented as red (its nearest line), yet off the red line by
+    # 28 > 25
+    quarter = _painted("square", red + 0.25 * (yellow - red))
+    largest = checker.find_objects(quarter)[0]
+    assert (largest.shape, largest.colour, largest.true_colour) == ("square", "red", False)
+    assert check(quarter, "a red square").claims[1].label() == "✗ the square is red (off-red square)"
+    # a tenth of the way stays red (within the documented tolerance), and so does the renderer's exact red
+    assert check(_painted("square", red + 0.1 * (yellow - red)), "a red square").strict
+    assert check(_painted("square", red), "a red square").strict
+    # red at 70 % brightness: a shade, not red
+    assert not check(_painted("circle", 0.7 * red), "a red circle").strict
+    # a gradient from red at the left edge to yellow at the right, across one circle: never "a red circle"
+    ramp = np.linspace(0.0, 1.0, 64)[None, :, None]
+    gradient = _painted("circle", red + ramp * (yellow - red))
+    for colour in ("red", "yellow"):
+        assert not check(gradient, f"a {colour} circle").strict
