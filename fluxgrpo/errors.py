@@ -46,6 +46,11 @@ def _is_disk_full(exc: BaseException) -> bool:
     return "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text
 
 
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error in its chain) is a write that ran out of space."""
+    return any(_is_disk_full(e) for e in _chain(exc))
+
+
 def _free_text(folder) -> str:
     import shutil
 
@@ -66,10 +71,11 @@ def disk_full_error(exc: BaseException, folder=None, need_bytes: int | None = No
     filename = getattr(full, "filename", None)
     if folder is None:
         folder = os.path.dirname(os.path.abspath(filename)) if filename else os.getcwd()
-    while folder and not os.path.isdir(folder) and os.path.dirname(folder) != folder:
-        folder = os.path.dirname(folder)  # the free space of the filesystem it was going to
+    existing = folder  # the free space of the filesystem it was going to (the folder may be removed by now)
+    while existing and not os.path.isdir(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
     need = f"it needs about {need_bytes / 2**20:.1f} MiB, " if need_bytes else ""
     return FluxgrpoError(
-        f"no space left on device writing into {folder} ({need}{_free_text(folder)}): free space there, or choose "
+        f"no space left on device writing into {folder} ({need}{_free_text(existing)}): free space there, or choose "
         "another output folder, and run the command again"
     )

@@ -1,5 +1,11 @@
 """Default locations, the same as DanceGRPO's so existing data keeps working. Every one is a flag."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+
+from fluxgrpo.errors import is_disk_full
+
 DEFAULT_FLUX_DIR = "data/flux"
 DEFAULT_HPS_DIR = "hps_ckpt"
 DEFAULT_PROMPTS_DIR = "data/eval_prompts"  # benchmark prompt sets (`fetch-weights --only hpdv2-prompts`)
@@ -30,6 +36,12 @@ def ensure_writable_dir(folder, what: str, flag: str) -> None:
     from fluxgrpo.errors import FluxgrpoError
 
     folder = Path(folder)
+    if _created_scopes:  # remember the outermost folder this call creates, to remove it if the command fails
+        top, existing = None, folder
+        while not existing.exists() and existing != existing.parent:
+            top, existing = existing, existing.parent
+        if top is not None:
+            _created_scopes[-1].append(top)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".write-probe-{os.getpid()}.tmp"  # per process: ranks may probe one folder at once
@@ -39,6 +51,30 @@ def ensure_writable_dir(folder, what: str, flag: str) -> None:
         raise FluxgrpoError(
             f"cannot write {what} to {folder} ({exc.strerror or exc}): pass a writable folder with {flag}"
         ) from None
+
+
+_created_scopes: list[list[Any]] = []
+
+
+@contextmanager
+def empty_folders_removed_on_failure() -> Iterator[None]:
+    """When the block fails, remove again the folders :func:`ensure_writable_dir` created inside it, as far as they
+    hold no file (bottom-up ``rmdir``: nothing written is ever deleted), so a failed command leaves no empty output
+    folder behind."""
+    import os
+
+    created: list[Any] = []
+    _created_scopes.append(created)
+    try:
+        yield
+    except BaseException:
+        for top in reversed(created):
+            for dirpath, _, _ in os.walk(top, topdown=False):
+                with suppress(OSError):  # it holds a file (an image, an embedding already written): kept
+                    os.rmdir(dirpath)
+        raise
+    finally:
+        _created_scopes.pop()
 
 
 def check_replaceable_output(path, flag: str, signature: bytes, what: str):
@@ -133,8 +169,13 @@ def write_atomic(path, data, *, durable: bool = False):
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if is_disk_full(exc) and getattr(exc, "filename", None) is None:
+            # PIL's and torch.save's writes carry no file name (torch's is not even an OSError): name this one
+            import errno
+
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from exc
         raise
     if durable:
         _fsync_folder(path.parent)

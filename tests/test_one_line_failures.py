@@ -83,6 +83,40 @@ def test_a_full_disk_is_one_line_in_sample_and_preprocess(tiny_weights, tmp_path
         assert not [p for p in folder.rglob("*.tmp")], list(folder.rglob("*"))
 
 
+def test_a_full_disk_under_pil_and_torch_save_names_the_out_folder_and_leaves_no_empty_folder(
+    tiny_weights, tmp_path, monkeypatch
+):
+    """PIL's and torch.save's writes raise ENOSPC without a file name: the line still names --out, not the
+    current folder, and the folders the command made for its output are gone again."""
+    import torch
+    from PIL import Image
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")  # as a full disk under a file object: no filename
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(Image.Image, "save", no_space)
+    monkeypatch.setattr(torch, "save", no_space)
+    flux = str(tiny_weights.flux_dir)
+    images = tmp_path / "made" / "images"
+    argv = ["sample", "--model", flux, "--prompt", "a red cat", "--out", str(images), "--height", "32"]
+    sampled = runner.invoke(
+        app, [*argv, "--width", "32", "--steps", "2", "--max-sequence-length", "16", "--device", "cpu"]
+    )
+    assert sampled.exit_code == 1, sampled.output
+    assert f"no space left on device writing into {images} " in _one_line(sampled.stderr)
+    assert not (tmp_path / "made").exists()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red cat\n")
+    embeddings = tmp_path / "embeddings"
+    argv = ["preprocess", "--prompts", str(prompts), "--model", flux, "--out", str(embeddings)]
+    encoded = runner.invoke(app, [*argv, "--max-sequence-length", "16", "--device", "cpu"])
+    assert encoded.exit_code == 1, encoded.output
+    line = _one_line(encoded.stderr)
+    assert f"no space left on device writing into {embeddings}" in line and f"into {tmp_path} " not in line
+    assert not [p for p in embeddings.rglob("*") if p.is_dir()]  # no empty sub-folder left (a written file may be)
+
+
 def test_a_full_disk_during_export_leaves_nothing_in_out(tiny_weights, tmp_path, monkeypatch):
     from fluxgrpo.export import _writing
 

@@ -52,15 +52,18 @@ def command(
     from fluxgrpo.data.benchmarks import prompts_path as named_prompts_path
 
     prompts_path = str(named_prompts_path(prompts)) if prompts else str(bundled_prompts_path())
-    check_inputs(prompts_path, model, out, max_sequence_length)  # fail here, not in every worker
-    payload = {
-        "prompts_path": prompts_path,
-        "flux_dir": model,
-        "out_dir": out,
-        "max_sequence_length": max_sequence_length,
-        "device": device,
-    }
-    summary = run_workers("fluxgrpo.preprocess", payload, spec, device, log=log)
+    from fluxgrpo.paths import empty_folders_removed_on_failure
+
+    with empty_folders_removed_on_failure():  # a failure leaves no empty --out behind
+        check_inputs(prompts_path, model, out, max_sequence_length)  # fail here, not in every worker
+        payload = {
+            "prompts_path": prompts_path,
+            "flux_dir": model,
+            "out_dir": out,
+            "max_sequence_length": max_sequence_length,
+            "device": device,
+        }
+        summary = run_workers("fluxgrpo.preprocess", payload, spec, device, log=log)
     if json_output:
         print_json(summary)
         return

@@ -135,23 +135,26 @@ def command(
         attention=attention,
         compile=compile_model,
     )
-    request = build_request(
-        model=model,
-        prompts=prompts,
-        out_dir=out,
-        checkpoint=checkpoint,
-        ema=ema,
-        settings=settings,
-        device=device,
-        overwrite=overwrite,
-    )
-    if overwrite:
-        from fluxgrpo.run_folder import move_aside
+    from fluxgrpo.paths import empty_folders_removed_on_failure
 
-        moved = move_aside(request.out_dir, "--overwrite")
-        if moved is not None:
-            log(f"moved what was in {request.out_dir} to {moved}")
-    summary = run_workers("fluxgrpo.sample", request.to_dict(), spec, request.device, log=log)
+    with empty_folders_removed_on_failure():  # a failure leaves no empty --out behind
+        request = build_request(
+            model=model,
+            prompts=prompts,
+            out_dir=out,
+            checkpoint=checkpoint,
+            ema=ema,
+            settings=settings,
+            device=device,
+            overwrite=overwrite,
+        )
+        if overwrite:
+            from fluxgrpo.run_folder import move_aside
+
+            moved = move_aside(request.out_dir, "--overwrite")
+            if moved is not None:
+                log(f"moved what was in {request.out_dir} to {moved}")
+        summary = run_workers("fluxgrpo.sample", request.to_dict(), spec, request.device, log=log)
     if json_output:
         print_json(summary)
         return
