@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from fluxgrpo import run_folder
-from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.errors import FluxgrpoError, UsageError
 
 CHECKPOINT_PREFIX = "checkpoint-"
 TMP_SUFFIX = ".tmp"
@@ -154,8 +154,8 @@ def resolve_resume(output_dir: str | Path, resume: str | bool | None) -> Path | 
     - a path (or a folder name inside ``output_dir``, e.g. ``checkpoint-40``): that checkpoint.
 
     Raises:
-        FluxgrpoError: the given folder is missing or not a complete checkpoint; the message lists the complete
-            ones in ``output_dir``.
+        UsageError: the given folder is missing or not a complete checkpoint (exit 2); the message lists the
+            complete ones in ``output_dir``.
     """
     if resume is None or resume is False:
         return None
@@ -167,7 +167,7 @@ def resolve_resume(output_dir: str | Path, resume: str | bool | None) -> Path | 
         if is_complete_checkpoint(candidate):
             return candidate
     existing = next((c for c in candidates if c.exists()), given)
-    raise FluxgrpoError(_not_complete_message(existing, Path(output_dir)))
+    raise UsageError(_not_complete_message(existing, Path(output_dir)))  # the flag's value is wrong: exit 2
 
 
 def _not_complete_message(path: Path, output_dir: Path) -> str:

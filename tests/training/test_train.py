@@ -314,7 +314,9 @@ def test_cli_resume_flags_and_dry_run_checks_inputs(tiny_weights, tiny_embedding
     assert json.loads(fresh.stdout)["resume_from"] is None  # --resume with nothing to resume starts fresh
     assert not (tmp_path / "new").exists()  # a dry run creates nothing
     missing = runner.invoke(app, [*common, "--output-dir", str(tmp_path / "x"), "--resume-from", "checkpoint-9"])
-    assert missing.exit_code == 1 and "checkpoint-9" in missing.output
+    assert missing.exit_code == 2 and "checkpoint-9" in missing.output  # a wrong flag value: usage (#50.9)
+    nope = runner.invoke(app, [*common, "--output-dir", str(tmp_path / "x"), "--resume-from", "nope"])
+    assert nope.exit_code == 2 and "nope is not a complete checkpoint (it does not exist)" in nope.stderr
     no_weights = runner.invoke(app, [*common[:3], "--model", str(tmp_path / "none")])
     assert no_weights.exit_code == 1 and "fetch-weights" in no_weights.output
     # a dry run plans without weights (from the model the config names) and says what a launch would refuse
