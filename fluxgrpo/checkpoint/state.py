@@ -20,6 +20,7 @@ from fluxgrpo.checkpoint.layout import (
     COMPLETE_MARKER,
     DAMAGED_FIX,
     FORMAT_VERSION,
+    LORA_DIR,
     STATE_DIR,
     TMP_SUFFIX,
     TRAINER_STATE_FILE,
@@ -301,10 +302,16 @@ def load_checkpoint(path: str | Path, ctx: DistContext, state: TrainingState) ->
         )
 
     if bool(info.get("lora")) != is_lora_model(model):
-        kinds = ("a LoRA adapter", "full weights") if info.get("lora") else ("full weights", "a LoRA adapter")
+        saved_rank = _saved_lora_rank(path, info)
+        if saved_rank is None:  # a "lora" entry that names no rank the folder holds: the marker, not the flag
+            raise FluxgrpoError(
+                f'{path / COMPLETE_MARKER} is damaged (its "lora" entry names no LoRA adapter this checkpoint '
+                f"holds): {DAMAGED_FIX}"
+            )
+        kinds = ("a LoRA adapter", "full weights") if saved_rank else ("full weights", "a LoRA adapter")
         raise FluxgrpoError(
             f"{path} holds {kinds[0]} but this run trains {kinds[1]}: resume with the --lora-rank the checkpoint "
-            f"was trained with ({(info.get('lora') or {}).get('r', 0)})"
+            f"was trained with ({saved_rank})"
         )
     loaded = state.state_dict()
     if info.get("checksums"):
@@ -321,6 +328,20 @@ def load_checkpoint(path: str | Path, ctx: DistContext, state: TrainingState) ->
     return LoadedState(
         trainer_state=trainer_state, rng_states=rng["extra"], iteration=int(info["iteration"]), path=path
     )
+
+
+def _saved_lora_rank(path: Path, info: dict[str, Any]) -> int | None:
+    """The LoRA rank the checkpoint was trained with (0: full weights); None when its marker's ``lora`` entry is
+    damaged: no rank of at least 1, or no adapter folder (``lora/``) beside it, or full weights (``transformer/``)."""
+    entry = info.get("lora")
+    if not entry:
+        return 0
+    rank = entry.get("r") if isinstance(entry, dict) else None
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        return None
+    if not (path / LORA_DIR).is_dir() or (path / TRANSFORMER_DIR).is_dir():
+        return None
+    return rank
 
 
 # --------------------------------------------------------------------------------------------- RNG files

@@ -213,6 +213,19 @@ def test_load_refuses_other_world_size_and_missing_ema(tmp_path):
         load_checkpoint(tmp_path / "checkpoint-7", SINGLE, TrainingState(*build()))
 
 
+@pytest.mark.parametrize("entry", [{"foo": 1}, {"r": 0}, {"r": "4"}, {"r": 4}, ["r"]])
+def test_a_lora_entry_in_a_full_checkpoints_marker_is_called_damaged(tmp_path, entry):
+    """Issue #50.8: a full fine-tuning checkpoint whose COMPLETE names a LoRA adapter (it holds transformer/, no
+    lora/) is a damaged marker, not a --lora-rank to resume with (the hint said the run's own value, 0)."""
+    path = save(tmp_path, 1, build())
+    marker = path / "COMPLETE"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "lora": entry}))
+    with pytest.raises(FluxgrpoError) as caught:
+        load_checkpoint(path, SINGLE, TrainingState(*build()))
+    message = str(caught.value)
+    assert f"{marker} is damaged" in message and "--resume-from" in message and "--lora-rank" not in message
+
+
 def test_a_changed_byte_inside_a_state_file_is_caught_on_resume(tmp_path):
     """Issue #23.9: every rank records the sha256 of the state files it wrote; a resume verifies them, so damage
     inside a tensor's bytes (which no header check sees) is one line naming the file, not a silent resume."""
