@@ -53,8 +53,8 @@ class MetricsLogger:
         ctx: DistContext | None = None,
         run_info: dict[str, Any] | None = None,
     ) -> None:
-        """Keep only records of iterations ≤ ``resume_after`` (0 for a fresh run): a run that died past its last
-        checkpoint logged iterations that the resumed run repeats, and metrics.jsonl must read as one run.
+        """Keep only records of iterations ≤ ``resume_after`` (none for a fresh run, 0): a run that died past its
+        last checkpoint logged iterations that the resumed run repeats, and metrics.jsonl must read as one run.
 
         ``wandb`` (None: off) says where wandb logs; ``ctx`` is needed only to gather histograms across ranks;
         ``run_info`` (versions and hardware, see ``run_info``) is written to ``run_info.json`` for
@@ -71,7 +71,9 @@ class MetricsLogger:
         path = output_dir / METRICS_FILE
         if path.is_file() or path.is_symlink():
             records = read_metrics(output_dir, on_torn_last_line=_say_torn_line_dropped)
-            kept = [r for r in records if r.get("iteration", 0) <= resume_after]
+            # From a checkpoint after iteration k, the run goes on at k + 1: its records up to k stay. Without one
+            # (a run killed before its first checkpoint, resumed) it starts again at 0 and logs 0 again.
+            kept = [r for r in records if r.get("iteration", 0) <= resume_after] if resume_after > 0 else []
             write_run_file(path, "".join(json.dumps(r) + "\n" for r in kept))
         self._file = open_run_file(path, "a")  # held open for the run, closed in close()
         if run_info is not None:

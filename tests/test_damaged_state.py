@@ -72,6 +72,20 @@ def test_a_binary_tail_on_metrics_is_a_torn_tail(tmp_path, capsys):
     assert [r["iteration"] for r in read_metrics(tmp_path)] == [1, 2]
 
 
+def test_a_resume_with_no_checkpoint_keeps_no_record_of_the_killed_start(tmp_path):
+    """Issue #50.7: killed before its first checkpoint, then --resume: the run starts again at 0, so the first
+    start's iteration-0 evaluation (and anything after) goes, or metrics.jsonl holds it twice ([0, 0, 1, 2, 2])."""
+    killed = [{"iteration": 0, "eval_reward_mean": 0.5}, {"iteration": 1, "reward_mean": 0.4}]
+    (tmp_path / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in killed))
+    logger = MetricsLogger(tmp_path, enabled=True, resume_after=0)  # what train() passes without a checkpoint
+    logger.log({"iteration": 0, "eval_reward_mean": 0.5})
+    logger.close()
+    assert [r["iteration"] for r in read_metrics(tmp_path)] == [0]
+    logger = MetricsLogger(tmp_path, enabled=True, resume_after=1)  # from checkpoint-1: records up to 1 stay
+    logger.close()
+    assert [r["iteration"] for r in read_metrics(tmp_path)] == [0]
+
+
 def test_binary_bytes_before_a_good_record_are_damage_not_a_tail(tmp_path):
     (tmp_path / METRICS_FILE).write_bytes(b'{"iteration": 1}\n\xff\xfe\n{"iteration": 2}\n')
     with pytest.raises(FluxgrpoError) as caught:
