@@ -20,6 +20,7 @@ from fluxgrpo.config.choices import (
     WINDOW_POLICIES,
     flag,
 )
+from fluxgrpo.config.retain_check import retain_problems
 from fluxgrpo.data.benchmarks import eval_prompts_problem
 from fluxgrpo.grpo.objectives.catalogue import CATALOGUE, ObjectiveEntry, objective_names
 from fluxgrpo.models.known import MODEL_FAMILIES
@@ -247,6 +248,7 @@ def _ignored_option_problems(cfg: TrainConfig, entry: ObjectiveEntry) -> list[st
 
 def _algorithm_problems(cfg: TrainConfig) -> list[str]:
     out = _objective_problems(cfg)
+    out += retain_problems(cfg)
     for name, allowed in (
         ("sampler", SAMPLERS),
         ("sde_window_policy", WINDOW_POLICIES),

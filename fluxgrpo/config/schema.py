@@ -177,6 +177,12 @@ class TrainConfig:
     save_images_every: int = _opt(10, "Save a few rollout images every K iterations (0 never).")
     images_per_save: int = _opt(4, "How many images each rank saves when it does.")
     gradient_checkpointing: bool = _opt(True, "Activation checkpointing in every transformer block.")
+    retain_rollout_graphs: bool = _opt(
+        False,
+        "--objective grpo, one optimizer step per rollout: the rollout keeps the trained steps' forward graphs and the "
+        "update back-propagates through them instead of recomputing those forwards (LeanGRPO's Retain; same math). "
+        "Costs their activations from rollout to update (train --dry-run sizes them). Off by default.",
+    )
     cpu_offload: bool = _opt(False, "Offload sharded parameters and optimizer state to host memory (FSDP).")
     attention: str = _opt(
         "sdpa", f"Attention kernel: {' or '.join(ATTENTION_BACKENDS)} (the fused Ascend kernel: bf16 only)."

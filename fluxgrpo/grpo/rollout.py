@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fluxgrpo.grpo.retain import RetainedGraphs
 from fluxgrpo.grpo.samplers import Sampler, dpm_solver_2m_step, euler_step
 from fluxgrpo.grpo.schedule import model_timesteps
 from fluxgrpo.grpo.step_plan import StepPlan
@@ -55,6 +56,7 @@ class RolloutSettings:
     rollout_batch_size: int  # trajectories per forward
     compute_dtype: torch.dtype | None = None  # autocast dtype; None is the runtime's choice
     keep_means: bool = False  # also keep each SDE step's mean μ_old (GRPO-Guard's ratio needs it)
+    retain_graphs: bool = False  # keep the trained steps' forwards for the update (``retain.py``)
 
 
 def _chunks(num_trajectories: int, batch_size: int) -> list[tuple[int, int]]:
@@ -99,15 +101,38 @@ class _ModelCall:
     img_ids: torch.Tensor
     device_type: str
     compute_dtype: torch.dtype | None
+    retained: RetainedGraphs | None = None  # keeps the trained steps' forwards (``--retain-rollout-graphs``)
 
-    def velocity(self, x: torch.Tensor, start: int, stop: int, timestep: torch.Tensor) -> torch.Tensor:
-        """v for the trajectories ``start:stop`` at the model-fed ``timestep`` (a scalar tensor)."""
+    def velocity(
+        self, x: torch.Tensor, start: int, stop: int, timestep: torch.Tensor, step: int | None = None
+    ) -> torch.Tensor:
+        """v for the trajectories ``start:stop`` at the model-fed ``timestep`` (a scalar tensor); at a σ-table
+        ``step`` with ``retained``, the rows that train there run with gradients and their graph is kept."""
+        if self.retained is None or step is None:
+            return self._forward(x, self.cond.rows(start, stop), self.guidance_values[start:stop], timestep)
+        return self.retained.velocity(
+            lambda rows, x_rows: self._rows_forward(rows, x_rows, timestep), x, start, stop, step
+        )
+
+    def _rows_forward(self, rows: torch.Tensor, x: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        """v of the trajectories ``rows`` [r] (global indices, ascending) at ``x`` [r, L, C]."""
+        first, count = int(rows[0]), rows.numel()
+        if int(rows[-1]) - first + 1 == count:  # contiguous: views, as the plain rollout feeds them
+            return self._forward(x, self.cond.rows(first, first + count), self.guidance_values[first:first + count],
+                                 timestep)  # fmt: skip
+        index = rows.to(self.guidance_values.device)
+        cond = Conditioning(self.cond.prompt_embeds[index], self.cond.pooled[index], self.cond.text_ids)
+        return self._forward(x, cond, self.guidance_values[index], timestep)
+
+    def _forward(
+        self, x: torch.Tensor, cond: Conditioning, guidance: torch.Tensor, timestep: torch.Tensor
+    ) -> torch.Tensor:
         return predict_velocity(
             self.transformer,
             x,
-            self.cond.rows(start, stop),
-            timestep.expand(stop - start),
-            self.guidance_values[start:stop],
+            cond,
+            timestep.expand(x.shape[0]),
+            guidance,
             self.img_ids,
             self.device_type,
             self.compute_dtype,
@@ -115,7 +140,9 @@ class _ModelCall:
 
 
 @contextlib.contextmanager
-def _sampling_mode(transformer: nn.Module, device_type: str, compute_dtype: torch.dtype | None) -> Iterator[None]:
+def _sampling_mode(
+    transformer: nn.Module, device_type: str, compute_dtype: torch.dtype | None, cast_once: bool = True
+) -> Iterator[None]:
     """Eval mode for the rollout, one autocast region around it, and on the way out FSDP2 parameters resharded and
     the module's train/eval mode restored.
 
@@ -124,13 +151,16 @@ def _sampling_mode(transformer: nn.Module, device_type: str, compute_dtype: torc
     steps × chunks casts of every weight by one (the results are bit-identical either way; the steps work in fp32 on
     fp32 inputs, which autocast leaves alone). Not for FSDP2-sharded modules: their cached copies would be keyed to
     unsharded parameters that FSDP2 frees and re-gathers, an implementation detail not to lean on (FSDP2's own mixed
-    precision is the way to skip those casts).
+    precision is the way to skip those casts). Nor when the rollout keeps graphs (``cast_once`` False): a weight's
+    cached copy cast without gradients would carry none to the weight, so each forward casts in its own region, as the
+    update's forward does.
     """
     was_training = transformer.training
     transformer.eval()
-    cast_once = contextlib.nullcontext() if has_sharded_modules(transformer) else autocast(device_type, compute_dtype)
+    one_region = cast_once and not has_sharded_modules(transformer)
+    region = autocast(device_type, compute_dtype) if one_region else contextlib.nullcontext()
     try:
-        with cast_once:
+        with region:
             yield
     finally:
         reshard_sharded_modules(transformer)
@@ -159,6 +189,7 @@ def sample_trajectories(
     device_type: str,
     generator: torch.Generator,
     plan: StepPlan | None = None,
+    train_indices: torch.Tensor | None = None,
 ) -> Rollout:
     """Sample B trajectories z_0 … z_N with the SDE step, in chunks of ``rollout_batch_size`` per forward.
 
@@ -190,6 +221,8 @@ def sample_trajectories(
         device_type: the runtime device type, for autocast.
         generator: RNG for the step noise.
         plan: which steps are SDE; None is DanceGRPO's (every step).
+        train_indices: [B, T] the steps the update will train, with ``settings.retain_graphs``: their forwards run
+            with gradients and are kept (``Rollout.retained``, ``retain.py``); the samples are the same.
     """
     num_trajectories = initial_noise.shape[0]
     chunks = _chunks(num_trajectories, settings.rollout_batch_size)
@@ -201,8 +234,9 @@ def sample_trajectories(
     plan = plan if plan is not None else StepPlan.every_step(num_steps)
     kept = num_steps + 1 if plan.tail_sigmas is None and plan.last_step_sde else plan.sde_stop + 1
     guidance_values = torch.full((num_trajectories,), settings.guidance, dtype=torch.float32, device=device)
+    retained = _retained(settings, train_indices, plan, num_trajectories, num_steps)
     call = _ModelCall(
-        transformer, cond, chunks, guidance_values, img_ids.to(device), device_type, settings.compute_dtype
+        transformer, cond, chunks, guidance_values, img_ids.to(device), device_type, settings.compute_dtype, retained
     )
     store = _TrajectoryStore(initial_noise, kept, num_steps, device)
     records = _StepRecords(
@@ -211,7 +245,7 @@ def sample_trajectories(
         final_x0=torch.empty_like(store.latents[:, 0]),
         previous_x0=torch.empty_like(store.latents[:, 0]),
     )
-    with _sampling_mode(transformer, device_type, settings.compute_dtype):
+    with _sampling_mode(transformer, device_type, settings.compute_dtype, cast_once=retained is None):
         _table_steps(call, sigmas, plan, settings.sampler, store, records, generator)
         if plan.tail_sigmas is not None:
             assert store.current is not None  # the tail's steps lie past the kept ones
@@ -231,7 +265,23 @@ def sample_trajectories(
         sde_steps=(plan.sde_start, plan.sde_stop),
         means=records.means,
         final_latent=store.current if store.current is not None else store.latents[:, -1],
+        retained=retained,
     )
+
+
+def _retained(
+    settings: RolloutSettings, train_indices: torch.Tensor | None, plan: StepPlan, trajectories: int, steps: int
+) -> RetainedGraphs | None:
+    """The store of kept forwards when the settings ask for them (the trained steps must lie in the SDE window)."""
+    if not settings.retain_graphs:
+        return None
+    if train_indices is None or train_indices.shape[0] != trajectories:
+        raise ValueError(f"retain_graphs needs the [{trajectories}, T] steps the update trains (train_indices)")
+    if train_indices.numel() and not (
+        plan.sde_start <= int(train_indices.min()) <= int(train_indices.max()) < plan.sde_stop
+    ):
+        raise ValueError(f"the trained steps must lie in the SDE window {plan.sde_start}…{plan.sde_stop - 1}")
+    return RetainedGraphs(train_indices, steps)
 
 
 def _table_steps(
@@ -253,7 +303,7 @@ def _table_steps(
         ).to(sigmas.device)
         for start, stop in call.chunks:
             x = store.at(step, start, stop)
-            velocity = call.velocity(x, start, stop, fed_timesteps[step])
+            velocity = call.velocity(x, start, stop, fed_timesteps[step], step)
             if plan.is_sde(step, num_steps):
                 result = sampler.step(x, velocity, sigmas[step], sigmas[step + 1], noise=step_noise[start:stop])
                 records.log_probs[start:stop, step] = result.log_prob

@@ -20,6 +20,7 @@ import torch
 
 if TYPE_CHECKING:
     from fluxgrpo.grpo.objectives.base import Metric
+    from fluxgrpo.grpo.retain import RetainedGraphs
     from fluxgrpo.grpo.samplers import Sampler
 
 
@@ -93,6 +94,7 @@ class Rollout:
     sde_steps: tuple[int, int] | None = None  # [start, stop): the SDE (trainable) transitions; None: 0…N−2
     means: torch.Tensor | None = None  # [B, K−1, L, C] fp32, μ of each SDE step (GRPO-Guard), else None
     final_latent: torch.Tensor | None = None  # [B, L, C] fp32, z_N, the last step's result (``--decode-sample final``)
+    retained: RetainedGraphs | None = None  # the trained steps' kept forwards (``--retain-rollout-graphs``)
 
     @property
     def num_trajectories(self) -> int:

@@ -147,6 +147,11 @@ class UpdatePass:
         )
         if self.work.wants_reference and reference is None:
             raise ValueError("kl_beta > 0 needs a reference model")
+        # --retain-rollout-graphs: the rollout kept the trained steps' forwards; the policy's is not run again
+        self.retained = rollout.retained if isinstance(rollout, Rollout) else None
+        if self.retained is not None:
+            self.retained.check_layout(self.layout.num_micro_batches, plumbing.grad_accum_steps)
+            self.retained.check_indices(self.work.train_timestep_indices)
         self.reference = reference
         self.forwards = Forwards(
             transformer, cond, torch.full((num_samples,), rollout.guidance, dtype=torch.float32, device=device),
@@ -177,7 +182,12 @@ class UpdatePass:
                 forwards.compute_dtype,
             )  # fmt: skip
         precomputed = {name: velocities[micro_index][slot] for name, velocities in self.precomputed.items()}
-        velocity = forwards.velocity(model_input, start, stop)
+        if self.retained is not None:  # the rollout's forward, kept: a leaf whose gradient ``after_backward`` hands on
+            velocity = self.retained.step_velocity(
+                range(start, stop), self.work.train_timestep_indices[start:stop, slot]
+            )
+        else:
+            velocity = forwards.velocity(model_input, start, stop)
         step_loss = self.work.loss(
             UpdateStep(micro_index, start, stop, slot, model_input, velocity, reference_velocity, precomputed)
         )
@@ -185,6 +195,11 @@ class UpdatePass:
         for term in step_loss.terms[1:]:
             loss = loss + term * self.loss_scale
         return StepResult(loss, {"loss_sum": loss.detach(), **step_loss.metrics}, stop - start)
+
+    def after_backward(self) -> None:
+        """After a step's backward: with the rollout's graphs kept, its gradient goes on into them (``retain.py``)."""
+        if self.retained is not None:
+            self.retained.after_backward()
 
 
 class Trainee(Protocol):
@@ -237,6 +252,7 @@ def run_update(
         for slot in range(update.work.slots):
             step = update.step(micro_index, slot)
             step.loss.backward()
+            update.after_backward()
             pending = True
             tally.add(step)
         if (micro_index + 1) % plumbing.grad_accum_steps == 0:

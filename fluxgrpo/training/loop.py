@@ -196,7 +196,7 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
             noise = initial_noise(cfg, cfg.train_batch_size, rng.noise, ctx.device)  # [B, L, C]
             rollout = rollout_stage(
                 parts.transformer, objective, rollout_setup, cond, noise, sigmas, img_ids,
-                device_type=ctx.device_type, generator=rng.noise, plan=plan,
+                device_type=ctx.device_type, generator=rng.noise, plan=plan, generator_cpu=rng.timestep,
             )  # fmt: skip
             drift = monitor.measure_drift(iteration, rollout, cond, rng.timestep)  # no RNG drawn, no weight moved
             clock.lap("rollout")

@@ -22,6 +22,9 @@ Peak bytes on one die = what lives all run long + the largest of the three phase
                 objective    B·T_train·(1+k)·L·64·4  nft/awm/vgrpo: the noise and each copy's velocity per trained slot
                              (vgrpo: its N_MC pairs are one forward, so mb above is micro-batch × N_MC; neighbor: 0,
                              its candidates' paths are the rollout term's trajectory latents)
+    retained    (rollout, decode and update, with --retain-rollout-graphs) B·T_train·T·D·(what one row's training
+                forward saves: the activations above at mb = 1, without the recompute term): the kept forwards live
+                from the rollout's trained steps to the update's backward
 
 T = (H/16)·(W/16) + S image and text tokens, D the transformer width, c = compute-dtype bytes / 2. The activation
 coefficients a_d, a_s (bytes a double / single block saves for backward, per token per unit of width, in bf16)
@@ -210,6 +213,8 @@ class RunShape:
     objective_latents: int = 0
     # Reward models the held-out evaluation loads on rank 0 besides the training ones (float32, kept for the run).
     eval_rewards: tuple[str, ...] = ()
+    # --retain-rollout-graphs: the row-forwards whose graphs the rollout keeps for the update (B·T_train per rank).
+    retained_rows: int = 0
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, dies: int, compute_bytes: int = 2, **extra: Any) -> RunShape:
@@ -235,6 +240,7 @@ class RunShape:
             reward_bytes=2 if cfg.reward_dtype == "bf16" else 4,
             compute_bytes=compute_bytes,
             eval_rewards=_eval_only_reward_models(cfg),
+            retained_rows=cfg.trained_samples_per_rank * cfg.train_timesteps if cfg.retain_rollout_graphs else 0,
             **extra,
         )
 
@@ -311,6 +317,22 @@ def activation_bytes(model: TransformerShape, run: RunShape, checkpointing: bool
     return int(per_token * saved * scale)
 
 
+def retained_bytes(model: TransformerShape, run: RunShape) -> int:
+    """What the kept forwards of ``--retain-rollout-graphs`` hold from the rollout to the update: per kept row, what
+    one training forward saves (with gradient checkpointing every block's input; the recompute of one block is the
+    update's own transient, counted there)."""
+    tokens = (run.height // 16) * (run.width // 16) + run.text_tokens
+    per_row = tokens * model.width
+    if run.gradient_checkpointing:
+        per_row *= (model.double_blocks + model.single_blocks) * run.compute_bytes
+    else:
+        saved = (
+            model.double_blocks * DOUBLE_BLOCK_ACTIVATION_BYTES + model.single_blocks * SINGLE_BLOCK_ACTIVATION_BYTES
+        )
+        per_row = int(per_row * saved * run.compute_bytes / 2)
+    return per_row * run.retained_rows
+
+
 def estimate(model: TransformerShape, vae: VaeShape, run: RunShape) -> MemoryEstimate:
     """The per-die memory of a run (see the module docstring for every term)."""
     from fluxgrpo.rewards.registry import reward_record
@@ -356,19 +378,23 @@ def estimate(model: TransformerShape, vae: VaeShape, run: RunShape) -> MemoryEst
         gathered = 0 if (cb == 4 or lora) else cb * model.parameters
         block_grads = 0
     tokens = latent_tokens + run.text_tokens
+    retained = retained_bytes(model, run)  # 0 without --retain-rollout-graphs
     phases = {
         "rollout": {
             "gathered weights": gathered,
             "forward": run.rollout_batch_size * tokens * model.width * ROLLOUT_FORWARD_BYTES * cb // 2,
+            "retained graphs": retained,
         },
         "decode": {
-            "vae decode": run.rollout_batch_size * VAE_LIVE_MAPS * vae.decode_channels * run.height * run.width * cb
+            "vae decode": run.rollout_batch_size * VAE_LIVE_MAPS * vae.decode_channels * run.height * run.width * cb,
+            "retained graphs": retained,
         },
         "update": {
             "gradients": 0 if run.cpu_offload else 4 * trainable,
             "gathered weights": gathered + block_grads,
             "activations": activation_bytes(model, run, run.gradient_checkpointing),
             "objective latents": run.objective_latents * latent_tokens * LATENT_CHANNELS * 4,
+            "retained graphs": retained,
         },
     }
     return MemoryEstimate(persistent=persistent, phases=phases, host=host)

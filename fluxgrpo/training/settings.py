@@ -49,6 +49,7 @@ def rollout_settings(cfg: TrainConfig, sigmas: torch.Tensor, objective: Objectiv
         guidance=cfg.guidance,
         rollout_batch_size=cfg.rollout_batch_size,
         keep_means=objective.keeps_step_means,
+        retain_graphs=cfg.retain_rollout_graphs,
     )
 
 

@@ -146,17 +146,25 @@ def rollout_stage(
     device_type: str,
     generator: torch.Generator | None,
     plan: StepPlan | None = None,
+    generator_cpu: torch.Generator | None = None,
 ) -> Rollout | FinalSamples:
     """What the objective trains on: the SDE trajectory with its log-probs (``Rollout``; ``plan`` its SDE window,
-    ``generator`` its step noise), or the ODE's final latents (``FinalSamples``) sampled with the objective's
-    rollout policy (NFT: θ_old) swapped in."""
+    ``generator`` its step noise; with ``settings.retain_graphs`` the forwards of the steps the update will draw from
+    ``generator_cpu``, kept), or the ODE's final latents (``FinalSamples``) sampled with the objective's rollout policy
+    (NFT: θ_old) swapped in."""
     from fluxgrpo.grpo.rollout import sample_final_latents, sample_trajectories
+    from fluxgrpo.grpo.step_plan import StepPlan
 
     if objective.keeps_trajectory:
         assert generator is not None  # the SDE draws its step noise
+        train_indices = None
+        if settings.retain_graphs:  # config-checked: grpo, on-policy
+            assert generator_cpu is not None  # the update's timestep draw, read ahead
+            trainable = (plan or StepPlan.every_step(sigmas.shape[0] - 1)).trainable
+            train_indices = objective.planned_train_indices(noise.shape[0], trainable, generator_cpu)  # type: ignore[attr-defined]
         return sample_trajectories(
             transformer, cond, noise, sigmas, settings, img_ids=img_ids, device_type=device_type,
-            generator=generator, plan=plan,
+            generator=generator, plan=plan, train_indices=train_indices,
         )  # fmt: skip
     policy = objective.rollout_policy()
     swapped = policy.swapped_in(transformer) if policy is not None else contextlib.nullcontext()
@@ -194,6 +202,9 @@ def update_stage(
     from fluxgrpo.grpo.update import run_update, skipped_update, update_metrics
 
     if not learnable:
+        retained = getattr(rollout, "retained", None)
+        if retained is not None:  # the kept rollout graphs are not used: free their activations now
+            retained.release()
         return skipped_update(
             update_metrics(objective), num_trajectories=rollout.num_trajectories, num_steps=rollout.num_steps,
             micro_batch_size=plumbing.micro_batch_size, grad_accum_steps=plumbing.grad_accum_steps,

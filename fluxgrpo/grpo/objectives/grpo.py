@@ -185,6 +185,15 @@ class GrpoObjective:
             raise ValueError("GRPO-Guard needs the rollout's step means: RolloutSettings(keep_means=True)")
         return GrpoWork(self.settings, rollout, advantages, generator_cpu)
 
+    def planned_train_indices(
+        self, num_trajectories: int, trainable: range, generator_cpu: torch.Generator
+    ) -> torch.Tensor:
+        """[B, T] the steps ``prepare`` will draw from ``generator_cpu`` as it is now, drawn from a copy (the generator
+        does not move): ``--retain-rollout-graphs`` keeps their forwards in the rollout (``grpo/retain.py``)."""
+        copy = torch.Generator()
+        copy.set_state(generator_cpu.get_state())
+        return draw_train_timesteps(num_trajectories, trainable, self.settings.num_train_timesteps, copy)
+
     def rollout_policy(self) -> None:
         """Rollouts sample with the current policy."""
         return None
