@@ -105,6 +105,12 @@ ALGORITHMS: dict[str, Algorithm] = {
         Algorithm(BASELINE, "DanceGRPO as configured: SDE at every step, --timestep-fraction of them trained"),
         Algorithm("dance-t2", "dance, 2 trained transitions per trajectory", _trained_transitions(2)),
         Algorithm("dance-t4", "dance, 4 trained transitions per trajectory", _trained_transitions(4)),
+        Algorithm(
+            "dance-retain",
+            "dance with --retain-rollout-graphs: the update back-propagates through the rollout's kept forwards "
+            "(the same math, no recomputed forward; the config must take one optimizer step per rollout)",
+            lambda base: {"retain_rollout_graphs": True},
+        ),
         # The peers' methods with their authors' FLUX settings (as the a3-16die-* presets): every window step
         # trains, ODE outside the window. Their noise level comes with the sampler; the rest is --config's.
         Algorithm(
