@@ -196,3 +196,70 @@ def test_a_dry_run_plans_for_a_device_and_die_count_this_machine_lacks(tiny_weig
     assert "not checked (dry run): npu × 16" in planned.stderr
     launched = CliRunner().invoke(app, argv)  # without --dry-run the device is required
     assert launched.exit_code == 1 and "--device npu requested" in launched.stderr
+
+
+# --------------------------------------------------------------------------------------------- #50.5-6
+
+
+@pytest.mark.parametrize(
+    "settings, says",
+    [
+        ({"lora_rank": 4, "lora_alpha": 1e30}, "--lora-alpha 1e+30 must be in (0, 4096]"),
+        ({"objective": "nft", "nft_beta": 1e30}, "--nft-beta 1e+30 must be in (0, 10]"),
+        ({"objective": "awm", "awm_ghuber_power": 1e30}, "--awm-ghuber-power 1e+30 must be in (0, 2]"),
+        ({"objective": "awm", "awm_ema_beta": 1e30}, "--awm-ema-beta 1e+30 must be in [0, 10000]"),
+        ({"objective": "vgrpo", "vgrpo_adv_soft_clip": 1e30}, "--vgrpo-adv-soft-clip 1e+30 must be in [0, 100]"),
+        ({"objective": "neighbor", "neighbor_temperature": 1e30}, "--neighbor-temperature 1e+30 must be in (0, 10000]"),
+    ],
+)
+def test_finite_but_absurd_objective_settings_are_refused_with_their_range(settings, says):
+    with pytest.raises(UsageError) as caught:
+        build_config("tiny-cpu", settings)
+    assert says in str(caught.value), str(caught.value)
+
+
+def test_a_run_shorter_than_the_stop_whose_updates_are_all_skipped_fails(
+    tiny_weights, tiny_embeddings, tmp_path, monkeypatch
+):
+    """Two iterations, both skipped: the "3 in a row" stop never came, and the run exited 0 having trained nothing."""
+    import fluxgrpo.rewards as reward_module
+
+    def load_failing(*args, **kwargs):
+        return lambda images, prompts: torch.full((images.shape[0],), float("nan"))
+
+    monkeypatch.setattr(reward_module, "load_reward", load_failing)
+    cfg = tiny_config(
+        tiny_weights, tiny_embeddings, tmp_path / "out", max_train_steps=2, checkpointing_steps=2, sampling_steps=4
+    )
+    with pytest.raises(FluxgrpoError, match=r"all 2 iterations skipped their update because the reward"):
+        run(cfg)
+    watch = SkippedUpdateWatch(last_iteration=2)  # a resumed run's only iteration: not the whole run, no failure
+    watch.observe({"iteration": 2, "optimizer_steps": 0, "update_skipped": True})
+
+
+@pytest.mark.parametrize(
+    "typed, switch",
+    [
+        ({"lora_alpha": 64.0}, "--lora-rank"),
+        ({"lora_dropout": 0.1}, "--lora-rank"),
+        ({"lora_targets": "attn.to_q"}, "--lora-rank"),
+        ({"ema_decay": 0.9}, "--use-ema"),
+        ({"sde_window_policy": "random"}, "--sde-window"),
+        ({"ode_compress_ratio": 0.5}, "--ode-solver dpm2"),
+        ({"eval_steps": 4}, "--eval-every"),
+        ({"guard_action": "stop"}, "--guard"),
+        ({"wandb_mode": "offline"}, "--wandb"),
+    ],
+)
+def test_a_typed_flag_that_another_setting_must_turn_on_is_refused_without_it(typed, switch):
+    with pytest.raises(UsageError) as caught:
+        build_config("tiny-cpu", {"lora_rank": 0, "use_ema": False, "eval_every": 0, **typed})
+    name = next(iter(typed)).replace("_", "-")
+    assert f"--{name} " in str(caught.value) and f"does not read it without {switch}" in str(caught.value)
+
+
+def test_the_switched_settings_are_read_with_their_switch_and_allowed_from_a_file(tmp_path):
+    build_config("tiny-cpu", {"lora_rank": 4, "lora_alpha": 8.0, "use_ema": True, "ema_decay": 0.9})
+    config = tmp_path / "run.yaml"
+    config.write_text("lora_rank: 0\nlora_alpha: 8.0\nuse_ema: false\nema_decay: 0.9\n")
+    build_config(str(config), {"learning_rate": 1e-4})  # a file's values stay allowed, as for --objective

@@ -31,7 +31,13 @@ from fluxgrpo.runtime.device import DEVICE_TYPES
 from fluxgrpo.training.guard_rules import guard_problems
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from fluxgrpo.config.schema import TrainConfig
+
+# The adapter scale alpha/R past which an update moves the weights by orders of magnitude more than the rate says
+# (1e30 passed and every update was skipped as non-finite, #50.5).
+MAX_LORA_ALPHA = 4096.0
 
 
 def config_problems(cfg: TrainConfig) -> list[str]:
@@ -59,8 +65,8 @@ def config_problems(cfg: TrainConfig) -> list[str]:
     if cfg.lora_rank < 0:
         out.append(f"--lora-rank {cfg.lora_rank} cannot be negative (0 trains every weight)")
     if cfg.lora_rank > 0:
-        if not cfg.lora_alpha > 0:
-            out.append(f"--lora-alpha must be positive (got {cfg.lora_alpha})")
+        if not 0 < cfg.lora_alpha <= MAX_LORA_ALPHA:
+            out.append(f"--lora-alpha {cfg.lora_alpha} must be in (0, {MAX_LORA_ALPHA:g}] (Flow-GRPO's FLUX: 128)")
         if not 0 <= cfg.lora_dropout < 1:
             out.append(f"--lora-dropout {cfg.lora_dropout} must be in [0, 1)")
         if not any(part.strip() for part in cfg.lora_targets.split(",")):
@@ -223,12 +229,48 @@ def unread_flag_problems(cfg: TrainConfig, given: list[str]) -> list[str]:
 
     # Judged on the whole config (a file's --fm-timesteps leaves a typed --timestep-fraction unread), reported for
     # the typed flags only.
-    return [
+    by_objective = [name for name in settings_not_read(cfg.objective, cfg.to_dict()) if name in given]
+    out = [
         f"--{flag(name)} {getattr(cfg, name)}: --objective {cfg.objective} does not read it; leave it out (`fluxgrpo "
         "train --help` says what each flag applies to)"
-        for name in settings_not_read(cfg.objective, cfg.to_dict())
-        if name in given
+        for name in by_objective
     ]
+    for names, switched_on, switch in _READ_ONLY_WITH:  # and the settings another one turns on (#50.6)
+        if switched_on(cfg):
+            continue
+        out.extend(
+            f"--{flag(name)} {getattr(cfg, name)}: the run does not read it without {switch}; add that, or leave "
+            f"--{flag(name)} out"
+            for name in names
+            if name in given and name not in by_objective
+        )
+    return out
+
+
+# Settings read only when another one turns them on: (the settings, whether the config turns them on, the switch).
+_READ_ONLY_WITH: tuple[tuple[tuple[str, ...], Callable[[TrainConfig], bool], str], ...] = (
+    (
+        ("lora_alpha", "lora_dropout", "lora_targets"),
+        lambda c: c.lora_rank > 0,
+        "--lora-rank R (0 trains every weight)",
+    ),
+    (("ema_decay",), lambda c: c.use_ema, "--use-ema"),
+    (
+        ("sde_window_policy", "sde_window_shift_every", "sde_window_stride", "sde_window_wrap"),
+        lambda c: c.sde_window > 0,
+        "--sde-window W (0: every step is SDE)",
+    ),
+    (("ode_compress_ratio",), lambda c: c.ode_solver == "dpm2", "--ode-solver dpm2"),
+    (
+        ("eval_prompts", "eval_images_per_prompt", "eval_steps", "eval_rewards"),
+        lambda c: c.eval_every > 0,
+        "--eval-every K (0: no evaluation)",
+    ),
+    (("guard_action",), lambda c: bool(c.guard), "--guard RULES"),
+    (("images_per_save",), lambda c: c.save_images_every > 0, "--save-images-every K"),
+    (("wandb_project", "wandb_name", "wandb_mode"), lambda c: c.wandb, "--wandb"),
+    (("lr_warmup_steps",), lambda c: c.lr_scheduler != "constant", "a --lr-scheduler other than constant"),
+)
 
 
 def _ignored_option_problems(cfg: TrainConfig, entry: ObjectiveEntry) -> list[str]:

@@ -28,10 +28,12 @@ def non_finite_quantity(record: dict[str, Any]) -> str:
 
 
 class SkippedUpdateWatch:
-    """Counts iterations in a row that took no optimizer step; ``observe`` raises at ``limit`` of them."""
+    """Counts iterations in a row that took no optimizer step; ``observe`` raises at ``limit`` of them, or at
+    ``last_iteration`` when no iteration since the first stepped (a run shorter than ``limit`` exited 0)."""
 
-    def __init__(self, limit: int = MAX_CONSECUTIVE_SKIPPED_UPDATES) -> None:
+    def __init__(self, limit: int = MAX_CONSECUTIVE_SKIPPED_UPDATES, last_iteration: int | None = None) -> None:
         self.limit = limit
+        self.last_iteration = last_iteration  # the run's last: there, a run that never stepped fails (#50.5)
         self.streak = 0
 
     def observe(self, record: dict[str, Any]) -> None:
@@ -44,8 +46,15 @@ class SkippedUpdateWatch:
             self.streak = 0
             return
         self.streak += 1
+        iteration = record["iteration"]
+        if iteration == self.last_iteration and self.streak == iteration < self.limit:
+            raise FluxgrpoError(
+                f"{'the only iteration' if iteration == 1 else f'all {iteration} iterations'} skipped their update "
+                f"because {non_finite_quantity(record)} was not finite, so the weights never moved: failing the run. "
+                "Check --learning-rate, --eta, --kl-beta, --shift, --guidance, the objective's flags and the reward "
+                "weights; metrics.jsonl has every iteration"
+            )
         if self.streak >= self.limit:
-            iteration = record["iteration"]
             raise FluxgrpoError(
                 f"iterations {iteration - self.limit + 1}-{iteration} all skipped their update because "
                 f"{non_finite_quantity(record)} was not finite, so the weights no longer move: stopping. Check "

@@ -180,7 +180,7 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
         step_plan_settings, plumbing = plan_settings(cfg), update_plumbing(cfg)
         rollout_setup = rollout_settings(cfg, sigmas, objective)
         records: list[dict[str, Any]] = []
-        skipped_updates = SkippedUpdateWatch()
+        skipped_updates = SkippedUpdateWatch(last_iteration=cfg.max_train_steps)
         # the base model at iteration 0: every eval curve and every guard baseline starts there
         first = monitor.check(start, evaluator.before_training(start, parts), records)
         last = start if first.stop else cfg.max_train_steps  # a guard the starting weights fail: nothing to train

@@ -105,10 +105,18 @@ class ObjectiveEntry:
         return cfg.trajectories_per_rank * cfg.train_timesteps * (1 + len(self.policy_copies(cfg)))
 
 
+# The objectives' weights and scales past which no update is finite (#50: 1e30 passed and every update was skipped).
+NFT_BETA_MAX = 10.0  # β of the implicit policies (1 ± β)·v: the loss divides by β
+AWM_GHUBER_POWER_MAX = 2.0  # p of (mse + 1e-10)^p: 1 is the squared error itself
+PULL_WEIGHT_MAX = 1e4  # --awm-ema-beta, as --kl-beta's bound
+SOFT_CLIP_MAX = 100.0  # η of η·tanh(A/η): past --adv-clip-max it leaves A as is
+TEMPERATURE_MAX = 1e4  # τ of softmax(−d²/τ): the README measured 10-1000
+
+
 def _nft_option_problems(cfg: TrainConfig) -> list[str]:
     out = []
-    if not cfg.nft_beta > 0:
-        out.append(f"--nft-beta {cfg.nft_beta} must be positive")
+    if not 0 < cfg.nft_beta <= NFT_BETA_MAX:
+        out.append(f"--nft-beta {cfg.nft_beta} must be in (0, {NFT_BETA_MAX:g}] (the authors: 1)")
     if cfg.nft_decay_type not in NFT_DECAY_TYPES:
         out.append(f"--nft-decay-type {cfg.nft_decay_type}: use one of {', '.join(map(str, NFT_DECAY_TYPES))}")
     return out
@@ -143,10 +151,13 @@ def _awm_option_problems(cfg: TrainConfig) -> list[str]:
         out.append(f"--awm-time-type {cfg.awm_time_type!r}: use one of {', '.join(AWM_TIME_TYPES)}")
     if cfg.awm_weighting not in AWM_WEIGHTINGS:
         out.append(f"--awm-weighting {cfg.awm_weighting!r}: use one of {', '.join(AWM_WEIGHTINGS)}")
-    if not cfg.awm_ghuber_power > 0:
-        out.append(f"--awm-ghuber-power {cfg.awm_ghuber_power} must be positive")
-    if not cfg.awm_ema_beta >= 0:
-        out.append(f"--awm-ema-beta {cfg.awm_ema_beta} cannot be negative (0 turns the EMA term off)")
+    if not 0 < cfg.awm_ghuber_power <= AWM_GHUBER_POWER_MAX:
+        out.append(
+            f"--awm-ghuber-power {cfg.awm_ghuber_power} must be in (0, {AWM_GHUBER_POWER_MAX:g}] (1: the squared "
+            "error; the authors: 0.25)"
+        )
+    if not 0 <= cfg.awm_ema_beta <= PULL_WEIGHT_MAX:
+        out.append(f"--awm-ema-beta {cfg.awm_ema_beta} must be in [0, {PULL_WEIGHT_MAX:g}] (0 turns the EMA term off)")
     return out
 
 
@@ -167,8 +178,11 @@ def _vgrpo_option_problems(cfg: TrainConfig) -> list[str]:
     out = []
     if cfg.vgrpo_mc_samples < 1:
         out.append(f"--vgrpo-mc-samples {cfg.vgrpo_mc_samples} must be at least 1 (the authors' N_MC: 4)")
-    if not cfg.vgrpo_adv_soft_clip >= 0:
-        out.append(f"--vgrpo-adv-soft-clip {cfg.vgrpo_adv_soft_clip} cannot be negative (0: off)")
+    if not 0 <= cfg.vgrpo_adv_soft_clip <= SOFT_CLIP_MAX:
+        out.append(
+            f"--vgrpo-adv-soft-clip {cfg.vgrpo_adv_soft_clip} must be in [0, {SOFT_CLIP_MAX:g}] (0: off; the "
+            "authors' SD3.5: 3)"
+        )
     return out
 
 
@@ -187,8 +201,10 @@ def _neighbor_option_problems(cfg: TrainConfig) -> list[str]:
         out.append(f"--neighbor-sigma {cfg.neighbor_sigma} must be in (0, 1] (the authors: 0.3)")
     if not 0 < cfg.neighbor_quasi_norm_p <= 2:
         out.append(f"--neighbor-quasi-norm-p {cfg.neighbor_quasi_norm_p} must be in (0, 2] (the authors: 0.8)")
-    if not cfg.neighbor_temperature > 0:
-        out.append(f"--neighbor-temperature {cfg.neighbor_temperature} must be positive")
+    if not 0 < cfg.neighbor_temperature <= TEMPERATURE_MAX:
+        out.append(
+            f"--neighbor-temperature {cfg.neighbor_temperature} must be in (0, {TEMPERATURE_MAX:g}] (the authors: 1)"
+        )
     if cfg.neighbor_anchors < 1:
         out.append(f"--neighbor-anchors {cfg.neighbor_anchors} must be at least 1 (the authors: 4 of 12)")
     return out
