@@ -124,8 +124,13 @@ def _train(
     if dry_run:
         _print_dry_run(cfg, plan)
         return
+    threads = ""
+    if plan.device_type == "cpu":  # what each worker runs on, so a slow run says why
+        from fluxgrpo.runtime.cpu_threads import plan_cpu_threads
+
+        threads = f", {plan_cpu_threads(spec.nproc_per_node).text()}"
     err_console.print(
-        f"[bold]fluxgrpo train[/]: {plan.device_type} × {spec.world_size}, output {escape(cfg.output_dir)}"
+        f"[bold]fluxgrpo train[/]: {plan.device_type} × {spec.world_size}{threads}, output {escape(cfg.output_dir)}"
     )
     _summarize_run(cfg, launch_training(plan, log=log), json_output)
 

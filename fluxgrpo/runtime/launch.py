@@ -411,11 +411,14 @@ def run_workers(
     """
     from fluxgrpo.runtime import device as rt_device
     from fluxgrpo.runtime import worker
+    from fluxgrpo.runtime.cpu_threads import THREADS_ENV, plan_cpu_threads
 
     spec.validate()
     device_type = rt_device.resolve_device_type(device)
     check_dies_fit(device_type, spec.nproc_per_node)
     worker_env = worker_env_defaults(device_type)
+    if device_type == "cpu":  # the intra-op threads each worker runs (runtime/cpu_threads.py), said at start-up
+        worker_env[THREADS_ENV] = str(plan_cpu_threads(spec.nproc_per_node).threads)
     if spec.world_size == 1 and not spec.max_restarts:  # restarts are torchrun's agent's: it must run
         os.environ.update({k: v for k, v in worker_env.items() if k not in os.environ})
         return worker.as_summary(worker.entry_point(module)(payload))

@@ -4,7 +4,7 @@
 bench), in a torchrun worker or in the launching process for one worker:
 
 - join the process group (``dist.init_distributed``: device from LOCAL_RANK, NPU environment defaults);
-- one intra-op thread per worker when several CPU workers share the host (oversubscription is far slower);
+- on CPU, the intra-op threads the launcher chose from the cores free for each worker (``cpu_threads.py``);
 - hide the libraries' own "Loading weights" / "Writing model shards" bars (``quiet_library_progress``): our
   commands print their own progress, and N workers' bars would interleave;
 - silence FSDP2's "returned a view tensor" warning: FLUX blocks return views, and neither the FLUX forward nor
@@ -70,10 +70,10 @@ def worker_session(requested_device: str | None) -> Iterator[rt_dist.DistContext
     warnings.filterwarnings("ignore", message=FSDP_VIEW_WARNING)
     ctx = rt_dist.init_distributed(requested_device)
     try:
-        if ctx.device_type == "cpu" and ctx.distributed:
-            import torch
+        if ctx.device_type == "cpu":
+            from fluxgrpo.runtime.cpu_threads import apply_cpu_threads
 
-            torch.set_num_threads(1)  # N workers share the host's cores; oversubscription is far slower
+            apply_cpu_threads(ctx.distributed)  # the launcher's choice from the cores free for each worker
         with quiet_library_progress():
             yield ctx
     except BaseException as exc:
