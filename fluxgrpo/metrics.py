@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.headroom import share_used
 from fluxgrpo.run_folder import (
     METRICS_FILE,
     RUN_INFO_FILE,
@@ -256,8 +257,10 @@ def _say_torn_line_dropped(message: str) -> None:
 
 def held_out_trend(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Each held-out reward's mean at the run's first and last evaluation (``eval_<reward>_mean``, the live
-    weights'): ``{reward: {"first_iteration", "first", "last_iteration", "last", "change"[, "noise"]}}``; empty with
-    fewer than two evaluations.
+    weights'): ``{reward: {"first_iteration", "first", "last_iteration", "last", "change"[, "noise"][, "ceiling",
+    "headroom_used"]}}``; empty with fewer than two evaluations. ``ceiling`` is the first evaluation's best-of-n
+    (each prompt's best image, ``headroom.best_of_n_mean``) and ``headroom_used`` the change's share of
+    ``ceiling − first``.
 
     ``noise`` is two standard errors of the change: a change inside it is what another draw of the images could give
     (a base model scored 0.66 on 60 images and 0.58 on 240), not an effect of training. The in-training evaluation
@@ -282,6 +285,12 @@ def held_out_trend(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]
                 "last": last[key],
                 "change": last[key] - value,
             }
+            ceiling = first.get(f"eval_{name}_best_of_n")
+            if isinstance(ceiling, float):  # the base's best image per prompt: the headroom the change used a share of
+                out[name]["ceiling"] = ceiling
+                used = share_used(value, last[key], ceiling)
+                if used is not None:
+                    out[name]["headroom_used"] = used
             paired = last.get(f"eval_{name}_change_noise")
             if last.get("eval_change_from") == first["iteration"] and isinstance(paired, float):
                 out[name]["noise"] = paired

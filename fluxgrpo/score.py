@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from fluxgrpo.data.prompts import read_prompts
 from fluxgrpo.errors import FluxgrpoError, UsageError, not_usable
+from fluxgrpo.headroom import Headroom, headroom
 from fluxgrpo.paths import DEFAULT_HPS_DIR, check_replaceable_output, write_atomic
 from fluxgrpo.rewards import reward_weights_status
 from fluxgrpo.rewards.reward_set import reward_names_list
@@ -119,6 +120,14 @@ class ScoreReport:
     comparison: Comparison | None = None
     # The reward's own numbers beside the mean (``RewardRecord.summarize``; shapes: strict, seen_*, novel_*).
     details: dict[str, float] = field(default_factory=dict)
+
+    def headroom(self, threshold: float | None) -> Headroom:
+        """Best-of-k and pass@k over the images of each prompt (``fluxgrpo.headroom``); ``threshold`` is what an
+        image must score to pass (None: no pass@k)."""
+        groups: dict[int, list[float]] = {}
+        for image in self.images:
+            groups.setdefault(image.prompt_index, []).append(image.score)
+        return headroom({str(index): scores for index, scores in groups.items()}, threshold)
 
     def to_dict(self) -> dict[str, Any]:
         """Stable keys: reward, source, overall, details ({} for most rewards), prompts, images, compare (null

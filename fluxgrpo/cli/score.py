@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Annotated
 
 import typer
@@ -16,6 +17,7 @@ from fluxgrpo.cli.common import (
     print_json,
     say,
 )
+from fluxgrpo.errors import UsageError
 from fluxgrpo.paths import DEFAULT_HPS_DIR
 from fluxgrpo.rewards import reward_names
 
@@ -62,6 +64,23 @@ def command(
         str | None,
         typer.Option("--compare", help="Another sample index: per-prompt means side by side and the difference."),
     ] = None,
+    show_headroom: Annotated[
+        bool,
+        typer.Option(
+            "--headroom",
+            help="Also print best-of-k and pass@k over each prompt's images (k = 1, 2, 4, …): how far the best "
+            "samples already are above the mean, the room a reward-driven update has (sample with "
+            "--images-per-prompt 32 first).",
+        ),
+    ] = False,
+    pass_threshold: Annotated[
+        float | None,
+        typer.Option(
+            "--pass-threshold",
+            help="With --headroom: the score an image needs to pass, for pass@k (default: 1.0, every claim holding, "
+            "for the shapes checker's rewards; none for other rewards).",
+        ),
+    ] = None,
 ) -> None:
     """Score images against their prompts: a table per image and per prompt (mean ± std), and overall.
 
@@ -74,6 +93,9 @@ def command(
           --reward hpsv2,imagereward,hpsv3
       fluxgrpo score --index data/outputs/samples/shapes/index.json \\
           --reward shapes
+      fluxgrpo sample --prompts shapes-heldout --images-per-prompt 32 --steps 12 \\
+          --out data/outputs/samples/headroom && \\
+      fluxgrpo score --index data/outputs/samples/headroom --reward shapes --headroom
 
     --reward shapes (the shapes world's checker, no weights) also prints the strict all-claims rate and, on the
     world's held-out captions, the seen- and novel-combination scores apart ("details" in --json).
@@ -84,6 +106,9 @@ def command(
     (with --compare also other_score_<reward> and difference_<reward>).
     """
     from fluxgrpo.score import ScoreRequest, check_csv_destination, score_rewards, write_csv
+
+    if pass_threshold is not None and not show_headroom:
+        raise UsageError("--pass-threshold is read only with --headroom: add --headroom, or drop --pass-threshold")
 
     request = ScoreRequest(
         index=index,
@@ -103,19 +128,53 @@ def command(
         write_csv(report, out)
         log(f"wrote {out}")
     collapse = _collapse_check(request.index, request.compare)
+    rooms = [r.headroom(_pass_threshold(r.reward, pass_threshold)) for r in report.reports] if show_headroom else []
     if json_output:
         document = report.to_dict()
         if collapse is not None:  # each reward's comparison says it, so several rewards print each one's alone
             for one in document.get("rewards", [document]):
                 one["compare"]["collapse"] = collapse
+        for one, room in zip(document.get("rewards", [document]), rooms, strict=False):
+            one["headroom"] = asdict(room)
         print_json(document)
         return
     if several:
         _print_reward_tables(report)
     else:
         _print_tables(report.reports[0])
+    for one, room in zip(report.reports, rooms, strict=True):
+        _print_headroom(one.reward, room)
     if collapse is not None and collapse["warning"] is not None:
         say(collapse["warning"])
+
+
+def _pass_threshold(reward: str, given: float | None) -> float | None:
+    """--pass-threshold, or the checker rewards' own: 1.0 (every claim holds)."""
+    if given is not None:
+        return given
+    return 1.0 if reward in ("shapes", "shapes-scene") else None
+
+
+def _print_headroom(reward: str, room) -> None:
+    from rich.table import Table
+
+    table = Table(
+        title=f"{reward} headroom: {room.prompts} prompts, {room.images_per_prompt} images each", title_justify="left"
+    )
+    table.add_column("k", justify="right")
+    table.add_column("best of k", justify="right")
+    if room.pass_at is not None:
+        table.add_column(f"pass@k (score ≥ {room.threshold:g})", justify="right")
+    for k, best in room.best_of.items():
+        row = [str(k), f"{best:.4f}"]
+        if room.pass_at is not None:
+            row.append(f"{room.pass_at[k]:.4f}")
+        table.add_row(*row)
+    out_console.print(table)
+    out_console.print(
+        f"headroom: mean {room.mean:.4f} → best of {room.images_per_prompt} {room.ceiling:.4f} "
+        f"({room.ceiling - room.mean:+.4f})"
+    )
 
 
 def _collapse_check(index: str | None, compare: str | None) -> dict | None:

@@ -192,6 +192,7 @@ def _summarize_run(cfg: TrainConfig, records: list[dict[str, Any]], json_output:
                 f"held-out {name} {change['first']:.4f} (iteration {change['first_iteration']}) → "
                 f"{change['last']:.4f} (iteration {change['last_iteration']}), {change['change']:+.4f}"
                 + _against_noise(change)
+                + _headroom_share(change, cfg.eval_images_per_prompt)
             )
     if stopped:  # a clean end, told apart from success and failure by its exit code (training/guards.py)
         log(stopped["guard_stop_message"])  # one line, never cut (the rule, the iteration, the values)
@@ -209,6 +210,16 @@ def _against_noise(change: dict[str, float]) -> str:
         else "2 standard errors of the two evaluations' means"
     )
     return f", {verdict} noise (±{change['noise']:.4f}: {what})"
+
+
+def _headroom_share(change: dict[str, float], images_per_prompt: int) -> str:
+    """The change as a share of the headroom: the first evaluation's best image per prompt over its mean."""
+    if "headroom_used" not in change:
+        return ""
+    return (
+        f"; {change['headroom_used']:.0%} of the headroom to the first evaluation's best-of-{images_per_prompt} "
+        f"{change['ceiling']:.4f}"
+    )
 
 
 def _best_or_none(output_dir: str) -> dict[str, Any] | None:

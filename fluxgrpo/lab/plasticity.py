@@ -100,8 +100,13 @@ def finetune_on(
     def judge_now(step: int) -> None:
         transformer.eval()
         rates = strict_rates(pipe, judged_captions, judge, sample_steps, JUDGE_SEED)
-        history.append({"step": step, "strict": round(float(np.mean(list(rates.values()))), 4),
-                        "per_caption": {c: round(r, 4) for c, r in rates.items()}})  # fmt: skip
+        history.append(
+            {
+                "step": step,
+                "strict": round(float(np.mean(list(rates.values()))), 4),
+                "per_caption": {c: round(r, 4) for c, r in rates.items()},
+            }
+        )
         log(f"plasticity step {step}: strict {history[-1]['strict']:.3f} {history[-1]['per_caption']}")
 
     if 0 in at:
@@ -155,8 +160,15 @@ def plasticity(
     history = finetune_on(pipe, kept, steps, lr, batch, guidance, at, judge, sample_steps)
     pipe.transformer.load_state_dict(base)
     return {
-        "settings": {"pool": pool, "steps": steps, "lr": lr, "batch": batch, "guidance": guidance,
-                     "judge_per_caption": judge, "sample_steps": sample_steps},  # fmt: skip
+        "settings": {
+            "pool": pool,
+            "steps": steps,
+            "lr": lr,
+            "batch": batch,
+            "guidance": guidance,
+            "judge_per_caption": judge,
+            "sample_steps": sample_steps,
+        },
         "best_of_pool": {c: round(len(v) / pool, 4) for c, v in kept.items()},
         "history": history,
         "seconds": round(time.monotonic() - start, 1),
@@ -179,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    report = plasticity(Path(args.flux_dir), args.captions, args.pool, args.steps, args.lr, args.batch,
-                        at=args.at, judge=args.judge)  # fmt: skip
+    report = plasticity(
+        Path(args.flux_dir), args.captions, args.pool, args.steps, args.lr, args.batch, at=args.at, judge=args.judge
+    )
     print(json.dumps(report, indent=2))
     return 0
 

@@ -54,10 +54,15 @@ BLEND_COLOURS: dict[str, tuple[int, int, int]] = {
 MAX_LINE_DISTANCE = 45.0
 # An object's pixels that are at least this much its colour (the rest is its anti-aliased or blurred rim) judge its
 # colour claim: their 90th-percentile RGB distance from the line between the background and the named palette colour
-# must be within COLOUR_TOLERANCE. A halfway blend sits ≥ 55 off both ends' lines, a quarter blend (red a quarter of
-# the way to yellow) 28, a shade (red at 70 % brightness) 65; the renderer's pixels sit on the line, a VAE's within ~15.
+# must be within COLOUR_TOLERANCE. The renderer's pixels sit on the line and the shipped VAE's reconstructions within
+# ~20 of it; a halfway blend sits ≥ 55 off both ends' lines (and is segmented as the blend anyway), a shade (red at
+# 70 % brightness) 65, a quarter blend (red a quarter of the way to yellow) 28 and passes.
 SOLID_ALPHA = 0.8
-COLOUR_TOLERANCE = 25.0
+COLOUR_TOLERANCE = 40.0
+# The colour of an object on no anchor's line (a dark shade, black, a colour far from the palette and its blends),
+# when it stands out from the background by MIN_CONTRAST (the palette colours stand 200-290 from it).
+OTHER_COLOUR = "other"
+MIN_CONTRAST = 80.0
 # The smallest object the renderer draws covers ~1.9 % of a 64² image (a triangle of radius 0.10); a component
 # under a quarter of that is a speck.
 MIN_AREA_FRACTION = 0.005
@@ -149,12 +154,19 @@ def _mix(pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def segment(image: np.ndarray) -> np.ndarray:
     """``[H, W]`` int8: the anchor index of each pixel's colour (:data:`ANCHORS` order: the palette's
-    :data:`COLOURS` first, then the :data:`BLEND_COLOURS`), -1 for the background."""
-    alpha, distance = _mix(_as_rgb_uint8(image))
+    :data:`COLOURS` first, then the :data:`BLEND_COLOURS`, then :data:`OTHER_COLOUR`), -1 for the background.
+
+    A pixel on no anchor's background line (a shade, a colour of no anchor) that stands out from the background by
+    :data:`MIN_CONTRAST` or more is :data:`OTHER_COLOUR`: still part of an object, never a colour a caption names."""
+    pixels = _as_rgb_uint8(image)
+    alpha, distance = _mix(pixels)
     candidate = np.where(alpha >= 0.5, distance, np.inf)
     nearest = candidate.argmin(axis=-1)
     is_object = np.take_along_axis(candidate, nearest[..., None], axis=-1)[..., 0] <= MAX_LINE_DISTANCE
-    return np.where(is_object, nearest, -1).astype(np.int8)
+    contrast = np.linalg.norm(pixels.astype(np.float64) - BACKGROUND_RGB, axis=-1)
+    is_other = ~is_object & (distance.min(axis=-1) > MAX_LINE_DISTANCE) & (contrast >= MIN_CONTRAST)
+    labels = np.where(is_object, nearest, -1)
+    return np.where(is_other, len(_ANCHOR_NAMES), labels).astype(np.int8)
 
 
 def colour_is_true(pixels: np.ndarray, colour: str) -> bool:
@@ -224,6 +236,8 @@ def classify_shape(weights: np.ndarray) -> str:
 def _coverage(pixels: np.ndarray, colour: str) -> np.ndarray:
     """Each pixel's share of ``colour`` against the background: its projection on the line between the two (1 inside
     the object, 0 on the background, the anti-aliased fraction on an edge)."""
+    if colour == OTHER_COLOUR:  # no line to project on: the pixel's contrast against the background, saturating
+        return np.clip(np.linalg.norm(pixels - BACKGROUND_RGB, axis=-1) / (2 * MIN_CONTRAST), 0.0, 1.0)
     direction = np.array(ANCHORS[colour], dtype=np.float64) - BACKGROUND_RGB
     return ((pixels - BACKGROUND_RGB) @ direction) / float(direction @ direction)
 
@@ -238,7 +252,7 @@ def find_objects(image: np.ndarray) -> list[FoundObject]:
     components = np.zeros(labels_by_colour.shape, dtype=np.int32)
     # colour, area, box, true colour of component len(kept) + 1
     kept: list[tuple[str, int, tuple[int, int, int, int], bool]] = []
-    for index, colour in enumerate(_ANCHOR_NAMES):
+    for index, colour in enumerate((*_ANCHOR_NAMES, OTHER_COLOUR)):
         labels, _ = ndimage.label(labels_by_colour == index, structure=np.ones((3, 3), dtype=bool))
         for label, slices in enumerate(ndimage.find_objects(labels), start=1):
             if slices is None:

@@ -37,9 +37,10 @@ from typing import TYPE_CHECKING, Any
 from fluxgrpo.config import TrainConfig
 from fluxgrpo.data.benchmarks import eval_prompts_path
 from fluxgrpo.data.prompts import read_prompts
+from fluxgrpo.headroom import best_of_n_mean
 from fluxgrpo.preprocess import rank_indices
 from fluxgrpo.rewards import scoring
-from fluxgrpo.rewards.reward_set import eval_reward_names
+from fluxgrpo.rewards.reward_set import embedding_reward, eval_reward_names
 from fluxgrpo.rewards.scoring import DEFAULT_SCORE_BATCH, ImageToScore, mean_std, score_items
 from fluxgrpo.run_folder import EVAL_DIR, INDEX_FILE
 from fluxgrpo.runtime import device as rt_device
@@ -49,7 +50,7 @@ from fluxgrpo.runtime.worker import quiet_library_progress
 from fluxgrpo.sampling.folder import clear_previous_run, write_grid, write_index
 from fluxgrpo.sampling.generate import denoise, encode_prompt, generate_images
 from fluxgrpo.sampling.request import SampledImage, SampleRequest, SampleSettings
-from fluxgrpo.training.diversity import embedding_reward, image_diversity
+from fluxgrpo.training.diversity import image_diversity
 
 if TYPE_CHECKING:
     import torch
@@ -270,6 +271,10 @@ class Evaluator:
             logged[f"{prefix}{name}_mean"] = mean
             logged[f"{prefix}{name}_std"] = std
             logged.update({f"{prefix}{name}_{key}": value for key, value in details[name].items()})
+        for name, values in scores.items():  # the ceiling of cheap improvement: each prompt's best image
+            best = best_of_n_mean(prompts, values)
+            if best is not None:
+                logged[f"{prefix}{name}_best_of_n"] = best
         if not ema:
             logged.update(self._paired_noise(PerImageScores(iteration, _seeds(images), scores)))
         embedder = embedding_reward(self.rewards)

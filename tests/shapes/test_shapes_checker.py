@@ -269,17 +269,22 @@ def test_a_blended_colour_fails_every_colour_claim_but_is_still_an_object(blend,
 
 def test_a_shade_or_a_gradient_across_one_shape_is_not_its_nearest_colour():
     red, yellow = (np.array(world.COLOURS[c], dtype=np.float64) for c in ("red", "yellow"))
-    # a quarter of the way from red to yellow: mostly segmented as red (its nearest line), yet off the red line by
-    # 28 > 25
-    quarter = _painted("square", red + 0.25 * (yellow - red))
-    largest = checker.find_objects(quarter)[0]
-    assert (largest.shape, largest.colour, largest.true_colour) == ("square", "red", False)
-    assert check(quarter, "a red square").claims[1].label() == "✗ the square is red (off-red square)"
+    # a third of the way from red to yellow: nearer the orange blend's line than red's, so an orange square
+    third = _painted("square", red + (yellow - red) / 3)
+    assert checker.find_objects(third)[0].colour == "orange"
+    assert check(third, "a red square").claims[1].label() == "✗ the square is red (orange square)"
     # a tenth of the way stays red (within the documented tolerance), and so does the renderer's exact red
     assert check(_painted("square", red + 0.1 * (yellow - red)), "a red square").strict
     assert check(_painted("square", red), "a red square").strict
-    # red at 70 % brightness: a shade, not red
-    assert not check(_painted("circle", 0.7 * red), "a red circle").strict
+    # red at 70 % brightness: on no anchor's line, an object of another colour: present, not red
+    shade = _painted("circle", 0.7 * red)
+    assert [(o.shape, o.colour) for o in checker.find_objects(shade)] == [("circle", checker.OTHER_COLOUR)]
+    assert [c.label() for c in check(shade, "a red circle").claims] == [
+        "✓ a circle",
+        "✗ the circle is red (other circle)",
+    ]
+    # red a little darker (85 %): 34 off the red line, within the tolerance
+    assert check(_painted("circle", 0.85 * red), "a red circle").strict
     # a gradient from red at the left edge to yellow at the right, across one circle: never "a red circle"
     ramp = np.linspace(0.0, 1.0, 64)[None, :, None]
     gradient = _painted("circle", red + ramp * (yellow - red))
