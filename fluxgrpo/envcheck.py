@@ -183,17 +183,20 @@ def collect_report(
     reward: str = TrainConfig.reward,
     nnodes: int = 1,
     rdzv_endpoint: str | None = None,
+    run: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything env-check shows, as a JSON-able dict with stable keys.
 
     ``reward`` is the run's ``--reward`` spec: the weights of the rewards it names must be in place (a failing
     check), the other rewards' are reported as warnings. A spec that does not parse is a UsageError.
     ``nnodes`` / ``rdzv_endpoint``: the multi-node checks (``runtime.nodes.rendezvous_checks``).
+    ``run`` (``run_to_check``): the run a ``--config`` starts, judged instead of a bare ``--reward``: every reward
+    it loads (its evaluation's too) and its ``--dies`` workers on this machine.
     """
     from fluxgrpo.runtime.nodes import rendezvous_checks
     from fluxgrpo.runtime.report import accelerator_env_report, device_report, package_versions, stack_warnings
 
-    run_rewards = reward_spec_names(reward)
+    run_rewards = list(run["rewards"]) if run else reward_spec_names(reward)
     dev = device_report(requested_device)
     parts = weights_parts(flux_dir, hps_dir, run_rewards)
     emb = embeddings_status(embeddings_dir)
@@ -205,6 +208,7 @@ def collect_report(
         "device": dev,
         "accelerator_env": accelerator_env_report(),
         "reward": reward,
+        "run": run,
         "weights": {part.status.name: part.to_dict() for part in parts},
         "rewards": rewards_report(parts, run_rewards),
         "embeddings": emb,
@@ -213,6 +217,7 @@ def collect_report(
     }
     checks = [
         _device_check(dev),
+        *([_dies_check(dev, run["dies"])] if run and dev["type"] else []),
         *[part.check() for part in parts],
         Check(
             "embeddings",
@@ -247,3 +252,43 @@ def _device_check(dev: dict[str, Any]) -> Check:
         return Check("device", "fail", dev["error"], "run with --device cpu, or fix the accelerator stack above")
     names = ", ".join(sorted({d["name"] for d in dev["devices"]}))
     return Check("device", "ok", f"{dev['type']} × {dev['count']} ({names}), backend {dev['backend']}")
+
+
+def run_to_check(config: str, dies: int | None) -> dict[str, Any]:
+    """What ``train --config config [--dies N]`` would load and start: its name, rewards, workers and folders."""
+    from fluxgrpo.config import build_config
+    from fluxgrpo.rewards.reward_set import run_reward_names
+
+    cfg = build_config(config, {"dies": dies} if dies is not None else None)
+    return {
+        "config": config,
+        "dies": cfg.dies,
+        "device": cfg.device,
+        "rewards": run_reward_names(cfg.reward, cfg.eval_rewards, cfg.eval_every),
+        "flux_dir": cfg.model,
+        "hps_dir": cfg.hps_dir,
+        "embeddings_dir": str(Path(cfg.data_json_path).parent),
+    }
+
+
+def run_label(report: dict[str, Any]) -> str:
+    """How the verdict names the run it judged: ``--config NAME --dies N`` or ``--reward SPEC``."""
+    run = report.get("run")
+    if not run:
+        return f"--reward {report['reward']}"
+    return f"--config {run['config']} --dies {run['dies']}: {', '.join(run['rewards'])}"
+
+
+def _dies_check(dev: dict[str, Any], dies: int) -> Check:
+    """The run's workers on this machine: a CPU core or an accelerator each."""
+    from fluxgrpo.errors import UsageError
+    from fluxgrpo.runtime.cpu_threads import available_cores
+    from fluxgrpo.runtime.launch import check_dies_fit
+
+    try:
+        check_dies_fit(dev["type"], dies)
+    except UsageError as exc:
+        return Check("workers", "fail", str(exc).split(":")[0], "pass a smaller --dies (train's and env-check's)")
+    if dev["type"] == "cpu":
+        return Check("workers", "ok", f"{dies} CPU worker(s) on {available_cores()} available core(s)")
+    return Check("workers", "ok", f"{dies} worker(s) on {dev['count']} {dev['type']} device(s)")

@@ -45,10 +45,18 @@ def command(
     ] = False,
     config: Annotated[
         str | None,
-        typer.Option("--config", help="With --deep: the train config whose settings to check (name or YAML path)."),
+        typer.Option(
+            "--config",
+            help="The train config of the run to check for (name or YAML path): its rewards (and its evaluation's), "
+            "folders, device and --dies; with --deep, the settings the checks run.",
+        ),
     ] = None,
     dies: Annotated[
-        int | None, typer.Option("--dies", help="With --deep: workers for collectives and loading [default: all dies].")
+        int | None,
+        typer.Option(
+            "--dies",
+            help="The run's workers, as train takes them; with --deep, for collectives and loading [default: all dies].",
+        ),
     ] = None,
     report_file: Annotated[
         str, typer.Option("--report-file", help="With --deep: where to write the JSON report.")
@@ -80,6 +88,7 @@ def command(
 
     Examples:
       fluxgrpo env-check
+      fluxgrpo env-check --config shapes-cpu --dies 2
       fluxgrpo env-check --reward hpsv2:1,pickscore:0.5
       fluxgrpo env-check --json > env.json
       fluxgrpo env-check --nnodes 2 --rdzv-endpoint 10.0.0.1:29500
@@ -109,8 +118,6 @@ def command(
         return
     deep_only = {
         "--quick": quick,
-        "--config": config is not None,
-        "--dies": dies is not None,
         "--node-rank": node_rank != 0,
         "--master-addr": master_addr is not None,
         "--master-port": master_port is not None,
@@ -120,9 +127,24 @@ def command(
 
         given = ", ".join(flag for flag, set_ in deep_only.items() if set_)
         raise UsageError(f"{given} only apply to `fluxgrpo env-check --deep`: add --deep")
-    from fluxgrpo.envcheck import collect_report
+    from fluxgrpo.envcheck import collect_report, run_to_check
     from fluxgrpo.runtime.device import is_ascend
 
+    run = None
+    if dies is not None and config is None:
+        from fluxgrpo.errors import UsageError
+
+        raise UsageError("--dies needs --config: the run's workers are checked with the run's settings")
+    if config is not None:  # the run this config starts: its folders and device where the flags were left alone
+        if reward != TrainConfig.reward:
+            from fluxgrpo.errors import UsageError
+
+            raise UsageError("pass either --config (its rewards are checked) or --reward, not both")
+        run = run_to_check(config, dies)
+        flux_dir = run["flux_dir"] if flux_dir == DEFAULT_FLUX_DIR else flux_dir
+        hps_dir = run["hps_dir"] if hps_dir == DEFAULT_HPS_DIR else hps_dir
+        embeddings_dir = run["embeddings_dir"] if embeddings_dir == DEFAULT_EMBEDDINGS_DIR else embeddings_dir
+        device = run["device"] if device == "auto" else device
     report = collect_report(
         flux_dir,
         hps_dir,
@@ -131,6 +153,7 @@ def command(
         reward=reward,
         nnodes=nnodes,
         rdzv_endpoint=rdzv_endpoint,
+        run=run,
     )
     if json_output:
         print_json(report)
@@ -158,8 +181,9 @@ def _render(report: dict, show_accelerator_env: bool) -> None:
     system.add_row("accelerator runtime", stack["cann_version"] or "[dim]not found[/]")
     system.add_row("device", f"{dev['type']} × {dev['count']} (backend {dev['backend']})" if dev["type"] else "?")
     for d in dev["devices"]:
+        free = "available" if dev["type"] == "cpu" else "free"  # host memory: what the kernel can hand out
         system.add_row(
-            f"  [{d['index']}] {escape(d['name'])}", f"{_gib(d['total_bytes'])} total, {_gib(d['free_bytes'])} free"
+            f"  [{d['index']}] {escape(d['name'])}", f"{_gib(d['total_bytes'])} total, {_gib(d['free_bytes'])} {free}"
         )
     system.add_row("disk free", f"{_gib(report['disk']['free_bytes'])} at {escape(report['disk']['path'])}")
     system.add_row("/dev/shm", _gib(report["shm"]["total_bytes"]))
@@ -205,7 +229,9 @@ def _render_checks(report: dict) -> None:
     if lacking:
         line += f"; weights missing for: {', '.join(lacking)}"
     out_console.print(escape(line))
-    run = f"--reward {escape(report['reward'])}"
+    from fluxgrpo.envcheck import run_label
+
+    run = escape(run_label(report))
     verdict = (
         f"[green]ready to train ({run})[/]"
         if report["ready"]

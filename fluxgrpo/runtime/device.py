@@ -14,6 +14,7 @@ import importlib.util
 import os
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
@@ -176,6 +177,16 @@ class DeviceMemory:
     free_bytes: int | None
 
 
+def host_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """What the kernel can hand out without swapping (``MemAvailable``: free memory plus the reclaimable page
+    cache); None where there is no /proc (then the free pages are all there is to say)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # kB
+    return None
+
+
 def describe_devices(device_type: str) -> list[DeviceMemory]:
     """Name and memory of each visible device (host RAM for cpu)."""
     if device_type == "cpu":
@@ -183,7 +194,8 @@ def describe_devices(device_type: str) -> list[DeviceMemory]:
         with contextlib.suppress(OSError, ValueError):
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        return [DeviceMemory(0, "cpu (host memory)", int(total or 0), free)]
+        available = host_available_bytes()  # free pages leave out the page cache the kernel gives back on demand
+        return [DeviceMemory(0, "cpu (host memory)", int(total or 0), free if available is None else available)]
     module = device_module(device_type)
     out = []
     for index in range(module.device_count()):

@@ -172,3 +172,32 @@ def test_env_check_with_every_weight_in_place_is_ready(tiny_weights, tiny_embedd
     assert result.stdout.count("weights: clip") == 1
     assert "weights: imagereward" in result.stdout and "weights missing" not in result.stdout
     assert "ready to train (--reward hpsv2,pickscore,clipscore,imagereward)" in " ".join(result.stdout.split())
+
+
+def test_env_check_judges_the_run_a_config_starts(tiny_weights, tiny_embeddings, tmp_path):
+    """Issue #50.11: inside the quickstart chain env-check judged `--reward hpsv2` and `cpu × 1` while the run trained
+    on another reward with 2 workers. With --config (and --dies) it judges that run: its rewards, folders, workers."""
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"model: {tiny_weights.flux_dir}\nhps_dir: {tmp_path / 'no-reward-weights'}\n"
+        f"data_json_path: {tiny_embeddings.index_path}\nreward: brightness\neval_every: 0\ndevice: cpu\n"
+    )
+    result = runner.invoke(app, ["env-check", "--config", str(config), "--dies", "2"])
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stdout.split())
+    assert f"ready to train (--config {config} --dies 2: brightness)" in said, said
+    assert "2 CPU worker(s) on" in said and "GiB available" in said  # host memory as the kernel can hand it out
+    result = runner.invoke(app, ["env-check", "--config", str(config), "--dies", "4096", "--json"])
+    report = json.loads(result.stdout)
+    assert result.exit_code == 1 and report["run"]["dies"] == 4096
+    assert [c["status"] for c in report["checks"] if c["name"] == "workers"] == ["fail"]
+    assert runner.invoke(app, ["env-check", "--dies", "2"]).exit_code == 2  # the workers of which run?
+
+
+def test_host_memory_is_what_the_kernel_reports_available(tmp_path):
+    from fluxgrpo.runtime.device import host_available_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       32000000 kB\nMemFree:          200000 kB\nMemAvailable:   20000000 kB\n")
+    assert host_available_bytes(str(meminfo)) == 20000000 * 1024  # not MemFree's 0.2 GiB
+    assert host_available_bytes(str(tmp_path / "none")) is None
