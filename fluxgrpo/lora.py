@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from fluxgrpo.config import LORA_DEFAULT_TARGETS
 from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.models.known import LORA_DEFAULT_TARGETS
 from fluxgrpo.models.shard_loading import own_rows
 from fluxgrpo.paths import give_default_mode
 

@@ -103,8 +103,8 @@ def allocated_terms(model) -> dict[str, int]:
 def lora_bf16_steps(flux_dir: str, rank: int) -> dict:
     """The accelerator layout on cpu: bf16 frozen base + fp32 adapters, FSDP2 gathering in bf16, checkpointing,
     autocast; two optimizer steps. Reports the dtypes and which parameters moved."""
-    from fluxgrpo.config import LORA_DEFAULT_TARGETS
     from fluxgrpo.lora import LoraSpec, add_lora, base_weight_name, init_adapters, parse_targets
+    from fluxgrpo.models.known import LORA_DEFAULT_TARGETS
     from fluxgrpo.models.shard_loading import empty_transformer, fill_transformer
     from fluxgrpo.runtime.dist import shard_transformer
 

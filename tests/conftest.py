@@ -51,7 +51,7 @@ def hermetic_cwd(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
 
 @pytest.fixture(scope="session")
 def tiny_weights(tmp_path_factory: pytest.TempPathFactory) -> TinyWeights:
-    from fluxgrpo.models.tiny_weights import write_tiny_weights
+    from fluxgrpo.rewards.tiny_weights import write_tiny_weights
 
     root = tmp_path_factory.mktemp("tiny-weights")
     weights = TinyWeights(flux_dir=root / "flux", hps_dir=root / "hps_ckpt")

@@ -1,5 +1,5 @@
-"""The package's import graph: no circle among fluxgrpo's modules, and the algorithm (``grpo/``) imports nothing above
-it. Read from the source with ``ast``, function-local imports included: a circle that only a function-local import
+"""The package's import graph: no circle among fluxgrpo's modules nor among its rooms (top-level folders and modules),
+and the algorithm (``grpo/``) imports nothing above it. Read from the source with ``ast``, function-local imports included: a circle that only a function-local import
 keeps from failing at import time is still a circle a reader has to untangle.
 
 Imports under ``if TYPE_CHECKING:`` are left out: they never run, and an annotation naming a class of another module
@@ -9,6 +9,7 @@ Imports under ``if TYPE_CHECKING:`` are left out: they never run, and an annotat
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,37 @@ def test_no_import_cycle_in_the_package():
     assert not circles, "import circles (break each by moving the shared part down):\n" + "\n".join(circles)
 
 
+def room(module: str) -> str:
+    """The room a module stands in: the package's top-level folder or module it belongs to (``fluxgrpo.config.checks``
+    → ``fluxgrpo.config``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """room → the other rooms its modules import (an import inside a room is no arrow between rooms)."""
+    rooms: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        rooms.setdefault(room(module), set()).update(room(target) for target in targets if room(target) != room(module))
+    return rooms
+
+
+def test_the_rooms_form_layers():
+    """The package's top-level folders and modules import each other without a circle, so they stand in floors, each
+    importing only from those below it (function-local imports counted, as for modules)."""
+    graph = import_graph(PACKAGE)
+    rooms = room_graph(graph)
+    circles = []
+    for component in cycles(rooms):
+        circle = one_circle(rooms, component)
+        arrows = [
+            f"  {a} → {b}: "
+            + ", ".join(sorted(f"{m} → {t}" for m in graph if room(m) == a for t in graph[m] if room(t) == b))
+            for a, b in itertools.pairwise(circle)
+        ]
+        circles.append(" → ".join(circle) + "\n" + "\n".join(arrows))
+    assert not circles, "rooms in a circle (move the shared part into the lower room):\n" + "\n".join(circles)
+
+
 def test_the_algorithm_imports_nothing_above_it():
     graph = import_graph(PACKAGE)
     upward = sorted(
@@ -191,6 +223,16 @@ def toy_package(tmp_path):
     (root / "c.py").write_text("from . import a\n")
     (root / "d.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from toy import c\n")
     return root
+
+
+def test_rooms_are_top_level_folders_and_modules_and_a_circle_between_them_is_found(toy_package):
+    (toy_package / "low").mkdir()
+    (toy_package / "low" / "__init__.py").write_text("")
+    (toy_package / "low" / "x.py").write_text("def late():\n    from toy import d\n")
+    (toy_package / "d.py").write_text("from toy.low import x\n")
+    rooms = room_graph(import_graph(toy_package))
+    assert rooms["toy.low"] == {"toy.d"} and rooms["toy.d"] == {"toy.low"}
+    assert ["toy.d", "toy.low"] in cycles(rooms)
 
 
 def test_the_graph_reads_local_and_relative_imports_and_skips_type_checking_ones(toy_package):

@@ -315,8 +315,8 @@ def prepare_workspace(
     a held-out checker gain means something only for a model that draws the world; else the tiny random weights
     (seeded by ``seed``)."""
     from fluxgrpo.data.prompts import bundled_prompts_path
-    from fluxgrpo.models.tiny_weights import write_tiny_weights
     from fluxgrpo.preprocess import preprocess
+    from fluxgrpo.rewards.tiny_weights import write_tiny_weights
     from fluxgrpo.shapes.shipped import write_shapes_weights
 
     prompts = prompts or bundled_prompts_path()

@@ -192,8 +192,8 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
     from pathlib import Path
 
     from fluxgrpo.errors import FluxgrpoError
-    from fluxgrpo.models.tiny_weights import tiny_parts, write_tiny_weights
     from fluxgrpo.paths import ensure_writable_dir, give_default_mode
+    from fluxgrpo.rewards.tiny_weights import tiny_parts, write_tiny_weights
     from fluxgrpo.runtime.worker import quiet_library_progress
 
     selected = parts or list(tiny_parts())

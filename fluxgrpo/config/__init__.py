@@ -10,12 +10,11 @@ bounds), ``checks`` (every problem a config can have), ``files`` (shipped config
 names the rest of fluxgrpo uses are importable from here.
 """
 
-from fluxgrpo.config.choices import LORA_DEFAULT_TARGETS, MAX_SEED, SAMPLERS
+from fluxgrpo.config.choices import MAX_SEED, SAMPLERS
 from fluxgrpo.config.files import build_config, config_summary, read_yaml, save_resolved, shipped_configs
 from fluxgrpo.config.schema import TrainConfig, config_fields
 
 __all__ = [
-    "LORA_DEFAULT_TARGETS",
     "MAX_SEED",
     "SAMPLERS",
     "TrainConfig",

@@ -8,6 +8,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING
 
 from fluxgrpo.config.choices import (
+    AGGREGATIONS,
     DECODE_SAMPLES,
     LR_SCHEDULERS,
     MAX_IMAGE_SIDE,
@@ -20,15 +21,15 @@ from fluxgrpo.config.choices import (
     WINDOW_POLICIES,
     flag,
 )
+from fluxgrpo.config.guard_rules import guard_problems
 from fluxgrpo.config.retain_check import retain_problems
 from fluxgrpo.data.benchmarks import eval_prompts_problem
 from fluxgrpo.grpo.objectives.catalogue import CATALOGUE, ObjectiveEntry, objective_names
 from fluxgrpo.models.known import MODEL_FAMILIES
 from fluxgrpo.rewards.base import REWARD_DTYPES
-from fluxgrpo.rewards.reward_set import AGGREGATIONS, parse_reward_list, reward_spec_problems
+from fluxgrpo.rewards.reward_set import parse_reward_list, reward_spec_problems
 from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 from fluxgrpo.runtime.device import DEVICE_TYPES
-from fluxgrpo.training.guard_rules import guard_problems
 
 if TYPE_CHECKING:
     from collections.abc import Callable

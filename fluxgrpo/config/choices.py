@@ -6,12 +6,6 @@ from __future__ import annotations
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 MAX_SEED = 2**32 - 1  # numpy's seed range; each rank seeds with --seed + rank, reduced modulo 2**32 for numpy
-# Flow-GRPO's FLUX LoRA targets: every attention projection of both streams and the double blocks' MLPs (the single
-# blocks' attention shares the to_q/to_k/to_v names, so it is adapted too).
-LORA_DEFAULT_TARGETS = (
-    "attn.to_q,attn.to_k,attn.to_v,attn.to_out.0,attn.add_q_proj,attn.add_k_proj,attn.add_v_proj,attn.to_add_out,"
-    "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2"
-)
 WANDB_MODES = ("online", "offline", "disabled")
 MAX_IMAGE_SIDE = 8192  # 4× FLUX.1-dev's largest trained side; the activations of a larger one fit no device
 # Upper bounds far past any published setting, below the values that make every update non-finite and the run
@@ -30,6 +24,7 @@ WINDOW_POLICIES = ("sliding", "random", "random-early")
 DECODE_SAMPLES = ("x0", "final")
 ODE_SOLVERS = ("euler", "dpm2")
 RATIO_NORMALIZATIONS = ("none", "grpo-guard")
+AGGREGATIONS = ("sum-rewards", "sum-advantages")  # --advantage-aggregation: grpo/reward_aggregation.py
 # The objectives (--objective), their own choices and what each needs: grpo/objectives/catalogue.py (torch-free).
 
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fluxgrpo.config.checks import config_problems
-from fluxgrpo.config.choices import LORA_DEFAULT_TARGETS, LR_SCHEDULERS, WANDB_MODES
+from fluxgrpo.config.choices import LR_SCHEDULERS, WANDB_MODES
 from fluxgrpo.errors import UsageError
 from fluxgrpo.grpo.objectives.catalogue import AWM_WEIGHTINGS, CATALOGUE, ObjectiveEntry
-from fluxgrpo.models.known import MODEL_FAMILIES
+from fluxgrpo.models.known import LORA_DEFAULT_TARGETS, MODEL_FAMILIES
 from fluxgrpo.paths import (
     DEFAULT_EMBEDDINGS_DIR,
     DEFAULT_FLUX_DIR,

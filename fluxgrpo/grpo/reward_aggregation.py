@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from fluxgrpo.grpo.advantages import GroupAdvantages, group_advantages
-from fluxgrpo.rewards.reward_set import AGGREGATIONS
+
+# --advantage-aggregation's choices (the config lists the same names, torch-free, in config/choices.py).
+AGGREGATIONS = ("sum-rewards", "sum-advantages")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,13 @@ from typing import Any
 from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG
 from fluxgrpo.shapes.sizes import WORLD_TEXT_LENGTH, WORLD_TRANSFORMER_CONFIG, WORLD_VAE_CONFIG
 
+# The modules LoRA adapts by default (--lora-targets; fluxgrpo/lora.py adds the adapters), by FLUX's module names:
+# Flow-GRPO's FLUX targets, every attention projection of both streams and the double blocks' MLPs (the single
+# blocks' attention shares the to_q/to_k/to_v names, so it is adapted too).
+LORA_DEFAULT_TARGETS = (
+    "attn.to_q,attn.to_k,attn.to_v,attn.to_out.0,attn.add_q_proj,attn.add_k_proj,attn.add_v_proj,attn.to_add_out,"
+    "ff.net.0.proj,ff.net.2,ff_context.net.0.proj,ff_context.net.2"
+)
 # FLUX.1-dev's transformer/config.json and vae/config.json (11.9 B and 83.8 M parameters).
 FLUX_DEV_TRANSFORMER_CONFIG: dict[str, Any] = {
     "patch_size": 1,

@@ -2,7 +2,7 @@
 
 They exist so every command and test runs on a laptop CPU through the same loading code as FLUX.1-dev: the parts are
 the diffusers/transformers classes FLUX.1-dev uses, shrunk. The tiny reward models live beside their rewards
-(``fluxgrpo/rewards/tiny.py``); ``models/tiny_weights.py`` writes both in the real layout. Nothing here downloads
+(``fluxgrpo/rewards/tiny.py``); ``rewards/tiny_weights.py`` writes both in the real layout. Nothing here downloads
 anything.
 
 Shapes that follow from the choices below (and that the rest of the code may rely on for the tiny weights only):

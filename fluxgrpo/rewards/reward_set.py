@@ -13,6 +13,7 @@ today's reward exactly (weight 1.0). How the scores become advantages (``sum-rew
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,10 +24,6 @@ if TYPE_CHECKING:
     import torch
 
     from fluxgrpo.rewards.base import RewardFn
-
-# --advantage-aggregation choices (grpo/reward_aggregation.py implements them; named here, away from torch, so the
-# config can validate without importing it).
-AGGREGATIONS = ("sum-rewards", "sum-advantages")
 
 
 @dataclass(frozen=True)
@@ -122,6 +119,17 @@ def eval_reward_names(reward: str, eval_rewards: str) -> list[str]:
     return list(
         dict.fromkeys([*reward_spec_names(reward), *reward_names_list(eval_rewards, "--eval-rewards", empty_ok=True)])
     )
+
+
+# Rewards whose scorer exposes ``embed_pil`` (CLIP image features), most general first: plain CLIP, then HPSv2's
+# fine-tuned CLIP. Named here, away from torch, so the config can validate a diversity guard without loading them
+# (``training/diversity.py`` measures the diversity).
+EMBEDDING_REWARDS = ("clipscore", "hpsv2")
+
+
+def embedding_reward(reward_names: Sequence[str]) -> str | None:
+    """The reward whose image features measure diversity among ``reward_names`` (None: none of them has any)."""
+    return next((name for name in EMBEDDING_REWARDS if name in reward_names), None)
 
 
 def run_reward_names(reward: str, eval_rewards: str, eval_every: int) -> list[str]:

@@ -43,7 +43,7 @@ def npu_import_status() -> NpuImportStatus:
     """Import torch_npu once, never raising; a broken install is reported, not a traceback.
 
     Without CANN, ``import torch_npu`` fails on ``libhccl.so``; with torch's backend autoload it can even
-    make ``import torch`` fail (see ``TORCH_DEVICE_BACKEND_AUTOLOAD`` in the README).
+    make ``import torch`` fail (see ``TORCH_DEVICE_BACKEND_AUTOLOAD`` in docs/hardware.md).
     """
     global _npu_status
     if _npu_status is not None:

@@ -3,7 +3,7 @@
 RL fine-tuning collapses a prompt's seeds towards one image (DanceGRPO's paper shows it) while every per-image
 reward still looks fine, so the evaluation measures it directly. With ``--eval-images-per-prompt`` n ≥ 2, each
 image is embedded with the CLIP image tower of a reward the evaluation already loads (the first of
-``EMBEDDING_REWARDS`` among the training and ``--eval-rewards`` rewards), L2-normalised, and
+``rewards/reward_set.py``'s ``EMBEDDING_REWARDS`` among the training and ``--eval-rewards`` rewards), L2-normalised, and
 
     diversity = mean over prompts of  mean over the n·(n−1)/2 pairs of that prompt's images of (1 − cos(fᵢ, fⱼ))
 
@@ -24,15 +24,6 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     import torch
-
-# Rewards whose scorer exposes ``embed_pil`` (CLIP image features), most general first: plain CLIP, then HPSv2's
-# fine-tuned CLIP. Named here, away from torch, so the config can validate a diversity guard without loading them.
-EMBEDDING_REWARDS = ("clipscore", "hpsv2")
-
-
-def embedding_reward(reward_names: Sequence[str]) -> str | None:
-    """The reward whose image features measure diversity among ``reward_names`` (None: none of them has any)."""
-    return next((name for name in EMBEDDING_REWARDS if name in reward_names), None)
 
 
 def diversity(features: torch.Tensor, prompt_indices: Sequence[int]) -> float:

@@ -46,11 +46,11 @@ from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.checkpoint.best import publish_best, read_best
 from fluxgrpo.checkpoint.layout import BEST_DIR, checkpoint_dir, is_complete_checkpoint
+from fluxgrpo.config.guard_rules import GuardRule, metric_key, parse_guard_spec
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.metrics import read_metrics
 from fluxgrpo.rewards.reward_set import eval_reward_names
 from fluxgrpo.runtime import dist as rt_dist
-from fluxgrpo.training.guard_rules import GuardRule, metric_key, parse_guard_spec
 from fluxgrpo.training.resume_state import read_training_state
 
 GUARD_STOP_EXIT_CODE = 3

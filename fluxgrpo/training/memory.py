@@ -603,5 +603,7 @@ def plan_memory(cfg: TrainConfig, dies: int, device_type: str, dry_run: bool = F
             capacity = None
     problems = check_fits(cfg, dies, device_type, estimate_, capacity, from_family=dry_run)
     if problems and os.environ.get(IGNORE_ESTIMATE_ENV) != "1":
-        raise UsageError(problems[0] + f" (or set {IGNORE_ESTIMATE_ENV}=1 to launch anyway; see README, Performance)")
+        raise UsageError(
+            problems[0] + f" (or set {IGNORE_ESTIMATE_ENV}=1 to launch anyway; see fluxgrpo/docs/memory.md)"
+        )
     return estimate_

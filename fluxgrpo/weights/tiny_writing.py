@@ -1,4 +1,4 @@
-"""Writing tiny random weights safely, shared by every part's tiny writer (``models/tiny_weights.py`` for FLUX, each
+"""Writing tiny random weights safely, shared by every part's tiny writer (``rewards/tiny_weights.py`` for FLUX, each
 reward's record for its own): never over real weights, an earlier tiny folder replaced whole, manifests last.
 """
 

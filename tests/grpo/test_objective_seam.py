@@ -118,7 +118,7 @@ def test_a_toy_objective_trains_and_resumes_bit_for_bit(toy, tiny_weights, tiny_
 def test_a_toy_objective_is_validated_sized_and_guarded(toy, tiny_weights, tiny_embeddings, tmp_path):
     from fluxgrpo.bench.models import FLUX_DEV_TRANSFORMER_CONFIG
     from fluxgrpo.config import TrainConfig, build_config
-    from fluxgrpo.training.guard_rules import guard_problems
+    from fluxgrpo.config.guard_rules import guard_problems
     from fluxgrpo.training.memory import RunShape, VaeShape, estimate, transformer_shape
 
     model = transformer_shape(FLUX_DEV_TRANSFORMER_CONFIG)

@@ -26,10 +26,10 @@ from fluxgrpo.checkpoint.best import read_best
 from fluxgrpo.checkpoint.layout import BEST_DIR, is_best_checkpoint, latest_checkpoint, list_checkpoints
 from fluxgrpo.cli.app import app
 from fluxgrpo.config import TrainConfig, build_config
+from fluxgrpo.config.guard_rules import GuardRule, parse_guard_spec
 from fluxgrpo.errors import UsageError
 from fluxgrpo.metrics import read_metrics, reward_trend
 from fluxgrpo.training.diversity import diversity
-from fluxgrpo.training.guard_rules import GuardRule, parse_guard_spec
 from fluxgrpo.training.guards import GUARD_RECORD, GUARD_STOP_EXIT_CODE
 
 runner = CliRunner()

@@ -253,7 +253,8 @@ def test_shipped_configs_state_the_estimate_in_their_header(tmp_path):
 
 def test_a_dry_run_plans_from_the_model_the_config_names_for_its_dies(tiny_weights, tiny_embeddings):
     """Issue #31.2: on a machine holding only the tiny weights, the a3-16die plan is FLUX.1-dev's on 16 dies (the
-    README's 21.0 GiB), says so, and warns that --model holds another model; --dies still overrides the config."""
+    21.0 GiB of docs/memory.md), says so, and warns that --model holds another model; --dies still overrides the
+    config."""
     from typer.testing import CliRunner
 
     from fluxgrpo.cli.app import app

@@ -222,8 +222,8 @@ def test_hub_flags_and_unknown_parts_with_tiny_exit_2(tmp_path, flag):
 
 
 def test_real_hps_over_tiny_weights_removes_the_tiny_architecture_file(tmp_path):
-    from fluxgrpo.models.tiny_weights import write_tiny_weights
     from fluxgrpo.rewards.open_clip_model import REAL_REWARD_ARCH, reward_model_name
+    from fluxgrpo.rewards.tiny_weights import write_tiny_weights
 
     hps_dir = tmp_path / "hps_ckpt"
     write_tiny_weights(tmp_path / "flux", hps_dir, parts=["hps"])

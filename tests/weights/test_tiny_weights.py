@@ -111,7 +111,7 @@ def test_open_clip_weights_file_is_a_plain_state_dict_of_other_values(tiny_weigh
 
 
 def test_same_seed_writes_identical_weights_and_another_seed_does_not(tmp_path, tiny_weights):
-    from fluxgrpo.models.tiny_weights import write_tiny_weights
+    from fluxgrpo.rewards.tiny_weights import write_tiny_weights
 
     write_tiny_weights(tmp_path / "same" / "flux", tmp_path / "same" / "hps", seed=0)
     write_tiny_weights(tmp_path / "other" / "flux", tmp_path / "other" / "hps", seed=1)
@@ -148,7 +148,7 @@ def test_missing_reward_file_is_reported(tmp_path, tiny_weights):
 
 
 def test_rewriting_a_tiny_folder_is_allowed(tmp_path, tiny_weights):
-    from fluxgrpo.models.tiny_weights import write_tiny_weights
+    from fluxgrpo.rewards.tiny_weights import write_tiny_weights
 
     flux, hps = tmp_path / "flux", tmp_path / "hps"
     shutil.copytree(tiny_weights.flux_dir, flux)
@@ -160,7 +160,7 @@ def test_rewriting_a_tiny_folder_is_allowed(tmp_path, tiny_weights):
 
 
 def test_real_weights_are_never_overwritten(tmp_path, tiny_weights):
-    from fluxgrpo.models.tiny_weights import write_tiny_weights
+    from fluxgrpo.rewards.tiny_weights import write_tiny_weights
 
     placed_by_hand = tmp_path / "by-hand"
     (placed_by_hand / "transformer").mkdir(parents=True)

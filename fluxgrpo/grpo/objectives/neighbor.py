@@ -1,5 +1,5 @@
 """``--objective neighbor``: Neighbor GRPO, contrastive ODE policy optimisation (He et al., arXiv 2511.16955,
-"Neighbor GRPO: Contrastive ODE Policy Optimization Aligns Flow Models"; README "Neighbor GRPO").
+"Neighbor GRPO: Contrastive ODE Policy Optimization Aligns Flow Models"; docs/algorithms.md).
 
 No SDE: a group's G candidates are deterministic DPM-Solver++(2M) ODE trajectories from a neighbourhood of one
 base noise, and the rollout keeps every candidate's latents x^(i)_j on the σ grid:

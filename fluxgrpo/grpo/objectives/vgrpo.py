@@ -1,5 +1,5 @@
 """``--objective vgrpo``: V-GRPO, GRPO on an ELBO-style likelihood surrogate of the final sample (Tang et al.,
-arXiv 2604.23380, "V-GRPO: Online RL for Denoising Generative Models Is Easier than You Think"; README "V-GRPO").
+arXiv 2604.23380, "V-GRPO: Online RL for Denoising Generative Models Is Easier than You Think"; docs/algorithms.md).
 
 The rollout is the deterministic DPM-Solver++(2M) ODE keeping the final latents o (one "atomic action" per image).
 A sample's log-likelihood is replaced by its negative, self-normalised x-prediction loss at N_MC (t, ε) pairs:

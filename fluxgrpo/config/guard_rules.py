@@ -1,5 +1,5 @@
 """The rules of ``--guard`` and ``--keep-best`` (``NAME:BOUND``; the syntax and what each rule means are in
-``guards.py``): parsing, the metrics.jsonl key each reads, and the config check. Torch-free and importing nothing
+``training/guards.py``): parsing, the metrics.jsonl key each reads, and the config check. Torch-free and importing nothing
 of the run, so the config validates the rules before any worker starts."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING
 
 from fluxgrpo.errors import UsageError
 from fluxgrpo.grpo.objectives.catalogue import CATALOGUE
-from fluxgrpo.rewards.reward_set import eval_reward_names
-from fluxgrpo.training.diversity import EMBEDDING_REWARDS, embedding_reward
+from fluxgrpo.rewards.reward_set import EMBEDDING_REWARDS, embedding_reward, eval_reward_names
 
 if TYPE_CHECKING:
     from fluxgrpo.config import TrainConfig
