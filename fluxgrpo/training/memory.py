@@ -567,6 +567,8 @@ def _knobs(cfg: TrainConfig, dies: int) -> list[tuple[str, dict[str, Any]]]:
     from fluxgrpo.rewards.reward_set import reward_spec_names
 
     knobs: list[tuple[str, dict[str, Any]]] = [(f"--dies {dies * 2}", {"dies": dies * 2})]
+    if cfg.retain_rollout_graphs:  # the kept forwards of the trained steps: the first thing to give back
+        knobs.insert(0, ("--no-retain-rollout-graphs", {"cfg": {"retain_rollout_graphs": False}}))
     if cfg.reward_dtype == "fp32" and any(reward_record(name).casts_weights for name in reward_spec_names(cfg.reward)):
         knobs.append(("--reward-dtype bf16", {"cfg": {"reward_dtype": "bf16"}}))  # HPSv3: 31 → 15.5 GB per die
     if cfg.lora_rank == 0:
