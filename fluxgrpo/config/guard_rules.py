@@ -1,6 +1,6 @@
 """The rules of ``--guard`` and ``--keep-best`` (``NAME:BOUND``; the syntax and what each rule means are in
-``training/guards.py``): parsing, the metrics.jsonl key each reads, and the config check. Torch-free and importing nothing
-of the run, so the config validates the rules before any worker starts."""
+``training/guards.py``): parsing, the metrics.jsonl key each reads, and the config check. Torch-free and importing
+nothing of the run, so the config validates the rules before any worker starts."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ nothing but what the caption asks for (``shapes.checker.scene_claim``).
 
 A training reward. GenEval's rules, which ``shapes`` follows, penalize extra objects only when a caption counts, so
 a policy trained on ``shapes`` learns to scatter fragments of every colour: each one earns a present and a colour
-claim in the other captions (docs/results/shapes-world.md, "AWM hacks the checker"). Here an extra object costs a claim, as
-it would in the eyes of anyone reading the image. Evaluate on the faithful checker (``--eval-rewards shapes``),
+claim in the other captions (docs/results/shapes-world.md, "AWM hacks the checker"). Here an extra object costs a
+claim, as it would in the eyes of anyone reading the image. Evaluate on the faithful checker (``--eval-rewards shapes``),
 which the shapes configs do.
 """
 

@@ -15,8 +15,8 @@ while every prompt and seed turns into the same grid pattern. These signals do, 
 - ``held_out`` (``metrics.held_out_trend``): a held-out reward's last evaluation below its first by more than the
   noise of a redraw of the images (2 standard errors of the change: image by image when both evaluations drew the
   same seeds, else of the two means) and by ``HELD_OUT_FALL`` (5 %) of the first or more, the training reward's rise
-  beside it: the
-  shapes world's AWM at lr 3e-4 raised its training reward by 0.15 while the held-out checker fell 0.08 (docs/results/shapes-world.md).
+  beside it: the shapes world's AWM at lr 3e-4 raised its training reward by 0.15 while the held-out checker fell
+  0.08 (docs/results/shapes-world.md).
 
 Nothing here imports torch or loads a model: the report and ``score`` call it as they are.
 """
