@@ -74,7 +74,7 @@ def test_a_config_scored_by_the_checker_trains_on_the_worlds_captions():
 def test_a_world_config_keeps_its_evaluation_and_others_train_without_one(tmp_path):
     workspace = Workspace(tmp_path / "flux", tmp_path / "hps", tmp_path / "index.json", tmp_path / "runs")
     cfg = EfficiencyConfig(config="shapes-cpu", iterations=16)
-    assert base_training_config(cfg, workspace, evaluate=True).eval_every == 8  # the config's own
+    assert base_training_config(cfg, workspace, evaluate=True).eval_every == 16  # the config's own
     assert heldout_reward(base_training_config(cfg, workspace, evaluate=True)) == "shapes"
     assert base_training_config(EfficiencyConfig(config="tiny-cpu"), workspace).eval_every == 0
 
