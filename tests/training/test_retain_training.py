@@ -135,3 +135,30 @@ def test_the_estimate_sizes_the_kept_forwards_per_die():
         assert today.phases[phase].get("retained graphs", 0) == 0
     assert kept.peak == today.peak + rows * per_row  # live in every phase: the peak phase carries it too
     assert 85 < rows * per_row / GiB < 95  # ≈ 89 GiB: more than one 80 GB GPU holds at G 12, T 9
+
+
+@pytest.fixture
+def captured_graphs(tmp_path, monkeypatch):
+    """--compile with TorchDynamo's graphs run as captured (as tests/models/test_compile.py), caches emptied."""
+    from fluxgrpo.runtime.adapt import COMPILE_BACKEND_ENV
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
+    monkeypatch.setenv(COMPILE_BACKEND_ENV, "eager")
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
+
+
+def test_compiled_blocks_keep_it_bit_for_bit_without_recompiles(
+    tiny_weights, tiny_embeddings, tmp_path, captured_graphs
+):
+    compiled = {**ONE_PER_FORWARD, "compile": True, "gradient_checkpointing": True, "max_train_steps": 3}
+    today = run(tiny_config(tiny_weights, tiny_embeddings, tmp_path / "today", **compiled))
+    kept = run(tiny_config(tiny_weights, tiny_embeddings, tmp_path / "kept", **compiled, retain_rollout_graphs=True))
+    a = weights_in(tmp_path / "today" / "checkpoint-3" / "transformer")
+    b = weights_in(tmp_path / "kept" / "checkpoint-3" / "transformer")
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    for key in COMPARED:
+        assert [r[key] for r in today] == [r[key] for r in kept], key
+    # the kept forwards are compiled once (gradients on, eval mode), like the update's: no recompile after the first
+    assert [record["compiles"] for record in kept[1:]] == [0, 0]
