@@ -304,6 +304,20 @@ def held_out_trend(records: list[dict[str, Any]]) -> dict[str, dict[str, float]]
     return out
 
 
+def noise_verdict(change: dict[str, float]) -> str | None:
+    """A held-out change (one of :func:`held_out_trend`'s) told apart from sampling noise, as train's closing line
+    and the report's summary say it: ``within noise (±0.0420: …)``; None where no noise figure was measured."""
+    if "noise" not in change:
+        return None
+    verdict = "within" if abs(change["change"]) <= change["noise"] else "beyond"
+    what = (
+        "2 standard errors of the per-image change, the same seeds at both"
+        if change.get("paired")
+        else "2 standard errors of the two evaluations' means"
+    )
+    return f"{verdict} noise (±{change['noise']:.4f}: {what})"
+
+
 def paired_change_noise(before: list[float], after: list[float]) -> float | None:
     """Two standard errors of the mean per-image change between two evaluations of the same images' seeds,
     2·sd(d)/√n with d = after − before image by image (sd with n − 1): a paired comparison, so what makes one prompt

@@ -201,15 +201,10 @@ def _summarize_run(cfg: TrainConfig, records: list[dict[str, Any]], json_output:
 
 def _against_noise(change: dict[str, float]) -> str:
     """The held-out change told apart from sampling noise: another draw of the same model's images moves the mean."""
-    if "noise" not in change:
-        return ""
-    verdict = "within" if abs(change["change"]) <= change["noise"] else "beyond"
-    what = (
-        "2 standard errors of the per-image change, the same seeds at both"
-        if change.get("paired")
-        else "2 standard errors of the two evaluations' means"
-    )
-    return f", {verdict} noise (±{change['noise']:.4f}: {what})"
+    from fluxgrpo.metrics import noise_verdict
+
+    verdict = noise_verdict(change)
+    return "" if verdict is None else f", {verdict}"
 
 
 def _headroom_share(change: dict[str, float], images_per_prompt: int) -> str:

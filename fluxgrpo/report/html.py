@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo import __version__
-from fluxgrpo.metrics import reward_trend
+from fluxgrpo.metrics import held_out_trend, noise_verdict, reward_trend
 from fluxgrpo.report.run import Evaluation, RunData
 from fluxgrpo.training.collapse import evaluation_spread_sign, record_signs, warning_line
 
@@ -147,14 +147,18 @@ def summary_text(run: RunData) -> str:
         record["iteration"]: [name for name in run.guard_names() if record.get(f"guard_{name}_fired")]
         for record in run.guard_records
     }
+    changes = held_out_trend(run.eval_records)  # the first and last evaluations, with train's noise figure
     for name in run.eval_rewards():
         xs, ys = run.series(f"eval_{name}_mean", run.eval_records)
         if not xs:
             continue
         best = max(range(len(ys)), key=lambda i: ys[i])
+        change = changes.get(name)
+        verdict = noise_verdict(change) if change else None
+        against = f" ({change['change']:+.4f}, {verdict})" if change and verdict else ""
         parts.append(
-            f"Held-out eval {name}: {_fmt(ys[0])} at iteration {xs[0]} → {_fmt(ys[-1])} at iteration {xs[-1]}; "
-            f"best {_fmt(ys[best])} at iteration {xs[best]}{_why_not_best(run, name, xs[best], fired_at)}."
+            f"Held-out eval {name}: {_fmt(ys[0])} at iteration {xs[0]} → {_fmt(ys[-1])} at iteration {xs[-1]}"
+            f"{against}; best {_fmt(ys[best])} at iteration {xs[best]}{_why_not_best(run, name, xs[best], fired_at)}."
         )
     for record in run.guard_records:
         fired = fired_at[record["iteration"]]

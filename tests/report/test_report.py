@@ -406,3 +406,31 @@ def test_the_settings_an_objective_does_not_read_are_config_fields():
     assert set(TRAJECTORY_SETTINGS) <= names
     for entry in CATALOGUE.values():
         assert set(entry.ignores) | set(entry.options) <= names, entry.name
+
+
+def test_the_summary_says_whether_the_held_out_change_is_beyond_noise(tmp_path):
+    """Issue #50.12: train's closing line says within / beyond noise; the report's summary said only first → last."""
+    from fluxgrpo.report.html import summary_text
+    from fluxgrpo.report.run import read_run
+
+    run = fake_run(tmp_path / "run")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if "eval_brightness_mean" in record:
+            record["eval_seconds"] = 1.0  # as every evaluation logs it
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = " ".join(summary_text(read_run(run)).split())
+    assert "0.4 at iteration 0 → 0.52 at iteration 6 (+0.1200, beyond noise (±0.0300: 2 standard errors of the " in text
+    assert "per-image change, the same seeds at both)); best 0.52 at iteration 6" in text
+
+
+def test_report_without_matplotlib_is_one_line_naming_the_install(tmp_path, monkeypatch):
+    import sys
+
+    run = fake_run(tmp_path / "run")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    result = runner.invoke(app, ["report", str(run)])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "pip install 'fluxgrpo[report]'" in errors[0], result.stderr
+    assert not (run / "report.html").exists()
