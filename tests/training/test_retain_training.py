@@ -1,7 +1,7 @@
 """``--retain-rollout-graphs`` in the real loop on the tiny weights: off (its default) the run is today's; on, with one
-trajectory per forward, it trains the same weights bit for bit (every option at once, and LoRA with gradient
-checkpointing); on, with batched forwards, a run resumed from a checkpoint ends exactly where an uninterrupted one
-does; the combinations it cannot serve are refused in one line naming the flag; the memory estimate sizes it."""
+trajectory per forward, it trains the same weights bit for bit (every option at once; LoRA with gradient
+checkpointing; --compile; 2 FSDP2 ranks); on, with batched forwards, a run resumed from a checkpoint ends exactly where
+an uninterrupted one does; what it cannot serve is refused in one line naming the flag; the memory estimate sizes it."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ REFUSED = {
     ),
     "an ODE objective": ({"objective": "nft"}, "--retain-rollout-graphs keeps the SDE rollout's forwards"),
     "LoRA dropout": ({"lora_rank": 4, "lora_dropout": 0.1}, "--retain-rollout-graphs with --lora-dropout 0.1"),
-    "several dies": ({"dies": 2}, "--retain-rollout-graphs with --dies 2 (FSDP2)"),
+    "CPU offload": ({"cpu_offload": True, "dies": 2}, "--retain-rollout-graphs with --cpu-offload"),
 }
 
 
@@ -135,6 +135,19 @@ def test_the_estimate_sizes_the_kept_forwards_per_die():
         assert today.phases[phase].get("retained graphs", 0) == 0
     assert kept.peak == today.peak + rows * per_row  # live in every phase: the peak phase carries it too
     assert 85 < rows * per_row / GiB < 95  # ≈ 89 GiB: more than one 80 GB GPU holds at G 12, T 9
+
+
+@pytest.mark.slow
+def test_two_fsdp2_ranks_keep_it_bit_for_bit(tiny_weights, tiny_embeddings, tmp_path):
+    # the kept forwards of sharded blocks: FSDP2 re-gathers their weights for the later backward (2 gloo ranks, fp32)
+    settings = {**ONE_PER_FORWARD, "gradient_checkpointing": True, "max_train_steps": 2}
+    today = run(tiny_config(tiny_weights, tiny_embeddings, tmp_path / "today", **settings), dies=2)
+    kept = run(tiny_config(tiny_weights, tiny_embeddings, tmp_path / "kept", **settings, retain_rollout_graphs=True), 2)
+    a = weights_in(tmp_path / "today" / "checkpoint-2" / "transformer")
+    b = weights_in(tmp_path / "kept" / "checkpoint-2" / "transformer")
+    assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    for key in COMPARED:
+        assert [r[key] for r in today] == [r[key] for r in kept], key
 
 
 @pytest.fixture
