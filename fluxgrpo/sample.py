@@ -61,6 +61,19 @@ def default_out_dir(checkpoint: str | Path | None, ema: bool) -> Path:
     return Path(DEFAULT_SAMPLES_DIR) / f"{checkpoint.parent.name}-{checkpoint.name}{'-ema' if ema else ''}"
 
 
+def model_sample_steps(model: str | Path) -> int:
+    """The denoising steps `sample` uses when --steps is not given: the model's own (the shapes world: 12, as its
+    evaluation), else FLUX.1-dev's 28."""
+    from fluxgrpo.models.flux import read_transformer_config
+    from fluxgrpo.models.known import KNOWN_MODELS, known_model
+
+    try:
+        known = known_model(read_transformer_config(model))
+    except FluxgrpoError:
+        known = None
+    return (known or KNOWN_MODELS["flux-dev"]).sample_steps
+
+
 def model_sample_defaults(model: str | Path) -> tuple[int, int]:
     """(image side, T5 tokens) `sample` uses when --height/--width/--max-sequence-length are not given: the model's
     own where ``--model`` holds a known model trained at other ones (the shapes world: 64 and 12, where FLUX.1-dev's

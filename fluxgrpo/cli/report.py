@@ -29,6 +29,7 @@ def command(
     The file needs no network to view (inline SVG, images and CSS). Needs matplotlib: pip install 'fluxgrpo[report]'.
 
     Examples:
+      fluxgrpo report data/outputs/shapes-cpu
       fluxgrpo report data/outputs/tiny-cpu
       fluxgrpo report data/outputs/dance --compare data/outputs/mixgrpo --png
     """

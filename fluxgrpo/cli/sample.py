@@ -30,7 +30,12 @@ def command(
         bool, typer.Option("--ema", help="Use the checkpoint's EMA weights (runs trained with --use-ema).")
     ] = False,
     prompts_file: Annotated[
-        str | None, typer.Option("--prompts", help="Prompt file, one per line (blank lines and repeats dropped).")
+        str | None,
+        typer.Option(
+            "--prompts",
+            help="Prompt file, one per line (blank lines and repeats dropped), or a shipped set: shapes-train, "
+            "shapes-heldout.",
+        ),
     ] = None,
     prompt: Annotated[
         list[str] | None, typer.Option("--prompt", help="A prompt; repeat the flag for more (instead of --prompts).")
@@ -43,7 +48,15 @@ def command(
     width: Annotated[
         int | None, typer.Option("--width", help=f"Image width in pixels (multiple of 16). {_OWN}", show_default=False)
     ] = None,
-    steps: Annotated[int, typer.Option("--steps", help="Denoising steps.")] = 28,
+    steps: Annotated[
+        int | None,
+        typer.Option(
+            "--steps",
+            help="Denoising steps. [default: the model's own: 28 for FLUX.1-dev, 12 for the shapes world, as its "
+            "evaluation]",
+            show_default=False,
+        ),
+    ] = None,
     guidance: Annotated[float, typer.Option("--guidance", help="FLUX-dev distilled guidance.")] = 3.5,
     seed: Annotated[int, typer.Option("--seed", help="Run seed S; image j of prompt i is seeded from (S, i, j).")] = 0,
     batch_size: Annotated[
@@ -101,11 +114,13 @@ def command(
       fluxgrpo sample --prompts prompts.txt --images-per-prompt 4
       fluxgrpo sample --checkpoint data/outputs/grpo --prompts prompts.txt \\
           --images-per-prompt 4 --dies 8
+      fluxgrpo sample --checkpoint data/outputs/shapes-cpu --prompts shapes-heldout \\
+          --images-per-prompt 4
     """
     from fluxgrpo.data.prompts import read_prompts
     from fluxgrpo.errors import UsageError
     from fluxgrpo.runtime.launch import LaunchSpec, run_workers
-    from fluxgrpo.sample import build_request, model_sample_defaults
+    from fluxgrpo.sample import build_request, model_sample_defaults, model_sample_steps
     from fluxgrpo.sampling.request import SampleSettings
 
     spec = LaunchSpec(nproc_per_node=dies)
@@ -113,20 +128,26 @@ def command(
     if prompts_file is not None and prompt:
         raise UsageError("pass either --prompts FILE or --prompt TEXT, not both")
     if prompts_file is not None:
-        prompts = read_prompts(prompts_file)
+        from fluxgrpo.data.benchmarks import prompts_path
+
+        prompts = read_prompts(prompts_path(prompts_file))
     else:
         prompts = list(dict.fromkeys(text.strip() for text in prompt or [] if text.strip()))
     side, tokens = model_sample_defaults(model)
-    if (side, tokens) != (SampleSettings.height, SampleSettings.max_sequence_length) and None in (
-        height,
-        width,
-        max_sequence_length,
-    ):
-        log(f"{model} holds a model trained at {side}x{side} pixels and {tokens} T5 tokens: its own are the defaults")
+    own_steps = model_sample_steps(model)
+    if (side, tokens, own_steps) != (
+        SampleSettings.height,
+        SampleSettings.max_sequence_length,
+        SampleSettings.steps,
+    ) and None in (height, width, max_sequence_length, steps):
+        log(
+            f"{model} holds a model trained at {side}x{side} pixels and {tokens} T5 tokens and evaluated with "
+            f"{own_steps} steps: its own are the defaults"
+        )
     settings = SampleSettings(
         height=side if height is None else height,
         width=side if width is None else width,
-        steps=steps,
+        steps=own_steps if steps is None else steps,
         guidance=guidance,
         seed=seed,
         images_per_prompt=images_per_prompt,

@@ -347,6 +347,8 @@ def command(
 
     \b
     Examples:
+      fluxgrpo train --config shapes-cpu --dies 2
+      fluxgrpo train --config shapes-cpu-vgrpo --dies 2
       fluxgrpo train --config tiny-cpu --dies 2
       fluxgrpo train --config a3-16die --dies 16
       fluxgrpo train --config a3-16die --dies 8 --nnodes 2 --node-rank 0 \\

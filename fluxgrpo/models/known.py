@@ -72,6 +72,9 @@ class KnownModel:
     # What `fluxgrpo sample` defaults to when --model holds it: (image side in pixels, T5 tokens). FLUX.1-dev's
     # training recipe's 720 and 512 unless the model was trained at its own (the shapes world: 64 and 12).
     sample_defaults: tuple[int, int] = (720, 512)
+    # `fluxgrpo sample --steps`'s default: FLUX.1-dev's 28, or the steps its own evaluation samples with (the shapes
+    # configs' eval_steps 12), so a sample looks like the run's held-out grids.
+    sample_steps: int = 28
 
     def matches(self, transformer_config: dict[str, Any]) -> bool:
         return all(transformer_config.get(key) == self.transformer.get(key) for key in SIZING_KEYS)
@@ -89,6 +92,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         WORLD_VAE_CONFIG,
         WORLD_TEXT_LENGTH,
         sample_defaults=(WORLD_VAE_CONFIG["sample_size"], WORLD_TEXT_LENGTH),
+        sample_steps=12,
     ),
 }
 MODEL_FAMILIES = (*KNOWN_MODELS, WEIGHTS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import re
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -304,13 +305,39 @@ def _draw_panel(ax: Any, panel: Panel, runs: list[RunData]) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations are whole numbers
-    ax.set_title(panel.title, fontsize=10)
+    if not panel.log_y:  # every tick its own number: no "1e-8" or "+1" in the corner for the reader to apply
+        ax.yaxis.set_major_formatter(plain_ticks())
+    ax.set_title(textwrap.fill(panel.title, TITLE_CHARS), fontsize=10)  # wrapped: never cut at both ends
     ax.set_xlabel("iteration", fontsize=8)
     ax.set_ylabel(panel.ylabel, fontsize=8)
     ax.tick_params(labelsize=7)
     ax.grid(True, alpha=0.3)
     if several or len([line for line in panel.lines if any(_has(r, line) for r in runs)]) > 1:
         ax.legend(fontsize=7, loc="best")
+
+
+# Characters of a panel title per line at its font size in the narrowest panel (4.6 in at 10 pt): longer titles wrap.
+TITLE_CHARS = 58
+
+
+def plain_ticks() -> Any:
+    """A tick formatter that writes each tick's value in full, with the fewest significant digits (3 or more) that
+    tell the ticks apart: 1e-08 and 2e-08 under a loss, 0.9999999 and 1.0000001 under a ratio."""
+    from matplotlib.ticker import Formatter
+
+    class PlainTicks(Formatter):
+        def __call__(self, x: float, pos: int | None = None) -> str:
+            return f"{x:.6g}"
+
+        def format_ticks(self, values: Any) -> list[str]:
+            labels = [f"{v:.3g}" for v in values]
+            for digits in range(3, 16):
+                labels = [f"{v:.{digits}g}" for v in values]
+                if len(set(labels)) == len(labels):
+                    break
+            return labels
+
+    return PlainTicks()
 
 
 def _draw_band(ax: Any, run: RunData, records: list[dict[str, Any]], line: Line, xs, ys, colour: str) -> None:

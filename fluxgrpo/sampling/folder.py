@@ -28,6 +28,8 @@ GRID_TILE_MAX = 256
 GRID_TILE_MIN = 16
 GRID_TARGET_SIDE = 4096
 GRID_GAP = 2
+GRID_CAPTION = 14  # px above each row: its prompt, in PIL's default font (cut with "…" to the sheet's width)
+GRID_MIN_WIDTH = 320  # a sheet of a few small tiles still has room for its captions
 
 _OWN_FILE = re.compile(r"^(\d+_\d+\.png|index\.json|grid\.png|\..+\.tmp)$")
 
@@ -81,23 +83,46 @@ def grid_tile_size(rows: int, cols: int, height: int, width: int) -> tuple[int, 
     return max(1, round(width * scale)), max(1, round(height * scale))
 
 
+def grid_tile_origin(prompt_index: int, image_index: int, tile: tuple[int, int]) -> tuple[int, int]:
+    """(left, top) of image ``image_index`` of prompt ``prompt_index`` on the sheet: rows of a caption band (the
+    prompt) over the tiles, with ``GRID_GAP`` between them."""
+    tile_w, tile_h = tile
+    row = GRID_CAPTION + tile_h + GRID_GAP
+    return GRID_GAP + image_index * (tile_w + GRID_GAP), GRID_GAP + prompt_index * row + GRID_CAPTION
+
+
+def _caption(text: str, width: int, measure: Any) -> str:
+    """``text`` cut (with "…") to ``width`` pixels as ``measure`` sizes it."""
+    if measure(text) <= width:
+        return text
+    while text and measure(text + "…") > width:
+        text = text[:-1]
+    return text.rstrip() + "…"
+
+
 def write_grid(out: Path, images: list[SampledImage], num_prompts: int, settings: SampleSettings) -> Path:
-    """``grid.png``: row i, column j holds image j of prompt i, downscaled to the tile size."""
-    from PIL import Image
+    """``grid.png``: row i, under its prompt as caption ("i: prompt"), column j holds image j of prompt i,
+    downscaled to the tile size."""
+    from PIL import Image, ImageDraw, ImageFont
 
     cols = settings.images_per_prompt
     tile_w, tile_h = grid_tile_size(num_prompts, cols, settings.height, settings.width)
-    size = (cols * (tile_w + GRID_GAP) + GRID_GAP, num_prompts * (tile_h + GRID_GAP) + GRID_GAP)
-    sheet = Image.new("RGB", size, (255, 255, 255))
+    width = max(cols * (tile_w + GRID_GAP) + GRID_GAP, GRID_MIN_WIDTH)
+    sheet = Image.new("RGB", (width, num_prompts * (GRID_CAPTION + tile_h + GRID_GAP) + GRID_GAP), (255, 255, 255))
+    draw, font = ImageDraw.Draw(sheet), ImageFont.load_default()
+    captions: dict[int, str] = {}
     for record in images:
+        captions.setdefault(record.prompt_index, record.prompt)
         with Image.open(out / record.file) as source:
             tile = source.convert("RGB")
         if tile.size != (tile_w, tile_h):
             tile = tile.resize((tile_w, tile_h), Image.Resampling.LANCZOS)
-        sheet.paste(
-            tile,
-            (GRID_GAP + record.image_index * (tile_w + GRID_GAP), GRID_GAP + record.prompt_index * (tile_h + GRID_GAP)),
-        )
+        sheet.paste(tile, grid_tile_origin(record.prompt_index, record.image_index, (tile_w, tile_h)))
+    for index, prompt in captions.items():
+        if index < num_prompts:
+            top = grid_tile_origin(index, 0, (tile_w, tile_h))[1] - GRID_CAPTION
+            line = _caption(f"{index}: {prompt}", width - 2 * GRID_GAP, lambda t: draw.textlength(t, font=font))
+            draw.text((GRID_GAP, top + 1), line, fill=(40, 40, 40), font=font)
     return write_atomic(out / GRID_FILE, lambda f: sheet.save(f, format="PNG"))
 
 

@@ -434,3 +434,37 @@ def test_report_without_matplotlib_is_one_line_naming_the_install(tmp_path, monk
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "pip install 'fluxgrpo[report]'" in errors[0], result.stderr
     assert not (run / "report.html").exists()
+
+
+def test_loss_and_ratio_ticks_are_plain_numbers_and_long_titles_fit(tmp_path):
+    """Issue #50.14: the loss and ratio panels read "1e-8" / "1e-7+1" in a corner; a long title was cut at both ends."""
+    from fluxgrpo.report.figures import Line, Panel, _draw_panel, _figure
+    from fluxgrpo.report.run import read_run
+
+    run = fake_run(tmp_path / "run")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if "loss" in record:
+            record["loss"] = 1e-8 * (1 + record["iteration"])
+            record["ratio_mean"] = 1 + 1e-7 * record["iteration"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    data = read_run(run)
+    long_title = "Eval shapes: every claim, presence, counts, colours and positions (held-out prompts, mean ± std)"
+    for panel in (
+        Panel("Loss", "loss", [Line("loss", "loss")]),
+        Panel("Probability ratio", "ratio", [Line("ratio_mean", "mean")]),
+        Panel(long_title, "loss", [Line("loss", "loss")]),
+    ):
+        figure = _figure(1, 1, 4.6, 2.9)  # the report's panel size
+        ax = figure.add_subplot()
+        _draw_panel(ax, panel, [data])
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        canvas = FigureCanvasAgg(figure)
+        canvas.draw()
+        renderer = canvas.get_renderer()
+        assert ax.yaxis.get_offset_text().get_text() == "", panel.title  # nothing to add or multiply in a corner
+        labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+        assert len(set(labels)) == len(labels) >= 2, labels
+        title, frame = ax.title.get_window_extent(renderer), figure.bbox
+        assert frame.x0 <= title.x0 and title.x1 <= frame.x1 and title.y1 <= frame.y1, panel.title

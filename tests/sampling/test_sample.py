@@ -23,7 +23,14 @@ from fluxgrpo.cli.app import app
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.run_folder import INDEX_FILE
 from fluxgrpo.sample import build_request, sample
-from fluxgrpo.sampling.folder import GRID_GAP, grid_tile_size, read_index
+from fluxgrpo.sampling.folder import (
+    GRID_CAPTION,
+    GRID_GAP,
+    GRID_MIN_WIDTH,
+    grid_tile_origin,
+    grid_tile_size,
+    read_index,
+)
 from fluxgrpo.sampling.request import SampleSettings, image_filename, image_seed
 
 runner = CliRunner()
@@ -132,11 +139,16 @@ def test_index_lists_every_image_with_its_seed_and_the_grid_holds_them(tiny_weig
     index = read_index(out)
     assert [image.file for image in index.images] == [e["file"] for e in document["images"]]
 
-    # 2 rows x 2 columns of 48 x 32 tiles with 2 px gaps: (2 * 50 + 2) x (2 * 34 + 2)
+    # 2 rows of a caption band over 2 columns of 48 x 32 tiles, 2 px gaps; wide enough for the captions
     grid = np.asarray(Image.open(out / "grid.png").convert("RGB"))
-    assert grid.shape == (2 * (32 + GRID_GAP) + GRID_GAP, 2 * (48 + GRID_GAP) + GRID_GAP, 3)
-    top, left = GRID_GAP + 1 * (32 + GRID_GAP), GRID_GAP + 0 * (48 + GRID_GAP)  # prompt 1, image 0
+    assert grid.shape == (2 * (GRID_CAPTION + 32 + GRID_GAP) + GRID_GAP, GRID_MIN_WIDTH, 3)
+    left, top = grid_tile_origin(1, 0, (48, 32))  # prompt 1, image 0
+    assert (left, top) == (GRID_GAP, GRID_GAP + GRID_CAPTION + 32 + GRID_GAP + GRID_CAPTION)
     assert np.array_equal(grid[top : top + 32, left : left + 48], pixels(out)["0001_00.png"])
+    for row in range(2):  # each row's prompt is written in its band (issue #50.14: the sheet had no captions)
+        band_top = grid_tile_origin(row, 0, (48, 32))[1] - GRID_CAPTION
+        band = grid[band_top : band_top + GRID_CAPTION, : GRID_MIN_WIDTH // 2]
+        assert (band < 128).any(), f"no caption over row {row}"
 
 
 def test_accelerator_precision_samples_in_bf16_close_to_fp32(tiny_weights, tmp_path, monkeypatch):
@@ -393,3 +405,22 @@ def test_two_processes_write_every_image_once_and_match_one_process(tiny_weights
     assert index.settings["world_size"] == 2
     run_sample(tiny_weights.flux_dir, tmp_path / "one", prompts=three)
     assert same_images(pixels(out), pixels(tmp_path / "one"))
+
+
+def test_the_shapes_world_samples_with_its_evaluations_steps_and_its_shipped_prompt_sets(tmp_path):
+    """Issue #50.14: `sample --steps` defaulted to FLUX.1-dev's 28 on the shapes world, whose evaluation samples with
+    12; its held-out prompts had to be written to a file (eval_prompts.txt left in the working folder)."""
+    from fluxgrpo.sample import model_sample_steps
+    from fluxgrpo.shapes.shipped import write_shapes_weights
+
+    write_shapes_weights(tmp_path / "flux", tmp_path / "hps", parts=["flux"])
+    assert model_sample_steps(tmp_path / "flux") == 12
+    assert model_sample_steps(tmp_path / "nothing") == 28  # FLUX.1-dev's; the request then names the fix
+    out = tmp_path / "samples"
+    argv = ["sample", "--model", str(tmp_path / "flux"), "--prompt", "two red squares", "--out", str(out)]
+    result = CliRunner().invoke(app, [*argv, "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / INDEX_FILE).read_text())["settings"]["steps"] == 12
+    assert "evaluated with 12 steps: its own are the defaults" in result.stderr
+    named = CliRunner().invoke(app, ["sample", "--model", str(tmp_path / "none"), "--prompts", "shapes-heldout"])
+    assert named.exit_code == 1 and "prompt file" not in named.stderr and "fetch-weights" in named.stderr
