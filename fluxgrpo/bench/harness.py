@@ -129,7 +129,7 @@ class PhaseSetup:
 
         from fluxgrpo.grpo.rollout import RolloutSettings
         from fluxgrpo.grpo.samplers import make_sampler
-        from fluxgrpo.training.stages import rollout_stage
+        from fluxgrpo.training.stages import RolloutDraws, rollout_stage
 
         sigma_max = float(inputs.sigmas[1]) if inputs.sigmas.shape[0] > 2 else 0.0
         settings = RolloutSettings(
@@ -138,7 +138,7 @@ class PhaseSetup:
         generator = torch.Generator(device=inputs.noise.device).manual_seed(self.seed + 17)
         rollout = rollout_stage(
             transformer, self.objective(), settings, inputs.cond, inputs.noise, inputs.sigmas, inputs.img_ids,
-            device_type=self.device_type, generator=generator,
+            device_type=self.device_type, draws=RolloutDraws(generator),
         )  # fmt: skip
         return rollout  # type: ignore[return-value]  # a GRPO objective keeps the trajectory
 

@@ -51,6 +51,7 @@ from fluxgrpo.training.parts import TrainingParts, build_parts
 from fluxgrpo.training.resume_state import read_training_state
 from fluxgrpo.training.settings import build_objective, plan_settings, rollout_settings, update_plumbing
 from fluxgrpo.training.stages import (
+    RolloutDraws,
     decode_and_score,
     draw_prompts,
     initial_noise,
@@ -196,7 +197,7 @@ def train(cfg: TrainConfig, resume: str | None = None, launch_token: str | None 
             noise = initial_noise(cfg, cfg.train_batch_size, rng.noise, ctx.device)  # [B, L, C]
             rollout = rollout_stage(
                 parts.transformer, objective, rollout_setup, cond, noise, sigmas, img_ids,
-                device_type=ctx.device_type, generator=rng.noise, plan=plan, generator_cpu=rng.timestep,
+                device_type=ctx.device_type, draws=RolloutDraws(rng.noise, rng.timestep), plan=plan,
             )  # fmt: skip
             drift = monitor.measure_drift(iteration, rollout, cond, rng.timestep)  # no RNG drawn, no weight moved
             clock.lap("rollout")

@@ -5,6 +5,7 @@ copies of them."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -134,6 +135,15 @@ def save_sample_images(images: torch.Tensor, output_dir: Path, iteration: int, r
         write_atomic(path, lambda f, array=array: Image.fromarray(array).save(f, format="PNG"))
 
 
+@dataclass(frozen=True)
+class RolloutDraws:
+    """The generators a rollout reads: ``noise`` for its SDE steps (None for the ODE's), ``timestep`` the update's
+    timestep draw, read ahead from a copy with ``--retain-rollout-graphs`` (the generator does not move)."""
+
+    noise: torch.Generator | None
+    timestep: torch.Generator | None = None
+
+
 def rollout_stage(
     transformer: torch.nn.Module,
     objective: Objective,
@@ -144,27 +154,26 @@ def rollout_stage(
     img_ids: torch.Tensor,
     *,
     device_type: str,
-    generator: torch.Generator | None,
+    draws: RolloutDraws,
     plan: StepPlan | None = None,
-    generator_cpu: torch.Generator | None = None,
 ) -> Rollout | FinalSamples:
     """What the objective trains on: the SDE trajectory with its log-probs (``Rollout``; ``plan`` its SDE window,
-    ``generator`` its step noise; with ``settings.retain_graphs`` the forwards of the steps the update will draw from
-    ``generator_cpu``, kept), or the ODE's final latents (``FinalSamples``) sampled with the objective's rollout policy
-    (NFT: θ_old) swapped in."""
+    ``draws.noise`` its step noise; with ``settings.retain_graphs`` the forwards of the steps the update will draw from
+    ``draws.timestep``, kept), or the ODE's final latents (``FinalSamples``) sampled with the objective's rollout
+    policy (NFT: θ_old) swapped in."""
     from fluxgrpo.grpo.rollout import sample_final_latents, sample_trajectories
     from fluxgrpo.grpo.step_plan import StepPlan
 
     if objective.keeps_trajectory:
-        assert generator is not None  # the SDE draws its step noise
+        assert draws.noise is not None  # the SDE draws its step noise
         train_indices = None
         if settings.retain_graphs:  # config-checked: grpo, on-policy
-            assert generator_cpu is not None  # the update's timestep draw, read ahead
+            assert draws.timestep is not None  # the update's timestep draw, read ahead
             trainable = (plan or StepPlan.every_step(sigmas.shape[0] - 1)).trainable
-            train_indices = objective.planned_train_indices(noise.shape[0], trainable, generator_cpu)  # type: ignore[attr-defined]
+            train_indices = objective.planned_train_indices(noise.shape[0], trainable, draws.timestep)  # type: ignore[attr-defined]
         return sample_trajectories(
             transformer, cond, noise, sigmas, settings, img_ids=img_ids, device_type=device_type,
-            generator=generator, plan=plan, train_indices=train_indices,
+            generator=draws.noise, plan=plan, train_indices=train_indices,
         )  # fmt: skip
     policy = objective.rollout_policy()
     swapped = policy.swapped_in(transformer) if policy is not None else contextlib.nullcontext()

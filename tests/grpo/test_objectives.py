@@ -225,7 +225,7 @@ def test_nft_with_positive_advantage_moves_the_prediction_towards_the_sample(bas
 def test_nft_rolls_out_with_the_old_policy(base_transformer):
     from fluxgrpo.grpo.rollout import RolloutSettings
     from fluxgrpo.grpo.samplers import make_sampler
-    from fluxgrpo.training.stages import rollout_stage
+    from fluxgrpo.training.stages import RolloutDraws, rollout_stage
 
     old_weights = nudged(base_transformer, seed=4)
     policy = copy.deepcopy(old_weights)
@@ -237,7 +237,7 @@ def test_nft_rolls_out_with_the_old_policy(base_transformer):
     settings = RolloutSettings(make_sampler("dance", 0.3, 0.0), GUIDANCE, 2)  # the ODE reads guidance and batch size
     sigmas = sigma_schedule(NUM_STEPS, 3.0)
     rolled = rollout_stage(
-        policy, objective, settings, cond, noise, sigmas, image_ids(64, 64), device_type="cpu", generator=None
+        policy, objective, settings, cond, noise, sigmas, image_ids(64, 64), device_type="cpu", draws=RolloutDraws(None)
     )
     assert torch.equal(rolled.final_x0, final_samples(old_weights, cond, noise).final_x0)
     assert not torch.allclose(rolled.final_x0, final_samples(policy, cond, noise).final_x0, atol=1e-4)
