@@ -194,7 +194,13 @@ def collect_report(
     it loads (its evaluation's too) and its ``--dies`` workers on this machine.
     """
     from fluxgrpo.runtime.nodes import rendezvous_checks
-    from fluxgrpo.runtime.report import accelerator_env_report, device_report, package_versions, stack_warnings
+    from fluxgrpo.runtime.report import (
+        accelerator_env_report,
+        cann_pairing_check,
+        device_report,
+        package_versions,
+        stack_warnings,
+    )
 
     run_rewards = list(run["rewards"]) if run else reward_spec_names(reward)
     dev = device_report(requested_device)
@@ -240,6 +246,9 @@ def collect_report(
         checks.append(Check("shared memory", "ok", f"/dev/shm {_gib(shm['total_bytes'])}"))
     checks.append(Check("disk", "ok", f"{_gib(report['disk']['free_bytes'])} free at {report['disk']['path']}"))
     checks += [Check("accelerator stack", "warn", detail, fix) for detail, fix in stack_warnings(dev)]
+    pairing = cann_pairing_check(dev)  # the CANN the installed torch-npu is built for
+    if pairing is not None:
+        checks.append(Check("torch-npu / CANN", *pairing))
     # several nodes: node 0's rendezvous endpoint and the interface the backends will talk through
     checks += [Check(*check) for check in rendezvous_checks(dev["type"], nnodes, rdzv_endpoint)]
     report["checks"] = [asdict(c) for c in checks]

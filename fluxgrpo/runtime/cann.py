@@ -163,6 +163,11 @@ def _fill_runtime_report(report: dict[str, Any], environ: Mapping[str, str]) -> 
     device_count_error = None if torch_npu is None else _fill_devices(report, torch_npu)
     _note_what_blocks_the_npu(report, status, device_count_error, environ, notes, blocker)
 
+    from fluxgrpo.runtime.npu_versions import cann_note
+
+    pairing = cann_note(report["torch_npu_version"], report["cann_version"])
+    if pairing is not None and pairing[1]:  # built for another CANN than the one installed (or none found)
+        notes.append(pairing[0])
     torch_release, npu_release = _release(report["torch_version"]), _release(report["torch_npu_version"])
     if torch_release and npu_release and torch_release != npu_release:
         notes.append(

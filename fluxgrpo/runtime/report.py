@@ -47,6 +47,7 @@ def _npu_section() -> dict[str, Any]:
 
         extra = cann.npu_runtime_report()
         section["cann_version"] = extra.get("cann_version")
+        section["torch_npu_version"] = section["torch_npu_version"] or extra.get("torch_npu_version")
         if extra.get("explanation"):
             section["explanation"] = extra["explanation"]
     except Exception as exc:  # the report must never fail
@@ -58,6 +59,13 @@ def _npu_section() -> dict[str, Any]:
             f"Until then a plain `import torch` fails in other programs unless {AUTOLOAD_ENV}=0 "
             "(fluxgrpo sets it for itself)."
         )
+    section["cann_for_torch_npu"] = None
+    if status.installed:  # the CANN the wheel is built for, from Ascend's compatibility table
+        from fluxgrpo.runtime.npu_versions import cann_note
+
+        note = cann_note(section["torch_npu_version"], section["cann_version"])
+        if note is not None:
+            section["cann_for_torch_npu"] = {"detail": note[0], "mismatch": note[1]}
     return section
 
 
@@ -133,6 +141,16 @@ def stack_warnings(dev: dict[str, Any]) -> list[tuple[str, str]]:
             )
         ]
     return []
+
+
+def cann_pairing_check(dev: dict[str, Any]) -> tuple[str, str, str | None] | None:
+    """(status, detail, fix) of the installed torch-npu against the CANN it needs; None without torch-npu."""
+    pairing = dev["accelerator_stack"].get("cann_for_torch_npu")
+    if not pairing:
+        return None
+    if pairing["mismatch"]:
+        return "warn", pairing["detail"], "install the matched set: torch X.Y.Z, torch-npu X.Y.Z[.postN] and its CANN"
+    return "ok", pairing["detail"], None
 
 
 def accelerator_env_report() -> list[dict[str, Any]]:
