@@ -6,11 +6,19 @@ What is compared, on the device:
 - ``rms_norm``: ``npu.NpuFusedRMSNorm`` (``torch_npu.npu_rms_norm``) against the ``torch.nn.RMSNorm`` it replaces,
   x [1, T, 24, 128] in the dtype, an fp32 master weight spread over [0.5, 1.5]. Fused rounds once, torch twice:
   they agree to one rounding, so the tolerance is 2 ulps: 2⁻⁷ (bf16), 1e-5 (fp32 accumulation order).
+  Against float64 as well: a kernel that normalises in low precision shows there (clearest in fp32). The same
+  without a weight (``rms_norm (no weight)``): npu_rms_norm has no weightless form and crashes without a gamma
+  (diffusers issue 14380), so the swap must hand it a unit one.
+- ``layer_norm``: FLUX's block LayerNorm (3072 wide, no affine) under the device's autocast against float64, on
+  inputs far from 0 (offset 4, spread 0.25) where statistics taken in low precision lose the variance
+  (vllm-omni PR 2364: low-precision LayerNorm broke RL): 2⁻⁷ (bf16), 1e-5 (fp32).
 - ``rope``: the FLUX position embedding the adaptation leaves on the model (diffusers' own when it already works in
   float32 on npu, else ``npu.Float32FluxPosEmbed``; on the stand-in path always the latter) against diffusers'
   float64 one on the host. The table must come out float32 (the recipe's requirement: float64 is not supported on
   the device) within 1e-5 of the float64 table; then q [1, T, 24, 128] in the dtype is rotated with both tables
-  (diffusers' ``apply_rotary_emb``) and compared: 2⁻⁷ (bf16), 1e-5 (fp32).
+  (diffusers' ``apply_rotary_emb``) and compared: 2⁻⁷ (bf16), 1e-5 (fp32). Position ids in bf16 must be refused
+  where they enter RoPE (``npu.guard_position_ids``; verl-omni's rollout/trainer log-prob correlation fell to 0.13
+  with bf16 position ids).
 - ``attention (sdpa)``: torch's scaled_dot_product_attention on the device (FlashAttentionScore under torch_npu,
   flash/memory-efficient on CUDA) against softmax(q·kᵀ/√d)·v written out in fp32 with TF32/HF32 off;
   tolerance 2⁻⁶ (bf16: the kernel rounds P and the output) and 2⁻⁸ (fp32: training allows TF32/HF32 matmuls,
@@ -41,6 +49,7 @@ FLUX_ROPE_AXES = (16, 56, 56)
 FLUX_ROPE_THETA = 10000
 TOLERANCE = {
     "rms_norm": {"bf16": 2**-7, "fp32": 1e-5},
+    "layer_norm": {"bf16": 2**-7, "fp32": 1e-5},
     "rope": {"bf16": 2**-7, "fp32": 1e-5},
     "attention": {"bf16": 2**-6, "fp32": 2**-8},
 }
@@ -89,29 +98,72 @@ def _normwise(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
-def _rms_norm(device: torch.device, tokens: int, dtype: str) -> KernelComparison:
+def _rms_norm(device: torch.device, tokens: int, dtype: str, affine: bool = True) -> KernelComparison:
+    """The fused q/k norm against torch.nn.RMSNorm and against float64 (a kernel that normalises in low precision
+    is caught by the latter); ``affine=False``: a norm without weight, which npu_rms_norm cannot take as such (it
+    crashes without a gamma, diffusers issue 14380): the swap must hand it a unit one."""
     from fluxgrpo.runtime.npu import NpuFusedRMSNorm
 
     generator = torch.Generator().manual_seed(0)
-    plain = torch.nn.RMSNorm(FLUX_HEAD_DIM, eps=1e-6)
-    with torch.no_grad():
-        plain.weight.copy_(torch.rand(FLUX_HEAD_DIM, generator=generator) + 0.5)
+    plain = torch.nn.RMSNorm(FLUX_HEAD_DIM, eps=1e-6, elementwise_affine=affine)
+    if affine:
+        with torch.no_grad():
+            plain.weight.copy_(torch.rand(FLUX_HEAD_DIM, generator=generator) + 0.5)
     plain = plain.to(device)
     fused = NpuFusedRMSNorm(plain)
     x = torch.randn(1, tokens, FLUX_HEADS, FLUX_HEAD_DIM, generator=generator).to(device=device, dtype=_DTYPES[dtype])
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch's "cannot dispatch to fused implementation" for bf16 x, fp32 weight
-        got, want = fused(x), plain(x)
+    op, shape = "rms_norm" if affine else "rms_norm (no weight)", f"[1, {tokens}, {FLUX_HEADS}, {FLUX_HEAD_DIM}]"
+    kernel = "torch_npu.npu_rms_norm vs torch.nn.RMSNorm and float64"
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's "cannot dispatch to fused implementation" for bf16 x, fp32 weight
+            got, want = fused(x), plain(x)
+    except Exception as exc:  # a kernel that refuses what the swap hands it: the check's answer, not a crash
+        return KernelComparison(op, dtype, None, TOLERANCE["rms_norm"][dtype], kernel, shape, _first_line(exc))
+    x64 = x.double()
+    exact = x64 * torch.rsqrt(x64.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
+    if affine:
+        exact = exact * plain.weight.detach().double()
     problem = None if got.dtype == want.dtype else f"returns {got.dtype}, torch.nn.RMSNorm {want.dtype}"
     return KernelComparison(
-        "rms_norm",
+        op,
         dtype,
-        _normwise(got, want),
+        max(_normwise(got, want), _normwise(got, exact)),
         TOLERANCE["rms_norm"][dtype],
-        "torch_npu.npu_rms_norm vs torch.nn.RMSNorm",
-        f"[1, {tokens}, {FLUX_HEADS}, {FLUX_HEAD_DIM}]",
+        kernel,
+        shape,
         problem,
     )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+FLUX_HIDDEN = FLUX_HEADS * FLUX_HEAD_DIM  # 3072: the width of FLUX's AdaLayerNorm LayerNorms
+
+
+def _layer_norm(device: torch.device, tokens: int, dtype: str) -> KernelComparison:
+    """FLUX's block LayerNorm (no affine, eps 1e-6) as the forward runs it, on bf16 hidden states under the
+    device's autocast, against float64. The input sits far from 0 (offset 4, spread 0.25), as FLUX's hidden states
+    do: statistics taken in low precision lose the variance there (E[x²] − E[x]² cancels), one rounding of the
+    output does not."""
+    generator = torch.Generator().manual_seed(3)
+    x = 4 + 0.25 * torch.randn(1, tokens, FLUX_HIDDEN, generator=generator)
+    x = x.to(device=device, dtype=_DTYPES[dtype])
+    norm = torch.nn.LayerNorm(FLUX_HIDDEN, elementwise_affine=False, eps=1e-6).to(device)
+    shape, kernel = f"[1, {tokens}, {FLUX_HIDDEN}]", f"LayerNorm on {device.type} under autocast vs float64"
+    try:
+        with torch.no_grad(), rt_device.autocast(device.type, _DTYPES[dtype]):
+            got = norm(x)
+    except Exception as exc:
+        return KernelComparison(
+            "layer_norm", dtype, None, TOLERANCE["layer_norm"][dtype], kernel, shape, _first_line(exc)
+        )
+    x64 = x.double()
+    exact = (x64 - x64.mean(-1, keepdim=True)) / torch.sqrt(x64.var(-1, unbiased=False, keepdim=True) + 1e-6)
+    return KernelComparison("layer_norm", dtype, _normwise(got, exact), TOLERANCE["layer_norm"][dtype], kernel, shape)
 
 
 def _flux_ids(height: int, width: int, text_tokens: int) -> torch.Tensor:
@@ -142,6 +194,8 @@ def _rope(device: torch.device, device_type: str, ids: torch.Tensor, dtypes: tup
         table_problem = f"the RoPE table comes out {cos.dtype}, not torch.float32"
     elif table_error > ROPE_TABLE_TOLERANCE:
         table_problem = f"the RoPE table is {table_error:.1e} from float64 (> {ROPE_TABLE_TOLERANCE:g})"
+    elif (accepted := _accepts_half_ids(holder, ids.to(device))) is not None:
+        table_problem = accepted
     out = []
     tokens = ids.shape[0]
     generator = torch.Generator().manual_seed(1)
@@ -162,6 +216,21 @@ def _rope(device: torch.device, device_type: str, ids: torch.Tensor, dtypes: tup
             )
         )
     return out
+
+
+def _accepts_half_ids(holder: torch.nn.Module, ids: torch.Tensor) -> str | None:
+    """None when the adapted model refuses position ids in bf16 (``npu.guard_position_ids``); else the problem:
+    bf16 ids would reach RoPE unnoticed."""
+    from fluxgrpo.errors import FluxgrpoError
+    from fluxgrpo.runtime.npu import guard_position_ids
+
+    guard_position_ids(holder)  # as adapt_flux_for_npu guards the run's model
+    try:
+        with torch.no_grad():
+            holder.pos_embed(ids.to(torch.bfloat16))
+    except FluxgrpoError:
+        return None
+    return "position ids in bfloat16 reach RoPE unrefused"
 
 
 def _plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device_type: str) -> torch.Tensor:
@@ -238,6 +307,8 @@ def compare_swapped_kernels(
     out: list[KernelComparison] = []
     if _swaps_norm_and_rope(device_type):
         out += [_rms_norm(device, tokens, dtype) for dtype in dtypes]
+        out += [_rms_norm(device, tokens, dtype, affine=False) for dtype in dtypes]
+        out += [_layer_norm(device, tokens, dtype) for dtype in dtypes]
         out += _rope(device, device_type, ids, dtypes)
     out += _attention(device, device_type, tokens, dtypes)
     return out

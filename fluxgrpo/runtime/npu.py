@@ -306,6 +306,29 @@ def patch_rope(transformer: nn.Module, force: bool = False) -> bool:
     return replaced
 
 
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _refuse_half_position_ids(module: nn.Module, args: tuple) -> None:
+    """``pos_embed``'s forward pre-hook: FLUX's position ids must reach RoPE in float32 or an integer dtype."""
+    ids = args[0] if args else None
+    if isinstance(ids, torch.Tensor) and ids.dtype in _HALF_DTYPES:
+        raise FluxgrpoError(
+            f"FLUX's position ids reach RoPE in {str(ids.dtype).removeprefix('torch.')}: positions above 256 are "
+            "no longer whole numbers there and every rotation drifts (verl-omni's rollout/trainer log-prob "
+            "correlation fell to 0.13 this way): keep img_ids and txt_ids in float32 or int64; this is a fluxgrpo "
+            "bug, please report it with FLUXGRPO_DEBUG=1's traceback"
+        )
+
+
+def guard_position_ids(transformer: nn.Module) -> None:
+    """Refuse half-precision position ids at ``transformer.pos_embed`` (once per module; survives FSDP)."""
+    pos_embed = getattr(transformer, "pos_embed", None)
+    if pos_embed is not None and not getattr(pos_embed, "_fluxgrpo_ids_guard", False):
+        pos_embed.register_forward_pre_hook(_refuse_half_position_ids)
+        pos_embed._fluxgrpo_ids_guard = True
+
+
 def _validate_attention(name: str, compute_dtype: torch.dtype) -> None:
     # The name itself is checked once, with the config (``adapt.ATTENTION_BACKENDS``, --attention's choices).
     if name == "npu-fusion" and compute_dtype not in (torch.bfloat16, torch.float16):
@@ -394,6 +417,7 @@ def adapt_flux_for_npu(
     rmsnorm_modules = swap_flux_rmsnorm(transformer)
     rope_replaced, rope_reason = _patch_rope(transformer, force)
     logger.info("RoPE: %s", rope_reason)
+    guard_position_ids(transformer)  # bf16 ids broke RL on NPUs in 2026: refused where they would enter RoPE
     backend = set_attention_backend(transformer, attention, compute_dtype)
     return NpuAdaptReport(
         rmsnorm_modules=rmsnorm_modules,

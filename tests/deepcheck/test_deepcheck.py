@@ -96,7 +96,9 @@ def test_kernels_pass_under_the_stand_in_and_a_wrong_rope_dtype_fails(stand_in_a
     results = check_kernels(cpu, 32, 32, 8)
     names = [r.name for r in results]
     assert names == [
-        "kernel rms_norm bf16", "kernel rms_norm fp32", "kernel rope bf16", "kernel rope fp32",
+        "kernel rms_norm bf16", "kernel rms_norm fp32", "kernel rms_norm (no weight) bf16",
+        "kernel rms_norm (no weight) fp32", "kernel layer_norm bf16", "kernel layer_norm fp32",
+        "kernel rope bf16", "kernel rope fp32",
         "kernel attention (sdpa) bf16", "kernel attention (sdpa) fp32", "kernel attention (npu-fusion) bf16",
     ]  # fmt: skip
     assert all(r.status == PASSED for r in results), [(r.name, r.detail) for r in results]

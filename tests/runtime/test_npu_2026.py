@@ -15,7 +15,7 @@ import pytest
 import torch
 
 # diffusers decides at import whether torch_npu exists; import it while the stand-in is not on sys.path.
-from diffusers import FluxTransformer2DModel  # noqa: F401
+from diffusers import FluxTransformer2DModel
 
 from fluxgrpo.runtime import device as rt
 from fluxgrpo.runtime.npu_versions import cann_matches, cann_note, normalise_wheel, release_of
@@ -87,3 +87,144 @@ def test_env_check_warns_when_the_installed_cann_is_not_the_wheels(stand_in, mon
     assert mismatched["status"] == "warn", mismatched
     assert "torch-npu 2.7.1.post8 is TorchNPU 26.1.0 and needs CANN 9.1.0" in mismatched["detail"]
     assert "but CANN 8.3.RC1 is installed" in mismatched["detail"] and "2.7.1" in mismatched["detail"]
+
+
+# --------------------------------------------------------------------------------------------- numerics
+
+
+def _tiny_flux() -> FluxTransformer2DModel:
+    from fluxgrpo.models.tiny import TINY_TRANSFORMER_CONFIG
+
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(**{**TINY_TRANSFORMER_CONFIG, "in_channels": 16})
+
+
+def _tiny_inputs(ids_dtype: torch.dtype) -> dict:
+    g = torch.Generator().manual_seed(1)
+    rows = torch.arange(17.0)  # a 17 × 17 latent grid
+    img_ids = torch.stack(torch.meshgrid(torch.zeros(1), rows, rows, indexing="ij"), -1).reshape(-1, 3)
+    return dict(
+        hidden_states=torch.randn(1, 289, 16, generator=g),
+        encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
+        pooled_projections=torch.randn(1, 32, generator=g),
+        timestep=torch.tensor([0.5]),
+        img_ids=img_ids.to(ids_dtype),
+        txt_ids=torch.zeros(8, 3, dtype=ids_dtype),
+        guidance=torch.tensor([3.5]),
+        return_dict=False,
+    )
+
+
+def test_position_ids_in_bf16_are_refused_where_they_enter_rope(stand_in):
+    from fluxgrpo.errors import FluxgrpoError
+    from fluxgrpo.runtime.npu import adapt_flux_for_npu
+
+    model = _tiny_flux()
+    adapt_flux_for_npu(model, compute_dtype=torch.bfloat16, force=True)
+    with torch.no_grad():
+        model(**_tiny_inputs(torch.float32))  # float32 (or int64) ids: as the run builds them
+        with pytest.raises(FluxgrpoError, match=r"position ids reach RoPE in bfloat16: .* float32 or int64"):
+            model(**_tiny_inputs(torch.bfloat16))
+
+
+def _kernels(height: int = 64) -> dict[str, list]:
+    from fluxgrpo.runtime.kernel_check import compare_swapped_kernels
+
+    out: dict[str, list] = {}
+    for comparison in compare_swapped_kernels(torch.device("cpu"), height, height, 12):
+        out.setdefault(comparison.op, []).append(comparison)
+    return out
+
+
+@pytest.fixture
+def deep_on_stand_in(stand_in, monkeypatch):
+    """The deep check's kernel comparisons as they run on an NPU, on the stand-in."""
+    monkeypatch.setenv("FLUXGRPO_FORCE_NPU_ADAPT", "1")
+    return stand_in
+
+
+def test_the_deep_check_passes_the_swapped_norms_rope_and_layer_norm(deep_on_stand_in):
+    kernels = _kernels()
+    for op in ("rms_norm", "rms_norm (no weight)", "layer_norm", "rope"):
+        assert [c.ok for c in kernels[op]] == [True, True], (op, kernels[op])
+
+
+def test_the_deep_check_catches_npu_rms_norm_called_without_a_gamma(deep_on_stand_in, monkeypatch):
+    import torch_npu
+
+    from fluxgrpo.runtime import npu
+
+    def without_gamma(self, hidden_states):  # what diffusers issue 14380 did: the weightless norm's None as gamma
+        return torch_npu.npu_rms_norm(hidden_states, self.weight, epsilon=self.eps or 1e-6)[0]
+
+    monkeypatch.setattr(npu.NpuFusedRMSNorm, "forward", without_gamma)
+    kernels = _kernels()
+    assert [c.ok for c in kernels["rms_norm"]] == [True, True]
+    weightless = kernels["rms_norm (no weight)"]
+    assert not any(c.ok for c in weightless) and "gamma is required" in (weightless[0].problem or ""), weightless
+
+
+def test_the_deep_check_catches_low_precision_norms(deep_on_stand_in, monkeypatch):
+    import torch_npu
+
+    def bf16_layer_norm(x, shape, weight=None, bias=None, eps=1e-5):  # statistics in bf16
+        x = x.to(torch.bfloat16)
+        mean = x.mean(-1, keepdim=True)
+        return (x - mean) * torch.rsqrt(((x * x).mean(-1, keepdim=True) - mean * mean).clamp_min(0) + eps)
+
+    def bf16_rms_norm(x, gamma, epsilon=1e-6):
+        low = x.to(torch.bfloat16)
+        mean_square = (low * low).mean(-1, keepdim=True)
+        return (low * torch.rsqrt(mean_square + epsilon) * gamma.to(torch.bfloat16)).to(x.dtype), mean_square.float()
+
+    assert all(c.ok for c in _kernels()["layer_norm"])
+    monkeypatch.setattr(torch.nn.functional, "layer_norm", bf16_layer_norm)
+    monkeypatch.setattr(torch_npu, "npu_rms_norm", bf16_rms_norm)
+    kernels = _kernels()
+    assert not any(c.ok for c in kernels["layer_norm"]), kernels["layer_norm"]
+    fp32 = {c.dtype: c for c in kernels["rms_norm"]}["fp32"]  # the fp32 comparison shows a bf16 kernel plainly
+    assert not fp32.ok and fp32.max_error is not None and fp32.max_error > 100 * fp32.tolerance
+
+
+def test_the_deep_check_catches_a_model_that_lets_bf16_ids_into_rope(deep_on_stand_in, monkeypatch):
+    from fluxgrpo.runtime import npu
+
+    monkeypatch.setattr(npu, "guard_position_ids", lambda transformer: None)
+    rope = _kernels()["rope"]
+    assert not any(c.ok for c in rope) and "bfloat16 reach RoPE unrefused" in (rope[0].problem or ""), rope
+
+
+def test_the_first_micro_batch_log_ratio_shows_numerics_that_differ_between_rollout_and_update(
+    tiny_weights, tiny_embeddings, tmp_path, monkeypatch
+):
+    """The training metric: on-policy, the update must recompute the rollout's log-probs, so the first micro-batch's
+    |log ρ| is 0 on cpu. A norm or RoPE that runs in low precision in one phase only (a training path that falls
+    back to an unfused op, verl PR 6330; bf16 RoPE inputs on one side, verl-omni) moves it by orders of magnitude."""
+    from diffusers.models.transformers import transformer_flux
+    from training_helpers import run, tiny_config
+
+    def first_ratio(out: str) -> float:
+        cfg = tiny_config(tiny_weights, tiny_embeddings, tmp_path / out, max_train_steps=1, checkpointing_steps=1)
+        return run(cfg)[0]["first_abs_log_ratio"]
+
+    clean = first_ratio("clean")
+    assert clean == 0.0  # the same code and dtype in both phases: exactly the rollout's log-probs on cpu
+    real_norm, real_rope = torch.nn.RMSNorm.forward, transformer_flux.FluxPosEmbed.forward
+
+    def norm_low_in_training(self, x):  # the update (train mode) normalises in bf16, the rollout (eval) in fp32
+        out = real_norm(self, x)
+        return out.to(torch.bfloat16).to(out.dtype) if self.training else out
+
+    monkeypatch.setattr(torch.nn.RMSNorm, "forward", norm_low_in_training)
+    norm_ratio = first_ratio("norm")
+    monkeypatch.setattr(torch.nn.RMSNorm, "forward", real_norm)
+
+    def rope_low_in_training(self, ids):  # the update's RoPE table in bf16, the rollout's in float32
+        cos, sin = real_rope(self, ids)
+        if self.training:
+            return cos.to(torch.bfloat16).to(cos.dtype), sin.to(torch.bfloat16).to(sin.dtype)
+        return cos, sin
+
+    monkeypatch.setattr(transformer_flux.FluxPosEmbed, "forward", rope_low_in_training)
+    rope_ratio = first_ratio("rope")
+    assert min(norm_ratio, rope_ratio) > 1e-7, (norm_ratio, rope_ratio)  # measured 1.7e-6 and 7e-7

@@ -8,7 +8,7 @@ What it models, from the op documentation (shared/reference/torch-npu-api.md §4
 
 - ``npu_rms_norm(x, gamma, epsilon)`` returns ``(y, rstd)``; ``y`` has ``x``'s dtype and is computed in float32
   with one rounding at the end; only the (x, gamma) dtype pairs the A2/A3 kernel accepts are allowed, so a caller
-  that sends (float32, bfloat16) fails here as it would on the device.
+  that sends (float32, bfloat16) fails here as it would on the device, and so does one without a gamma.
 - ``npu_fusion_attention(q, k, v, head_num, input_layout, ...)`` for the ``BSND`` and ``BNSD`` layouts, with the
   inverted mask (True = masked out) and ``scale`` defaulting to 1.0 as on the device; dropout is not modelled.
 
@@ -52,6 +52,8 @@ def npu_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6)
     rstd is float32 with x's shape and size-1 in gamma's dims.
     """
     CALLS["npu_rms_norm"] += 1
+    if gamma is None:  # the kernel has no weightless form: it crashes (diffusers issue 14380)
+        raise RuntimeError("npu_rms_norm: gamma is required (got None)")
     if (self.dtype, gamma.dtype) not in RMS_NORM_DTYPE_PAIRS:
         raise RuntimeError(f"npu_rms_norm: unsupported dtype pair (x={self.dtype}, gamma={gamma.dtype})")
     if not 2 <= self.dim() <= 8:
