@@ -62,11 +62,14 @@ grpo moves the right mean by 0.10 (noise: its y-mean, which must get 0 by symmet
 (the component has Φ(−4) ≈ 3·10⁻⁵ of its mass below 0, so moving it hardly changes the reward). grpo's step is
 E[A·∇ log p(path)], the policy gradient; the others step along advantage-weighted flow matching (nft at θ = θ_old,
 awm, vgrpo: Σ A·∇(weighted x-prediction error)) or a leap of the anchor's Euler step towards high-advantage
-candidates (neighbor): a surrogate whose gradient reaches the component means through the high-noise part of the
-velocity field, where moving a mean changes the field much as raising that component's weight does. Every
-distribution on x₀ > 0 has reward 1, so without a KL nothing pulls the shape back: these objectives converge to
+candidates (neighbor), whose gradient reaches the means through the high-noise part of the velocity field. There,
+at σ → 1, the model's x̂0 is Σ_k π_k·m_k: the step that moves x̂0 towards the positives can raise π_R
+(∂x̂0₀/∂logit_R = π_R·π_L·(m_R − m_L) = 1) or move either mean (∂x̂0₀/∂m_k = π_k = ½), and a gradient splits
+1 : ½ : ½ between them. Measured on 200,000 exact samples with A = ±1 and the unweighted flow-matching loss: the
+means move at 0.50× the logit at σ = 0.95, 0.46× at 0.8, −0.04× at 0.6; under the likelihood's gradient at 0.01×.
+Every distribution on x₀ > 0 has reward 1, so without a KL nothing pulls the shape back: these objectives converge to
 *an* optimum of the unregularised problem, not to the tilt's limit. With the velocity KL to the base (``+kl``) the
-shape holds for nft, awm and vgrpo and the mass still moves (to 0.73–0.77, a tilt of β ≈ 1): the objectives reach
+shape holds for nft, awm and vgrpo and the mass still moves (to 0.73–0.77: the tilt of that weight has β ≈ 0.8–1): the objectives reach
 a tilt when regularised as their authors run them (DiffusionNFT β_KL 1e-4, AWM 1e-3 and its EMA pull). Each of
 them matches its authors' formula (``algorithms.md`` §6 and the objectives' parity tests): what the toy shows is
 the objectives' math, not a fluxgrpo defect. Neighbor GRPO with a KL (0.1) keeps its shape (right mean 2.11, std 0.42
