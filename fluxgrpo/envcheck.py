@@ -246,9 +246,9 @@ def collect_report(
         checks.append(Check("shared memory", "ok", f"/dev/shm {_gib(shm['total_bytes'])}"))
     checks.append(Check("disk", "ok", f"{_gib(report['disk']['free_bytes'])} free at {report['disk']['path']}"))
     checks += [Check("accelerator stack", "warn", detail, fix) for detail, fix in stack_warnings(dev)]
-    pairing = cann_pairing_check(dev)  # the CANN the installed torch-npu is built for
+    pairing = cann_pairing_check(dev)  # the accelerator wheel against the runtime release it is built for
     if pairing is not None:
-        checks.append(Check("torch-npu / CANN", *pairing))
+        checks.append(Check(*pairing))
     # several nodes: node 0's rendezvous endpoint and the interface the backends will talk through
     checks += [Check(*check) for check in rendezvous_checks(dev["type"], nnodes, rdzv_endpoint)]
     report["checks"] = [asdict(c) for c in checks]

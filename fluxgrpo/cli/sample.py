@@ -114,8 +114,8 @@ def command(
       fluxgrpo sample --prompts prompts.txt --images-per-prompt 4
       fluxgrpo sample --checkpoint data/outputs/grpo --prompts prompts.txt \\
           --images-per-prompt 4 --dies 8
-      fluxgrpo sample --checkpoint data/outputs/shapes-cpu --prompts shapes-heldout \\
-          --images-per-prompt 4
+      fluxgrpo sample --checkpoint data/outputs/shapes-cpu \\
+          --prompts shapes-heldout --images-per-prompt 4
     """
     from fluxgrpo.data.prompts import read_prompts
     from fluxgrpo.errors import UsageError

@@ -143,14 +143,18 @@ def stack_warnings(dev: dict[str, Any]) -> list[tuple[str, str]]:
     return []
 
 
-def cann_pairing_check(dev: dict[str, Any]) -> tuple[str, str, str | None] | None:
-    """(status, detail, fix) of the installed torch-npu against the CANN it needs; None without torch-npu."""
+CANN_PAIRING_CHECK = "torch-npu / CANN"
+
+
+def cann_pairing_check(dev: dict[str, Any]) -> tuple[str, str, str, str | None] | None:
+    """(check name, status, detail, fix) of the installed torch-npu against the CANN it needs; None without one."""
     pairing = dev["accelerator_stack"].get("cann_for_torch_npu")
     if not pairing:
         return None
     if pairing["mismatch"]:
-        return "warn", pairing["detail"], "install the matched set: torch X.Y.Z, torch-npu X.Y.Z[.postN] and its CANN"
-    return "ok", pairing["detail"], None
+        fix = "install the matched set: torch X.Y.Z, torch-npu X.Y.Z[.postN] and its CANN"
+        return CANN_PAIRING_CHECK, "warn", pairing["detail"], fix
+    return CANN_PAIRING_CHECK, "ok", pairing["detail"], None
 
 
 def accelerator_env_report() -> list[dict[str, Any]]:
