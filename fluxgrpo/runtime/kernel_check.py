@@ -225,9 +225,10 @@ def _accepts_half_ids(holder: torch.nn.Module, ids: torch.Tensor) -> str | None:
     from fluxgrpo.runtime.npu import guard_position_ids
 
     guard_position_ids(holder)  # as adapt_flux_for_npu guards the run's model
+    pos_embed: Any = holder.pos_embed  # a module set by the caller, so typed by what it returns
     try:
         with torch.no_grad():
-            holder.pos_embed(ids.to(torch.bfloat16))
+            pos_embed(ids.to(torch.bfloat16))
     except FluxgrpoError:
         return None
     return "position ids in bfloat16 reach RoPE unrefused"
