@@ -93,9 +93,8 @@ def command(
           --reward hpsv2,imagereward,hpsv3
       fluxgrpo score --index data/outputs/samples/shapes/index.json \\
           --reward shapes
-      fluxgrpo sample --prompts shapes-heldout --images-per-prompt 32 --steps 12 \\
-          --out data/outputs/samples/headroom && \\
-      fluxgrpo score --index data/outputs/samples/headroom --reward shapes --headroom
+      fluxgrpo score --index data/outputs/samples/shapes/index.json \\
+          --reward shapes --headroom
 
     --reward shapes (the shapes world's checker, no weights) also prints the strict all-claims rate and, on the
     world's held-out captions, the seen- and novel-combination scores apart ("details" in --json).

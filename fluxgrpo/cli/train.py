@@ -175,6 +175,7 @@ def _summarize_run(cfg: TrainConfig, records: list[dict[str, Any]], json_output:
     }
     warning = collapse_warning(cfg.output_dir, records)
     result["collapse_warning"] = warning
+    result["per_prompt"] = _per_prompt(cfg, held_out)
     if json_output:
         print_json(result)
     elif trend is not None:
@@ -194,6 +195,8 @@ def _summarize_run(cfg: TrainConfig, records: list[dict[str, Any]], json_output:
                 + _against_noise(change)
                 + _headroom_share(change, cfg.eval_images_per_prompt)
             )
+    if held_out and not json_output:
+        _print_per_prompt(result["per_prompt"])
     if stopped:  # a clean end, told apart from success and failure by its exit code (training/guards.py)
         log(stopped["guard_stop_message"])  # one line, never cut (the rule, the iteration, the values)
         raise typer.Exit(GUARD_STOP_EXIT_CODE)
@@ -205,6 +208,30 @@ def _against_noise(change: dict[str, float]) -> str:
 
     verdict = noise_verdict(change)
     return "" if verdict is None else f", {verdict}"
+
+
+# The overfit check trains on a handful of prompts and evaluates those: its closing lines say each one's change.
+PER_PROMPT_LINES = 8
+
+
+def _per_prompt(cfg: TrainConfig, held_out: dict[str, dict[str, float]]) -> dict[str, list[dict[str, Any]]]:
+    """Per-prompt first → last evaluation of each held-out reward, when there are few prompts; else {}."""
+    from fluxgrpo.training.eval import per_prompt_change
+
+    if not held_out:
+        return {}
+    change = next(iter(held_out.values()))
+    table = per_prompt_change(cfg.output_dir, int(change["first_iteration"]), int(change["last_iteration"]))
+    return table if table and all(len(rows) <= PER_PROMPT_LINES for rows in table.values()) else {}
+
+
+def _print_per_prompt(table: dict[str, list[dict[str, Any]]]) -> None:
+    for name, rows in table.items():
+        for row in rows:
+            strict = (
+                f" (every claim {row['first_strict']:.2f} → {row['last_strict']:.2f})" if "first_strict" in row else ""
+            )
+            say(f"  {name} {row['first']:.4f} → {row['last']:.4f}{strict} over {row['images']} images: {row['prompt']}")
 
 
 def _headroom_share(change: dict[str, float], images_per_prompt: int) -> str:

@@ -204,8 +204,9 @@ class TrainConfig:
     )
     eval_prompts: str = _opt(
         "",
-        "Held-out prompt file, one per line, a benchmark set fetched with fetch-weights (hpdv2), or shapes-heldout "
-        "(the shapes world's held-out captions, shipped); empty: the 48 held-out prompts shipped with fluxgrpo.",
+        "Held-out prompt file, one per line, a benchmark set fetched with fetch-weights (hpdv2), shapes-heldout "
+        "(the shapes world's held-out captions, shipped), or training (the run's own training captions, on fresh "
+        "seeds: the overfit check); empty: the 48 held-out prompts shipped with fluxgrpo.",
     )
     eval_images_per_prompt: int = _opt(1, "Images per held-out prompt (image j of prompt i always has the same seed).")
     eval_steps: int = _opt(28, "Denoising steps of the deterministic (ODE) evaluation sampler, as `fluxgrpo sample`.")

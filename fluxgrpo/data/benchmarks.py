@@ -59,8 +59,16 @@ def eval_prompts_path(value: str) -> Path:
     return benchmark_path(value) if value in BENCHMARKS else Path(value)
 
 
+# ``--eval-prompts training``: the run's own training captions (the overfit check: did the prompts it trains on
+# get better, judged on fresh seeds with the evaluation's sampler).
+TRAINING_SET = "training"
+
+
 def eval_prompts_problem(value: str) -> str | None:
-    """Why ``--eval-prompts value`` cannot be read, or None."""
+    """Why ``--eval-prompts value`` cannot be read, or None (``training`` is read from the run's prompt index, which
+    the data checks already require)."""
+    if value == TRAINING_SET:
+        return None
     path = eval_prompts_path(value)
     if path.is_file():
         return None
@@ -70,5 +78,5 @@ def eval_prompts_problem(value: str) -> str | None:
             f"--eval-prompts {value}: {path} is missing; fetch it with `fluxgrpo fetch-weights --only {part}` "
             f"(or pass the fetched file's path if you used --prompts-dir)"
         )
-    names = ", ".join([*SHIPPED_SETS, *BENCHMARKS])
+    names = ", ".join([*SHIPPED_SETS, *BENCHMARKS, TRAINING_SET])
     return f"--eval-prompts {value}: no such file (one prompt per line), nor a benchmark name ({names})"

@@ -47,12 +47,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fluxgrpo.errors import UsageError
+from fluxgrpo.lab import stages
 from fluxgrpo.lab.build_hps import judged_base_samples, train_hps, write_hps
 from fluxgrpo.lab.plan import (
     BUILD_INFO,
     FLUX_SUBDIR,
     FULL_PLAN,
     HPS_SUBDIR,
+    PLANS,
     QUICK_PLAN,
     BuildPlan,
     log,
@@ -69,8 +71,10 @@ if TYPE_CHECKING:
     from transformers import CLIPTextModel, PreTrainedTokenizerBase, T5EncoderModel
 
 
-def render_dataset(count: int, seed: int, captions: list[str] | None = None) -> tuple[np.ndarray, list[int]]:
-    """``count`` images [N, 64, 64, 3] uint8 of ``captions`` (the training captions by default), and each image's
+def render_dataset(
+    count: int, seed: int, captions: list[str] | None = None, size: int = 64
+) -> tuple[np.ndarray, list[int]]:
+    """``count`` images [N, size, size, 3] uint8 of ``captions`` (the training captions by default), and each image's
     caption index.
 
     A family is drawn first, then one of its captions, so the many position captions do not crowd out the rest.
@@ -81,11 +85,11 @@ def render_dataset(count: int, seed: int, captions: list[str] | None = None) -> 
         by_family.setdefault(world.parse_caption(text).family, []).append(index)
     families = sorted(by_family)
     rng = random.Random(seed)
-    images = np.empty((count, 64, 64, 3), dtype=np.uint8)
+    images = np.empty((count, size, size, 3), dtype=np.uint8)
     indices = []
     for n in range(count):
         index = rng.choice(by_family[rng.choice(families)])
-        images[n] = world.render(world.sample_scene(world.parse_caption(captions[index]), rng, 64))
+        images[n] = world.render(world.sample_scene(world.parse_caption(captions[index]), rng, size))
         indices.append(index)
     return images, indices
 
@@ -102,7 +106,7 @@ def train_vae(images: np.ndarray, plan: BuildPlan) -> tuple[AutoencoderKL, list[
     from diffusers import AutoencoderKL
 
     torch.manual_seed(plan.seed)
-    vae = AutoencoderKL(**WORLD_VAE_CONFIG)
+    vae = AutoencoderKL(**{**WORLD_VAE_CONFIG, "sample_size": plan.image_size})
     optimizer = torch.optim.AdamW(vae.parameters(), lr=plan.vae_lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(plan.seed + 10)
     losses = []
@@ -308,7 +312,7 @@ def train_transformer(
     packed = pack_latents(latents)
     captions = torch.tensor(caption_index)
     unconditional = len(t5_ids) - 1
-    img_ids = image_ids(64, 64)
+    img_ids = image_ids(plan.image_size, plan.image_size)
     text_ids = torch.zeros(WORLD_TEXT_LENGTH, 3)
     generator = torch.Generator().manual_seed(plan.seed + 20)
     losses = []
@@ -378,7 +382,7 @@ def distill_guidance(
     unconditional = len(embeds) - 1
     packed = pack_latents(latents)
     captions = torch.tensor(caption_index)
-    img_ids, text_ids = image_ids(64, 64), torch.zeros(WORLD_TEXT_LENGTH, 3)
+    img_ids, text_ids = image_ids(plan.image_size, plan.image_size), torch.zeros(WORLD_TEXT_LENGTH, 3)
     low, high = plan.distill_guidance_low, plan.distill_guidance_high
     generator = torch.Generator().manual_seed(plan.seed + 60)
     losses = []
@@ -439,45 +443,77 @@ def write_flux(
     pipeline.save_pretrained(folder)
 
 
-def build(out: Path, plan: BuildPlan = FULL_PLAN) -> dict[str, Any]:
-    """Run every stage and write ``out/flux`` (a diffusers FLUX folder), ``out/hps`` and ``out/build.json``."""
+def build(
+    out: Path, plan: BuildPlan = FULL_PLAN, *, resume: bool = False, stop_after: str | None = None
+) -> dict[str, Any]:
+    """Run every stage and write ``out/flux`` (a diffusers FLUX folder), ``out/hps`` and ``out/build.json``; each
+    long stage's output also goes to ``out/stages/`` (``lab/stages.py``). With ``resume``, a stage already built there
+    under this plan is read back instead of trained; ``stop_after`` ends the build after that stage (no
+    ``build.json`` then: the build is unfinished)."""
     import torch
 
+    stages.check_stop_after(stop_after)
     torch.set_num_threads(plan.threads)
     out = Path(out)
     info: dict[str, Any] = {"plan": asdict(plan), "torch": torch.__version__, "seconds": {}}
     start = time.monotonic()
 
-    images, caption_index = render_dataset(plan.images, plan.seed)
+    images, caption_index = render_dataset(plan.images, plan.seed, size=plan.image_size)
     every_caption = [caption.text() for caption in world.all_captions()]
-    vae_images, _ = render_dataset(plan.vae_images, plan.seed + 50, every_caption)
+    vae_images, _ = render_dataset(plan.vae_images, plan.seed + 50, every_caption, plan.image_size)
     info["seconds"]["render"] = round(time.monotonic() - start, 1)
 
     stage = time.monotonic()
-    vae, vae_losses = train_vae(vae_images, plan)
-    raw = encode_dataset(vae, images)
-    shift, scale = float(raw.mean()), float(1 / raw.std())
-    vae.register_to_config(shift_factor=round(shift, 4), scaling_factor=round(scale, 4))
-    latents = (raw - vae.config.shift_factor) * vae.config.scaling_factor
-    decoder_losses = finetune_decoder(vae, vae_images, plan)
-    info["seconds"]["vae"] = round(time.monotonic() - stage, 1)
-    vae.save_pretrained(out / FLUX_SUBDIR / "vae")  # early, so a long build can be inspected; rewritten below
-    info["vae"] = {"final_loss": float(np.mean(vae_losses[-20:])), "shift_factor": vae.config.shift_factor,
-                   "scaling_factor": vae.config.scaling_factor,
-                   "decoder_final_loss": float(np.mean(decoder_losses[-20:]))}  # fmt: skip
+    record = stages.finished(out, "vae", plan) if resume else None
+    if record is not None:
+        vae = stages.load_vae(out)
+        log(f"vae: read back from {stages.stage_dir(out, 'vae')}")
+    else:
+        stages.forget(out, "vae")
+        vae, vae_losses = train_vae(vae_images, plan)
+        raw = encode_dataset(vae, images)
+        shift, scale = float(raw.mean()), float(1 / raw.std())
+        vae.register_to_config(shift_factor=round(shift, 4), scaling_factor=round(scale, 4))
+        decoder_losses = finetune_decoder(vae, vae_images, plan)
+        record = {"final_loss": float(np.mean(vae_losses[-20:])), "shift_factor": vae.config.shift_factor,
+                  "scaling_factor": vae.config.scaling_factor,
+                  "decoder_final_loss": float(np.mean(decoder_losses[-20:])),
+                  "seconds": round(time.monotonic() - stage, 1)}  # fmt: skip
+        stages.save_vae(out, vae)
+        stages.mark_finished(out, "vae", plan, record)
+    # the encoder is frozen from the decoder's fine-tuning on: these are the latents the shift and scale were read on
+    latents = (encode_dataset(vae, images) - vae.config.shift_factor) * vae.config.scaling_factor
+    info["seconds"]["vae"] = record.pop("seconds")
+    info["vae"] = record
+    if stop_after == "vae":
+        return info
 
     stage = time.monotonic()
-    clip, clip_tokenizer, t5, t5_tokenizer = build_text_encoders(plan.seed + 3)
+    _, clip_tokenizer, _, t5_tokenizer = built = build_text_encoders(plan.seed + 3)
     # the training captions and, last, the empty one (caption dropout's and the distillation's unconditional row)
     token_ids = tokenize_captions(clip_tokenizer, t5_tokenizer, [*training_captions(), ""])
-    teacher, clip, t5, flow_losses = train_transformer(latents, caption_index, clip, t5, token_ids, plan)
-    info["seconds"]["transformer"] = round(time.monotonic() - stage, 1)
+    record = stages.finished(out, "transformer", plan) if resume else None
+    if record is not None:
+        teacher, clip, t5 = stages.load_transformer_stage(out)
+        log(f"transformer: read back from {stages.stage_dir(out, 'transformer')}")
+    else:
+        stages.forget(out, "transformer")
+        teacher, clip, t5, flow_losses = train_transformer(latents, caption_index, built[0], built[2], token_ids, plan)
+        record = {"final_loss": float(np.mean(flow_losses[-50:])), "seconds": round(time.monotonic() - stage, 1)}
+        stages.save_transformer_stage(out, teacher, clip, t5)
+        stages.mark_finished(out, "transformer", plan, record)
+    info["seconds"]["transformer"] = record["seconds"]
+    info["transformer"] = {"final_loss": record["final_loss"]}
+    if stop_after == "transformer":
+        return info
+
     stage = time.monotonic()
     transformer, distill_losses = distill_guidance(teacher, clip, t5, latents, caption_index, token_ids, plan)
     info["seconds"]["distillation"] = round(time.monotonic() - stage, 1)
-    info["transformer"] = {"final_loss": float(np.mean(flow_losses[-50:])),
-                           "distillation_final_loss": float(np.mean(distill_losses[-50:]))}  # fmt: skip
+    info["transformer"]["distillation_final_loss"] = float(np.mean(distill_losses[-50:]))
     write_flux(out / FLUX_SUBDIR, vae, transformer, clip, clip_tokenizer, t5, t5_tokenizer)
+    if stop_after == "distillation":
+        return info
 
     info["hps"], info["seconds"]["hps"] = hps_stage(out, plan, images, caption_index)
 
@@ -511,14 +547,23 @@ def rebuild_hps(out: Path, plan: BuildPlan = FULL_PLAN) -> dict[str, Any]:
     record = out / BUILD_INFO
     if not record.is_file() or not (out / FLUX_SUBDIR / "model_index.json").is_file():
         raise UsageError(f"--only hps needs a finished build in {out} (flux/ and {BUILD_INFO}): build it first")
-    info = json.loads(record.read_text())
+    try:
+        info = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--only hps: {record} cannot be read ({exc}): rebuild every stage") from None
+    seconds_read = isinstance(info, dict) and isinstance(info.get("seconds"), dict)
+    if not seconds_read or not isinstance(info.get("plan"), dict):
+        raise UsageError(f"--only hps: {record} is not a build's record (no plan or seconds): rebuild every stage")
     wanted = asdict(plan)
-    changed = [k for k, v in info["plan"].items() if not k.startswith("hps_") and k != "threads" and wanted.get(k) != v]
+    # a record from before a field existed was built at that field's default
+    defaults = asdict(BuildPlan())
+    built = {**{k: v for k, v in defaults.items() if k not in info["plan"]}, **info["plan"]}
+    changed = [k for k, v in built.items() if not k.startswith("hps_") and k != "threads" and wanted.get(k) != v]
     if changed:
         raise UsageError(
             f"--only hps: {out} was built with another plan ({', '.join(changed)} differ); rebuild every stage"
         )
-    images, caption_index = render_dataset(plan.images, plan.seed)
+    images, caption_index = render_dataset(plan.images, plan.seed, size=plan.image_size)
     hps_record, seconds = hps_stage(out, plan, images, caption_index)
     info["plan"] = wanted
     info["hps"] = {**hps_record, "rebuilt_alone": True}
@@ -535,21 +580,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=FULL_PLAN.seed)
     parser.add_argument("--threads", type=int, default=FULL_PLAN.threads, help="torch CPU threads (default 2)")
     parser.add_argument("--quick", action="store_true", help="a few steps per stage (the tests' shortened build)")
+    parser.add_argument("--plan", choices=sorted(PLANS), default="shipped", help="the sizes and lengths to build")
+    parser.add_argument(
+        "--resume", action="store_true", help="read back every stage already built in --out under this plan"
+    )
+    parser.add_argument("--stop-after", choices=stages.STAGES, help="end the build after this stage (resume later)")
     parser.add_argument(
         "--only",
         choices=["hps"],
         help="rerun one stage on a finished build in --out (hps: the tiny HPS, judged on that base model)",
     )
     args = parser.parse_args(argv)
-    plan = replace(QUICK_PLAN if args.quick else FULL_PLAN, seed=args.seed, threads=args.threads)
-    if args.only == "hps":
-        try:
+    plan = replace(QUICK_PLAN if args.quick else PLANS[args.plan], seed=args.seed, threads=args.threads)
+    try:
+        if args.only == "hps":
             info = rebuild_hps(Path(args.out), plan)
-        except UsageError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-    else:
-        info = build(Path(args.out), plan)
+        else:
+            info = build(Path(args.out), plan, resume=args.resume, stop_after=args.stop_after)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a read-only or full --out: one line naming the file
+        print(f"error: cannot write the build into {args.out}: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(info["seconds"]))
     return 0
 

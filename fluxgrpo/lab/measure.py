@@ -40,7 +40,7 @@ def sample_images(
 
 
 def sample_with(
-    pipe: Any, prompts: list[str], per_prompt: int, steps: int, guidance: float = 3.5, seed: int = 0
+    pipe: Any, prompts: list[str], per_prompt: int, steps: int, guidance: float = 3.5, seed: int = 0, size: int = 64
 ) -> list[list[np.ndarray]]:
     """:func:`sample_images` with a pipeline already loaded (its transformer perhaps being trained)."""
     import torch
@@ -50,7 +50,7 @@ def sample_with(
     from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH
 
     settings = SampleSettings(
-        height=64, width=64, steps=steps, guidance=guidance, max_sequence_length=WORLD_TEXT_LENGTH
+        height=size, width=size, steps=steps, guidance=guidance, max_sequence_length=WORLD_TEXT_LENGTH
     )
     out = []
     with torch.no_grad():

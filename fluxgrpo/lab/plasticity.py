@@ -49,14 +49,16 @@ POOL_SEED = 1000  # the pool's seeds; judging uses JUDGE_SEED, disjoint
 JUDGE_SEED = 2000
 
 
-def strict_rates(pipe: Any, captions: list[str], per_caption: int, steps: int, seed: int) -> dict[str, float]:
-    groups = sample_with(pipe, captions, per_caption, steps, seed=seed)
+def strict_rates(
+    pipe: Any, captions: list[str], per_caption: int, steps: int, seed: int, size: int = 64
+) -> dict[str, float]:
+    groups = sample_with(pipe, captions, per_caption, steps, seed=seed, size=size)
     return {c: float(np.mean([check(im, c).strict for im in g])) for c, g in zip(captions, groups, strict=True)}
 
 
-def best_of_n(pipe: Any, captions: list[str], pool: int, steps: int) -> dict[str, list[np.ndarray]]:
+def best_of_n(pipe: Any, captions: list[str], pool: int, steps: int, size: int = 64) -> dict[str, list[np.ndarray]]:
     """The strict-passing images among ``pool`` base samples of each caption."""
-    groups = sample_with(pipe, captions, pool, steps, seed=POOL_SEED)
+    groups = sample_with(pipe, captions, pool, steps, seed=POOL_SEED, size=size)
     return {c: [im for im in g if check(im, c).strict] for c, g in zip(captions, groups, strict=True)}
 
 
@@ -71,6 +73,7 @@ def finetune_on(
     judge: int,
     sample_steps: int,
     seed: int = 0,
+    size: int = 64,
 ) -> list[dict[str, Any]]:
     """Rectified-flow fine-tuning of ``pipe.transformer`` on ``kept`` (in place); the strict rates at each of ``at``."""
     import torch
@@ -90,7 +93,7 @@ def finetune_on(
         packed = pack_latents((raw - vae.config.shift_factor) * vae.config.scaling_factor)
         embeds, pooled, _ = pipe.encode_prompt(prompt=captions, prompt_2=None, max_sequence_length=WORLD_TEXT_LENGTH)
     rows_caption = torch.tensor([i for i, c in enumerate(captions) for _ in kept[c]])
-    img_ids, text_ids = image_ids(64, 64), torch.zeros(WORLD_TEXT_LENGTH, 3)
+    img_ids, text_ids = image_ids(size, size), torch.zeros(WORLD_TEXT_LENGTH, 3)
     transformer = pipe.transformer
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(seed)
@@ -99,7 +102,7 @@ def finetune_on(
 
     def judge_now(step: int) -> None:
         transformer.eval()
-        rates = strict_rates(pipe, judged_captions, judge, sample_steps, JUDGE_SEED)
+        rates = strict_rates(pipe, judged_captions, judge, sample_steps, JUDGE_SEED, size)
         history.append(
             {
                 "step": step,
@@ -146,6 +149,7 @@ def plasticity(
     at: list[int] | None = None,
     judge: int = 128,
     sample_steps: int = 12,
+    size: int = 64,
 ) -> dict[str, Any]:
     import torch
     from diffusers import FluxPipeline
@@ -154,10 +158,10 @@ def plasticity(
     pipe = FluxPipeline.from_pretrained(flux_dir, dtype=torch.float32, trust_remote_code=False)
     pipe.set_progress_bar_config(disable=True)
     base = copy.deepcopy(pipe.transformer.state_dict())
-    kept = best_of_n(pipe, captions, pool, sample_steps)
+    kept = best_of_n(pipe, captions, pool, sample_steps, size)
     log(f"best of {pool}: {', '.join(f'{c!r} {len(v)}' for c, v in kept.items())}")
     at = sorted({0, *(at or [250, 500, 1000]), steps} & set(range(steps + 1)))
-    history = finetune_on(pipe, kept, steps, lr, batch, guidance, at, judge, sample_steps)
+    history = finetune_on(pipe, kept, steps, lr, batch, guidance, at, judge, sample_steps, size=size)
     pipe.transformer.load_state_dict(base)
     return {
         "settings": {
@@ -187,12 +191,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--at", type=int, nargs="+", default=[250, 500, 1000], help="steps to judge at")
     parser.add_argument("--judge", type=int, default=128, help="fresh images per caption at each judging")
+    parser.add_argument("--image-size", type=int, choices=(64, 128), default=64, help="the world's image side")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     report = plasticity(
-        Path(args.flux_dir), args.captions, args.pool, args.steps, args.lr, args.batch, at=args.at, judge=args.judge
+        Path(args.flux_dir),
+        args.captions,
+        args.pool,
+        args.steps,
+        args.lr,
+        args.batch,
+        at=args.at,
+        judge=args.judge,
+        size=args.image_size,
     )
     print(json.dumps(report, indent=2))
     return 0

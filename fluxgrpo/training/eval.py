@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.config import TrainConfig
-from fluxgrpo.data.benchmarks import eval_prompts_path
+from fluxgrpo.data.benchmarks import TRAINING_SET, eval_prompts_path
 from fluxgrpo.data.prompts import read_prompts
 from fluxgrpo.headroom import best_of_n_mean
 from fluxgrpo.preprocess import rank_indices
@@ -75,6 +75,10 @@ def shipped_eval_prompts_path() -> Path:
 def eval_prompt_list(cfg: TrainConfig) -> list[str]:
     """The held-out prompts ``--eval-prompts`` names (the shipped set when empty), in order."""
 
+    if cfg.eval_prompts == TRAINING_SET:  # the overfit check: the captions the run trains on, each once
+        from fluxgrpo.data.embeddings import EmbeddingDataset
+
+        return list(dict.fromkeys(EmbeddingDataset(cfg.data_json_path).captions))
     path = eval_prompts_path(cfg.eval_prompts) if cfg.eval_prompts else shipped_eval_prompts_path()
     return read_prompts(path, flag="--eval-prompts")
 
@@ -439,3 +443,43 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
     finite = [v for v in values if math.isfinite(v)]
     return mean_std(finite) if finite else (math.nan, math.nan)
+
+
+def per_prompt_change(output_dir: str | Path, first: int, last: int) -> dict[str, list[dict[str, Any]]]:
+    """Each held-out reward's per-prompt mean at two evaluations of the live weights (the overfit check's table):
+    ``{reward: [{"prompt", "images", "first", "last"[, "first_strict", "last_strict"]}]}``; the shapes checker's
+    rewards also give the share of images where every claim holds. Empty when either evaluation cannot be read."""
+    import json
+
+    from fluxgrpo.errors import FluxgrpoError
+    from fluxgrpo.sampling.folder import read_index
+
+    documents = []
+    for iteration in (first, last):
+        try:
+            index = read_index(eval_folder(output_dir, iteration))
+            documents.append((index.images, json.loads(index.path.read_text(encoding="utf-8"))["scores"]))
+        except (FluxgrpoError, OSError, ValueError, KeyError, TypeError):
+            return {}
+    (images, before), (later_images, after) = documents
+    if [(i.prompt, i.seed) for i in images] != [(i.prompt, i.seed) for i in later_images]:
+        return {}
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name in before.keys() & after.keys():
+        rows: dict[str, dict[str, list[float]]] = {}
+        for image, b, a in zip(images, before[name]["per_image"], after[name]["per_image"], strict=True):
+            row = rows.setdefault(image.prompt, {"first": [], "last": []})
+            row["first"].append(float(b))
+            row["last"].append(float(a))
+        strict = name in ("shapes", "shapes-scene")  # a score of 1.0: every claim holds
+        table = []
+        for prompt, row in rows.items():
+            entry: dict[str, Any] = {"prompt": prompt, "images": len(row["first"])}
+            for when in ("first", "last"):
+                finite = [v for v in row[when] if math.isfinite(v)]
+                entry[when] = sum(finite) / len(finite) if finite else math.nan
+                if strict:
+                    entry[f"{when}_strict"] = sum(v >= 1.0 for v in finite) / len(finite) if finite else math.nan
+            table.append(entry)
+        out[name] = table
+    return out

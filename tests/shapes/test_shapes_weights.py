@@ -231,3 +231,28 @@ def test_shipped_text_encoders_carry_every_part_of_the_heldout_captions():
     assert all(v >= 0.95 for probe in report["t5_slot_probe_heldout"].values() for v in probe.values())
     losses = report["flow_loss"]
     assert all(0 < v < 1 for v in losses.values())
+
+
+def test_a_build_stopped_after_a_stage_resumes_to_the_same_files(quick_build, tmp_path):
+    from fluxgrpo.lab import stages
+
+    out, info = quick_build
+    partial = build.build(tmp_path, build.QUICK_PLAN, stop_after="transformer")
+    assert set(partial["seconds"]) == {"render", "vae", "transformer"} and not (tmp_path / build.BUILD_INFO).exists()
+    assert stages.finished(tmp_path, "vae", build.QUICK_PLAN) is not None
+    assert stages.finished(tmp_path, "vae", replace(build.QUICK_PLAN, vae_steps=3)) is None  # another plan: rebuilt
+    resumed = build.build(tmp_path, build.QUICK_PLAN, resume=True)
+    assert resumed["vae"] == info["vae"] and resumed["transformer"] == info["transformer"]
+    for name in ("transformer/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors"):
+        assert sha256_file(tmp_path / build.FLUX_SUBDIR / name) == sha256_file(out / build.FLUX_SUBDIR / name)
+
+
+@pytest.mark.parametrize("record", ["not json", "{}", '{"plan": {}}'])
+def test_the_hps_stage_alone_refuses_a_damaged_record_in_one_line(quick_build, tmp_path, capsys, record):
+    out, _ = quick_build
+    copy = tmp_path / "build"
+    shutil.copytree(out, copy)
+    (copy / build.BUILD_INFO).write_text(record)
+    assert build.main(["--out", str(copy), "--only", "hps", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --only hps: ") and "rebuild every stage" in err and len(err.splitlines()) == 1
