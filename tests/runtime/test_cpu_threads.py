@@ -69,7 +69,9 @@ def test_train_says_the_threads_in_its_start_up_line_and_runs_with_them(
     monkeypatch.setattr(cpu_threads, "choose_threads", lambda workers, cores, load: 1)
     torch.set_num_threads(2)
     argv = tiny_train_argv(tiny_weights, tiny_embeddings, "--output-dir", str(tmp_path / "out"), "--json")
-    result = runner.invoke(app, [*argv, "--max-train-steps", "1", "--checkpointing-steps", "1", "--sampling-steps", "4"])
+    result = runner.invoke(
+        app, [*argv, "--max-train-steps", "1", "--checkpointing-steps", "1", "--sampling-steps", "4"]
+    )
     assert result.exit_code == 0, result.output
     start_up = next(line for line in result.stderr.splitlines() if line.startswith("fluxgrpo train:"))
     assert "cpu × 1, 1 CPU thread per worker (" in start_up and "load " in start_up, start_up
