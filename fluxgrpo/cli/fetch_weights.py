@@ -10,6 +10,8 @@ from fluxgrpo.cli.common import JsonOption, escape, handle_errors, log, out_cons
 from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR, DEFAULT_PROMPTS_DIR
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from fluxgrpo.weights.hub import FetchRequest, FetchSummary
 
 SOURCES = ("tiny", "shapes", "hf", "modelscope")
@@ -242,7 +244,8 @@ def _shapes(parts: list[str] | None, flux_dir: str, hps_dir: str, json_output: b
     targets: list[tuple[str, Path]] = []  # (part, the folder it goes to), each staged in a sibling
     if "flux" in selected:
         ensure_writable_dir(flux_dir, "FLUX weights", "--flux-dir")
-        refuse_unless_tiny_or_empty(Path(flux_dir), (MANIFEST_NAME,), None, "--flux-dir", making="shapes")
+        if not _partial_shapes_copy(Path(flux_dir)):  # an older fluxgrpo's interrupted copy is replaced, not refused
+            refuse_unless_tiny_or_empty(Path(flux_dir), (MANIFEST_NAME,), None, "--flux-dir", making="shapes")
         targets.append(("flux", Path(flux_dir)))
     if {"hps", "clip"} & set(selected):
         ensure_writable_dir(hps_dir, "reward weights", "--hps-dir")
@@ -281,6 +284,25 @@ def _shapes(parts: list[str] | None, flux_dir: str, hps_dir: str, json_output: b
             os.replace(staging / name, target / name)  # a rename on one filesystem: no space needed
         staging.rmdir()
     _report_written("shapes", written, flux_dir, hps_dir, json_output, {})
+
+
+def _partial_shapes_copy(folder: Path) -> bool:
+    """Whether ``folder`` holds nothing but part of the shipped shapes FLUX, without its manifest: what an
+    interrupted ``fetch-weights --source shapes`` of an older fluxgrpo left (#50.2: it copied in place). Each file
+    must be one of the shipped files, at most its size; anything else (a user's file, other weights) is not ours."""
+    from fluxgrpo.shapes.shipped import shipped_weights_dir
+    from fluxgrpo.shapes.sizes import FLUX_SUBDIR
+    from fluxgrpo.weights.manifest import MANIFEST_NAME
+
+    shipped = shipped_weights_dir() / FLUX_SUBDIR
+    if not folder.is_dir() or (folder / MANIFEST_NAME).exists() or not shipped.is_dir():
+        return False
+    files = [path for path in folder.rglob("*") if not path.is_dir()]
+    for path in files:
+        twin = shipped / path.relative_to(folder)
+        if path.is_symlink() or not twin.is_file() or path.stat().st_size > twin.stat().st_size:
+            return False
+    return bool(files)
 
 
 def _report_written(

@@ -385,3 +385,29 @@ def test_shapes_on_a_full_disk_is_one_line_leaves_nothing_and_the_rerun_finishes
     assert rerun.exit_code == 0, rerun.output
     assert read_manifest(flux_dir, MANIFEST_NAME) is not None and read_manifest(hps_dir, HPS_MANIFEST) is not None
     assert not [p for p in tmp_path.rglob("*") if ".fetching" in p.name]
+
+
+def test_shapes_replaces_an_older_interrupted_copy_but_never_a_foreign_folder(tmp_path):
+    """Before #50.2 the shapes FLUX was copied in place: a full disk left part of it without a manifest, and the
+    rerun refused that folder. A folder holding nothing but part of the shipped files (one cut short) is replaced."""
+    from fluxgrpo.shapes.shipped import shipped_weights_dir
+    from fluxgrpo.shapes.sizes import FLUX_SUBDIR
+
+    shipped = shipped_weights_dir() / FLUX_SUBDIR
+    flux_dir, hps_dir = tmp_path / "flux", tmp_path / "hps_ckpt"
+    copied = sorted(p for p in shipped.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)[:2]
+    for source in copied:
+        target = flux_dir / source.relative_to(shipped)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(source.read_bytes()[: max(1, source.stat().st_size // 2)])  # cut short by the full disk
+    argv = ["fetch-weights", "--source", "shapes", "--only", "flux", "--flux-dir", str(flux_dir)]
+    result = runner.invoke(app, [*argv, "--hps-dir", str(hps_dir)])
+    assert result.exit_code == 0, result.output
+    assert read_manifest(flux_dir, MANIFEST_NAME) is not None
+
+    foreign = tmp_path / "foreign"
+    (foreign / "transformer").mkdir(parents=True)
+    (foreign / "transformer" / "notes.txt").write_text("mine")
+    refused = runner.invoke(app, ["fetch-weights", "--source", "shapes", "--only", "flux", "--flux-dir", str(foreign)])
+    assert refused.exit_code == 1 and "without a manifest" in refused.stderr
+    assert (foreign / "transformer" / "notes.txt").read_text() == "mine"
