@@ -179,7 +179,10 @@ def _render(report: dict, show_accelerator_env: bool) -> None:
     dev = report["device"]
     stack = dev["accelerator_stack"]
     system.add_row("accelerator runtime", stack["cann_version"] or "[dim]not found[/]")
-    system.add_row("device", f"{dev['type']} × {dev['count']} (backend {dev['backend']})" if dev["type"] else "?")
+    workers = f"; the run: {report['run']['dies']} worker(s)" if report.get("run") else ""
+    system.add_row(
+        "device", f"{dev['type']} × {dev['count']} (backend {dev['backend']}{workers})" if dev["type"] else "?"
+    )
     for d in dev["devices"]:
         free = "available" if dev["type"] == "cpu" else "free"  # host memory: what the kernel can hand out
         system.add_row(

@@ -187,6 +187,7 @@ def test_env_check_judges_the_run_a_config_starts(tiny_weights, tiny_embeddings,
     said = " ".join(result.stdout.split())
     assert f"ready to train (--config {config} --dies 2: brightness)" in said, said
     assert "2 CPU worker(s) on" in said and "GiB available" in said  # host memory as the kernel can hand it out
+    assert "(backend gloo; the run: 2 worker(s))" in said  # not a bare `cpu × 1` before a 2-worker run
     result = runner.invoke(app, ["env-check", "--config", str(config), "--dies", "4096", "--json"])
     report = json.loads(result.stdout)
     assert result.exit_code == 1 and report["run"]["dies"] == 4096
