@@ -175,7 +175,8 @@ def _summarize_run(cfg: TrainConfig, records: list[dict[str, Any]], json_output:
     }
     warning = collapse_warning(cfg.output_dir, records)
     result["collapse_warning"] = warning
-    result["per_prompt"] = _per_prompt(cfg, held_out)
+    per_prompt = _per_prompt(cfg, held_out)
+    result["per_prompt"] = per_prompt
     if json_output:
         print_json(result)
     elif trend is not None:
@@ -196,7 +197,7 @@ def _summarize_run(cfg: TrainConfig, records: list[dict[str, Any]], json_output:
                 + _headroom_share(change, cfg.eval_images_per_prompt)
             )
     if held_out and not json_output:
-        _print_per_prompt(result["per_prompt"])
+        _print_per_prompt(per_prompt)
     if stopped:  # a clean end, told apart from success and failure by its exit code (training/guards.py)
         log(stopped["guard_stop_message"])  # one line, never cut (the rule, the iteration, the values)
         raise typer.Exit(GUARD_STOP_EXIT_CODE)
