@@ -133,16 +133,18 @@ def command(
         if collapse is not None:  # each reward's comparison says it, so several rewards print each one's alone
             for one in document.get("rewards", [document]):
                 one["compare"]["collapse"] = collapse
-        for one, room in zip(document.get("rewards", [document]), rooms, strict=False):
-            one["headroom"] = asdict(room)
+        if show_headroom:
+            for one, room in zip(document.get("rewards", [document]), rooms, strict=True):
+                one["headroom"] = asdict(room)
         print_json(document)
         return
     if several:
         _print_reward_tables(report)
     else:
         _print_tables(report.reports[0])
-    for one, room in zip(report.reports, rooms, strict=True):
-        _print_headroom(one.reward, room)
+    if show_headroom:
+        for one, room in zip(report.reports, rooms, strict=True):
+            _print_headroom(one.reward, room)
     if collapse is not None and collapse["warning"] is not None:
         say(collapse["warning"])
 
