@@ -16,9 +16,9 @@
    reads a VAE's soft reconstructions as it reads the renderer's anti-aliased images.
 4. **Claims** follow GenEval's ``evaluate``: an object is *present* when at least as many of its shape are found
    as the caption asks; a *count* is exact (GenEval's include N / exclude N+1); a *colour* is checked on the largest
-   objects of the shape (area stands in for GenEval's detector confidence), and holds only when the object's solid
-   pixels (α ≥ :data:`SOLID_ALPHA`) sit within :data:`COLOUR_TOLERANCE` of the named palette colour (their 90th
-   percentile distance): a shape in an in-between hue, or shaded across, is not the colour it is nearest to; a
+   objects of the shape (area stands in for GenEval's detector confidence), and holds only when three quarters of
+   the object's solid pixels sit within :data:`COLOUR_TOLERANCE` of the named palette colour's line
+   (:func:`colour_is_true`): a shape in an in-between hue, or shaded across, is not the colour it is nearest to; a
    *relation* is GenEval's
    ``relative_position`` on bounding boxes (centres offset by more than 0.1 of the boxes' sizes, then the direction
    within 60° of the axis), and must hold for every pair of the two objects found.
@@ -52,13 +52,14 @@ BLEND_COLOURS: dict[str, tuple[int, int, int]] = {
 # RGB distance from an anchor's background line beyond which a pixel is no mix of that anchor with the background
 # (anchors are ≥ 55 apart off the line; the renderer's pixels lie on their lines, a VAE's within ~20 of them).
 MAX_LINE_DISTANCE = 45.0
-# An object's pixels that are at least this much its colour (the rest is its anti-aliased or blurred rim) judge its
-# colour claim: their 90th-percentile RGB distance from the line between the background and the named palette colour
-# must be within COLOUR_TOLERANCE. The renderer's pixels sit on the line and the shipped VAE's reconstructions within
+# An object's pixels that stand out from the background by at least this share of its colour's contrast (the rest is
+# its anti-aliased or blurred edge) judge its colour claim: three quarters of them (COLOUR_PERCENTILE) must lie within
+# COLOUR_TOLERANCE (RGB) of the line between the background and the named palette colour. The renderer's pixels sit on the line and the shipped VAE's reconstructions within
 # ~20 of it; a halfway blend sits ≥ 55 off both ends' lines (and is segmented as the blend anyway), a shade (red at
 # 70 % brightness) 65, a quarter blend (red a quarter of the way to yellow) 28 and passes.
 SOLID_ALPHA = 0.8
 COLOUR_TOLERANCE = 40.0
+COLOUR_PERCENTILE = 75.0
 # The colour of an object on no anchor's line (a dark shade, black, a colour far from the palette and its blends),
 # when it stands out from the background by MIN_CONTRAST (the palette colours stand 200-290 from it).
 OTHER_COLOUR = "other"
@@ -170,20 +171,21 @@ def segment(image: np.ndarray) -> np.ndarray:
 
 
 def colour_is_true(pixels: np.ndarray, colour: str) -> bool:
-    """Whether ``pixels`` ([N, 3], an object's) are the palette ``colour``: its solid pixels (at least
-    :data:`SOLID_ALPHA` of it against the background) lie within :data:`COLOUR_TOLERANCE` of the line from the
-    background to the colour (their 90th percentile). The line, not the point: a blur or anti-aliasing moves a pixel
+    """Whether ``pixels`` ([N, 3], an object's) are the palette ``colour``: its solid pixels (standing out from the
+    background by at least :data:`SOLID_ALPHA` of the colour's own contrast) lie within :data:`COLOUR_TOLERANCE` of
+    the line from the background to the colour (their :data:`COLOUR_PERCENTILE` th percentile). The line, not the point: a blur or anti-aliasing moves a pixel
     along it towards the background; a hue shift or a shade moves it off."""
     if colour not in COLOURS:
         return False
     direction = np.array(COLOURS[colour], dtype=np.float64) - BACKGROUND_RGB
     offset = pixels.astype(np.float64) - BACKGROUND_RGB
     alpha = (offset @ direction) / float(direction @ direction)
-    solid = alpha >= SOLID_ALPHA
+    # solid: as far from the background as SOLID_ALPHA of the colour is, in any direction (a blended pixel counts)
+    solid = np.linalg.norm(offset, axis=-1) >= SOLID_ALPHA * float(np.linalg.norm(direction))
     if not solid.any():
         return False
     off_line = np.linalg.norm(offset[solid] - alpha[solid, None] * direction, axis=-1)
-    return float(np.percentile(off_line, 90)) <= COLOUR_TOLERANCE
+    return float(np.percentile(off_line, COLOUR_PERCENTILE)) <= COLOUR_TOLERANCE
 
 
 def shape_features(weights: np.ndarray) -> tuple[float, float]:
@@ -242,29 +244,63 @@ def _coverage(pixels: np.ndarray, colour: str) -> np.ndarray:
     return ((pixels - BACKGROUND_RGB) @ direction) / float(direction @ direction)
 
 
+def _components(labels_by_colour: np.ndarray) -> tuple[np.ndarray, list[str]]:
+    """``(components, colours)``: every connected region of one anchor colour numbered from 1 (``components[y, x]``,
+    0 for the background), and each number's colour at ``colours[n − 1]``.
+
+    A region of a blend or of :data:`OTHER_COLOUR` that touches a palette colour's region is the rim or a shading of
+    that object, not an object of its own (a generated red object's orange edge): it joins the palette region it
+    shares the longest border with, whose colour claim then reads its pixels too (:func:`colour_is_true`). A blend
+    region that touches no palette region is an object of the blend's colour."""
+    from scipy import ndimage
+
+    eight = np.ones((3, 3), dtype=bool)
+    components = np.zeros(labels_by_colour.shape, dtype=np.int32)
+    colours: list[str] = []
+    for index, colour in enumerate(_PALETTE_NAMES):
+        labels, count = ndimage.label(labels_by_colour == index, structure=eight)
+        components[labels > 0] = labels[labels > 0] + len(colours)
+        colours += [colour] * count
+    palette = components.copy()
+    for index, colour in enumerate((*_ANCHOR_NAMES, OTHER_COLOUR)):
+        if colour in COLOURS:
+            continue
+        labels, count = ndimage.label(labels_by_colour == index, structure=eight)
+        for label in range(1, count + 1):
+            mask = labels == label
+            border = palette[ndimage.binary_dilation(mask, structure=eight) & ~mask]
+            border = border[border > 0]
+            if border.size:
+                components[mask] = np.bincount(border).argmax()
+            else:
+                colours.append(colour)
+                components[mask] = len(colours)
+    return components, colours
+
+
 def find_objects(image: np.ndarray) -> list[FoundObject]:
     """The objects in an image, largest first."""
     from scipy import ndimage
 
     pixels = _as_rgb_uint8(image)
-    labels_by_colour = segment(pixels)
-    min_area = MIN_AREA_FRACTION * labels_by_colour.size
-    components = np.zeros(labels_by_colour.shape, dtype=np.int32)
+    labelled, colours = _components(segment(pixels))
+    min_area = MIN_AREA_FRACTION * labelled.size
+    components = np.zeros(labelled.shape, dtype=np.int32)
     # colour, area, box, true colour of component len(kept) + 1
     kept: list[tuple[str, int, tuple[int, int, int, int], bool]] = []
-    for index, colour in enumerate((*_ANCHOR_NAMES, OTHER_COLOUR)):
-        labels, _ = ndimage.label(labels_by_colour == index, structure=np.ones((3, 3), dtype=bool))
-        for label, slices in enumerate(ndimage.find_objects(labels), start=1):
-            if slices is None:
-                continue
-            mask = labels == label
-            area = int(mask.sum())
-            if area < min_area:
-                continue
-            rows, cols = slices
-            true = colour_is_true(pixels[mask], colour)
-            kept.append((colour, area, (cols.start, rows.start, cols.stop, rows.stop), true))
-            components[mask] = len(kept)
+    for label, slices in enumerate(ndimage.find_objects(labelled), start=1):
+        if slices is None:
+            continue
+        mask = labelled == label
+        area = int(mask.sum())
+        if area < min_area:
+            continue
+        rows, cols = slices
+        colour = colours[label - 1]
+        kept.append(
+            (colour, area, (cols.start, rows.start, cols.stop, rows.stop), colour_is_true(pixels[mask], colour))
+        )
+        components[mask] = len(kept)
     if not kept:
         return []
     # Each object's shape is read from its coverage over the pixels nearer to it than to any other object, out to

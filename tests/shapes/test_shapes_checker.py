@@ -192,6 +192,20 @@ def test_relative_position_matches_geneval_by_hand():
     assert relative_position(a, d) == set()
 
 
+def test_a_blended_rim_joins_its_object_instead_of_counting_as_another():
+    # a red circle whose outer ring is orange (a generated object's shading): one object, red, its colour claim judged
+    # on every pixel: a thin ring keeps it red, a thick one does not
+    image = render(_scene(("circle", "red", 32, 32))).astype(np.float64)
+    rows, cols = np.indices(image.shape[:2])
+    radius = np.hypot(rows - 31.5, cols - 31.5)
+    for ring, true in ((1.0, True), (4.0, False)):
+        painted = image.copy()
+        painted[(radius > 8.0 - ring) & (radius <= 8.0)] = checker.BLEND_COLOURS["orange"]
+        found = checker.find_objects(painted.astype(np.uint8))
+        assert [(o.shape, o.colour, o.true_colour) for o in found] == [("circle", "red", true)], ring
+        assert check(painted.astype(np.uint8), "one circle").strict  # counted once
+
+
 def test_segmentation_keeps_anti_aliased_edges_with_their_object_and_ignores_specks():
     image = render(_scene(("square", "green", 32, 32)))
     labels = checker.segment(image)
@@ -276,13 +290,18 @@ def test_a_shade_or_a_gradient_across_one_shape_is_not_its_nearest_colour():
     # a tenth of the way stays red (within the documented tolerance), and so does the renderer's exact red
     assert check(_painted("square", red + 0.1 * (yellow - red)), "a red square").strict
     assert check(_painted("square", red), "a red square").strict
-    # red at 70 % brightness: on no anchor's line, an object of another colour: present, not red
+    # red at 70 % brightness: its inside on no anchor's line (OTHER_COLOUR), its anti-aliased rim on red's: one
+    # object, red by its rim, whose solid pixels are off the red line: present, not red
     shade = _painted("circle", 0.7 * red)
-    assert [(o.shape, o.colour) for o in checker.find_objects(shade)] == [("circle", checker.OTHER_COLOUR)]
+    largest = checker.find_objects(shade)[0]
+    assert (largest.shape, largest.colour, largest.true_colour) == ("circle", "red", False)
     assert [c.label() for c in check(shade, "a red circle").claims] == [
         "✓ a circle",
-        "✗ the circle is red (other circle)",
+        "✗ the circle is red (off-red circle)",
     ]
+    # alone (no rim to join), a shade is an object of another colour
+    labels = checker.segment(shade)
+    assert (labels == len(checker.ANCHORS)).sum() > 0.5 * (labels >= 0).sum()
     # red a little darker (85 %): 34 off the red line, within the tolerance
     assert check(_painted("circle", 0.85 * red), "a red circle").strict
     # a gradient from red at the left edge to yellow at the right, across one circle: never "a red circle"
