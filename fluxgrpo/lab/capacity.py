@@ -11,7 +11,8 @@ document:
   each part of the held-out captions (colours, shapes, relation, count), seen and novel combinations apart: whether
   the captions reach the transformer intact.
 
-README, "Why the cap", reads them against what RL changes (``lab.measure``'s claim breakdown).
+The results page (``fluxgrpo/docs/results/shapes-world.md``, "Where RL tops out") reads them against what RL changes
+(``lab.measure``'s claim breakdown).
 """
 
 from __future__ import annotations

@@ -223,7 +223,7 @@ def test_sample_defaults_to_the_world_models_own_size_and_text_length(tmp_path):
 
 def test_shipped_text_encoders_carry_every_part_of_the_heldout_captions():
     """The T5 the shipped transformer reads codes each part of a held-out caption (novel combinations too) linearly:
-    what the base model cannot draw, it was told (README, "Where RL tops out")."""
+    what the base model cannot draw, it was told (docs/results/shapes-world.md, "Where RL tops out")."""
     from fluxgrpo.lab.capacity import CAPTION_SLOTS, capacity
 
     report = capacity(shipped_weights_dir() / build.FLUX_SUBDIR, images=16)
