@@ -34,7 +34,8 @@ EVERYTHING = {  # Flow-GRPO's step, a moving window with DPM-Solver++ after it, 
     "kl_beta": 0.05,
     "ratio_normalization": "grpo-guard",
 }
-LORA_CHECKPOINTED = {"lora_rank": 4, "lora_alpha": 8.0, "gradient_checkpointing": True}
+# LoRA with its reference (the adapters turned off between the kept forward and its backward) and checkpointing
+LORA_CHECKPOINTED = {"lora_rank": 4, "lora_alpha": 8.0, "kl_beta": 0.05, "gradient_checkpointing": True}
 
 
 def weights_in(folder: Path) -> dict[str, torch.Tensor]:
