@@ -22,6 +22,7 @@ import argparse
 import copy
 import json
 import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,21 @@ POOL_SEED = 1000  # the pool's seeds; judging uses JUDGE_SEED, disjoint
 JUDGE_SEED = 2000
 
 
+@dataclass(frozen=True)
+class PlasticitySettings:
+    """The test's sizes: the pool of base samples, the fine-tuning, the judging."""
+
+    pool: int = 64  # base samples per caption, the correct ones kept
+    steps: int = 1000
+    lr: float = 3e-4
+    batch: int = 32
+    guidance: float = 3.5  # the guidance input the fine-tuning feeds, as the evaluation samples
+    at: tuple[int, ...] = (250, 500, 1000)  # steps to judge at (0 and the last always)
+    judge: int = 128  # fresh images per caption at each judging
+    sample_steps: int = 12  # the evaluation sampler's
+    size: int = 64  # the world's image side
+
+
 def strict_rates(
     pipe: Any, captions: list[str], per_caption: int, steps: int, seed: int, size: int = 64
 ) -> dict[str, float]:
@@ -63,19 +79,10 @@ def best_of_n(pipe: Any, captions: list[str], pool: int, steps: int, size: int =
 
 
 def finetune_on(
-    pipe: Any,
-    kept: dict[str, list[np.ndarray]],
-    steps: int,
-    lr: float,
-    batch: int,
-    guidance: float,
-    at: list[int],
-    judge: int,
-    sample_steps: int,
-    seed: int = 0,
-    size: int = 64,
+    pipe: Any, kept: dict[str, list[np.ndarray]], settings: PlasticitySettings, seed: int = 0
 ) -> list[dict[str, Any]]:
-    """Rectified-flow fine-tuning of ``pipe.transformer`` on ``kept`` (in place); the strict rates at each of ``at``."""
+    """Rectified-flow fine-tuning of ``pipe.transformer`` on ``kept`` (in place); the strict rates at each of
+    ``settings.at``."""
     import torch
 
     from fluxgrpo.grpo.latents import image_ids, pack_latents
@@ -84,19 +91,9 @@ def finetune_on(
     from fluxgrpo.grpo.types import Conditioning
     from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH
 
+    steps, lr, batch, guidance = settings.steps, settings.lr, settings.batch, settings.guidance
+    at, judge, sample_steps, size = settings.at, settings.judge, settings.sample_steps, settings.size
     captions = [c for c in kept if kept[c]]
-    vae = pipe.vae
-    with torch.no_grad():
-        images = np.stack([im for c in captions for im in kept[c]])
-        pixels = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
-        raw = vae.encode(pixels).latent_dist.mean
-        packed = pack_latents((raw - vae.config.shift_factor) * vae.config.scaling_factor)
-        embeds, pooled, _ = pipe.encode_prompt(prompt=captions, prompt_2=None, max_sequence_length=WORLD_TEXT_LENGTH)
-    rows_caption = torch.tensor([i for i, c in enumerate(captions) for _ in kept[c]])
-    img_ids, text_ids = image_ids(size, size), torch.zeros(WORLD_TEXT_LENGTH, 3)
-    transformer = pipe.transformer
-    optimizer = torch.optim.AdamW(transformer.parameters(), lr=lr, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(seed)
     judged_captions = list(kept)
     history: list[dict[str, Any]] = []
 
@@ -112,6 +109,21 @@ def finetune_on(
         )
         log(f"plasticity step {step}: strict {history[-1]['strict']:.3f} {history[-1]['per_caption']}")
 
+    transformer = pipe.transformer
+    if not captions:
+        judge_now(0)
+        return history
+    vae = pipe.vae
+    with torch.no_grad():
+        images = np.stack([im for c in captions for im in kept[c]])
+        pixels = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
+        raw = vae.encode(pixels).latent_dist.mean
+        packed = pack_latents((raw - vae.config.shift_factor) * vae.config.scaling_factor)
+        embeds, pooled, _ = pipe.encode_prompt(prompt=captions, prompt_2=None, max_sequence_length=WORLD_TEXT_LENGTH)
+    rows_caption = torch.tensor([i for i, c in enumerate(captions) for _ in kept[c]])
+    img_ids, text_ids = image_ids(size, size), torch.zeros(WORLD_TEXT_LENGTH, 3)
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
     if 0 in at:
         judge_now(0)
     transformer.train().requires_grad_(True)
@@ -138,19 +150,7 @@ def finetune_on(
     return history
 
 
-def plasticity(
-    flux_dir: Path,
-    captions: list[str],
-    pool: int = 64,
-    steps: int = 1000,
-    lr: float = 3e-4,
-    batch: int = 32,
-    guidance: float = 3.5,
-    at: list[int] | None = None,
-    judge: int = 128,
-    sample_steps: int = 12,
-    size: int = 64,
-) -> dict[str, Any]:
+def plasticity(flux_dir: Path, captions: list[str], settings: PlasticitySettings) -> dict[str, Any]:
     import torch
     from diffusers import FluxPipeline
 
@@ -158,22 +158,16 @@ def plasticity(
     pipe = FluxPipeline.from_pretrained(flux_dir, dtype=torch.float32, trust_remote_code=False)
     pipe.set_progress_bar_config(disable=True)
     base = copy.deepcopy(pipe.transformer.state_dict())
-    kept = best_of_n(pipe, captions, pool, sample_steps, size)
-    log(f"best of {pool}: {', '.join(f'{c!r} {len(v)}' for c, v in kept.items())}")
-    at = sorted({0, *(at or [250, 500, 1000]), steps} & set(range(steps + 1)))
-    history = finetune_on(pipe, kept, steps, lr, batch, guidance, at, judge, sample_steps, size=size)
+    kept = best_of_n(pipe, captions, settings.pool, settings.sample_steps, settings.size)
+    log(f"best of {settings.pool}: {', '.join(f'{c!r} {len(v)}' for c, v in kept.items())}")
+    at = tuple(sorted({0, *settings.at, settings.steps} & set(range(settings.steps + 1))))
+    # no correct sample of any caption: nothing to fine-tune on, only the base is judged
+    trainable = any(kept.values())
+    history = finetune_on(pipe, kept, replace(settings, at=at if trainable else (0,), steps=settings.steps * trainable))
     pipe.transformer.load_state_dict(base)
     return {
-        "settings": {
-            "pool": pool,
-            "steps": steps,
-            "lr": lr,
-            "batch": batch,
-            "guidance": guidance,
-            "judge_per_caption": judge,
-            "sample_steps": sample_steps,
-        },
-        "best_of_pool": {c: round(len(v) / pool, 4) for c, v in kept.items()},
+        "settings": asdict(settings),
+        "best_of_pool": {c: round(len(v) / settings.pool, 4) for c, v in kept.items()},
         "history": history,
         "seconds": round(time.monotonic() - start, 1),
     }
@@ -196,17 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    report = plasticity(
-        Path(args.flux_dir),
-        args.captions,
-        args.pool,
-        args.steps,
-        args.lr,
-        args.batch,
-        at=args.at,
+    settings = PlasticitySettings(
+        pool=args.pool,
+        steps=args.steps,
+        lr=args.lr,
+        batch=args.batch,
+        at=tuple(args.at),
         judge=args.judge,
         size=args.image_size,
     )
+    report = plasticity(Path(args.flux_dir), args.captions, settings)
     print(json.dumps(report, indent=2))
     return 0
 

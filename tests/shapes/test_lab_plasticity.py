@@ -1,0 +1,40 @@
+"""The lab's cheap gate before a long build: a candidate world model and its plasticity, in miniature."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fluxgrpo.lab.candidate import candidate
+from fluxgrpo.lab.plasticity import PlasticitySettings, plasticity
+from fluxgrpo.shapes.shipped import shipped_weights_dir
+from fluxgrpo.shapes.sizes import FLUX_SUBDIR
+
+SHIPPED_FLUX = shipped_weights_dir() / FLUX_SUBDIR
+needs_shipped = pytest.mark.skipif(not SHIPPED_FLUX.is_dir(), reason="the shapes weights are not in this checkout")
+
+
+@needs_shipped
+def test_plasticity_judges_fresh_seeds_at_each_step_and_restores_nothing_it_did_not_load():
+    settings = PlasticitySettings(pool=4, steps=2, lr=1e-3, batch=2, at=(1,), judge=2)
+    report = plasticity(SHIPPED_FLUX, ["three circles", "a red square"], settings)
+    assert [entry["step"] for entry in report["history"]] == [0, 1, 2]
+    for entry in report["history"]:
+        assert set(entry["per_caption"]) == {"three circles", "a red square"}
+        assert all(0.0 <= rate <= 1.0 for rate in entry["per_caption"].values())
+    assert set(report["best_of_pool"]) == {"three circles", "a red square"}
+    assert report["settings"]["judge"] == 2
+
+
+@needs_shipped
+@pytest.mark.parametrize("size", [64, 128])
+def test_a_candidate_is_a_flux_folder_the_plasticity_test_reads(tmp_path, size):
+    record = candidate(tmp_path, image_size=size, steps=2, images=8, threads=1)
+    assert record["image_size"] == size and json.loads((tmp_path / "candidate.json").read_text()) == record
+    assert (tmp_path / FLUX_SUBDIR / "model_index.json").is_file()
+    settings = PlasticitySettings(pool=2, steps=1, batch=2, at=(), judge=1, size=size)
+    report = plasticity(tmp_path / FLUX_SUBDIR, ["three circles"], settings)
+    # a two-step candidate draws nothing correct: with nothing to fine-tune on, only the base is judged
+    learnt = report["best_of_pool"]["three circles"] > 0
+    assert [entry["step"] for entry in report["history"]] == ([0, 1] if learnt else [0])
