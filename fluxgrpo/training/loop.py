@@ -5,12 +5,13 @@ Each iteration, on each rank:
 1. draw ``train_batch_size`` prompts (a seeded distributed sampler whose epoch advances) and repeat each G times;
 2. rollout: SDE sampling with per-step log-probs (every step, or a window with ODE elsewhere: ``step_plan.py``),
    in chunks of ``rollout_batch_size`` (``rollout.py``, the steps in ``samplers.py``); or, for the objectives
-   that train on final samples (``--objective nft/awm``), the ODE keeping the final latents only (``rollout_stage``);
+   that train on final samples (``--objective nft/awm/vgrpo/neighbor``: every objective whose catalogue entry keeps
+   no trajectory), the ODE keeping the final latents (and the path, where the objective asks) (``rollout_stage``);
 3. decode the final x̂0 with the VAE and score the images with the reward model, batched, on the device;
 4. group advantages (unbiased std + 1e-8, clipped), rewards gathered across ranks for logging;
 5. policy update (``update_stage``): the update driver (``update.py``: micro-batches, forwards, gradient
    accumulation) on the objective's loss (``grpo/objectives``: PPO-clip on a random subset of timesteps per
-   trajectory, DiffusionNFT or AWM);
+   trajectory, DiffusionNFT, AWM, V-GRPO or Neighbor GRPO);
 6. metrics (rank 0) with the drift signals (``drift.py``); every ``eval_every`` iterations the held-out evaluation
    and its guards (``guards.py``: warn, or stop the run), and, every ``checkpointing_steps`` iterations, after the
    last, at a new best evaluation (``--keep-best``) and at a guard's stop, a checkpoint.
