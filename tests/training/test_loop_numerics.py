@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from training_helpers import run
 from training_helpers import tiny_config as training_config
+
+from fluxgrpo.errors import FluxgrpoError
 
 
 def tiny_config(tiny_weights, tiny_embeddings, output_dir: Path, **overrides):
@@ -32,11 +36,15 @@ def test_an_iteration_without_any_finite_reward_does_not_step(tiny_weights, tiny
     monkeypatch.setattr(reward_module, "load_reward", load_failing)
     # Weight decay would move every weight even with zero advantages, and a warm-up would show a scheduler step.
     cfg = tiny_config(
-        tiny_weights, tiny_embeddings, tmp_path / "out", weight_decay=0.1, lr_warmup_steps=10, max_train_steps=2
+        tiny_weights, tiny_embeddings, tmp_path / "out", weight_decay=0.1, lr_warmup_steps=10, max_train_steps=4
     )
-    records = run(cfg)
-    assert [r["update_skipped"] for r in records] == [1.0, 1.0]
-    assert [r["lr"] for r in records] == [0.0, 0.0]  # warm-up step 0: the schedule never advanced
+    # a run none of whose updates could step fails (three in a row); checkpoint-2 was written before that
+    with pytest.raises(FluxgrpoError, match="skipped their update"):
+        run(cfg)
+    lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if "update_skipped" in r]
+    assert [r["update_skipped"] for r in records] == [1.0, 1.0, 1.0]
+    assert [r["lr"] for r in records] == [0.0, 0.0, 0.0]  # warm-up step 0: the schedule never advanced
     assert all(r["optimizer_steps"] == 0 and r["skipped_steps"] == 1 for r in records)
     before = weights_in(tiny_weights.flux_dir / "transformer")
     after = weights_in(tmp_path / "out" / "checkpoint-2" / "transformer")
