@@ -240,4 +240,4 @@ def _render_checks(report: dict) -> None:
         if report["ready"]
         else f"[bold red]not ready ({run}): fix the failing checks above[/]"
     )
-    out_console.print(verdict)
+    out_console.print(verdict, soft_wrap=True)  # one line, never cut: a long --config path stays whole

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 
@@ -214,7 +215,11 @@ def test_the_memory_estimate_counts_the_eval_reward_models_rank_0_keeps():
         run = RunShape.from_config(build_config("tiny-cpu", overrides), 1)
         return estimate(model, VaeShape(0, 0), run).persistent["eval rewards (rank 0)"]
 
-    assert eval_term(reward="hpsv2", eval_rewards="hpsv3", eval_every=0) == 0  # no evaluation: nothing loaded
+    # no evaluation: nothing loaded (a config file may name eval rewards with evaluation off; a typed flag may not)
+    quiet = dataclasses.replace(
+        build_config("tiny-cpu", {"reward": "hpsv2", "eval_rewards": "hpsv3", "eval_every": 10}), eval_every=0
+    )
+    assert estimate(model, VaeShape(0, 0), RunShape.from_config(quiet, 1)).persistent["eval rewards (rank 0)"] == 0
     # The fp32 training reward is shared with the evaluation; the others are float32 copies on rank 0.
     assert eval_term(reward="hpsv2", eval_rewards="hpsv3,imagereward", eval_every=10) == 4 * (
         reward_record("hpsv3").parameters + reward_record("imagereward").parameters
