@@ -28,10 +28,11 @@ def test_plasticity_judges_fresh_seeds_at_each_step_and_restores_nothing_it_did_
 
 
 @needs_shipped
-@pytest.mark.parametrize("size", [64, 128])
-def test_a_candidate_is_a_flux_folder_the_plasticity_test_reads(tmp_path, size):
-    record = candidate(tmp_path, image_size=size, steps=2, images=8, threads=1)
-    assert record["image_size"] == size and json.loads((tmp_path / "candidate.json").read_text()) == record
+@pytest.mark.parametrize(("size", "distill_steps"), [(64, 2), (128, 0)])
+def test_a_candidate_is_a_flux_folder_the_plasticity_test_reads(tmp_path, size, distill_steps):
+    record = candidate(tmp_path, image_size=size, steps=2, images=8, threads=1, distill_steps=distill_steps)
+    assert record["image_size"] == size and record["distill_steps"] == distill_steps
+    assert json.loads((tmp_path / "candidate.json").read_text()) == record
     assert (tmp_path / FLUX_SUBDIR / "model_index.json").is_file()
     settings = PlasticitySettings(pool=2, steps=1, batch=2, at=(), judge=1, size=size)
     report = plasticity(tmp_path / FLUX_SUBDIR, ["three circles"], settings)
