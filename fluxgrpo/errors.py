@@ -60,6 +60,15 @@ def _free_text(folder) -> str:
         return "its free space unknown"
 
 
+def os_error_reason(exc: OSError) -> str:
+    """What went wrong in an OSError, in a few words: shutil.copytree gathers its failures in one ``shutil.Error``
+    list (then the first one's), else the error's own text."""
+    import shutil
+
+    first = exc.args[0][0] if isinstance(exc, shutil.Error) and exc.args and exc.args[0] else None
+    return first[2] if first else (exc.strerror or str(exc))
+
+
 def disk_full_error(exc: BaseException, folder=None, need_bytes: int | None = None) -> FluxgrpoError | None:
     """One line for a write that ran out of space (ENOSPC, EDQUOT anywhere in ``exc``'s chain), naming the folder
     and its free space (and what the write needs, when the caller knows); None for any other error."""

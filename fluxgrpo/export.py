@@ -27,7 +27,7 @@ from fluxgrpo.checkpoint.layout import (
     TRANSFORMER_DIR,
     read_checkpoint_info,
 )
-from fluxgrpo.errors import FluxgrpoError, disk_full_error
+from fluxgrpo.errors import FluxgrpoError, disk_full_error, os_error_reason
 from fluxgrpo.models.flux import load_transformer
 from fluxgrpo.sampling.checkpoints import resolve_checkpoint
 
@@ -67,9 +67,7 @@ def _writing(destination: Path, need_bytes: int | None = None) -> Iterator[Path]
             raise full from None
         if not isinstance(exc, OSError):
             raise
-        # shutil.copytree gathers its failures in one list: name the first
-        first = exc.args[0][0] if isinstance(exc, shutil.Error) and exc.args and exc.args[0] else None
-        reason = first[2] if first else (exc.strerror or str(exc))
+        reason = os_error_reason(exc)
         raise FluxgrpoError(
             f"cannot write the export to {destination} ({reason}): pass a writable --out (nothing was left there)"
         ) from None

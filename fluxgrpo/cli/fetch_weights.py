@@ -226,7 +226,7 @@ def _shapes(parts: list[str] | None, flux_dir: str, hps_dir: str, json_output: b
     import shutil
     from pathlib import Path
 
-    from fluxgrpo.errors import FluxgrpoError, UsageError, disk_full_error
+    from fluxgrpo.errors import FluxgrpoError, UsageError, disk_full_error, os_error_reason
     from fluxgrpo.paths import ensure_writable_dir
     from fluxgrpo.shapes.shipped import SHAPES_PARTS, write_shapes_weights
     from fluxgrpo.weights import layout
@@ -268,8 +268,7 @@ def _shapes(parts: list[str] | None, flux_dir: str, hps_dir: str, json_output: b
                 raise full from None
             if not isinstance(exc, OSError):
                 raise
-            first = exc.args[0][0] if isinstance(exc, shutil.Error) and exc.args and exc.args[0] else None
-            reason = first[2] if first else (exc.strerror or str(exc))
+            reason = os_error_reason(exc)
             raise FluxgrpoError(
                 f"cannot write the shapes weights to {target} ({reason}): free space there or pass writable "
                 f"folders with --flux-dir and --hps-dir (nothing was left there)"
