@@ -125,7 +125,7 @@ def grpo_update(
 ) -> UpdateStats:
     """One ``--objective grpo`` update through the update driver (``run_update``); ``driver``: device_type,
     generator_cpu, reference."""
-    from fluxgrpo.grpo.objectives.grpo import GrpoObjective, GrpoSettings
+    from fluxgrpo.grpo.objectives.grpo.loss import GrpoObjective, GrpoSettings
     from fluxgrpo.grpo.update import UpdatePlumbing, run_update
 
     objective = GrpoObjective(GrpoSettings(num_train_timesteps, clip_range, kl_beta, ratio_normalization))

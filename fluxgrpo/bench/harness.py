@@ -119,7 +119,7 @@ class PhaseSetup:
     seed: int
 
     def objective(self) -> Any:
-        from fluxgrpo.grpo.objectives.grpo import GrpoObjective, GrpoSettings
+        from fluxgrpo.grpo.objectives.grpo.loss import GrpoObjective, GrpoSettings
 
         return GrpoObjective(GrpoSettings(self.num_train_timesteps, self.clip_range))
 

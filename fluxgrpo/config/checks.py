@@ -24,7 +24,13 @@ from fluxgrpo.config.choices import (
 from fluxgrpo.config.guard_rules import guard_problems
 from fluxgrpo.config.retain_check import retain_problems
 from fluxgrpo.data.benchmarks import eval_prompts_problem
-from fluxgrpo.grpo.objectives.catalogue import CATALOGUE, ObjectiveEntry, objective_names
+from fluxgrpo.grpo.objectives.catalogue import (
+    CATALOGUE,
+    ObjectiveEntry,
+    objective_names,
+    option_groups,
+    option_key_fields,
+)
 from fluxgrpo.models.known import MODEL_FAMILIES
 from fluxgrpo.rewards.base import REWARD_DTYPES
 from fluxgrpo.rewards.reward_set import parse_reward_list, reward_spec_problems
@@ -140,7 +146,10 @@ def _shape_problems(cfg: TrainConfig) -> list[str]:
 def _number_problems(cfg: TrainConfig) -> list[str]:
     """Every float finite, the positive ones positive, none past its bound (``SETTING_BOUNDS``)."""
     out: list[str] = []
-    non_finite = [f.name for f in fields(cfg) if f.type == "float" and not math.isfinite(getattr(cfg, f.name))]
+    types = {f.name: f.type for f in fields(cfg)} | {key: found.type for key, found in option_key_fields().items()}
+    non_finite = [
+        name for name, value in cfg.to_dict().items() if types.get(name) == "float" and not math.isfinite(value)
+    ]
     for name in non_finite:
         out.append(f"--{flag(name)} must be a finite number (got {getattr(cfg, name)})")
     for name in ("eta", "clip_range", "adv_clip_max", "learning_rate", "max_grad_norm"):
@@ -192,7 +201,7 @@ def _reward_image_size_problems(cfg: TrainConfig) -> list[str]:
 
 
 def _objective_problems(cfg: TrainConfig) -> list[str]:
-    """The objective's catalogue entry checks the run; every entry checks its own flags."""
+    """The objective's catalogue entry checks the run; every registered settings class checks its own flags."""
     if cfg.objective not in CATALOGUE:
         return [f"--objective {cfg.objective!r}: use one of {', '.join(objective_names())}"]
     out = []
@@ -213,8 +222,8 @@ def _objective_problems(cfg: TrainConfig) -> list[str]:
                 f"{', '.join(trajectory_only)}: only --objective {keeping} has per-step log-probs; --objective "
                 f"{cfg.objective} rolls out with the ODE (leave these at their defaults)"
             )
-    for other in CATALOGUE.values():
-        out.extend(other.option_problems(cfg))
+    for group in option_groups():
+        out.extend(cfg.settings_of(group).problems())
     out.extend(entry.run_problems(cfg))
     out.extend(_ignored_option_problems(cfg, entry))
     return out
@@ -276,10 +285,10 @@ _READ_ONLY_WITH: tuple[tuple[tuple[str, ...], Callable[[TrainConfig], bool], str
 
 def _ignored_option_problems(cfg: TrainConfig, entry: ObjectiveEntry) -> list[str]:
     """An objective's own flag (``ObjectiveEntry.options``) set off its default for an objective that ignores it."""
-    defaults = {field.name: field.default for field in fields(cfg)}
+    known = option_key_fields()
     out = []
     for name in dict.fromkeys(option for other in CATALOGUE.values() for option in other.options):
-        if name in entry.options or getattr(cfg, name) == defaults[name]:
+        if name in entry.options or getattr(cfg, name) == known[name].default:
             continue
         users = [other.name for other in CATALOGUE.values() if name in other.options]
         out.append(

@@ -1,17 +1,27 @@
 """The training configuration's schema: one typed dataclass, DanceGRPO's names, each field with its default and its
-help (the flag's help text); ``checks.py`` holds its checks, ``files.py`` how it is read and saved."""
+help (the flag's help text); ``checks.py`` holds its checks, ``files.py`` how it is read and saved.
+
+An objective's own settings are no fields here: each objective's settings class (``grpo/objectives/<name>/
+settings.py``) holds them, and ``objective_settings`` holds one instance of every registered class. Their config keys
+stay flat (``nft_beta``, ``--nft-beta``): ``config_fields`` generates them after ``objective``, ``to_dict`` writes
+them there, ``TrainConfig(nft_beta=…)`` and ``dataclasses.replace(cfg, nft_beta=…)`` set them, and ``cfg.nft_beta``
+reads one (``settings_of(NftOptions).beta`` is the typed way).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fluxgrpo.config.checks import config_problems
 from fluxgrpo.config.choices import LR_SCHEDULERS, WANDB_MODES
 from fluxgrpo.errors import UsageError
-from fluxgrpo.grpo.objectives.catalogue import AWM_WEIGHTINGS, CATALOGUE, ObjectiveEntry
+from fluxgrpo.grpo.objectives.catalogue import CATALOGUE, ObjectiveEntry, option_groups, option_key_fields
+from fluxgrpo.grpo.objectives.flow_matching import FlowMatchingOptions, resolved_draws
+from fluxgrpo.grpo.objectives.options import Options, OptionSet
 from fluxgrpo.models.known import LORA_DEFAULT_TARGETS, MODEL_FAMILIES
 from fluxgrpo.paths import (
     DEFAULT_EMBEDDINGS_DIR,
@@ -25,9 +35,16 @@ from fluxgrpo.rewards import reward_names
 from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 from fluxgrpo.runtime.device import DEVICE_TYPES
 
+SettingsT = TypeVar("SettingsT", bound=Options)
+
 
 def _opt(default: Any, help: str, **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, **meta})
+
+
+def default_objective_settings() -> OptionSet:
+    """Every registered settings class at its defaults."""
+    return OptionSet().merged(option_groups(), {})
 
 
 @dataclass
@@ -98,45 +115,6 @@ class TrainConfig:
         "Training objective: grpo (PPO-clip on the SDE's per-step log-probs), nft (DiffusionNFT), awm "
         "(Advantage-Weighted Matching), vgrpo (V-GRPO: PPO-clip on an ELBO surrogate) or neighbor (Neighbor GRPO: "
         "PPO-clip on a softmax-distance policy over ODE neighbours); all but grpo roll out with the DPM-Solver++(2M) ODE.",
-    )
-    nft_beta: float = _opt(1.0, "DiffusionNFT's β: the step of its implicit positive/negative policies.")
-    nft_decay_type: int = _opt(
-        1,
-        "DiffusionNFT's old-policy decay: 1 min(0.001·s, 0.5), 2 (0 for 75 steps, then 0.0075/step up to 0.999), 0 none.",
-    )
-    awm_weighting: str = _opt("ghuber", f"AWM's weighting of the flow-matching error: {', '.join(AWM_WEIGHTINGS)}.")
-    awm_ghuber_power: float = _opt(0.25, "AWM's ghuber power p.")
-    awm_ema_beta: float = _opt(1.0, "Weight of AWM's pull towards its EMA policy (0: off, no EMA copy).")
-    awm_time_type: str = _opt(
-        "discrete_wo_init",
-        "AWM's training-timestep range: discrete_wo_init (grid indices 1…int(0.9·N)−1: the authors' GenEval/OCR rule) "
-        "or discrete (from index 0, pure noise: their PickScore rule).",
-    )
-    fm_draws: str = _opt(
-        "auto",
-        "nft/awm/vgrpo: who shares a (timestep, noise) draw: sample (each sample its own; AWM's authors share the "
-        "timesteps per micro-batch), group (one set per prompt group: V-GRPO's), auto (vgrpo group, else sample).",
-    )
-    fm_timestep_rule: str = _opt(
-        "auto",
-        "nft/awm/vgrpo: how the trained timesteps are drawn from the grid: random (a random permutation's first T: "
-        "NFT's), stratified (one per stratum: AWM's, V-GRPO's), auto (nft random, else stratified).",
-    )
-    fm_timesteps: int = _opt(
-        0,
-        "nft/awm: timesteps each sample trains at (practitioners run 2-4); 0: int(trainable · --timestep-fraction).",
-    )
-    vgrpo_mc_samples: int = _opt(4, "V-GRPO's N_MC: (timestep, noise) pairs of each sample's surrogate (2 is too few).")
-    vgrpo_adv_soft_clip: float = _opt(
-        0.0, "V-GRPO's advantage soft clip η: A → η·tanh(A/η) (0: off, the authors' FLUX setting; SD3.5 stage 1: 3)."
-    )
-    neighbor_sigma: float = _opt(0.3, "Neighbor GRPO's perturbation σ: ε_i = √(1−σ²)·ε* + σ·δ_i within a group.")
-    neighbor_anchors: int = _opt(4, "Neighbor GRPO's anchors B per group trained each iteration (of the G candidates).")
-    neighbor_quasi_norm_p: float = _opt(
-        0.8, "Neighbor GRPO's group advantage reweighting A_i/(Σ|A_k|^p)^(1/p), p in (0, 2]."
-    )
-    neighbor_temperature: float = _opt(
-        1.0, "Temperature τ of Neighbor GRPO's leaping policy softmax(−‖x_i − x_θ‖²/τ) (the paper: 1)."
     )
     sampler: str = _opt(
         "dance",
@@ -220,6 +198,8 @@ class TrainConfig:
     keep_best: str = _opt(
         "", "Keep the best evaluation passing every guard by this metric (e.g. hpsv2) as <output-dir>/best/."
     )
+    # The objectives' own settings (not a flag: their flat keys are, ``config_fields``).
+    objective_settings: OptionSet = field(default_factory=default_objective_settings)
 
     # ---------------------------------------------------------------------------------------------------
     @property
@@ -238,6 +218,18 @@ class TrainConfig:
         indices lo … int(0.9·N)−1; vgrpo the N sampler timesteps; neighbor the N−1 transitions."""
         return self._objective_entry().trainable_timesteps(self)
 
+    def settings_of(self, cls: type[SettingsT]) -> SettingsT:
+        """The values of an objective's settings class (``grpo/objectives/<name>/settings.py``)."""
+        return self.objective_settings.of(cls)
+
+    if not TYPE_CHECKING:  # untyped reads of the flat keys, for scripts and older callers: cfg.nft_beta
+
+        def __getattr__(self, name: str) -> Any:
+            found = option_key_fields().get(name) if not name.startswith("__") else None
+            if found is None or "objective_settings" not in self.__dict__:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            return getattr(self.objective_settings.of(found.owner), found.name)
+
     def _objective_entry(self) -> ObjectiveEntry:
         """The catalogue entry of ``--objective`` (an unknown name is reported by ``problems``; until then, the
         sizes are grpo's)."""
@@ -250,18 +242,12 @@ class TrainConfig:
         entry = self._objective_entry()
         if entry.train_timesteps is not None:
             return entry.train_timesteps(self)
-        if "fm_timesteps" in entry.options and self.fm_timesteps:
-            return self.fm_timesteps
         return int(self.trainable_timesteps * self.timestep_fraction)
 
     @property
     def flow_matching_draws(self) -> tuple[str, str]:
         """(sharing, timestep rule) of nft/awm/vgrpo's (t, ε) draws, ``auto`` resolved to the authors' rules."""
-        sharing, rule = self._objective_entry().draws
-        return (
-            sharing if self.fm_draws == "auto" else self.fm_draws,
-            rule if self.fm_timestep_rule == "auto" else self.fm_timestep_rule,
-        )
+        return resolved_draws(self.settings_of(FlowMatchingOptions), self._objective_entry().draws)
 
     @property
     def trained_samples_per_rank(self) -> int:
@@ -316,8 +302,46 @@ class TrainConfig:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Config key → value, the objectives' settings flat after ``objective`` (loadable with --config)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if f.name == "objective_settings":
+                continue
+            out[f.name] = getattr(self, f.name)
+            if f.name == "objective":
+                out.update(self.objective_settings.flat())
+        return out
+
+
+_dataclass_init = TrainConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init_with_flat_settings(self: TrainConfig, objective_settings: OptionSet | None = None, **values: Any) -> None:
+    """The dataclass's ``__init__``, with the objectives' flat keys (``nft_beta=…``) set on ``objective_settings``."""
+    keys = option_key_fields()
+    flat = {key: values.pop(key) for key in list(values) if key in keys}
+    settings = (objective_settings or OptionSet()).merged(option_groups(), flat)
+    _dataclass_init(self, objective_settings=settings, **values)
+
+
+TrainConfig.__init__ = _init_with_flat_settings  # type: ignore[method-assign, assignment]
 
 
 def config_fields() -> list[dataclasses.Field]:
-    return list(fields(TrainConfig))
+    """Every config key as a field (name, type, default, help): ``TrainConfig``'s, with the registered objectives'
+    settings generated after ``objective`` (the flags, the YAML keys)."""
+    out = []
+    for f in fields(TrainConfig):
+        if f.name == "objective_settings":
+            continue
+        out.append(f)
+        if f.name == "objective":
+            out += [_as_field(key, found.type, found.default, found.help) for key, found in option_key_fields().items()]
+    return out
+
+
+def _as_field(name: str, kind: str, default: Any, help: str) -> dataclasses.Field:
+    made: dataclasses.Field = field(default=default, metadata={"help": help})
+    made.name, made.type = name, kind
+    return made

@@ -1,5 +1,5 @@
 """What the KL option (``--kl-beta``) pulls the policy towards (each objective's KL is its own: GRPO's is
-Flow-GRPO's, in ``objectives/grpo.py``; NFT's and AWM's the mean squared velocity difference).
+Flow-GRPO's, in ``objectives/grpo/loss.py``; NFT's and AWM's the mean squared velocity difference).
 
 The reference is behind ``ReferenceModel.reference_prediction``: a LoRA run answers it with the adapter disabled
 (the authors' way, no second copy of the weights), full fine-tuning with a frozen copy of the base weights.

@@ -139,9 +139,9 @@ class UpdatePass:
             raise ValueError(f"advantages must be [{num_samples}], got {tuple(advantages.shape)}")
         if cond.num_rows != num_samples:
             raise ValueError(f"{cond.num_rows} conditioning rows for {num_samples} trajectories")
-        update_size = getattr(objective, "update_size", None)  # optional (``base.Objective``)
-        trained = update_size(rollout) if callable(update_size) else num_samples
-        self.layout = UpdateLayout.of(trained, plumbing.micro_batch_size, plumbing.grad_accum_steps)
+        self.layout = UpdateLayout.of(
+            objective.update_size(rollout), plumbing.micro_batch_size, plumbing.grad_accum_steps
+        )
         self.work = objective.prepare(
             rollout, advantages.to(device=device, dtype=torch.float32), self.layout, generator_cpu
         )

@@ -71,7 +71,7 @@ class DriftProbe:
         objectives that keep no trajectory to probe: ``--objective nft/awm``)."""
         if not hasattr(rollout, "latents"):  # FinalSamples: the final latents only
             return {"velocity_norm_ratio": math.nan}
-        from fluxgrpo.grpo.objectives.grpo import draw_train_timesteps
+        from fluxgrpo.grpo.objectives.grpo.loss import draw_train_timesteps
         from fluxgrpo.grpo.rollout import predict_velocity
         from fluxgrpo.grpo.schedule import model_timesteps
         from fluxgrpo.runtime.dist import reshard_sharded_modules

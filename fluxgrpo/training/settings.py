@@ -4,7 +4,9 @@ with the policy copies it needs."""
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,6 +14,7 @@ import torch
 from fluxgrpo.config import TrainConfig
 from fluxgrpo.grpo.objectives.base import Objective
 from fluxgrpo.grpo.objectives.catalogue import objective_entry
+from fluxgrpo.grpo.objectives.entry import ObjectiveRun
 from fluxgrpo.grpo.rollout import RolloutSettings
 from fluxgrpo.grpo.samplers import make_sampler
 from fluxgrpo.grpo.step_plan import PlanSettings
@@ -58,14 +61,46 @@ def policy_copy_names(cfg: TrainConfig) -> tuple[str, ...]:
     return objective_entry(cfg.objective).policy_copies(cfg)
 
 
+def objective_run(cfg: TrainConfig) -> ObjectiveRun:
+    """What ``cfg.objective``'s loss reads of the run: its settings and the general values (the loss never sees the
+    config)."""
+    entry = objective_entry(cfg.objective)
+    return ObjectiveRun(
+        settings=None if entry.settings is None else cfg.settings_of(entry.settings),
+        shared=cfg.objective_settings,
+        train_timesteps=cfg.train_timesteps,
+        group_size=cfg.num_generations,
+        clip_range=cfg.clip_range,
+        kl_beta=cfg.kl_beta,
+        adv_clip_max=cfg.adv_clip_max,
+        ratio_normalization=cfg.ratio_normalization,
+        draws=cfg.flow_matching_draws,
+    )
+
+
+def _resolved(hook: str | Callable[..., Any]) -> Callable[..., Any]:
+    """A catalogue hook: the function itself, or "module:name" imported now."""
+    if isinstance(hook, str):
+        module, _, name = hook.partition(":")
+        return getattr(importlib.import_module(module), name)
+    return hook
+
+
 def build_objective(cfg: TrainConfig, policy_copies: dict[str, Any]) -> Objective:
     """The objective of ``cfg.objective`` (its catalogue entry's class) over the run's policy copies."""
-    builder: Any = objective_entry(cfg.objective).builder
-    if isinstance(builder, str):
-        module, _, name = builder.partition(":")
-        builder = getattr(importlib.import_module(module), name)
-    objective: Objective = builder.from_config(cfg, policy_copies)
+    builder = _resolved(objective_entry(cfg.objective).builder)
+    objective: Objective = builder.from_config(objective_run(cfg), policy_copies)  # type: ignore[attr-defined]
     return objective
+
+
+def objective_initial_noise(cfg: TrainConfig) -> Callable[..., torch.Tensor] | None:
+    """``(num_prompts, group_size, latent_size, generator, device) → [P·G, L, C]`` when ``cfg.objective`` draws its
+    rollout's initial noises itself (its catalogue entry's ``initial_noise``, over its settings), else None."""
+    entry = objective_entry(cfg.objective)
+    if entry.initial_noise is None:
+        return None
+    settings = None if entry.settings is None else cfg.settings_of(entry.settings)
+    return functools.partial(_resolved(entry.initial_noise), settings)
 
 
 def lora_spec(cfg: TrainConfig) -> LoraSpec | None:

@@ -43,12 +43,16 @@ def draw_prompts(parts: TrainingParts, cfg: TrainConfig):
 
 
 def initial_noise(cfg: TrainConfig, num_prompts: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """[B, L, C] packed Gaussian noise; shared by the G members of a group when ``shares_group_noise``."""
+    """[B, L, C] packed Gaussian noise, shared by the G members of a group when ``shares_group_noise``; or the
+    noise the objective draws itself (its catalogue entry's ``initial_noise``: Neighbor GRPO's neighbourhoods)."""
     from fluxgrpo.grpo.latents import latent_shape, pack_latents
+    from fluxgrpo.training.settings import objective_initial_noise
 
     shape = latent_shape(cfg.height, cfg.width)
-    if cfg.objective == "neighbor":
-        return _neighborhood_noise(cfg, num_prompts, generator, device)
+    own = objective_initial_noise(cfg)
+    if own is not None:
+        size = (shape.channels, shape.latent_height, shape.latent_width)
+        return own(num_prompts, cfg.num_generations, size, generator, device)
     draws = num_prompts if cfg.shares_group_noise else num_prompts * cfg.num_generations
     noise = torch.randn(
         (draws, shape.channels, shape.latent_height, shape.latent_width),
@@ -58,20 +62,6 @@ def initial_noise(cfg: TrainConfig, num_prompts: int, generator: torch.Generator
     )
     packed = pack_latents(noise)
     return packed.repeat_interleave(cfg.num_generations, dim=0) if cfg.shares_group_noise else packed
-
-
-def _neighborhood_noise(
-    cfg: TrainConfig, num_prompts: int, generator: torch.Generator, device: torch.device
-) -> torch.Tensor:
-    """[B, L, C] Neighbor GRPO's initial noises: per group one base noise, then one perturbation per member."""
-    from fluxgrpo.grpo.latents import latent_shape, pack_latents
-    from fluxgrpo.grpo.objectives.neighbor import neighborhood_noise
-
-    shape = latent_shape(cfg.height, cfg.width)
-    size = (shape.channels, shape.latent_height, shape.latent_width)
-    base = torch.randn((num_prompts, *size), generator=generator, device=device, dtype=torch.float32)
-    deltas = torch.randn((num_prompts * cfg.num_generations, *size), generator=generator, device=device)
-    return neighborhood_noise(pack_latents(base), pack_latents(deltas), cfg.neighbor_sigma)
 
 
 def decode_images(
@@ -181,7 +171,7 @@ def rollout_stage(
         return sample_final_latents(
             transformer, cond, noise, sigmas, guidance=settings.guidance, rollout_batch_size=settings.rollout_batch_size,
             img_ids=img_ids, device_type=device_type, compute_dtype=settings.compute_dtype,
-            keep_path=getattr(objective, "keeps_ode_path", False),
+            keep_path=objective.keeps_ode_path,
         )  # fmt: skip
 
 

@@ -39,7 +39,7 @@ from torch import nn
 
 from fluxgrpo.config import TrainConfig
 from fluxgrpo.grpo.latents import image_ids
-from fluxgrpo.grpo.objectives.neighbor import neighborhood_noise
+from fluxgrpo.grpo.objectives.neighbor.loss import neighborhood_noise
 from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.reference import FrozenReference
 from fluxgrpo.grpo.reward_aggregation import aggregate_rewards

@@ -13,7 +13,7 @@ from training_helpers import POOLED_DIM, TEXT_DIM, grpo_update, make_batch, sde_
 from fluxgrpo.config import build_config
 from fluxgrpo.errors import UsageError
 from fluxgrpo.grpo.latents import image_ids
-from fluxgrpo.grpo.objectives.grpo import guard_log_ratio
+from fluxgrpo.grpo.objectives.grpo.loss import guard_log_ratio
 from fluxgrpo.grpo.reference import FrozenReference
 from fluxgrpo.grpo.samplers import make_sampler
 from fluxgrpo.grpo.schedule import sigma_schedule

@@ -14,10 +14,10 @@ from training_helpers import POOLED_DIM, TEXT_DIM, make_batch
 from fluxgrpo.config import TrainConfig
 from fluxgrpo.errors import UsageError
 from fluxgrpo.grpo.latents import image_ids
-from fluxgrpo.grpo.objectives.awm import AwmObjective, AwmSettings, stratified_indices, trainable_range
+from fluxgrpo.grpo.objectives.awm.loss import AwmObjective, AwmSettings, stratified_indices, trainable_range
 from fluxgrpo.grpo.objectives.base import CURRENT_POLICY
 from fluxgrpo.grpo.objectives.draws import group_bounds, indices_per_unit, linspace_strata, random_indices
-from fluxgrpo.grpo.objectives.neighbor import (
+from fluxgrpo.grpo.objectives.neighbor.loss import (
     NeighborObjective,
     NeighborSettings,
     leap_log_probs,
@@ -25,8 +25,8 @@ from fluxgrpo.grpo.objectives.neighbor import (
     neighborhood_noise,
     quasi_norm_advantages,
 )
-from fluxgrpo.grpo.objectives.nft import NftObjective, NftSettings
-from fluxgrpo.grpo.objectives.vgrpo import (
+from fluxgrpo.grpo.objectives.nft.loss import NftObjective, NftSettings
+from fluxgrpo.grpo.objectives.vgrpo.loss import (
     VgrpoObjective,
     VgrpoSettings,
     self_normalized_surrogate,

@@ -10,7 +10,7 @@ import torch
 from fluxgrpo.config import TrainConfig
 from fluxgrpo.grpo.advantages import group_advantages
 from fluxgrpo.grpo.latents import image_ids, latent_shape, pack_latents, unpack_latents
-from fluxgrpo.grpo.objectives.grpo import clipped_policy_loss
+from fluxgrpo.grpo.objectives.grpo.loss import clipped_policy_loss
 from fluxgrpo.grpo.samplers import dance_step
 from fluxgrpo.grpo.schedule import model_timesteps, sigma_schedule
 

@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 from training_helpers import run, tiny_config
 
 from fluxgrpo.errors import UsageError
-from fluxgrpo.grpo.objectives.base import Metric, ModelInput, StepLoss, UpdateLayout, UpdateStep
+from fluxgrpo.grpo.objectives.base import Metric, ModelInput, ObjectiveBase, StepLoss, UpdateLayout, UpdateStep
 from fluxgrpo.grpo.objectives.catalogue import CATALOGUE, ObjectiveEntry
-from fluxgrpo.grpo.objectives.nft import FlowMatchingBatch
+from fluxgrpo.grpo.objectives.nft.loss import FlowMatchingBatch
 from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.types import FinalSamples
 
@@ -50,7 +50,7 @@ class ToyWork:
 TOY_METRICS = {"toy_matching": Metric("toy_matching", "mean"), "toy_anchor_gap": Metric("toy_anchor_gap", "mean")}
 
 
-class ToyObjective:
+class ToyObjective(ObjectiveBase):
     name = "toy"
     keeps_trajectory = False
     keeps_step_means = False

@@ -12,7 +12,7 @@ from torch import nn
 from training_helpers import POOLED_DIM, TEXT_DIM, make_batch
 
 from fluxgrpo.grpo.latents import image_ids
-from fluxgrpo.grpo.objectives.awm import (
+from fluxgrpo.grpo.objectives.awm.loss import (
     AwmObjective,
     AwmSettings,
     ema_policy_decay,
@@ -21,7 +21,7 @@ from fluxgrpo.grpo.objectives.awm import (
     weighted_log_prob,
 )
 from fluxgrpo.grpo.objectives.base import Metric, MetricTally, StepResult
-from fluxgrpo.grpo.objectives.nft import NftObjective, NftSettings, nft_policy_loss, old_policy_decay
+from fluxgrpo.grpo.objectives.nft.loss import NftObjective, NftSettings, nft_policy_loss, old_policy_decay
 from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.rollout import sample_final_latents
 from fluxgrpo.grpo.samplers import euler_step
@@ -346,7 +346,7 @@ AUTHORS_WEIGHTINGS = {"Uniform": "uniform", "t": "t", "t**2": "t2", "huber": "hu
 
 @pytest.mark.parametrize("case", [case for case in CASES if case["kind"] == "nft"], ids=lambda case: str(case["beta"]))
 def test_nft_loss_and_gradient_match_the_authors_recorded_cases(case):
-    from fluxgrpo.grpo.objectives.nft import optimality_probability
+    from fluxgrpo.grpo.objectives.nft.loss import optimality_probability
 
     velocity = case["velocity"].clone().requires_grad_(True)
     r = optimality_probability(case["advantages"], case["adv_clip_max"])
@@ -362,7 +362,7 @@ def test_nft_loss_and_gradient_match_the_authors_recorded_cases(case):
 
 @pytest.mark.parametrize("case", [case for case in CASES if case["kind"] == "awm"], ids=lambda case: case["weighting"])
 def test_awm_loss_and_gradient_match_the_authors_recorded_cases(case):
-    from fluxgrpo.grpo.objectives.awm import awm_policy_loss, flow_matching_mse
+    from fluxgrpo.grpo.objectives.awm.loss import awm_policy_loss, flow_matching_mse
 
     velocity = case["velocity"].clone().requires_grad_(True)
     mse = flow_matching_mse(velocity, case["noise"], case["x0"])

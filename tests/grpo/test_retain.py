@@ -16,7 +16,7 @@ from torch import nn
 from training_helpers import POOLED_DIM, TEXT_DIM, make_batch
 
 from fluxgrpo.grpo.latents import image_ids
-from fluxgrpo.grpo.objectives.grpo import GrpoObjective, GrpoSettings
+from fluxgrpo.grpo.objectives.grpo.loss import GrpoObjective, GrpoSettings
 from fluxgrpo.grpo.retain import RetainedGraphs
 from fluxgrpo.grpo.rollout import RolloutSettings, sample_trajectories
 from fluxgrpo.grpo.samplers import make_sampler

@@ -2,7 +2,9 @@
 
 An objective (``--objective``; its torch-free entry in ``catalogue.py``) declares:
 - what the rollout must keep: the per-step trajectory with its log-probs (``keeps_trajectory``: GRPO's ratio needs
-  them; ``keeps_step_means`` for GRPO-Guard), or the final samples only (DiffusionNFT, AWM);
+  them; ``keeps_step_means`` for GRPO-Guard), or the final samples only (DiffusionNFT, AWM), with every latent of the
+  ODE on the σ grid (``keeps_ode_path``: Neighbor GRPO's candidates);
+- how many samples its update trains (``update_size``: the trajectories, or Neighbor GRPO's anchors);
 - which forwards each loss step needs (``UpdateWork``): the policy's at the inputs it names (``model_input``), the
   KL reference's (``wants_reference``), and velocities computed once before the first optimizer step
   (``precomputed_forwards``: the current weights, ``CURRENT_POLICY``, or a policy copy by name);
@@ -144,6 +146,11 @@ class Objective(Protocol):
         ...
 
     @property
+    def keeps_ode_path(self) -> bool:
+        """Without ``keeps_trajectory``: also every latent of the ODE on the σ grid (``FinalSamples.path``)."""
+        ...
+
+    @property
     def metrics(self) -> Mapping[str, Metric]: ...
 
     @property
@@ -167,12 +174,36 @@ class Objective(Protocol):
         """The ``PolicyCopy`` rollouts sample with (NFT's θ_old), or None for the current weights."""
         ...
 
-    # Optional: ``update_size(rollout) -> int``, the samples the update's micro-batches cut when they are not the
-    # rollout's trajectories (Neighbor GRPO trains B anchors per group); ``prepare`` gets that layout.
+    def update_size(self, rollout: Any) -> int:
+        """The samples the update's micro-batches cut (``prepare`` gets that layout): the rollout's trajectories, or
+        Neighbor GRPO's B anchors per group."""
+        ...
 
     def finish(self, transformer: nn.Module, optimizer_steps: int) -> None:
         """After the update (``optimizer_steps``: taken so far in the run): soft-update any policy copy."""
         ...
+
+
+class ObjectiveBase:
+    """The defaults of an ``Objective``: no step means, no ODE path, every trajectory trained, rollouts with the
+    current weights, nothing to do after the update. An objective derives from it and sets what differs."""
+
+    @property
+    def keeps_step_means(self) -> bool:
+        return False
+
+    @property
+    def keeps_ode_path(self) -> bool:
+        return False
+
+    def update_size(self, rollout: Any) -> int:
+        return int(rollout.num_trajectories)
+
+    def rollout_policy(self) -> PolicyCopy | None:
+        return None
+
+    def finish(self, transformer: nn.Module, optimizer_steps: int) -> None:
+        return None
 
 
 @dataclass

@@ -19,13 +19,11 @@ not change during an update); the authors compute it inline, which gives the sam
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from fluxgrpo.grpo.objectives.base import Metric, ModelInput, StepLoss, UpdateLayout, UpdateStep
-from fluxgrpo.grpo.objectives.catalogue import OLD_POLICY
+from fluxgrpo.grpo.objectives.base import Metric, ModelInput, ObjectiveBase, StepLoss, UpdateLayout, UpdateStep
 from fluxgrpo.grpo.objectives.draws import (
     draw_noise,
     group_bounds,
@@ -34,12 +32,11 @@ from fluxgrpo.grpo.objectives.draws import (
     random_indices,
     sample_bounds,
 )
+from fluxgrpo.grpo.objectives.entry import OLD_POLICY, ObjectiveRun
+from fluxgrpo.grpo.objectives.nft.settings import NftOptions
 from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.schedule import model_timesteps
 from fluxgrpo.grpo.types import FinalSamples
-
-if TYPE_CHECKING:
-    from fluxgrpo.config import TrainConfig
 
 # The authors' decay types: (steps held at 0, rise per step, ceiling).
 DECAY_TYPES = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}
@@ -96,7 +93,7 @@ def nft_policy_loss(
 
 @dataclass(frozen=True)
 class NftSettings:
-    """DiffusionNFT's hyperparameters (``TrainConfig``'s names in the comments)."""
+    """DiffusionNFT's hyperparameters (the config keys in the comments)."""
 
     num_train_timesteps: int  # T of the N sampler timesteps per sample (int(N·timestep_fraction))
     beta: float = 1.0  # nft_beta: the implicit policies' step β
@@ -108,15 +105,15 @@ class NftSettings:
     group_size: int = 1  # G, the rows a group-shared draw covers
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig) -> NftSettings:
-        sharing, timestep_rule = cfg.flow_matching_draws
+    def from_run(cls, run: ObjectiveRun) -> NftSettings:
+        options, (sharing, timestep_rule) = run.own(NftOptions), run.draws
         return cls(
-            cfg.train_timesteps, cfg.nft_beta, cfg.kl_beta, cfg.adv_clip_max, cfg.nft_decay_type, sharing,
-            timestep_rule, cfg.num_generations,
+            run.train_timesteps, options.beta, run.kl_beta, run.adv_clip_max, options.decay_type, sharing,
+            timestep_rule, run.group_size,
         )  # fmt: skip
 
 
-class NftObjective:
+class NftObjective(ObjectiveBase):
     name = "nft"
     keeps_trajectory = False
     keeps_step_means = False
@@ -128,8 +125,8 @@ class NftObjective:
         self.policy_copies = {OLD_POLICY: old_policy}
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig, policy_copies: dict[str, PolicyCopy]) -> NftObjective:
-        return cls(NftSettings.from_config(cfg), policy_copies[OLD_POLICY])
+    def from_config(cls, run: ObjectiveRun, policy_copies: dict[str, PolicyCopy]) -> NftObjective:
+        return cls(NftSettings.from_run(run), policy_copies[OLD_POLICY])
 
     def rollout_policy(self) -> PolicyCopy:
         """The weights rollouts sample with: θ_old."""

@@ -22,19 +22,25 @@ weights before the first optimizer step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from fluxgrpo.grpo.objectives.base import CURRENT_POLICY, Metric, ModelInput, StepLoss, UpdateLayout, UpdateStep
+from fluxgrpo.grpo.objectives.base import (
+    CURRENT_POLICY,
+    Metric,
+    ModelInput,
+    ObjectiveBase,
+    StepLoss,
+    UpdateLayout,
+    UpdateStep,
+)
 from fluxgrpo.grpo.objectives.draws import group_bounds, indices_per_unit, random_indices, sample_bounds
-from fluxgrpo.grpo.objectives.nft import FlowMatchingBatch
+from fluxgrpo.grpo.objectives.entry import ObjectiveRun
+from fluxgrpo.grpo.objectives.nft.loss import FlowMatchingBatch
+from fluxgrpo.grpo.objectives.vgrpo.settings import VgrpoOptions
 from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.types import FinalSamples
-
-if TYPE_CHECKING:
-    from fluxgrpo.config import TrainConfig
 
 VGRPO_METRICS = {
     "policy_loss": Metric("policy_loss", "mean"),
@@ -80,7 +86,7 @@ def vgrpo_policy_loss(
 
 @dataclass(frozen=True)
 class VgrpoSettings:
-    """V-GRPO's hyperparameters (``TrainConfig``'s names in the comments)."""
+    """V-GRPO's hyperparameters (the config keys in the comments)."""
 
     num_mc: int  # vgrpo_mc_samples: the (t, ε) pairs per sample
     group_size: int  # num_generations: the rows a group-shared draw covers
@@ -91,15 +97,15 @@ class VgrpoSettings:
     timestep_rule: str = "stratified"  # fm_timestep_rule
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig) -> VgrpoSettings:
-        sharing, timestep_rule = cfg.flow_matching_draws
+    def from_run(cls, run: ObjectiveRun) -> VgrpoSettings:
+        options, (sharing, timestep_rule) = run.own(VgrpoOptions), run.draws
         return cls(
-            num_mc=cfg.vgrpo_mc_samples, group_size=cfg.num_generations, clip_range=cfg.clip_range,
-            adv_soft_clip=cfg.vgrpo_adv_soft_clip, kl_beta=cfg.kl_beta, sharing=sharing, timestep_rule=timestep_rule,
+            num_mc=options.mc_samples, group_size=run.group_size, clip_range=run.clip_range,
+            adv_soft_clip=options.adv_soft_clip, kl_beta=run.kl_beta, sharing=sharing, timestep_rule=timestep_rule,
         )  # fmt: skip
 
 
-class VgrpoObjective:
+class VgrpoObjective(ObjectiveBase):
     name = "vgrpo"
     keeps_trajectory = False
     keeps_step_means = False
@@ -113,8 +119,8 @@ class VgrpoObjective:
         self.policy_copies: dict[str, PolicyCopy] = {}
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig, policy_copies: dict[str, PolicyCopy]) -> VgrpoObjective:
-        return cls(VgrpoSettings.from_config(cfg))
+    def from_config(cls, run: ObjectiveRun, policy_copies: dict[str, PolicyCopy]) -> VgrpoObjective:
+        return cls(VgrpoSettings.from_run(run))
 
     def rollout_policy(self) -> None:
         """Rollouts sample with the current policy (θ_old is the weights at rollout time)."""

@@ -26,18 +26,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from fluxgrpo.grpo.objectives.base import CURRENT_POLICY, Metric, ModelInput, StepLoss, UpdateLayout, UpdateStep
+from fluxgrpo.grpo.latents import pack_latents
+from fluxgrpo.grpo.objectives.base import (
+    CURRENT_POLICY,
+    Metric,
+    ModelInput,
+    ObjectiveBase,
+    StepLoss,
+    UpdateLayout,
+    UpdateStep,
+)
+from fluxgrpo.grpo.objectives.entry import ObjectiveRun
+from fluxgrpo.grpo.objectives.neighbor.settings import NeighborOptions
 from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.schedule import model_timesteps
 from fluxgrpo.grpo.types import FinalSamples
-
-if TYPE_CHECKING:
-    from fluxgrpo.config import TrainConfig
 
 NEIGHBOR_METRICS = {
     "policy_loss": Metric("policy_loss", "mean"),
@@ -54,6 +61,21 @@ def neighborhood_noise(base: torch.Tensor, deltas: torch.Tensor, sigma: float) -
     """[P·G, L, C] ε^(i) = √(1−σ²)·ε* + σ·δ^(i): ``base`` [P, L, C] repeated over each group's ``deltas`` rows."""
     group_size = deltas.shape[0] // base.shape[0]
     return math.sqrt(1.0 - sigma**2) * base.repeat_interleave(group_size, dim=0) + sigma * deltas
+
+
+def neighborhood_initial_noise(
+    settings: NeighborOptions,
+    num_prompts: int,
+    group_size: int,
+    size: tuple[int, int, int],
+    generator: torch.Generator,
+    device: torch.device,
+) -> torch.Tensor:
+    """[P·G, L, C] the rollout's initial noises (the entry's ``initial_noise``): per group one base noise of ``size``
+    (C, h, w), then one perturbation per member, packed."""
+    base = torch.randn((num_prompts, *size), generator=generator, device=device, dtype=torch.float32)
+    deltas = torch.randn((num_prompts * group_size, *size), generator=generator, device=device)
+    return neighborhood_noise(pack_latents(base), pack_latents(deltas), settings.sigma)
 
 
 def quasi_norm_advantages(advantages: torch.Tensor, group_size: int, power: float) -> torch.Tensor:
@@ -81,7 +103,7 @@ def neighbor_policy_loss(
 
 @dataclass(frozen=True)
 class NeighborSettings:
-    """Neighbor GRPO's hyperparameters (``TrainConfig``'s names in the comments)."""
+    """Neighbor GRPO's hyperparameters (the config keys in the comments)."""
 
     num_train_timesteps: int  # K of the N−1 transitions per anchor (int((N−1)·timestep_fraction))
     num_anchors: int  # neighbor_anchors: B of the G candidates per group
@@ -92,15 +114,16 @@ class NeighborSettings:
     kl_beta: float = 0.0  # kl_beta: weight of mean((v − v_ref)²) at the anchor
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig) -> NeighborSettings:
+    def from_run(cls, run: ObjectiveRun) -> NeighborSettings:
+        options = run.own(NeighborOptions)
         return cls(
-            num_train_timesteps=cfg.train_timesteps, num_anchors=cfg.neighbor_anchors, group_size=cfg.num_generations,
-            clip_range=cfg.clip_range, quasi_norm_power=cfg.neighbor_quasi_norm_p,
-            temperature=cfg.neighbor_temperature, kl_beta=cfg.kl_beta,
+            num_train_timesteps=run.train_timesteps, num_anchors=options.anchors, group_size=run.group_size,
+            clip_range=run.clip_range, quasi_norm_power=options.quasi_norm_p, temperature=options.temperature,
+            kl_beta=run.kl_beta,
         )  # fmt: skip
 
 
-class NeighborObjective:
+class NeighborObjective(ObjectiveBase):
     name = "neighbor"
     keeps_trajectory = False
     keeps_step_means = False
@@ -115,8 +138,8 @@ class NeighborObjective:
         self.policy_copies: dict[str, PolicyCopy] = {}
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig, policy_copies: dict[str, PolicyCopy]) -> NeighborObjective:
-        return cls(NeighborSettings.from_config(cfg))
+    def from_config(cls, run: ObjectiveRun, policy_copies: dict[str, PolicyCopy]) -> NeighborObjective:
+        return cls(NeighborSettings.from_run(run))
 
     def update_size(self, rollout: FinalSamples) -> int:
         """The anchors the update trains: B per group."""

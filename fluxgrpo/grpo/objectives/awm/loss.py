@@ -18,20 +18,25 @@ step. The EMA policy is soft-updated after the update with d = min(0.3, 0.001·o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from fluxgrpo.grpo.objectives.base import CURRENT_POLICY, Metric, ModelInput, StepLoss, UpdateLayout, UpdateStep
-from fluxgrpo.grpo.objectives.catalogue import AWM_TIME_FRACTION, AWM_TIME_TYPES, AWM_WEIGHTINGS, EMA_POLICY
+from fluxgrpo.grpo.objectives.awm.settings import AWM_TIME_FRACTION, AWM_TIME_TYPES, AWM_WEIGHTINGS, AwmOptions
+from fluxgrpo.grpo.objectives.base import (
+    CURRENT_POLICY,
+    Metric,
+    ModelInput,
+    ObjectiveBase,
+    StepLoss,
+    UpdateLayout,
+    UpdateStep,
+)
 from fluxgrpo.grpo.objectives.draws import group_bounds, indices_per_unit, linspace_strata, random_indices
-from fluxgrpo.grpo.objectives.nft import FlowMatchingBatch
+from fluxgrpo.grpo.objectives.entry import EMA_POLICY, ObjectiveRun
+from fluxgrpo.grpo.objectives.nft.loss import FlowMatchingBatch
 from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.types import FinalSamples
-
-if TYPE_CHECKING:
-    from fluxgrpo.config import TrainConfig
 
 AWM_METRICS = {
     "policy_loss": Metric("policy_loss", "mean"),
@@ -97,7 +102,7 @@ def awm_policy_loss(
 
 @dataclass(frozen=True)
 class AwmSettings:
-    """AWM's hyperparameters (``TrainConfig``'s names in the comments)."""
+    """AWM's hyperparameters (the config keys in the comments)."""
 
     num_train_timesteps: int  # T stratified indices per micro-batch
     weighting: str = "ghuber"  # awm_weighting
@@ -112,16 +117,16 @@ class AwmSettings:
     group_size: int = 1  # G, the rows a group-shared draw covers
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig) -> AwmSettings:
-        sharing, timestep_rule = cfg.flow_matching_draws
+    def from_run(cls, run: ObjectiveRun) -> AwmSettings:
+        options, (sharing, timestep_rule) = run.own(AwmOptions), run.draws
         return cls(
-            num_train_timesteps=cfg.train_timesteps, weighting=cfg.awm_weighting, ghuber_power=cfg.awm_ghuber_power,
-            clip_range=cfg.clip_range, kl_beta=cfg.kl_beta, ema_beta=cfg.awm_ema_beta, adv_clip_max=cfg.adv_clip_max,
-            time_type=cfg.awm_time_type, sharing=sharing, timestep_rule=timestep_rule, group_size=cfg.num_generations,
+            num_train_timesteps=run.train_timesteps, weighting=options.weighting, ghuber_power=options.ghuber_power,
+            clip_range=run.clip_range, kl_beta=run.kl_beta, ema_beta=options.ema_beta, adv_clip_max=run.adv_clip_max,
+            time_type=options.time_type, sharing=sharing, timestep_rule=timestep_rule, group_size=run.group_size,
         )  # fmt: skip
 
 
-class AwmObjective:
+class AwmObjective(ObjectiveBase):
     name = "awm"
     keeps_trajectory = False
     keeps_step_means = False
@@ -135,8 +140,8 @@ class AwmObjective:
         self.policy_copies = {} if ema_policy is None else {EMA_POLICY: ema_policy}
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig, policy_copies: dict[str, PolicyCopy]) -> AwmObjective:
-        return cls(AwmSettings.from_config(cfg), policy_copies.get(EMA_POLICY))
+    def from_config(cls, run: ObjectiveRun, policy_copies: dict[str, PolicyCopy]) -> AwmObjective:
+        return cls(AwmSettings.from_run(run), policy_copies.get(EMA_POLICY))
 
     def rollout_policy(self) -> PolicyCopy | None:
         """Rollouts sample with the current policy."""

@@ -29,18 +29,15 @@ std_dev_t², not by the step variance std_dev_t²·|dt|); fluxgrpo keeps their d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from fluxgrpo.grpo.objectives.base import Metric, ModelInput, StepLoss, UpdateLayout, UpdateStep
+from fluxgrpo.grpo.objectives.base import Metric, ModelInput, ObjectiveBase, StepLoss, UpdateLayout, UpdateStep
+from fluxgrpo.grpo.objectives.entry import ObjectiveRun
 from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.samplers import SdeStep
 from fluxgrpo.grpo.schedule import model_timesteps
 from fluxgrpo.grpo.types import Rollout
-
-if TYPE_CHECKING:
-    from fluxgrpo.config import TrainConfig
 
 GRPO_METRICS = {
     "ratio_mean": Metric("ratio_mean", "mean"),  # mean ρ over every trained (trajectory, timestep)
@@ -141,7 +138,7 @@ def draw_train_timesteps(
 
 @dataclass(frozen=True)
 class GrpoSettings:
-    """The hyperparameters of the GRPO loss (validated by ``TrainConfig``; named as there)."""
+    """The hyperparameters of the GRPO loss (the run's, validated by its config; named as there)."""
 
     num_train_timesteps: int  # T: timesteps each trajectory trains on (train_timesteps)
     clip_range: float  # PPO ε
@@ -149,11 +146,11 @@ class GrpoSettings:
     ratio_normalization: str = "none"  # ``config.RATIO_NORMALIZATIONS``
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig) -> GrpoSettings:
-        return cls(cfg.train_timesteps, cfg.clip_range, cfg.kl_beta, cfg.ratio_normalization)
+    def from_run(cls, run: ObjectiveRun) -> GrpoSettings:
+        return cls(run.train_timesteps, run.clip_range, run.kl_beta, run.ratio_normalization)
 
 
-class GrpoObjective:
+class GrpoObjective(ObjectiveBase):
     """PPO-clip on the rollout's log-probs (the module docstring)."""
 
     name = "grpo"
@@ -166,8 +163,8 @@ class GrpoObjective:
         self.policy_copies: dict[str, PolicyCopy] = {}  # none: the ratio's π_old is the rollout's own log-prob
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig, policy_copies: dict[str, PolicyCopy]) -> GrpoObjective:
-        return cls(GrpoSettings.from_config(cfg))
+    def from_config(cls, run: ObjectiveRun, policy_copies: dict[str, PolicyCopy]) -> GrpoObjective:
+        return cls(GrpoSettings.from_run(run))
 
     @property
     def keeps_step_means(self) -> bool:

@@ -1,0 +1,2 @@
+"""``--objective awm``: Advantage-Weighted Matching. ``settings.py`` (torch-free): its flags and catalogue entry;
+``loss.py``: the loss."""

@@ -1,0 +1,2 @@
+"""``--objective nft``: DiffusionNFT. ``settings.py`` (torch-free): its flags and catalogue entry; ``loss.py``: the
+loss."""

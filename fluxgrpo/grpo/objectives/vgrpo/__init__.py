@@ -1,0 +1,2 @@
+"""``--objective vgrpo``: V-GRPO. ``settings.py`` (torch-free): its flags and catalogue entry; ``loss.py``: the
+loss."""
