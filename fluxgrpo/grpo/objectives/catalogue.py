@@ -23,7 +23,7 @@ from fluxgrpo.grpo.objectives.entry import (
     ObjectiveEntry,
     ObjectiveRun,
 )
-from fluxgrpo.grpo.objectives.flow_matching import FM_DRAWS, FM_TIMESTEP_RULES
+from fluxgrpo.grpo.objectives.flow_matching import FM_DRAWS, FM_TIMESTEP_RULES, FlowMatchingOptions
 from fluxgrpo.grpo.objectives.grpo import settings as grpo
 from fluxgrpo.grpo.objectives.neighbor import settings as neighbor
 from fluxgrpo.grpo.objectives.nft import settings as nft
@@ -50,21 +50,32 @@ __all__ = [
     "option_groups",
     "option_key_fields",
     "register_objective",
+    "register_settings",
     "settings_not_read",
 ]
 
 CATALOGUE: dict[str, ObjectiveEntry] = {}
+_SETTINGS: dict[type[Options], None] = {}  # the settings classes in the order their flags are listed
+
+
+def register_settings(cls: type[Options]) -> None:
+    """List a settings class's flags here in the order (an objective's own class is listed when it registers; a
+    class several share may be listed by its own line, else after the first objective naming it)."""
+    _SETTINGS.setdefault(cls)
 
 
 def register_objective(entry: ObjectiveEntry) -> None:
     """Add (or replace) an objective: ``--objective entry.name`` validates, sizes, guards and trains with it, and its
     settings classes' flags exist."""
     CATALOGUE[entry.name] = entry
+    if entry.settings is not None:
+        register_settings(entry.settings)
 
 
 register_objective(grpo.ENTRY)
 register_objective(nft.ENTRY)
 register_objective(awm.ENTRY)
+register_settings(FlowMatchingOptions)  # the (t, ε) draws nft, awm and vgrpo share
 register_objective(vgrpo.ENTRY)
 register_objective(neighbor.ENTRY)
 
@@ -79,8 +90,10 @@ def objective_entry(name: str) -> ObjectiveEntry:
 
 
 def option_groups() -> tuple[type[Options], ...]:
-    """Every registered objective's settings classes, once each, in the catalogue's order."""
-    return tuple(dict.fromkeys(group for entry in CATALOGUE.values() for group in entry.groups))
+    """The settings classes of the catalogue's objectives, once each: in the order registered, then any not
+    registered (an entry placed in ``CATALOGUE`` directly) in the catalogue's order."""
+    used = dict.fromkeys(group for entry in CATALOGUE.values() for group in entry.groups)
+    return (*(group for group in _SETTINGS if group in used), *(group for group in used if group not in _SETTINGS))
 
 
 def option_key_fields() -> dict[str, OptionField]:
