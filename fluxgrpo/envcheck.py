@@ -22,9 +22,17 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo import __version__, rewards
-from fluxgrpo.config import TrainConfig
+from fluxgrpo.config import TrainConfig, build_config
+from fluxgrpo.errors import UsageError
 from fluxgrpo.paths import DEFAULT_EMBEDDINGS_DIR, DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR, EMBEDDINGS_INDEX
-from fluxgrpo.rewards.reward_set import reward_spec_names
+from fluxgrpo.rewards.reward_set import reward_spec_names, run_reward_names
+from fluxgrpo.runtime.report import (
+    accelerator_env_report,
+    cann_pairing_check,
+    device_report,
+    package_versions,
+    stack_warnings,
+)
 from fluxgrpo.weights.layout import PartStatus, check_flux_dir
 
 # torchrun workers exchange tensors through shared memory; containers often default to 64 MiB.
@@ -194,13 +202,6 @@ def collect_report(
     it loads (its evaluation's too) and its ``--dies`` workers on this machine.
     """
     from fluxgrpo.runtime.nodes import rendezvous_checks
-    from fluxgrpo.runtime.report import (
-        accelerator_env_report,
-        cann_pairing_check,
-        device_report,
-        package_versions,
-        stack_warnings,
-    )
 
     run_rewards = list(run["rewards"]) if run else reward_spec_names(reward)
     dev = device_report(requested_device)
@@ -265,8 +266,6 @@ def _device_check(dev: dict[str, Any]) -> Check:
 
 def run_to_check(config: str, dies: int | None) -> dict[str, Any]:
     """What ``train --config config [--dies N]`` would load and start: its name, rewards, workers and folders."""
-    from fluxgrpo.config import build_config
-    from fluxgrpo.rewards.reward_set import run_reward_names
 
     cfg = build_config(config, {"dies": dies} if dies is not None else None)
     return {
@@ -290,7 +289,6 @@ def run_label(report: dict[str, Any]) -> str:
 
 def _dies_check(dev: dict[str, Any], dies: int) -> Check:
     """The run's workers on this machine: a CPU core or an accelerator each."""
-    from fluxgrpo.errors import UsageError
     from fluxgrpo.runtime.cpu_threads import available_cores
     from fluxgrpo.runtime.launch import check_dies_fit
 

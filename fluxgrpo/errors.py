@@ -3,6 +3,10 @@
 Every message says what went wrong, why, and what to do (the flag or command that fixes it).
 """
 
+import errno
+import os
+import shutil
+
 
 class FluxgrpoError(Exception):
     """A runtime failure the user can act on; the CLI prints it and exits 1."""
@@ -37,8 +41,6 @@ def _chain(exc: BaseException):
 
 
 def _is_disk_full(exc: BaseException) -> bool:
-    import errno
-
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     # shutil.copytree gathers its failures as text, and safetensors reports the OS error only in its message
@@ -52,8 +54,6 @@ def is_disk_full(exc: BaseException) -> bool:
 
 
 def _free_text(folder) -> str:
-    import shutil
-
     try:
         return f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB free there now"
     except OSError:
@@ -63,7 +63,6 @@ def _free_text(folder) -> str:
 def os_error_reason(exc: OSError) -> str:
     """What went wrong in an OSError, in a few words: shutil.copytree gathers its failures in one ``shutil.Error``
     list (then the first one's), else the error's own text."""
-    import shutil
 
     first = exc.args[0][0] if isinstance(exc, shutil.Error) and exc.args and exc.args[0] else None
     return first[2] if first else (exc.strerror or str(exc))
@@ -72,7 +71,6 @@ def os_error_reason(exc: OSError) -> str:
 def disk_full_error(exc: BaseException, folder=None, need_bytes: int | None = None) -> FluxgrpoError | None:
     """One line for a write that ran out of space (ENOSPC, EDQUOT anywhere in ``exc``'s chain), naming the folder
     and its free space (and what the write needs, when the caller knows); None for any other error."""
-    import os
 
     full = next((e for e in _chain(exc) if _is_disk_full(e)), None)
     if full is None:

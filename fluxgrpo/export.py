@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fluxgrpo.checkpoint.layout import (
     EMA_LORA_DIR,
     EMA_TRANSFORMER_DIR,
@@ -28,7 +30,9 @@ from fluxgrpo.checkpoint.layout import (
     read_checkpoint_info,
 )
 from fluxgrpo.errors import FluxgrpoError, disk_full_error, os_error_reason
+from fluxgrpo.lora import LORA_WEIGHTS_NAME, check_adapter_file
 from fluxgrpo.models.flux import load_transformer
+from fluxgrpo.safe_load import load_pretrained
 from fluxgrpo.sampling.checkpoints import resolve_checkpoint
 
 
@@ -90,7 +94,6 @@ def export_checkpoint(
     Raises:
         FluxgrpoError: no complete checkpoint; ``out`` exists and is not empty; the base model is missing.
     """
-    from fluxgrpo.lora import LORA_WEIGHTS_NAME
 
     found = resolve_checkpoint(checkpoint, ema)
     destination = Path(out)
@@ -117,10 +120,6 @@ def export_checkpoint(
 
 def merge_lora(model: str | Path, adapter: Path, destination: Path) -> None:
     """Base transformer (float32) + adapter, fused, saved as a diffusers folder without any LoRA layer."""
-    import torch
-
-    from fluxgrpo.lora import check_adapter_file
-    from fluxgrpo.safe_load import load_pretrained
 
     fix = "the checkpoint is damaged: pass another --checkpoint"
     layers = check_adapter_file(adapter, fix)

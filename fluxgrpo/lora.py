@@ -15,12 +15,17 @@ loads.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from diffusers import FluxPipeline
+from peft import LoraConfig
+from safetensors import safe_open
 
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.models.known import LORA_DEFAULT_TARGETS
@@ -39,8 +44,6 @@ class LoraSpec:
     dropout: float
 
     def peft_config(self) -> Any:
-        from peft import LoraConfig
-
         return LoraConfig(
             r=self.rank,
             lora_alpha=self.alpha,  # type: ignore[arg-type]  # peft annotates int; it scales by alpha / r, a float works
@@ -135,7 +138,6 @@ def to_diffusers_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 def write_lora_file(directory: Path, state: dict[str, torch.Tensor], metadata: dict[str, Any]) -> Path:
     """``directory/pytorch_lora_weights.safetensors`` in diffusers' format, fp32, via FluxPipeline's own saver."""
-    from diffusers import FluxPipeline
 
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: tensor.detach().to("cpu", torch.float32).contiguous() for name, tensor in state.items()}
@@ -155,8 +157,6 @@ def sort_header_metadata(path: Path) -> None:
     """Put a safetensors file's ``__metadata__`` keys in sorted order, in place, so the same adapter is the same
     bytes: safetensors writes them from a hash map, in an order that changes from process to process. The header
     keeps its length (only the order of its keys changes), so no tensor byte moves."""
-    import json
-    import struct
 
     with open(path, "r+b") as f:
         (length,) = struct.unpack("<Q", f.read(8))
@@ -184,7 +184,6 @@ def check_adapter_file(path: Path, fix: str) -> int:
     Raises:
         FluxgrpoError: one line naming the file (truncated, not safetensors, renamed keys, NaN/inf values).
     """
-    from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:

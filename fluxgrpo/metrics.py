@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
+import secrets
 import statistics
+import string
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from fluxgrpo import __version__
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.headroom import share_used
 from fluxgrpo.run_folder import (
@@ -21,6 +28,9 @@ from fluxgrpo.run_folder import (
     read_run_file,
     write_run_file,
 )
+from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.runtime.report import package_versions
 
 if TYPE_CHECKING:
     from fluxgrpo.runtime.dist import DistContext
@@ -97,8 +107,6 @@ class MetricsLogger:
         """One metrics.jsonl line; ``histograms`` (name → tensor of this rank's values) go to TensorBoard/wandb
         gathered over every rank."""
         if histograms and self._gathers and self._ctx is not None:
-            from fluxgrpo.runtime import dist as rt_dist
-
             histograms = {k: rt_dist.all_gather_tensor(self._ctx, v.detach().float()) for k, v in histograms.items()}
         if not self.enabled:
             return
@@ -121,7 +129,6 @@ class MetricsLogger:
 
     def log_histogram(self, tag: str, values: Any, step: int | None) -> None:
         """A histogram of a 1-D array of values (non-finite ones left out), rank 0 only: no gathering here."""
-        import numpy as np
 
         values = np.asarray(values, dtype=np.float64)
         values = values[np.isfinite(values)]
@@ -163,9 +170,6 @@ def _start_wandb(output_dir: Path, config: dict[str, Any] | None, where: WandbRu
     id_file = output_dir / WANDB_ID_FILE
     run_id = read_run_file(id_file).strip() if id_file.is_file() or id_file.is_symlink() else ""
     if not run_id:
-        import secrets
-        import string
-
         run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
         write_run_file(id_file, run_id + "\n")
     return wandb_module.init(
@@ -182,12 +186,6 @@ def _start_wandb(output_dir: Path, config: dict[str, Any] | None, where: WandbRu
 
 def run_info(ctx: DistContext) -> dict[str, Any]:
     """Versions and hardware of this run, for ``run_info.json`` (written once by rank 0)."""
-    import os
-    import platform
-
-    from fluxgrpo import __version__
-    from fluxgrpo.runtime import device as rt_device
-    from fluxgrpo.runtime.report import package_versions
 
     devices = rt_device.describe_devices(ctx.device_type)
     names = sorted({d.name for d in devices})

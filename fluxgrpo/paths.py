@@ -1,10 +1,15 @@
 """Default locations, the same as DanceGRPO's so existing data keeps working. Every one is a flag."""
 
+import contextlib
+import errno
+import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from pathlib import Path
 from typing import Any
 
-from fluxgrpo.errors import is_disk_full
+from fluxgrpo.errors import FluxgrpoError, is_disk_full
 
 DEFAULT_FLUX_DIR = "data/flux"
 DEFAULT_HPS_DIR = "hps_ckpt"
@@ -30,10 +35,6 @@ def ensure_writable_dir(folder, what: str, flag: str) -> None:
     Raises:
         FluxgrpoError: it cannot be created or written, naming the flag that picks another.
     """
-    import os
-    from pathlib import Path
-
-    from fluxgrpo.errors import FluxgrpoError
 
     folder = Path(folder)
     if _created_scopes:  # remember the outermost folder this call creates, to remove it if the command fails
@@ -61,7 +62,6 @@ def empty_folders_removed_on_failure() -> Iterator[None]:
     """When the block fails, remove again the folders :func:`ensure_writable_dir` created inside it, as far as they
     hold no file (bottom-up ``rmdir``: nothing written is ever deleted), so a failed command leaves no empty output
     folder behind."""
-    import os
 
     created: list[Any] = []
     _created_scopes.append(created)
@@ -87,11 +87,6 @@ def check_replaceable_output(path, flag: str, signature: bytes, what: str):
     Raises:
         FluxgrpoError: one line naming ``flag``.
     """
-    import os
-    import stat
-    from pathlib import Path
-
-    from fluxgrpo.errors import FluxgrpoError
 
     path = Path(path)
     try:
@@ -118,7 +113,6 @@ def check_replaceable_output(path, flag: str, signature: bytes, what: str):
 
 
 def _umask() -> int:
-    import os
 
     # os.umask can only be read by setting it; put it straight back (no file is created in between).
     current = os.umask(0o022)
@@ -132,7 +126,6 @@ def give_default_mode(path) -> None:
     safetensors (0.5+) writes through a private temporary file and keeps its 0600, so weights and checkpoints
     would be unreadable by the rest of a team sharing the folder.
     """
-    import os
 
     os.chmod(path, 0o666 & ~_umask())
 
@@ -149,8 +142,6 @@ def write_atomic(path, data, *, durable: bool = False):
     Returns:
         ``path`` as a Path.
     """
-    import os
-    from pathlib import Path
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -173,8 +164,6 @@ def write_atomic(path, data, *, durable: bool = False):
         tmp.unlink(missing_ok=True)
         if is_disk_full(exc) and getattr(exc, "filename", None) is None:
             # PIL's and torch.save's writes carry no file name (torch's is not even an OSError): name this one
-            import errno
-
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from exc
         raise
     if durable:
@@ -183,8 +172,6 @@ def write_atomic(path, data, *, durable: bool = False):
 
 
 def _fsync_folder(folder) -> None:
-    import contextlib
-    import os
 
     # Some filesystems (and all directories on some platforms) refuse fsync; durability is then best effort.
     with contextlib.suppress(OSError):

@@ -18,6 +18,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+from transformers import T5Tokenizer
+
+import fluxgrpo.models.flux
+import fluxgrpo.runtime.device
 from fluxgrpo.data.embeddings import (
     EMBEDDING_DIRS,
     PROMPT_EMBED_DIR,
@@ -29,13 +34,14 @@ from fluxgrpo.data.embeddings import (
 )
 from fluxgrpo.data.prompts import read_prompts
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.models.flux import require_flux_dir
+from fluxgrpo.models.flux import encode_prompts, require_flux_dir
 from fluxgrpo.paths import EMBEDDINGS_INDEX, ensure_writable_dir, write_atomic
+from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.runtime.device import autocast
+from fluxgrpo.runtime.worker import worker_session
 from fluxgrpo.weights.manifest import read_manifest
 
 if TYPE_CHECKING:
-    from transformers import T5Tokenizer
-
     from fluxgrpo.runtime.dist import DistContext
 
 STATE_FILE = ".fluxgrpo-preprocess.json"
@@ -165,7 +171,6 @@ def preprocess(
         FluxgrpoError: bad prompt file, incomplete weights, unwritable or mismatched ``out_dir`` (all before any
             model loads).
     """
-    from fluxgrpo.runtime.worker import worker_session
 
     with worker_session(device) as ctx:
         return _preprocess_on_rank(ctx, Path(prompts_path), Path(flux_dir), Path(out_dir), max_sequence_length)
@@ -174,8 +179,6 @@ def preprocess(
 def _preprocess_on_rank(
     ctx: DistContext, prompts_path: Path, flux_dir: Path, out: Path, max_sequence_length: int
 ) -> PreprocessSummary:
-    from fluxgrpo.runtime import dist as rt_dist
-
     prompts = check_inputs(prompts_path, flux_dir, out, max_sequence_length)
     embed_dim, pooled_dim = _encoder_dims(flux_dir)
     fingerprint = _fingerprint(prompts, max_sequence_length, flux_dir)
@@ -238,20 +241,14 @@ def _encode_and_write(
     Truncation is counted over all of this rank's prompts, encoded now or earlier, so the count does not depend
     on how often the run was restarted.
     """
-    from transformers import T5Tokenizer
-
-    from fluxgrpo.models.flux import encode_prompts, load_text_encoders
-    from fluxgrpo.runtime.device import autocast, compute_dtype
 
     if not todo:
         tokenizer = T5Tokenizer.from_pretrained(flux_dir / "tokenizer_2")
         return _count_truncated(tokenizer, [prompts[i] for i in mine], max_sequence_length), None
 
-    import torch
-
-    dtype = compute_dtype(ctx.device_type)
+    dtype = fluxgrpo.runtime.device.compute_dtype(ctx.device_type)
     # Weights in the compute dtype (DanceGRPO loads the encoders in bf16 too): T5-XXL is 19 GB in float32.
-    encoders = load_text_encoders(flux_dir, dtype=dtype, device=ctx.device)
+    encoders = fluxgrpo.models.flux.load_text_encoders(flux_dir, dtype=dtype, device=ctx.device)
     truncated = _count_truncated(encoders.t5_tokenizer, [prompts[i] for i in mine], max_sequence_length)
     text_ids_row = torch.zeros(3, dtype=dtype)
     for start in range(0, len(todo), ENCODE_BATCH):
@@ -273,7 +270,6 @@ def _count_truncated(tokenizer: T5Tokenizer, prompts: list[str], max_sequence_le
 
 def _stored_dtype(out: Path) -> str:
     """The dtype of prompt 0's stored embedding (a run that only skipped never saw the encoders)."""
-    import torch
 
     path = embedding_files(out, 0)[PROMPT_EMBED_DIR]
     tensor = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

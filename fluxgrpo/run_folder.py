@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import json
 import os
 import socket
@@ -30,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+import fluxgrpo.paths
 from fluxgrpo.errors import FluxgrpoError
 
 LOCK_FILE = ".fluxgrpo.lock"
@@ -141,10 +143,9 @@ def open_run_file(path: str | Path, mode: str = "a") -> IO[Any]:
 
 def write_run_file(path: str | Path, text: str) -> Path:
     """Replace ``path`` with ``text`` atomically (``paths.write_atomic``), refusing a link or non-file there."""
-    from fluxgrpo.paths import write_atomic
 
     check_regular_or_absent(path)
-    return write_atomic(path, text)
+    return fluxgrpo.paths.write_atomic(path, text)
 
 
 def read_run_file(path: str | Path) -> str:
@@ -185,7 +186,6 @@ def lock_run_folder(folder: str | Path) -> Iterator[dict[str, Any]]:
     if sys.platform == "win32":  # no flock: the folder is not guarded
         yield {}
         return
-    import fcntl
 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
@@ -246,7 +246,6 @@ def check_not_in_use(folder: str | Path) -> None:
     check_regular_or_absent(path)
     if sys.platform == "win32" or not path.is_file():
         return
-    import fcntl
 
     fd = _open_fd(path, os.O_RDONLY)
     try:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
@@ -106,8 +107,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` that reads non-tensor values with torch's ``weights_only`` loader."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-
         fqn = read_item.dest_index.fqn
         try:
             loaded = torch.load(value, map_location="cpu", weights_only=True)

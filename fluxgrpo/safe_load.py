@@ -14,6 +14,7 @@ import logging
 import pickle
 import re
 import warnings
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,8 +62,6 @@ def load_plain(path: str | Path, fix: str, *, mmap: bool = False) -> Any:
             ) from None
         raise FluxgrpoError(f"{path} is damaged or not a torch file (not a tensor pickle): {fix}") from None
     except (OSError, RuntimeError, EOFError, ValueError) as exc:
-        import zipfile
-
         # torch's own messages are paragraphs (and with mmap, about mmap); say what is wrong with the file.
         if path.is_file() and not zipfile.is_zipfile(path):
             reason = "not a torch zip archive: truncated, or some other file"

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.models.flux import require_flux_dir
+from fluxgrpo.models.flux import read_transformer_config, require_flux_dir
+from fluxgrpo.models.known import KNOWN_MODELS, known_model
 from fluxgrpo.paths import DEFAULT_SAMPLES_DIR
 from fluxgrpo.preprocess import rank_indices
 from fluxgrpo.run_folder import INDEX_FILE  # a sample folder's index, and each evaluation's in a run folder
@@ -64,8 +65,6 @@ def default_out_dir(checkpoint: str | Path | None, ema: bool) -> Path:
 def model_sample_steps(model: str | Path) -> int:
     """The denoising steps `sample` uses when --steps is not given: the model's own (the shapes world: 12, as its
     evaluation), else FLUX.1-dev's 28."""
-    from fluxgrpo.models.flux import read_transformer_config
-    from fluxgrpo.models.known import KNOWN_MODELS, known_model
 
     try:
         known = known_model(read_transformer_config(model))
@@ -79,8 +78,6 @@ def model_sample_defaults(model: str | Path) -> tuple[int, int]:
     own where ``--model`` holds a known model trained at other ones (the shapes world: 64 and 12, where FLUX.1-dev's
     720 and 512 give noise), else FLUX.1-dev's. A folder without a readable config gets FLUX.1-dev's; the request's
     checks then say what is wrong with it."""
-    from fluxgrpo.models.flux import read_transformer_config
-    from fluxgrpo.models.known import KNOWN_MODELS, known_model
 
     try:
         known = known_model(read_transformer_config(model))
@@ -156,7 +153,6 @@ def sample(request: SampleRequest, show_progress: bool = True) -> SampleSummary:
 
 
 def _sample_on_rank(request: SampleRequest, ctx: DistContext, show_progress: bool) -> SampleSummary:
-
     out = Path(request.out_dir)
     if ctx.is_main:
         check_output_dir(out)

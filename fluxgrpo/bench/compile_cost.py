@@ -25,11 +25,19 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from fluxgrpo.models.compile import (
+    compile_repeated_blocks,
+    compile_tally,
+    uncompile_repeated_blocks,
+    watch_compilations,
+)
 from fluxgrpo.models.flux import set_activation_checkpointing
+from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.training.stages import decode_images, score_images
 
 if TYPE_CHECKING:
-    import torch
-
     from fluxgrpo.bench.harness import _Inputs, _Sweep
 
 COMPILE_MODES = ("eager", "regional", "whole-model")
@@ -52,10 +60,6 @@ class _ModeSwitch:
         self.whole_model_call: Any = None
 
     def set(self, mode: str) -> None:
-        import torch
-
-        from fluxgrpo.models.compile import compile_repeated_blocks, uncompile_repeated_blocks
-
         uncompile_repeated_blocks(self.transformer)
         # nn.Module.compile keeps its compiled __call__ in _compiled_call_impl; None runs the module eagerly.
         self.transformer._compiled_call_impl = None
@@ -69,8 +73,6 @@ class _ModeSwitch:
 
 def _iteration(sweep: _Sweep, inputs: _Inputs, checkpointing: bool) -> tuple[float, Any, float]:
     """One GRPO iteration; returns its seconds, the rollout's final x̂0 and the update's first |log ρ|."""
-    from fluxgrpo.runtime import device as rt_device
-    from fluxgrpo.training.stages import decode_images, score_images
 
     cfg, ctx, model = sweep.cfg, sweep.ctx, sweep.model
     rollout_size, micro_size = max(cfg.rollout_batch_sizes), max(cfg.micro_batch_sizes)
@@ -94,7 +96,6 @@ def measure_compile_costs(
 ) -> list[dict[str, Any]]:
     """The ``compile`` record of each mode and one ``compile_summary`` (see the module docstring); leaves the
     transformer in regional mode, as ``train --compile`` runs it."""
-    from fluxgrpo.models.compile import compile_tally, watch_compilations
 
     watch_compilations()
     checkpointing = sweep.cfg.activation_checkpointing != "off"

@@ -12,6 +12,8 @@ from typing import Any
 from fluxgrpo.config import SAMPLERS, TrainConfig
 from fluxgrpo.errors import UsageError
 from fluxgrpo.paths import DEFAULT_HPS_DIR, HPS_DIR_HELP
+from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
+from fluxgrpo.runtime.device import DEVICE_TYPES
 
 TINY_MODEL = "tiny"
 SHAPED_MODEL = "flux-dev-shaped"
@@ -125,8 +127,6 @@ class BenchConfig:
 
     def problems(self) -> list[str]:
         """Every inconsistency, each naming the flag that fixes it."""
-        from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
-        from fluxgrpo.runtime.device import DEVICE_TYPES
 
         out: list[str] = []
         if self.blocks is not None and (min(self.blocks) < 0 or sum(self.blocks) < 1):

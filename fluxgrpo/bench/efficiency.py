@@ -44,7 +44,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fluxgrpo.config import build_config
+from fluxgrpo.data.benchmarks import shipped_set_path
 from fluxgrpo.errors import UsageError
+from fluxgrpo.rewards.reward_set import eval_reward_names
 
 if TYPE_CHECKING:
     from fluxgrpo.bench.heldout import WorkCounter
@@ -284,10 +287,7 @@ def training_prompts(config: str, overrides: dict[str, Any]) -> Path:
     """The prompts every algorithm trains on: the shapes world's training captions when ``config`` scores with the
     world's checker (``shapes``, trained or evaluated), else the bundled prompts."""
     from fluxgrpo.bench.heldout import WORLD_REWARD
-    from fluxgrpo.config import build_config
-    from fluxgrpo.data.benchmarks import shipped_set_path
     from fluxgrpo.data.prompts import bundled_prompts_path
-    from fluxgrpo.rewards.reward_set import eval_reward_names
 
     settings = build_config(config, overrides)
     if WORLD_REWARD in eval_reward_names(settings.reward, settings.eval_rewards):
@@ -297,7 +297,6 @@ def training_prompts(config: str, overrides: dict[str, Any]) -> Path:
 
 def trains_in_the_world(config: str, overrides: dict[str, Any]) -> bool:
     """Whether ``config`` trains on the shapes world's captions, and so on its weights with its evaluation kept."""
-    from fluxgrpo.data.benchmarks import shipped_set_path
 
     return training_prompts(config, overrides) == shipped_set_path("shapes-train")
 
@@ -336,7 +335,6 @@ def base_training_config(cfg: EfficiencyConfig, workspace: Workspace, evaluate: 
 
     The config's held-out evaluation is kept only when ``evaluate`` (a config scored by the world's checker, whose
     held-out gain is the comparison); the clock never counts it (``run_seconds`` sums the training phases)."""
-    from fluxgrpo.config import build_config
 
     return build_config(
         cfg.config,

@@ -28,23 +28,40 @@ saved-tensor hooks. Activation checkpointing changes both; the summary reports w
 
 from __future__ import annotations
 
+import gc
 import math
+import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from fluxgrpo.bench.compile_cost import ConstantSchedule
+import torch
+
+import fluxgrpo.training.stages
+from fluxgrpo import __version__
+from fluxgrpo.bench.compile_cost import ConstantSchedule, measure_compile_costs
 from fluxgrpo.bench.config import TRAINING_DEFAULTS, BenchConfig
 from fluxgrpo.bench.figures import MeasuredRow, PhaseFigure, Timing, phase_figure, summarize, with_speedups
 from fluxgrpo.bench.flops import rollout_flops, transformer_forward_flops, update_flops
 from fluxgrpo.bench.models import BenchModel, build_bench_model, device_memory_bytes
+from fluxgrpo.grpo.latents import image_ids, latent_shape
+from fluxgrpo.grpo.objectives.grpo.loss import GrpoObjective, GrpoSettings
+from fluxgrpo.grpo.rollout import RolloutSettings, predict_velocity
+from fluxgrpo.grpo.samplers import make_sampler
+from fluxgrpo.grpo.schedule import model_timesteps, sigma_schedule
+from fluxgrpo.grpo.types import Conditioning
+from fluxgrpo.grpo.update import UpdatePlumbing
 from fluxgrpo.models.flux import set_activation_checkpointing
+from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.runtime.adapt import compile_backend
+from fluxgrpo.runtime.dist import shard_transformer
+from fluxgrpo.runtime.peak import accelerator_stack, device_name, is_out_of_memory, peak_throughput
+from fluxgrpo.runtime.report import package_versions
+from fluxgrpo.training.stages import RolloutDraws, decode_images, score_images, update_stage
 
 if TYPE_CHECKING:
-    import torch
-
-    from fluxgrpo.grpo.types import Conditioning, Rollout
+    from fluxgrpo.grpo.types import Rollout
     from fluxgrpo.runtime.dist import DistContext
 
 BENCH_CAPTION = "a photograph of a red fox in the snow"
@@ -77,8 +94,6 @@ class _TimedOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self) -> None:
-        from fluxgrpo.runtime import device as rt_device
-
         rt_device.synchronize(self.device)
         peak = rt_device.peak_memory_bytes(self.device)
         if peak is not None:
@@ -119,24 +134,17 @@ class PhaseSetup:
     seed: int
 
     def objective(self) -> Any:
-        from fluxgrpo.grpo.objectives.grpo.loss import GrpoObjective, GrpoSettings
-
         return GrpoObjective(GrpoSettings(self.num_train_timesteps, self.clip_range))
 
     def rollout(self, transformer: Any, inputs: _Inputs, batch_size: int, compute_dtype: torch.dtype | None) -> Rollout:
         """B trajectories by ``training.stages.rollout_stage``, ``batch_size`` per forward."""
-        import torch
-
-        from fluxgrpo.grpo.rollout import RolloutSettings
-        from fluxgrpo.grpo.samplers import make_sampler
-        from fluxgrpo.training.stages import RolloutDraws, rollout_stage
 
         sigma_max = float(inputs.sigmas[1]) if inputs.sigmas.shape[0] > 2 else 0.0
         settings = RolloutSettings(
             make_sampler(self.sampler, self.eta, sigma_max), self.guidance, batch_size, compute_dtype
         )
         generator = torch.Generator(device=inputs.noise.device).manual_seed(self.seed + 17)
-        rollout = rollout_stage(
+        rollout = fluxgrpo.training.stages.rollout_stage(
             transformer, self.objective(), settings, inputs.cond, inputs.noise, inputs.sigmas, inputs.img_ids,
             device_type=self.device_type, draws=RolloutDraws(generator),
         )  # fmt: skip
@@ -147,10 +155,6 @@ class PhaseSetup:
         compute_dtype: torch.dtype | None,
     ) -> Any:  # fmt: skip
         """``training.stages.update_stage`` on the rollout, one optimizer step at any micro-batch size."""
-        import torch
-
-        from fluxgrpo.grpo.update import UpdatePlumbing
-        from fluxgrpo.training.stages import update_stage
 
         count = rollout.num_trajectories
         # one optimizer step per update at every micro-batch size: rows differ only in batching
@@ -166,7 +170,6 @@ class PhaseSetup:
 def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Allocate AdamW's moments now (one zero-gradient step at learning rate 0), so every phase runs with the
     memory training has: weights, moments, and (during the update) gradients."""
-    import torch
 
     for group in optimizer.param_groups:
         for parameter in group["params"]:
@@ -189,7 +192,6 @@ def _storage_pointer(tensor: torch.Tensor) -> int:
 def saved_activation_bytes(run: Callable[[], Any], parameters: Sequence[torch.Tensor]) -> tuple[int, Any]:
     """Bytes of the distinct storages autograd saves for backward while ``run()`` builds its graph, parameters'
     own storages excluded; returns them and ``run()``'s result (keep it alive until backward)."""
-    import torch
 
     parameter_storages = {_storage_pointer(p) for p in parameters}
     saved: dict[int, int] = {}
@@ -222,12 +224,6 @@ class _Inputs:
 def _make_inputs(
     cfg: BenchConfig, bench_model: BenchModel, height: int, width: int, device: torch.device, rank: int
 ) -> _Inputs:
-    import torch
-
-    from fluxgrpo.grpo.latents import image_ids, latent_shape
-    from fluxgrpo.grpo.schedule import sigma_schedule
-    from fluxgrpo.grpo.types import Conditioning
-
     shape = latent_shape(height, width)
     count = cfg.num_trajectories
     generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + rank)
@@ -274,8 +270,6 @@ class _Sweep:
         emit: Callable[[dict[str, Any]], None],
         log: Callable[[str], None],
     ):
-        import torch
-
         self.cfg, self.ctx, self.model = cfg, ctx, bench_model
         self.compute_dtype, self.peak_tflops = compute_dtype, peak_tflops
         self.emit, self.log = emit, log
@@ -295,7 +289,6 @@ class _Sweep:
     # ------------------------------------------------------------------ helpers
     def _measure(self, label: str, call: Callable[[], _Run]) -> tuple[Timing, Any]:
         """``--warmup`` untimed calls, then ``--repeats`` timed ones; returns the timing and the last result."""
-        from fluxgrpo.runtime import device as rt_device
 
         timing, run = Timing(), None
         for _ in range(self.cfg.warmup):
@@ -318,10 +311,6 @@ class _Sweep:
     def _attempt(self, label: str, measure: Callable[[], tuple[Timing, Any]]) -> tuple[Timing | None, Any, str | None]:
         """``measure()``, with the device running out of memory recorded (as the figure's error) instead of
         ending the bench; any other exception propagates."""
-        import gc
-
-        from fluxgrpo.runtime import device as rt_device
-        from fluxgrpo.runtime.peak import is_out_of_memory
 
         try:
             timing, result = measure()
@@ -369,7 +358,6 @@ class _Sweep:
 
     def decode_and_reward(self, rollout: Rollout, inputs: _Inputs, resolution: str) -> None:
         """Decode rows, then reward rows, both in chunks of each rollout batch size, by the trainer's own stages."""
-        from fluxgrpo.training.stages import decode_images, score_images
 
         count = self.cfg.num_trajectories
         captions = inputs.cond.captions or ()
@@ -460,10 +448,6 @@ class _Sweep:
     def _activation_probe(self, rollout: Rollout, inputs: _Inputs, size: int) -> int:
         """Saved-for-backward bytes of one micro-batch forward at the first timestep (then its backward, which
         leaves FSDP2 in its usual state, and the gradients dropped)."""
-        import torch
-
-        from fluxgrpo.grpo.rollout import predict_velocity
-        from fluxgrpo.grpo.schedule import model_timesteps
 
         transformer = self.model.transformer
         transformer.train()
@@ -492,10 +476,6 @@ class _Sweep:
 
 
 def _compute_dtype(cfg: BenchConfig, device_type: str) -> tuple[torch.dtype, str]:
-    import torch
-
-    from fluxgrpo.runtime import device as rt_device
-
     if cfg.dtype is None:
         dtype = rt_device.compute_dtype(device_type)
     else:
@@ -507,13 +487,6 @@ def _environment_records(
     cfg: BenchConfig, ctx: DistContext, name: str, dtype_name: str, peak_tflops: float | None, peak_source: str
 ) -> list[dict[str, Any]]:
     """The ``config``, ``device`` and ``versions`` records: what a figure was measured on."""
-    import platform
-
-    import torch
-
-    from fluxgrpo import __version__
-    from fluxgrpo.runtime.peak import accelerator_stack
-    from fluxgrpo.runtime.report import package_versions
 
     return [
         {"record": "config", **cfg.to_dict(), "dtype": dtype_name},
@@ -540,7 +513,6 @@ def _environment_records(
 
 def _model_record(cfg: BenchConfig, bench_model: BenchModel) -> dict[str, Any]:
     """The ``model`` record: the shape measured and the FLOPs of one transformer forward per resolution."""
-    from fluxgrpo.grpo.latents import latent_shape
 
     shape = bench_model.shape
     return {
@@ -574,7 +546,6 @@ def bench_on_rank(
     ``emit`` receives each record as soon as it exists: ``config``, ``device``, ``versions``, ``model``, then a
     ``figure`` per measured configuration and a ``summary`` per resolution. Returns the records.
     """
-    from fluxgrpo.runtime.peak import device_name, peak_throughput
 
     records: list[dict[str, Any]] = []
 
@@ -591,8 +562,6 @@ def bench_on_rank(
     log(f"building {cfg.model} on {ctx.device_type} ({name})")
     bench_model = build_bench_model(cfg, ctx, compute_dtype)
     if ctx.distributed:
-        from fluxgrpo.runtime.dist import shard_transformer
-
         shard_transformer(bench_model.transformer, cpu_offload=False, compute_dtype=compute_dtype)
     keep(_model_record(cfg, bench_model))
     sweep = _Sweep(cfg, ctx, bench_model, compute_dtype, peak.tflops, keep, log)
@@ -601,9 +570,6 @@ def bench_on_rank(
         resolution = f"{height}x{width}"
         inputs = _make_inputs(cfg, bench_model, height, width, ctx.device, ctx.rank)
         if cfg.compile and not compiled:  # once, at the first resolution; the phases then run regionally compiled
-            from fluxgrpo.bench.compile_cost import measure_compile_costs
-            from fluxgrpo.runtime.adapt import compile_backend
-
             for record in measure_compile_costs(sweep, inputs, resolution, compile_backend(ctx.device_type), log):
                 keep(record)
             compiled = True

@@ -21,6 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch.nn.modules.module import register_module_forward_hook
+
+from fluxgrpo.metrics import read_metrics
+from fluxgrpo.rewards.reward_set import eval_reward_names
+
 if TYPE_CHECKING:
     from fluxgrpo.config import TrainConfig
 
@@ -31,7 +37,6 @@ WORLD_REWARD = "shapes"
 def heldout_reward(cfg: TrainConfig) -> str | None:
     """The reward whose held-out gain the bench reports: ``shapes`` when the run evaluates it, else the first
     evaluated reward; None without evaluation (``eval_every`` 0)."""
-    from fluxgrpo.rewards.reward_set import eval_reward_names
 
     if cfg.eval_every <= 0:
         return None
@@ -41,7 +46,6 @@ def heldout_reward(cfg: TrainConfig) -> str | None:
 
 def heldout_scores(output_dir: str | Path, reward: str) -> list[tuple[int, float]]:
     """(iteration, held-out mean) of every evaluation of the run in ``output_dir``, in order."""
-    from fluxgrpo.metrics import read_metrics
 
     key = f"eval_{reward}_mean"
     return [(int(r["iteration"]), float(r[key])) for r in read_metrics(Path(output_dir)) if key in r]
@@ -119,8 +123,6 @@ class WorkCounter:
         return counts
 
     def _forward(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        import torch
-
         if TRANSFORMER_CLASS not in type(module).__name__:
             return
         hidden = args[0] if args else kwargs.get("hidden_states")
@@ -136,8 +138,6 @@ class WorkCounter:
 
     @contextmanager
     def active(self) -> Iterator[WorkCounter]:
-        from torch.nn.modules.module import register_module_forward_hook
-
         handle = register_module_forward_hook(self._forward, with_kwargs=True)
         try:
             yield self

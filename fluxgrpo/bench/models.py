@@ -17,18 +17,30 @@ tiny HPS-shaped CLIP instead, which measures the preprocessing and data movement
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import open_clip
+import torch
+from diffusers import AutoencoderKL, FluxTransformer2DModel
+
+import fluxgrpo.rewards
 from fluxgrpo.bench.config import SHAPED_MODEL, TINY_MODEL, BenchConfig
 from fluxgrpo.bench.flops import FluxShape
 from fluxgrpo.errors import UsageError
+from fluxgrpo.models.flux import load_transformer, load_vae, read_transformer_config
 from fluxgrpo.models.known import FLUX_DEV_TRANSFORMER_CONFIG as KNOWN_FLUX_DEV_TRANSFORMER
 from fluxgrpo.models.known import FLUX_DEV_VAE_CONFIG as KNOWN_FLUX_DEV_VAE
+from fluxgrpo.models.tiny import build_tiny_flux_pipeline
+from fluxgrpo.rewards.hpsv2 import write_tiny_reward
+from fluxgrpo.rewards.open_clip_model import REAL_REWARD_ARCH
+from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.runtime.adapt import adapt_transformer
+from fluxgrpo.weights.layout import HPS_CHECKPOINT, OPEN_CLIP_WEIGHTS
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
     from fluxgrpo.rewards.base import RewardFn
@@ -56,22 +68,11 @@ def random_hps_reward(architecture: str, device: torch.device | str, seed: int) 
     and loaded the way training loads them: same preprocessing, towers, text-feature cache and cosine score, so
     the reward phase costs what the real reward costs. For ViT-H-14 that is a 4 GB file written and read once.
     """
-    import tempfile
-
-    import torch
-
-    from fluxgrpo.rewards import load_reward
-    from fluxgrpo.rewards.open_clip_model import REAL_REWARD_ARCH
-    from fluxgrpo.weights.layout import HPS_CHECKPOINT, OPEN_CLIP_WEIGHTS
 
     with tempfile.TemporaryDirectory(prefix="fluxgrpo-bench-reward-") as folder:
         if architecture == "tiny-clip":
-            from fluxgrpo.rewards.hpsv2 import write_tiny_reward
-
             write_tiny_reward(Path(folder), seed)
         else:
-            import open_clip
-
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 model = open_clip.create_model(REAL_REWARD_ARCH, pretrained=None, precision="fp32", device="cpu")
@@ -79,7 +80,7 @@ def random_hps_reward(architecture: str, device: torch.device | str, seed: int) 
             torch.save(model.state_dict(), Path(folder, OPEN_CLIP_WEIGHTS))
             torch.save({"state_dict": {"logit_scale": model.logit_scale.detach()}}, Path(folder, HPS_CHECKPOINT))
             del model
-        return load_reward("hpsv2", folder, device)
+        return fluxgrpo.rewards.load_reward("hpsv2", folder, device)
 
 
 @dataclass
@@ -108,8 +109,6 @@ def resolve_reward(cfg: BenchConfig, device_type: str, shape: FluxShape) -> str:
 
 
 def device_memory_bytes(ctx: DistContext) -> int | None:
-    from fluxgrpo.runtime import device as rt_device
-
     devices = rt_device.describe_devices(ctx.device_type)
     index = ctx.local_rank if ctx.device_type != "cpu" else 0
     total = devices[index].total_bytes if index < len(devices) else 0
@@ -144,20 +143,13 @@ def _trim_blocks(transformer: nn.Module, blocks: tuple[int, int] | None, model: 
 
 def build_bench_model(cfg: BenchConfig, ctx: DistContext, compute_dtype: torch.dtype) -> BenchModel:
     """Transformer (fp32 master weights, adapted to the device), VAE (compute dtype) and reward on ``ctx.device``."""
-    import torch
-
-    from fluxgrpo.runtime.adapt import adapt_transformer
 
     device = ctx.device
     if cfg.model == TINY_MODEL:
-        from fluxgrpo.models.tiny import build_tiny_flux_pipeline
-
         pipeline = build_tiny_flux_pipeline(cfg.seed)
         transformer, vae = pipeline.transformer, pipeline.vae
         _trim_blocks(transformer, cfg.blocks, cfg.model)
     elif cfg.model == SHAPED_MODEL:
-        from diffusers import AutoencoderKL, FluxTransformer2DModel
-
         double, single = cfg.blocks or FLUX_DEV_BLOCKS
         config = {**FLUX_DEV_TRANSFORMER_CONFIG, "num_layers": double, "num_single_layers": single}
         check_training_memory(FluxShape.from_config(config), ctx, cfg.model)
@@ -166,12 +158,6 @@ def build_bench_model(cfg: BenchConfig, ctx: DistContext, compute_dtype: torch.d
             transformer = FluxTransformer2DModel(**config)
             vae = AutoencoderKL(**FLUX_DEV_VAE_CONFIG)
     else:
-        from fluxgrpo.models.flux import (
-            load_transformer,
-            load_vae,
-            read_transformer_config,
-        )
-
         check_training_memory(FluxShape.from_config(read_transformer_config(cfg.model), cfg.blocks), ctx, cfg.model)
         transformer = load_transformer(cfg.model, dtype=torch.float32, device="cpu")
         _trim_blocks(transformer, cfg.blocks, cfg.model)
@@ -187,9 +173,7 @@ def build_bench_model(cfg: BenchConfig, ctx: DistContext, compute_dtype: torch.d
     if reward_name in ("tiny-clip", "vit-h-14"):
         reward = random_hps_reward(reward_name, device, cfg.seed)
     else:
-        from fluxgrpo.rewards import load_reward
-
-        reward = load_reward(reward_name, cfg.hps_dir, device)
+        reward = fluxgrpo.rewards.load_reward(reward_name, cfg.hps_dir, device)
     reward_model = getattr(reward, "model", None)
     reward_parameters = sum(p.numel() for p in reward_model.parameters()) if reward_model is not None else None
     return BenchModel(cfg.model, transformer, vae, reward, reward_name, reward_parameters, shape)

@@ -16,15 +16,18 @@ from pathlib import Path
 from typing import Any
 
 from fluxgrpo.bench.config import BenchConfig
+from fluxgrpo.bench.harness import bench_on_rank
+from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.runtime.adapt import compile_backend
+from fluxgrpo.runtime.device import resolve_device_type
+from fluxgrpo.runtime.launch import LaunchSpec, run_workers
+from fluxgrpo.runtime.worker import worker_session
 
 POLL_SECONDS = 0.2
 
 
 def worker_entry(payload: dict[str, Any]) -> None:
     """Every rank's part of the phase bench; rank 0 appends its records to ``payload["records"]``."""
-    from fluxgrpo.bench.harness import bench_on_rank
-    from fluxgrpo.runtime import dist as rt_dist
-    from fluxgrpo.runtime.worker import worker_session
 
     cfg = BenchConfig.from_dict(payload["config"]).validate()
     with worker_session(cfg.device) as ctx, Path(payload["records"]).open("a", encoding="utf-8") as out:
@@ -45,13 +48,9 @@ def run_bench(
     """Run the phase bench on ``cfg.dies`` workers (rank 0 reports); returns rank 0's records (see
     ``harness.bench_on_rank``), each also passed to ``emit`` as soon as it is measured. ``log`` gets the launch
     line; the workers' progress goes to stderr."""
-    from fluxgrpo.runtime.launch import LaunchSpec, run_workers
 
     cfg.validate()
     if cfg.compile:
-        from fluxgrpo.runtime.adapt import compile_backend
-        from fluxgrpo.runtime.device import resolve_device_type
-
         compile_backend(resolve_device_type(cfg.device))  # refused where unsupported, before any worker starts
     payload_config = {**asdict(cfg), "resolutions": [f"{h}x{w}" for h, w in cfg.resolutions]}
     with tempfile.TemporaryDirectory(prefix="fluxgrpo-bench-") as folder:

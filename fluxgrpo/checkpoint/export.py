@@ -9,7 +9,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
+from diffusers.utils import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
+from huggingface_hub import split_torch_state_dict_into_shards
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 
 from fluxgrpo.checkpoint.layout import (
     EMA_LORA_DIR,
@@ -40,7 +45,6 @@ def _tensors(state: Mapping[str, object]) -> dict[str, torch.Tensor]:
 def export_model(
     directory: Path, ctx: DistContext, model: torch.nn.Module, export_dtype: torch.dtype, max_shard_size: int | str
 ) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     # A collective: each rank contributes its shards; with cpu_offload only rank 0 receives the full tensors.
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -50,7 +54,6 @@ def export_model(
 
 
 def export_lora(directory: Path, ctx: DistContext, model: torch.nn.Module) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     # A collective, like export_model, for the adapters only.
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
@@ -65,7 +68,6 @@ def diffusers_config(model: torch.nn.Module) -> dict[str, Any]:
     ``fully_shard`` swaps the instance's class for a generated ``FSDP<Name>`` subclass, and ``torch.compile``
     wraps the module; ``_class_name`` must still say ``FluxTransformer2DModel`` for pipelines to load it.
     """
-    from torch.distributed.fsdp import FSDPModule
 
     base = getattr(model, "_orig_mod", model)
     config = json.loads(base.to_json_string())  # type: ignore[operator]  # a peft/diffusers method reached through nn.Module.__getattr__
@@ -81,9 +83,6 @@ def write_diffusers_folder(
     max_shard_size: int | str,
 ) -> None:
     """config.json + safetensors shards named and indexed the way diffusers' ``save_pretrained`` does."""
-    from diffusers.utils import CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
 
     def dtype_of(tensor: torch.Tensor) -> torch.dtype:
         return export_dtype if tensor.is_floating_point() else tensor.dtype
@@ -100,7 +99,7 @@ def write_diffusers_folder(
     for filename, names in split.filename_to_tensors.items():
         shard = {name: state_dict[name].to(dtype_of(state_dict[name])).contiguous() for name in names}
         try:
-            save_file(shard, str(directory / filename), metadata={"format": "pt"})
+            safetensors.torch.save_file(shard, str(directory / filename), metadata={"format": "pt"})
         except Exception as exc:  # safetensors reports I/O errors as SafetensorError, the OS error only in its text
             full = "No space left on device" in str(exc) or "os error 28" in str(exc)
             cause = OSError(errno.ENOSPC if full else errno.EIO, str(exc), str(directory / filename))

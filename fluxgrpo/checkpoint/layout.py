@@ -15,6 +15,7 @@ from typing import Any, BinaryIO
 
 from fluxgrpo import run_folder
 from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.state_checks import best_damaged_message, check_best_record
 
 CHECKPOINT_PREFIX = "checkpoint-"
 TMP_SUFFIX = ".tmp"
@@ -122,7 +123,6 @@ def read_best_record(best: Path) -> dict[str, Any]:
     Raises:
         FluxgrpoError: one line naming the file and saying what to remove.
     """
-    from fluxgrpo.state_checks import best_damaged_message, check_best_record
 
     try:
         record = json.loads((best / BEST_FILE).read_text(encoding="utf-8"))

@@ -4,13 +4,18 @@ with torch.distributed.checkpoint beside the RNG files and checksums, and read b
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from fluxgrpo.checkpoint.export import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -42,6 +47,7 @@ from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime.dist import DistContext
 from fluxgrpo.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 from fluxgrpo.safe_load import load_plain
+from fluxgrpo.state_checks import check_checksum_record
 
 
 @dataclass
@@ -67,7 +73,6 @@ class TrainingState:
 
     def state_options(self) -> Any:
         """A LoRA run's resume state leaves out the frozen base: it is the base model's, read again on resume."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         return StateDictOptions(ignore_frozen_params=is_lora_model(self.model))
 
@@ -75,7 +80,6 @@ class TrainingState:
         """The one DCP state dict, saved and loaded alike: DCP loads in place into tensors laid out the way this
         run shards them; ``get_state_dict`` gives that layout (and materialises an untouched optimizer's state so
         there is somewhere to load into)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self.state_options())
         state: dict[str, Any] = {"model": model_state, "optim": optim_state}
@@ -89,7 +93,6 @@ class TrainingState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Hand a loaded ``state_dict()`` back to the objects."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         lora = is_lora_model(self.model)
         # A LoRA state has no frozen base to set: the adapters alone (DCP has already refused any missing key).
@@ -219,8 +222,6 @@ def _complete_facts(
 
 
 def _save_training_state(directory: Path, ctx: DistContext, state: TrainingState) -> None:
-    import torch.distributed.checkpoint as dcp
-
     with _quiet_single_process_dcp(), _dcp_errors("writing", directory):
         dcp.save(state.state_dict(), checkpoint_id=str(directory), no_dist=not ctx.distributed)
 
@@ -229,7 +230,6 @@ def _save_training_state(directory: Path, ctx: DistContext, state: TrainingState
 def _dcp_errors(doing: str, directory: Path):
     """DCP reports any rank's failure as ``CheckpointException ranks:dict_keys([0, 1])`` plus tracebacks; say
     what happened instead, preferring a full disk (the likeliest cause, and the same on every rank)."""
-    from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         yield
@@ -265,7 +265,6 @@ def load_checkpoint(path: str | Path, ctx: DistContext, state: TrainingState) ->
         FluxgrpoError: ``path`` is not a complete checkpoint; it was written by a different number of
             processes; or ``ema`` is given but the checkpoint has no EMA state.
     """
-    import torch.distributed.checkpoint as dcp
 
     model, ema, extra_states, lr_scheduler = state.model, state.ema, state.extra_states, state.lr_scheduler
     path = Path(path)
@@ -366,8 +365,6 @@ def _plain_rng_state(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rng_state_from_plain(plain: dict[str, Any]) -> dict[str, Any]:
-    import numpy as np
-
     numpy_state = plain["numpy"]
     state = dict(plain)
     state["numpy"] = (
@@ -397,7 +394,6 @@ def _check_plain(value: Any, what: str) -> None:
 
 
 def _load_rng_file(rng_file: Path, rank: int) -> dict[str, Any]:
-
     try:
         rng = load_plain(rng_file, DAMAGED_FIX)
     except FileNotFoundError:
@@ -423,8 +419,6 @@ def _files_of_rank(state_dir: Path, rank: int) -> list[Path]:
 
 
 def _sha256(path: Path) -> str:
-    import hashlib
-
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
@@ -441,7 +435,6 @@ def write_state_checksums(state_dir: Path, rank: int) -> None:
 def _verify_checksums(state_dir: Path, rank: int) -> None:
     """Raise FluxgrpoError (one line) when a file this rank wrote no longer has the sha256 recorded at save time:
     corruption inside a tensor's bytes that no header check sees."""
-    from fluxgrpo.state_checks import check_checksum_record
 
     record = state_dir / CHECKSUMS_FILE.format(rank=rank)
     try:

@@ -10,6 +10,7 @@ import typer
 
 from fluxgrpo import __version__
 from fluxgrpo.cli.help import HelpCommand, HelpGroup
+from fluxgrpo.runtime.report import guard_torch_import
 
 # The reference pages (fluxgrpo/docs/, shipped with the package); each command's --help ends with its own.
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -75,7 +76,6 @@ def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
     """GRPO fine-tuning of FLUX.1-dev against HPSv2 (DanceGRPO), on Ascend, GPUs and CPU."""
-    from fluxgrpo.runtime.report import guard_torch_import
 
     guard_torch_import()
 

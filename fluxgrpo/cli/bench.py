@@ -6,20 +6,31 @@ field), as train's are from ``TrainConfig``; the algorithm comparison's and --js
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import json
+import sys
+import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
+from rich import box
+from rich.console import Console
+from rich.table import Table
 
-from fluxgrpo.bench.efficiency import ALGORITHMS, BASELINE
+from fluxgrpo.bench.config import BenchConfig, build_bench_config
+from fluxgrpo.bench.efficiency import (
+    ALGORITHMS,
+    BASELINE,
+    EfficiencyConfig,
+    parse_algorithms,
+    run_efficiency,
+    trains_in_the_world,
+)
 from fluxgrpo.cli.common import err_console, escape, handle_errors, out_console, print_json
-
-if TYPE_CHECKING:
-    from rich.console import Console
-
-    from fluxgrpo.bench.efficiency import EfficiencyConfig
+from fluxgrpo.errors import UsageError
 
 
 def _option(name: str, help: str) -> Any:
@@ -28,10 +39,6 @@ def _option(name: str, help: str) -> Any:
 
 def _bench_parameters() -> list[inspect.Parameter]:
     """The phase bench's flags, one per ``BenchConfig`` field, with the field's help (``bench/config.py``)."""
-    import dataclasses
-    import typing
-
-    from fluxgrpo.bench.config import BenchConfig
 
     hints = typing.get_type_hints(BenchConfig)
     params = []
@@ -114,8 +121,6 @@ def command(
         "json_output": json_output,
     }
     arguments.update(settings)
-    import json
-    import sys
 
     if algorithms is not None:
         _refuse_flags(arguments, EFFICIENCY_FLAGS | SHARED_FLAGS, "the phase bench only: drop it, or drop --algorithms")
@@ -133,7 +138,6 @@ def command(
         )
         return
     _refuse_flags(arguments, PHASE_FLAGS | SHARED_FLAGS, "--algorithms only: add --algorithms, or drop it")
-    from fluxgrpo.bench.config import build_bench_config
     from fluxgrpo.bench.run import run_bench
 
     compile_model = settings.pop("compile_model")
@@ -171,7 +175,6 @@ PHASE_FLAGS = frozenset(inspect.signature(command).parameters) - SHARED_FLAGS - 
 
 def _refuse_flags(arguments: dict[str, Any], allowed: frozenset[str], why: str) -> None:
     """A usage error for every flag outside ``allowed`` set to something other than its default."""
-    from fluxgrpo.errors import UsageError
 
     parameters = inspect.signature(command).parameters
     stray = [
@@ -200,8 +203,6 @@ def _run_efficiency(
     vary_seed: bool = False,
     plot: str | None = None,
 ) -> None:
-    from fluxgrpo.bench.efficiency import EfficiencyConfig, parse_algorithms, run_efficiency
-
     cfg = EfficiencyConfig(
         algorithms=parse_algorithms(algorithms),
         iterations=iterations,
@@ -228,8 +229,6 @@ def _run_efficiency(
 
 def _check_plot(cfg: EfficiencyConfig, path: Path) -> None:
     """Before anything trains: the runs will evaluate, matplotlib is there, and the PNG's folder exists."""
-    from fluxgrpo.bench.efficiency import trains_in_the_world
-    from fluxgrpo.errors import UsageError
 
     if not trains_in_the_world(cfg.config, cfg.base_overrides):
         raise UsageError(
@@ -245,10 +244,6 @@ def _check_plot(cfg: EfficiencyConfig, path: Path) -> None:
 
 
 def _render_efficiency(document: dict[str, Any]) -> None:
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
     console = out_console if out_console.is_terminal else Console(width=160)
     settings = document["config"]["training"]
     repeats = document["config"]["repeats"]
@@ -316,8 +311,6 @@ def _render_efficiency(document: dict[str, Any]) -> None:
 
 def _render_heldout_and_work(console: Console, rows: list[dict[str, Any]], repeats: int) -> None:
     """The held-out gain (with evaluation on) and the work per iteration, one row per algorithm."""
-    from rich import box
-    from rich.table import Table
 
     reward = next((row["heldout_reward"] for row in rows if row.get("heldout_gain") is not None), None)
     counted = any(row.get("work_per_iteration") for row in rows)
@@ -398,8 +391,6 @@ def _phase(figure: dict[str, Any]) -> str:
 
 def _render_compile(console: Console, records: list[dict[str, Any]]) -> None:
     """The --compile comparison: one row per mode, then the regional/whole-model compile-time ratio."""
-    from rich import box
-    from rich.table import Table
 
     rows = [r for r in records if r["record"] == "compile"]
     summary = next((r for r in records if r["record"] == "compile_summary"), None)
@@ -440,7 +431,6 @@ def _render_compile(console: Console, records: list[dict[str, Any]]) -> None:
 
 
 def _render(records: list[dict[str, Any]]) -> None:
-    from rich.console import Console
 
     # A pipe or a CI log has no width of its own: do not squeeze the table into rich's 80-column default.
     console = out_console if out_console.is_terminal else Console(width=160)
@@ -472,8 +462,6 @@ def _render(records: list[dict[str, Any]]) -> None:
 
 def _render_resolution(console: Console, summary: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     """One resolution: its table of measured rows, then the whole iteration and what checkpointing saves."""
-    from rich import box
-    from rich.table import Table
 
     # (header, cell); a column that is empty in every row (MFU and memory on cpu) is left out.
     columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [

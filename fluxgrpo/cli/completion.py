@@ -3,6 +3,7 @@ the same scripts in ``completions/``)."""
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -28,7 +29,6 @@ def command(
     """
     if shell not in SHELLS:
         raise UsageError(f"unknown shell {shell!r}: use one of {', '.join(SHELLS)} (`fluxgrpo completion bash`)")
-    import sys
 
     from fluxgrpo.cli.completions import completion_script
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.table import Table
 
 from fluxgrpo.cli.common import HpsDirOption, JsonOption, escape, handle_errors, out_console, print_json
 from fluxgrpo.config import TrainConfig
+from fluxgrpo.errors import UsageError
 from fluxgrpo.paths import DEFAULT_EMBEDDINGS_DIR, DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR
+from fluxgrpo.runtime.device import is_ascend
 
 _STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red"}
 
@@ -123,22 +126,15 @@ def command(
         "--master-port": master_port is not None,
     }
     if any(deep_only.values()):
-        from fluxgrpo.errors import UsageError
-
         given = ", ".join(flag for flag, set_ in deep_only.items() if set_)
         raise UsageError(f"{given} only apply to `fluxgrpo env-check --deep`: add --deep")
     from fluxgrpo.envcheck import collect_report, run_to_check
-    from fluxgrpo.runtime.device import is_ascend
 
     run = None
     if dies is not None and config is None:
-        from fluxgrpo.errors import UsageError
-
         raise UsageError("--dies needs --config: the run's workers are checked with the run's settings")
     if config is not None:  # the run this config starts: its folders and device where the flags were left alone
         if reward != TrainConfig.reward:
-            from fluxgrpo.errors import UsageError
-
             raise UsageError("pass either --config (its rewards are checked) or --reward, not both")
         run = run_to_check(config, dies)
         flux_dir = run["flux_dir"] if flux_dir == DEFAULT_FLUX_DIR else flux_dir
@@ -166,7 +162,6 @@ def command(
 def _render(report: dict, show_accelerator_env: bool) -> None:
     """The report as tables; the Ascend variables only where an Ascend device is present or asked for (elsewhere they are
     all unset and say nothing: --json always has them)."""
-    from rich.table import Table
 
     system = Table(title="fluxgrpo env-check", show_header=False, title_justify="left")
     system.add_column("item", style="bold")
@@ -198,8 +193,6 @@ def _render(report: dict, show_accelerator_env: bool) -> None:
 
 
 def _render_accelerator_env(report: dict) -> None:
-    from rich.table import Table
-
     env = Table(title="Accelerator environment variables", title_justify="left")
     env.add_column("variable")
     env.add_column("value")
@@ -214,8 +207,6 @@ def _render_accelerator_env(report: dict) -> None:
 
 
 def _render_checks(report: dict) -> None:
-    from rich.table import Table
-
     checks = Table(title="Checks", title_justify="left")
     checks.add_column("check")
     checks.add_column("status")

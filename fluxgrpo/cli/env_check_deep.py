@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rich.table import Table
+
+import fluxgrpo.deepcheck.run
 from fluxgrpo.cli.common import escape, log, out_console, print_json
 
 if TYPE_CHECKING:
@@ -15,9 +18,8 @@ _STYLE = {"passed": "green", "skipped": "yellow", "failed": "bold red"}
 
 def run_and_show(settings: DeepCheckSettings, json_output: bool) -> bool:
     """Run the deep checks, print the table (or the JSON document); True when no check failed."""
-    from fluxgrpo.deepcheck.run import run_deep_check
 
-    report = run_deep_check(settings, log=log)
+    report = fluxgrpo.deepcheck.run.run_deep_check(settings, log=log)
     if json_output:
         print_json(report.to_dict())
     else:
@@ -34,8 +36,6 @@ def _figure(value: float | None) -> str:
 
 
 def render(report: DeepReport, report_file: str) -> None:
-    from rich.table import Table
-
     env = report.environment
     table = Table(
         title=f"fluxgrpo env-check --deep ({env['mode']}): {env['device_type']} × {env['dies']} ({env['device_name']})",

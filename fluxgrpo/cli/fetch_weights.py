@@ -2,16 +2,31 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.table import Table
 
 from fluxgrpo.cli.common import JsonOption, escape, handle_errors, log, out_console, print_json
-from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR, DEFAULT_PROMPTS_DIR
+from fluxgrpo.errors import FluxgrpoError, UsageError, disk_full_error, os_error_reason
+from fluxgrpo.paths import (
+    DEFAULT_FLUX_DIR,
+    DEFAULT_HPS_DIR,
+    DEFAULT_PROMPTS_DIR,
+    ensure_writable_dir,
+    give_default_mode,
+)
+from fluxgrpo.rewards.registry import weights_parts
+from fluxgrpo.shapes.sizes import FLUX_SUBDIR
+from fluxgrpo.weights import layout
+from fluxgrpo.weights.layout import check_flux_dir
+from fluxgrpo.weights.manifest import MANIFEST_NAME
+from fluxgrpo.weights.tiny_writing import refuse_unless_tiny_or_empty
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from fluxgrpo.weights.hub import FetchRequest, FetchSummary
 
 SOURCES = ("tiny", "shapes", "hf", "modelscope")
@@ -24,7 +39,6 @@ def _mib(n: int) -> str:
 
 def _parse_only(only: str | None) -> list[str] | None:
     """``--only flux,hps`` → ["flux", "hps"]; None when not given. Names are checked by the library."""
-    from fluxgrpo.errors import UsageError
 
     if only is None:
         return None
@@ -140,7 +154,6 @@ def command(
           --hps-dir /tmp/hps --seed 1
       fluxgrpo fetch-weights --source shapes
     """
-    from fluxgrpo.errors import UsageError
 
     if source not in SOURCES:
         raise UsageError(f"unknown --source {source!r}: use one of {', '.join(SOURCES)}")
@@ -191,10 +204,6 @@ def command(
 
 
 def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_output: bool) -> None:
-    from pathlib import Path
-
-    from fluxgrpo.errors import FluxgrpoError
-    from fluxgrpo.paths import ensure_writable_dir, give_default_mode
     from fluxgrpo.rewards.tiny_weights import tiny_parts, write_tiny_weights
     from fluxgrpo.runtime.worker import quiet_library_progress
 
@@ -222,16 +231,8 @@ def _tiny(parts: list[str] | None, flux_dir: str, hps_dir: str, seed: int, json_
 def _shapes(parts: list[str] | None, flux_dir: str, hps_dir: str, json_output: bool) -> None:
     """Write the shapes weights into hidden siblings of --flux-dir / --hps-dir first, then move them in: a failure
     (a full disk) leaves the folders as they were and nothing half-written that would block the rerun."""
-    import os
-    import shutil
-    from pathlib import Path
 
-    from fluxgrpo.errors import FluxgrpoError, UsageError, disk_full_error, os_error_reason
-    from fluxgrpo.paths import ensure_writable_dir
     from fluxgrpo.shapes.shipped import SHAPES_PARTS, write_shapes_weights
-    from fluxgrpo.weights import layout
-    from fluxgrpo.weights.manifest import MANIFEST_NAME
-    from fluxgrpo.weights.tiny_writing import refuse_unless_tiny_or_empty
 
     selected = parts or list(SHAPES_PARTS)
     unknown = [part for part in selected if part not in SHAPES_PARTS]
@@ -290,8 +291,6 @@ def _partial_shapes_copy(folder: Path) -> bool:
     interrupted ``fetch-weights --source shapes`` of an older fluxgrpo left (#50.2: it copied in place). Each file
     must be one of the shipped files, at most its size; anything else (a user's file, other weights) is not ours."""
     from fluxgrpo.shapes.shipped import shipped_weights_dir
-    from fluxgrpo.shapes.sizes import FLUX_SUBDIR
-    from fluxgrpo.weights.manifest import MANIFEST_NAME
 
     shipped = shipped_weights_dir() / FLUX_SUBDIR
     if not folder.is_dir() or (folder / MANIFEST_NAME).exists() or not shipped.is_dir():
@@ -308,10 +307,6 @@ def _report_written(
     source: str, part_bytes: dict[str, int], flux_dir: str, hps_dir: str, json_output: bool, extra: dict[str, Any]
 ) -> None:
     """One row per part written (its check after writing), as a table or one JSON document."""
-    from pathlib import Path
-
-    from fluxgrpo.rewards.registry import weights_parts
-    from fluxgrpo.weights.layout import check_flux_dir
 
     rows: list[dict[str, Any]] = []
     reward_parts = weights_parts()
@@ -330,7 +325,6 @@ def _report_written(
     if json_output:
         print_json({"source": source, **extra, "parts": rows})
         return
-    from rich.table import Table
 
     table = Table(title=f"fetch-weights --source {source}", title_justify="left")
     for column in ("part", "path", "source", "size", "status"):
@@ -358,8 +352,6 @@ def _short(revision: str) -> str:
 
 
 def _print_plan(summary: FetchSummary) -> None:
-    from rich.table import Table
-
     from fluxgrpo.weights.hub_progress import format_bytes
 
     plan = summary.plan
@@ -383,8 +375,6 @@ def _print_plan(summary: FetchSummary) -> None:
 
 
 def _print_summary(summary: FetchSummary) -> None:
-    from rich.table import Table
-
     from fluxgrpo.weights.hub_progress import format_bytes
 
     table = Table(title=f"fetch-weights --source {summary.source} ({summary.endpoint})", title_justify="left")

@@ -16,6 +16,7 @@ metavar. ``HelpCommand`` fixes the text once, before the first render:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from rich.markup import escape
@@ -31,7 +32,6 @@ def is_verbatim_block(paragraph: str) -> bool:
 
 def plain_help_text(text: str) -> str:
     """A docstring as the help shows it: prose reflowed, example blocks kept, ready for rich markup (escaped)."""
-    import inspect
 
     paragraphs = inspect.cleandoc(text).split("\n\n")
     out = []

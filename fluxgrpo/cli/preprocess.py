@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.table import Table
 
 from fluxgrpo.cli.common import DeviceOption, JsonOption, escape, handle_errors, log, out_console, print_json
-from fluxgrpo.paths import DEFAULT_EMBEDDINGS_DIR, DEFAULT_FLUX_DIR, EMBEDDINGS_INDEX
+from fluxgrpo.data.benchmarks import prompts_path as named_prompts_path
+from fluxgrpo.paths import DEFAULT_EMBEDDINGS_DIR, DEFAULT_FLUX_DIR, EMBEDDINGS_INDEX, empty_folders_removed_on_failure
 
 
 @handle_errors
@@ -49,10 +51,8 @@ def command(
 
     spec = LaunchSpec(nproc_per_node=dies)
     spec.validate()
-    from fluxgrpo.data.benchmarks import prompts_path as named_prompts_path
 
     prompts_path = str(named_prompts_path(prompts)) if prompts else str(bundled_prompts_path())
-    from fluxgrpo.paths import empty_folders_removed_on_failure
 
     with empty_folders_removed_on_failure():  # a failure leaves no empty --out behind
         check_inputs(prompts_path, model, out, max_sequence_length)  # fail here, not in every worker
@@ -67,7 +67,6 @@ def command(
     if json_output:
         print_json(summary)
         return
-    from rich.table import Table
 
     table = Table(title="preprocess", show_header=False, title_justify="left")
     table.add_column("item", style="bold")

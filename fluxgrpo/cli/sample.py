@@ -5,9 +5,14 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
+from rich.table import Table
 
 from fluxgrpo.cli.common import DeviceOption, JsonOption, handle_errors, log, out_console, print_json
-from fluxgrpo.paths import DEFAULT_FLUX_DIR
+from fluxgrpo.data.benchmarks import prompts_path
+from fluxgrpo.errors import UsageError
+from fluxgrpo.paths import DEFAULT_FLUX_DIR, empty_folders_removed_on_failure
+from fluxgrpo.run_folder import move_aside
 from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 
 _OWN = "[default: the model's own: 720 for FLUX.1-dev, 64 for the shapes world]"
@@ -118,7 +123,6 @@ def command(
           --prompts shapes-heldout --images-per-prompt 4
     """
     from fluxgrpo.data.prompts import read_prompts
-    from fluxgrpo.errors import UsageError
     from fluxgrpo.runtime.launch import LaunchSpec, run_workers
     from fluxgrpo.sample import build_request, model_sample_defaults, model_sample_steps
     from fluxgrpo.sampling.request import SampleSettings
@@ -128,8 +132,6 @@ def command(
     if prompts_file is not None and prompt:
         raise UsageError("pass either --prompts FILE or --prompt TEXT, not both")
     if prompts_file is not None:
-        from fluxgrpo.data.benchmarks import prompts_path
-
         prompts = read_prompts(prompts_path(prompts_file))
     else:
         prompts = list(dict.fromkeys(text.strip() for text in prompt or [] if text.strip()))
@@ -156,7 +158,6 @@ def command(
         attention=attention,
         compile=compile_model,
     )
-    from fluxgrpo.paths import empty_folders_removed_on_failure
 
     with empty_folders_removed_on_failure():  # a failure leaves no empty --out behind
         request = build_request(
@@ -170,8 +171,6 @@ def command(
             overwrite=overwrite,
         )
         if overwrite:
-            from fluxgrpo.run_folder import move_aside
-
             moved = move_aside(request.out_dir, "--overwrite")
             if moved is not None:
                 log(f"moved what was in {request.out_dir} to {moved}")
@@ -179,8 +178,6 @@ def command(
     if json_output:
         print_json(summary)
         return
-    from rich.markup import escape
-    from rich.table import Table
 
     table = Table(title="sample", show_header=False, title_justify="left")
     table.add_column("item", style="bold")

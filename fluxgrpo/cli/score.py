@@ -6,6 +6,8 @@ from dataclasses import asdict
 from typing import Annotated
 
 import typer
+from rich.markup import escape
+from rich.table import Table
 
 from fluxgrpo.cli.common import (
     DeviceOption,
@@ -157,8 +159,6 @@ def _pass_threshold(reward: str, given: float | None) -> float | None:
 
 
 def _print_headroom(reward: str, room) -> None:
-    from rich.table import Table
-
     table = Table(
         title=f"{reward} headroom: {room.prompts} prompts, {room.images_per_prompt} images each", title_justify="left"
     )
@@ -219,9 +219,6 @@ def _progress_printer():
 
 
 def _print_tables(report) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
     images = Table(title=f"{report.reward} per image", title_justify="left")
     images.add_column("file")
     images.add_column("prompt", overflow="fold")
@@ -289,8 +286,6 @@ def _difference(value: float) -> str:
 
 def _print_reward_tables(multi) -> None:
     """Several rewards side by side: a column per reward in the per-image, per-prompt and --compare tables."""
-    from rich.markup import escape
-    from rich.table import Table
 
     reports = multi.reports
     first = reports[0]

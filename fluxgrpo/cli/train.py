@@ -7,13 +7,17 @@ help can never drift apart (and no flag exists that the trainer ignores).
 from __future__ import annotations
 
 import inspect
+from dataclasses import MISSING
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.table import Table
 
 from fluxgrpo.cli.common import err_console, escape, handle_errors, log, out_console, print_json, say
 from fluxgrpo.cli.help import HelpCommand
+from fluxgrpo.config import build_config, config_fields, config_summary, shipped_configs
+from fluxgrpo.errors import FluxgrpoError
 
 if TYPE_CHECKING:
     from fluxgrpo.config import TrainConfig
@@ -36,10 +40,6 @@ RUN_PANEL, LAUNCH_PANEL = "Run", "Launch: dies, nodes, restarts"
 
 
 def _hyperparameter_parameters() -> list[inspect.Parameter]:
-    from dataclasses import MISSING
-
-    from fluxgrpo.config import config_fields
-
     params = []
     panel = SECTION_PANELS[next(iter(SECTION_PANELS))]
     for f in config_fields():
@@ -68,10 +68,6 @@ def _hyperparameter_parameters() -> list[inspect.Parameter]:
 
 
 def _list_configs() -> None:
-    from rich.table import Table
-
-    from fluxgrpo.config import config_summary, shipped_configs
-
     table = Table(title="Shipped configs (--config NAME)", title_justify="left", show_lines=True)
     table.add_column("name", style="bold")
     table.add_column("what it is, and the command that launches it")
@@ -101,7 +97,6 @@ def _train(
     if list_configs:
         _list_configs()
         return
-    from fluxgrpo.config import build_config
     from fluxgrpo.runtime.dist import CollectiveTimeout
     from fluxgrpo.training.launch_plan import launch_spec, launch_training, plan_training
 
@@ -248,7 +243,6 @@ def _headroom_share(change: dict[str, float], images_per_prompt: int) -> str:
 def _best_or_none(output_dir: str) -> dict[str, Any] | None:
     """The run's best/ record for its summary; a damaged one was already warned about, and is not the run's result."""
     from fluxgrpo.checkpoint.best import read_best
-    from fluxgrpo.errors import FluxgrpoError
 
     try:
         return read_best(output_dir)

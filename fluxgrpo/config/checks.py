@@ -24,16 +24,19 @@ from fluxgrpo.config.choices import (
 from fluxgrpo.config.guard_rules import guard_problems
 from fluxgrpo.config.retain_check import retain_problems
 from fluxgrpo.data.benchmarks import eval_prompts_problem
+from fluxgrpo.errors import UsageError
 from fluxgrpo.grpo.objectives.catalogue import (
     CATALOGUE,
     ObjectiveEntry,
     objective_names,
     option_groups,
     option_key_fields,
+    settings_not_read,
 )
 from fluxgrpo.models.known import MODEL_FAMILIES
 from fluxgrpo.rewards.base import REWARD_DTYPES
-from fluxgrpo.rewards.reward_set import parse_reward_list, reward_spec_problems
+from fluxgrpo.rewards.registry import reward_record
+from fluxgrpo.rewards.reward_set import parse_reward_list, reward_spec_problems, run_reward_names
 from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 from fluxgrpo.runtime.device import DEVICE_TYPES
 
@@ -184,9 +187,6 @@ def _logging_problems(cfg: TrainConfig) -> list[str]:
 
 def _reward_image_size_problems(cfg: TrainConfig) -> list[str]:
     """A reward that reads only some image sizes (shapes: 64² or 128²) against --height/--width."""
-    from fluxgrpo.errors import UsageError
-    from fluxgrpo.rewards.registry import reward_record
-    from fluxgrpo.rewards.reward_set import run_reward_names
 
     try:
         names = run_reward_names(cfg.reward, cfg.eval_rewards, cfg.eval_every)
@@ -235,7 +235,6 @@ def unread_flag_problems(cfg: TrainConfig, given: list[str]) -> list[str]:
     for nft, ``--timestep-fraction`` for vgrpo) and the other objectives' own flags. A config file's value for them
     stays allowed: ``--config shapes-cpu --objective vgrpo`` keeps the file's dance settings unread, but a flag the
     user typed for the run must do something."""
-    from fluxgrpo.grpo.objectives.catalogue import settings_not_read
 
     # Judged on the whole config (a file's --fm-timesteps leaves a typed --timestep-fraction unread), reported for
     # the typed flags only.

@@ -8,10 +8,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from fluxgrpo.config.checks import unread_flag_problems
 from fluxgrpo.config.schema import TrainConfig, config_fields
 from fluxgrpo.errors import UsageError
 from fluxgrpo.run_folder import write_run_file
+from fluxgrpo.yaml_reader import capped, read_config_yaml
 
 
 def shipped_configs() -> dict[str, Path]:
@@ -44,8 +47,6 @@ def resolve_config_path(name_or_path: str) -> Path:
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
-    from fluxgrpo.yaml_reader import read_config_yaml
-
     data = read_config_yaml(path) or {}  # bounded in size and depth, no aliases, no key twice
     if not isinstance(data, dict):
         raise UsageError(f"{path} must hold a mapping of option names to values")
@@ -80,8 +81,6 @@ def build_config(config: str | None = None, overrides: dict[str, Any] | None = N
         except (TypeError, ValueError):
             problems.append(f"{key}: {value!r} is not a valid {known[key].type}")
     if problems:
-        from fluxgrpo.yaml_reader import capped
-
         raise UsageError("invalid training configuration:\n  - " + "\n  - ".join(capped(problems)))
     cfg = TrainConfig(**values).validate()
     unread = unread_flag_problems(cfg, [key for key, value in (overrides or {}).items() if value is not None])
@@ -109,7 +108,6 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
 
 def save_resolved(cfg: TrainConfig, path: Path, derived: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
     """Write the resolved config (loadable with --config) with the derived numbers as a comment block."""
-    import yaml
 
     header = ["# Resolved fluxgrpo training config (load it again with --config <this file>).", "# Derived:"]
     header += [f"#   {k}: {v}" for k, v in derived.items()]

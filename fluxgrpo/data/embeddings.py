@@ -17,13 +17,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.models.flux import read_transformer_config
 from fluxgrpo.paths import EMBEDDINGS_INDEX, write_atomic
-
-if TYPE_CHECKING:
-    import torch
+from fluxgrpo.safe_load import load_plain
 
 PROMPT_EMBED_DIR = "prompt_embed"
 POOLED_DIR = "pooled_prompt_embeds"
@@ -70,7 +71,6 @@ def save_tensor_atomic(tensor: torch.Tensor, path: Path) -> None:
 
     The tensor is cloned so only its own elements are stored (a view would drag its whole storage along).
     """
-    import torch
 
     own = tensor.detach().to("cpu").clone().contiguous()
     write_atomic(path, lambda f: torch.save(own, f))
@@ -98,7 +98,6 @@ def write_index(out_dir: str | Path, captions: list[str]) -> Path:
 
 def _load(path: Path, mmap: bool = False, fix: str = "delete it and run `fluxgrpo preprocess`") -> Any:
     """Tensors only: a file that asks to run code is refused before any of it runs (``safe_load``)."""
-    from fluxgrpo.safe_load import load_plain
 
     return load_plain(path, fix, mmap=mmap)
 
@@ -177,8 +176,6 @@ class EmbeddingDataset:
         return self.root / folder / self.entries[index][_ENTRY_KEYS[folder]]
 
     def _load_file(self, path: Path, mmap: bool = False) -> torch.Tensor:
-        import torch
-
         missing = f"embedding file {path} is missing: {self._fix} (it re-encodes only what is missing)"
         if not path.is_file():
             raise FluxgrpoError(missing)
@@ -211,8 +208,6 @@ class EmbeddingDataset:
         """
         want = None
         if flux_dir is not None:
-            from fluxgrpo.models.flux import read_transformer_config
-
             config = read_transformer_config(flux_dir)
             want = (config.get("joint_attention_dim"), config.get("pooled_projection_dim"))
         reference: tuple[Any, ...] | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import unicodedata
 from pathlib import Path
 
@@ -55,7 +56,6 @@ def read_prompts(path: str | Path, *, keep_repeats: bool = False, flag: str = "-
 
 def _json_prompts(text: str, path: Path) -> list[str]:
     """The ``"prompt"`` of each object of a JSON list (HPDv2's test.json), stripped, empty ones dropped."""
-    import json
 
     try:
         document = json.loads(text)

@@ -8,6 +8,8 @@ few milliseconds instead (``HostPeak.method`` says which). Both are None where `
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import threading
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,6 @@ def rss_bytes() -> int | None:
 def _release_free_heap() -> None:
     """Hand the C heap's free pages back to the kernel (glibc's ``malloc_trim``), so that memory freed before the
     block and reused inside it counts in the block's rise instead of hiding in the resident set already."""
-    import ctypes
-    import ctypes.util
 
     name = ctypes.util.find_library("c")
     if name is None:

@@ -41,12 +41,19 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from fluxgrpo.bench.config import BenchConfig
+from fluxgrpo.bench.harness import BenchTrainee, PhaseSetup, _make_inputs, _materialize_optimizer_state
+from fluxgrpo.bench.models import build_bench_model
+from fluxgrpo.deepcheck.hostmem import HostPeak
 from fluxgrpo.deepcheck.result import FAILED, PASSED, SKIPPED, CheckResult
+from fluxgrpo.models.flux import set_activation_checkpointing
+from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.training import memory
+from fluxgrpo.training.stages import decode_images, score_images
 
 if TYPE_CHECKING:
-    import torch
-
-    from fluxgrpo.bench.config import BenchConfig
     from fluxgrpo.runtime.dist import DistContext
     from fluxgrpo.training.memory import MemoryEstimate
 
@@ -91,8 +98,6 @@ class IterationSettings:
 
 
 def _bench_config(settings: IterationSettings) -> BenchConfig:
-    from fluxgrpo.bench.config import BenchConfig
-
     return BenchConfig(
         model=settings.model,
         blocks=settings.blocks,
@@ -116,14 +121,10 @@ class _PhasePeaks:
         self.peaks: dict[str, int | None] = {}
 
     def start(self) -> None:
-        from fluxgrpo.runtime import device as rt_device
-
         rt_device.synchronize(self.device)
         rt_device.reset_peak_memory(self.device)
 
     def stop(self, phase: str) -> None:
-        from fluxgrpo.runtime import device as rt_device
-
         rt_device.synchronize(self.device)
         peak = rt_device.peak_memory_bytes(self.device)
         previous = self.peaks.get(phase)
@@ -138,14 +139,6 @@ def run_iteration(
     ``rollout_dtype`` runs the rollout's forwards in another autocast dtype than the update's (None: the same,
     the runtime's); only a test sets it, to prove the check catches a rollout/update mismatch.
     """
-    import torch
-
-    from fluxgrpo.bench.harness import BenchTrainee, PhaseSetup, _make_inputs, _materialize_optimizer_state
-    from fluxgrpo.bench.models import build_bench_model
-    from fluxgrpo.deepcheck.hostmem import HostPeak
-    from fluxgrpo.models.flux import set_activation_checkpointing
-    from fluxgrpo.runtime import device as rt_device
-    from fluxgrpo.training.stages import decode_images, score_images
 
     compute_dtype = rt_device.compute_dtype(ctx.device_type)
     dtype_name = "bf16" if compute_dtype == torch.bfloat16 else "fp32"
@@ -259,7 +252,6 @@ def estimate_for_iteration(
     compute_bytes: int,
 ) -> MemoryEstimate:  # fmt: skip
     """``training.memory``'s estimate of this iteration on one die, its reward term set to ``reward_bytes``."""
-    from fluxgrpo.training import memory
 
     run = memory.RunShape(
         dies=1,
@@ -289,8 +281,6 @@ def _memory_result(
     device_type: str,
     compute_dtype: torch.dtype,
 ) -> CheckResult:
-    import torch
-
     compute_bytes = 4 if compute_dtype == torch.float32 else 2
     reward_model = getattr(model.reward, "model", None)
     reward_bytes = (

@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from fluxgrpo.deepcheck.result import FAILED, PASSED, CheckResult, skipped
+from fluxgrpo.runtime.kernel_check import compare_swapped_kernels, kernel_check_skip_reason
 
 if TYPE_CHECKING:
     import torch
@@ -15,8 +16,6 @@ RULE = "normwise max error ≤ tolerance"
 
 
 def check_kernels(device: torch.device, height: int, width: int, text_tokens: int) -> list[CheckResult]:
-    from fluxgrpo.runtime.kernel_check import compare_swapped_kernels, kernel_check_skip_reason
-
     reason = kernel_check_skip_reason(device.type)
     if reason is not None:
         return [skipped("kernels", RULE, reason)]

@@ -20,12 +20,12 @@ from __future__ import annotations
 import importlib.util
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
+
+from fluxgrpo import rewards
 from fluxgrpo.deepcheck.result import FAILED, PASSED, CheckResult, skipped
-
-if TYPE_CHECKING:
-    import torch
 
 DTYPE_TOLERANCE = 1e-2
 CAPTIONS = ["a smooth gradient from red to blue", "a black and white checkerboard with a yellow disc"]
@@ -35,7 +35,6 @@ RULE = "fp32 scores finite and repeatable; reward dtype within 1e-2·max(1,|s|)"
 
 def reference_images(size: int = 256) -> torch.Tensor:
     """[2, 3, size, size] in [0, 1]: a red→blue gradient with a green ramp, and a checkerboard with a yellow disc."""
-    import torch
 
     ramp = torch.linspace(0.0, 1.0, size)
     gradient = torch.stack(
@@ -51,8 +50,6 @@ def reference_images(size: int = 256) -> torch.Tensor:
 def check_rewards(
     names: list[str], hps_dir: str | Path, device: torch.device | str, reward_dtype: str
 ) -> list[CheckResult]:
-    from fluxgrpo import rewards
-
     results = []
     images = reference_images().to(device)
     for name in names:

@@ -12,13 +12,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import fluxgrpo.deepcheck.kernels
+from fluxgrpo import __version__
+from fluxgrpo.bench.config import SHAPED_MODEL, TINY_MODEL
+from fluxgrpo.config import SAMPLERS, build_config
+from fluxgrpo.deepcheck.iteration import IterationSettings, run_iteration
 from fluxgrpo.deepcheck.result import FAILED, PASSED, CheckResult, DeepReport, skipped
+from fluxgrpo.deepcheck.rewards import check_rewards
+from fluxgrpo.deepcheck.workers import LOAD_SLACK_BYTES, MIN_NOMINAL_FRACTION
 from fluxgrpo.errors import UsageError
+from fluxgrpo.models.shard_loading import transformer_weight_files
 from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR
+from fluxgrpo.rewards import reward_names
+from fluxgrpo.rewards.reward_set import reward_spec_names
+from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.runtime.interconnect import nominal_bus_gbps
+from fluxgrpo.runtime.launch import LaunchSpec, check_dies_fit, run_workers
+from fluxgrpo.runtime.peak import accelerator_stack, device_name
+from fluxgrpo.runtime.report import package_versions
+from fluxgrpo.runtime.worker import quiet_library_progress
+from fluxgrpo.weights.layout import check_flux_dir
 
 if TYPE_CHECKING:
     from fluxgrpo.config import TrainConfig
-    from fluxgrpo.deepcheck.iteration import IterationSettings
 
 DEFAULT_REPORT_FILE = "env-check-deep.json"
 NOT_NODE_ZERO = "this node's workers took part; node 0 (--node-rank 0) reports every rank's figures"
@@ -53,8 +70,6 @@ class DeepCheckSettings:
 
 
 def _train_config(settings: DeepCheckSettings, device_type: str) -> TrainConfig:
-    from fluxgrpo.config import build_config
-
     name = settings.config or ("tiny-cpu" if device_type == "cpu" else None)
     # A folder left at its default does not override the one a --config names.
     overrides = {
@@ -69,8 +84,6 @@ def _train_config(settings: DeepCheckSettings, device_type: str) -> TrainConfig:
 
 
 def _dies(settings: DeepCheckSettings, device_type: str) -> int:
-    from fluxgrpo.runtime import device as rt_device
-
     if settings.dies is not None:
         if settings.dies < 1:
             raise UsageError(f"--dies {settings.dies} must be at least 1")
@@ -82,10 +95,6 @@ def _dies(settings: DeepCheckSettings, device_type: str) -> int:
 
 
 def _iteration_settings(settings: DeepCheckSettings, cfg: TrainConfig, device_type: str) -> IterationSettings:
-    from fluxgrpo.bench.config import SHAPED_MODEL, TINY_MODEL
-    from fluxgrpo.config import SAMPLERS
-    from fluxgrpo.deepcheck.iteration import IterationSettings
-
     on_cpu = device_type == "cpu"
     return IterationSettings(
         model=TINY_MODEL if on_cpu else SHAPED_MODEL,
@@ -114,10 +123,6 @@ def _iteration_settings(settings: DeepCheckSettings, cfg: TrainConfig, device_ty
 def _environment(
     settings: DeepCheckSettings, cfg: TrainConfig, device_type: str, device_name: str, dies: int
 ) -> dict[str, Any]:
-    from fluxgrpo import __version__
-    from fluxgrpo.runtime.peak import accelerator_stack
-    from fluxgrpo.runtime.report import package_versions
-
     return {
         "fluxgrpo": __version__,
         "python": sys.version.split()[0],
@@ -143,8 +148,6 @@ DAMAGED_WEIGHTS = "damaged FLUX weights"  # how a load reason that fails the che
 def _load_payload(settings: DeepCheckSettings, cfg: TrainConfig) -> tuple[dict[str, Any] | None, str | None]:
     """The train config the load check builds the transformer with, or why it does not run: weights that are
     absent skip it; weights that are there but damaged (a truncated shard) fail it, as `train` would refuse them."""
-    from fluxgrpo.models.shard_loading import transformer_weight_files
-    from fluxgrpo.weights.layout import check_flux_dir
 
     status = check_flux_dir(cfg.model)
     if not status.complete:
@@ -158,9 +161,6 @@ def _load_payload(settings: DeepCheckSettings, cfg: TrainConfig) -> tuple[dict[s
 
 
 def _collective_results(summary: dict[str, Any] | None, world_size: int) -> CheckResult:
-    from fluxgrpo.deepcheck.workers import MIN_NOMINAL_FRACTION
-    from fluxgrpo.runtime.interconnect import nominal_bus_gbps
-
     rule = f"exact results; all-reduce ≥ {MIN_NOMINAL_FRACTION:.0%} of nominal where known"
     if summary is None:
         return skipped("collectives", rule, NOT_NODE_ZERO)
@@ -203,8 +203,6 @@ def _collective_results(summary: dict[str, Any] | None, world_size: int) -> Chec
 
 
 def _load_result(summary: dict[str, Any] | None, reason: str | None) -> CheckResult:
-    from fluxgrpo.deepcheck.workers import LOAD_SLACK_BYTES
-
     rule = "all parameters read and finite; node host rise ≤ host-resident weights + one tensor per rank + 1 GiB"
     if reason is not None and reason.startswith(DAMAGED_WEIGHTS):
         return CheckResult("loading", FAILED, None, "", rule, reason)
@@ -242,16 +240,6 @@ def _load_result(summary: dict[str, Any] | None, reason: str | None) -> CheckRes
 
 def run_deep_check(settings: DeepCheckSettings, log: Callable[[str], None] = lambda line: None) -> DeepReport:
     """Run every check on this machine; the report is also written to ``settings.report_file``."""
-    from fluxgrpo.deepcheck.iteration import run_iteration
-    from fluxgrpo.deepcheck.kernels import check_kernels
-    from fluxgrpo.deepcheck.rewards import check_rewards
-    from fluxgrpo.rewards import reward_names
-    from fluxgrpo.rewards.reward_set import reward_spec_names
-    from fluxgrpo.runtime import device as rt_device
-    from fluxgrpo.runtime import dist as rt_dist
-    from fluxgrpo.runtime.launch import LaunchSpec, check_dies_fit, run_workers
-    from fluxgrpo.runtime.peak import device_name
-    from fluxgrpo.runtime.worker import quiet_library_progress
 
     started = time.perf_counter()
     device_type = rt_device.resolve_device_type(settings.device)
@@ -274,7 +262,7 @@ def run_deep_check(settings: DeepCheckSettings, log: Callable[[str], None] = lam
 
     text_tokens = TINY_TEXT_TOKENS if device_type == "cpu" else SHAPED_TEXT_TOKENS
     log("kernels …")
-    checks += check_kernels(ctx.device, cfg.height, cfg.width, text_tokens)
+    checks += fluxgrpo.deepcheck.kernels.check_kernels(ctx.device, cfg.height, cfg.width, text_tokens)
     log("one GRPO iteration per sampler at learning rate 0 …")
     checks += run_iteration(_iteration_settings(settings, cfg, device_type), ctx)
     rt_device.empty_cache(ctx.device)

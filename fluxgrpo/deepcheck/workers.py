@@ -21,6 +21,19 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+from diffusers import FluxTransformer2DModel  # noqa: F401  (imported with this module: its import is not the load's cost)
+
+from fluxgrpo.config import TrainConfig
+from fluxgrpo.deepcheck.hostmem import HostPeak
+from fluxgrpo.models.shard_loading import read_safetensors_header, transformer_weight_files
+from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.runtime.peak import device_name
+from fluxgrpo.runtime.worker import worker_session
+from fluxgrpo.training.parts import build_transformer
+
 if TYPE_CHECKING:
     from fluxgrpo.runtime.dist import DistContext
 
@@ -30,11 +43,6 @@ WARMUP, REPEATS = 1, 3
 
 
 def _collectives(ctx: DistContext, collective_bytes: int) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-
-    from fluxgrpo.runtime import device as rt_device
-
     world = ctx.world_size
     elements = max(world, collective_bytes // 4 // world * world)
     out: dict[str, Any] = {"bytes": elements * 4, "world_size": world}
@@ -67,16 +75,7 @@ def _collectives(ctx: DistContext, collective_bytes: int) -> dict[str, Any]:
 
 
 def _load(ctx: DistContext, config: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    from fluxgrpo.config import TrainConfig
-    from fluxgrpo.deepcheck.hostmem import HostPeak
-    from fluxgrpo.models.shard_loading import read_safetensors_header, transformer_weight_files
-    from fluxgrpo.runtime import device as rt_device
-    from fluxgrpo.training.parts import build_transformer
-
     cfg = TrainConfig(**config)
-    from diffusers import FluxTransformer2DModel  # noqa: F401  (imported now: its import is not the load's cost)
 
     # The biggest tensor in flight on one rank: its stored bytes read, plus their fp32 conversion.
     largest = max(
@@ -107,9 +106,6 @@ def _load(ctx: DistContext, config: dict[str, Any]) -> dict[str, Any]:
 
 def worker_entry(payload: dict[str, Any]) -> dict[str, Any]:
     """Every rank: join the group (timed), the collectives, then the load; rank 0 returns every rank's figures."""
-    from fluxgrpo.runtime import dist as rt_dist
-    from fluxgrpo.runtime.peak import device_name
-    from fluxgrpo.runtime.worker import worker_session
 
     start = time.perf_counter()
     with worker_session(payload["device"]) as ctx:

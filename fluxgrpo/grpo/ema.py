@@ -12,7 +12,9 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import distribute_tensor
 
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.runtime.dist import reshard_sharded_modules
@@ -93,8 +95,6 @@ class ShardedEMA:
             value = state[name]
             placements = getattr(shadow, "placements", None)
             if placements is not None and getattr(value, "placements", None) is None:
-                from torch.distributed.tensor import distribute_tensor
-
                 value = distribute_tensor(value.to(shadow.device), shadow.device_mesh, placements)  # type: ignore[attr-defined]  # the shadow is a DTensor when placements are set
             _local(shadow).copy_(_local(value))
 
@@ -105,7 +105,6 @@ class ShardedEMA:
         ``rank0_only``, kept on rank 0 only (other ranks get ``{}``): a full copy per rank would cost
         ranks × 47.6 GB of host memory for FLUX.1-dev on one node.
         """
-        import torch.distributed as dist
 
         keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
         out = {}

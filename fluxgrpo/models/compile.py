@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch._dynamo.callback import CallbackTrigger, callback_handler
+from torch.distributed.fsdp import FSDPModule
 
 if TYPE_CHECKING:
     from torch._dynamo.callback import CallbackArgs
@@ -86,7 +88,6 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 def _class_name(module: nn.Module) -> str:
     """The block's own class name (FSDP2 swaps a sharded module's class for a generated ``FSDP<Name>``)."""
-    from torch.distributed.fsdp import FSDPModule
 
     return next(k for k in type(module).__mro__ if not issubclass(k, FSDPModule)).__name__
 
@@ -162,8 +163,6 @@ class _CompileCallbacks:
             self.started = time.perf_counter()
 
     def end(self, args: CallbackArgs) -> None:
-        from torch._dynamo.callback import CallbackTrigger
-
         with self.lock:
             if self.started is not None:
                 self.seconds += time.perf_counter() - self.started
@@ -186,7 +185,6 @@ def watch_compilations() -> None:
     # torch._dynamo.callback is the hook torch's own compile-time telemetry uses; it runs once per outermost
     # compilation (nested ones are folded into it). torch.compiler.reset() drops every callback, so registration
     # is checked on each call, not assumed.
-    from torch._dynamo.callback import callback_handler
 
     with _callbacks_lock:
         if _callbacks is None:

@@ -8,18 +8,21 @@ it, so encoding prompts (``preprocess``) never pays for it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+import torch
+from diffusers import AutoencoderKL, FluxTransformer2DModel
+from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
+
 from fluxgrpo.errors import FluxgrpoError, not_usable
+from fluxgrpo.safe_load import load_pretrained
 from fluxgrpo.weights.layout import check_flux_dir
 
 if TYPE_CHECKING:
-    import torch
-    from diffusers import AutoencoderKL, FluxTransformer2DModel
     from torch import nn
-    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
 
 
 class _Checkpointable(Protocol):
@@ -57,10 +60,6 @@ def load_transformer(
     flux_dir: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
 ) -> FluxTransformer2DModel:
     """The FLUX transformer from ``<flux_dir>/transformer`` in ``dtype`` (default float32) on ``device``."""
-    import torch
-    from diffusers import FluxTransformer2DModel
-
-    from fluxgrpo.safe_load import load_pretrained
 
     root = require_flux_dir(flux_dir)
     model = load_pretrained(
@@ -76,10 +75,6 @@ def load_vae(
     flux_dir: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
 ) -> AutoencoderKL:
     """The VAE from ``<flux_dir>/vae`` in ``dtype`` (default float32) on ``device``, in eval mode."""
-    import torch
-    from diffusers import AutoencoderKL
-
-    from fluxgrpo.safe_load import load_pretrained
 
     root = require_flux_dir(flux_dir)
     vae = load_pretrained(
@@ -93,7 +88,6 @@ def load_vae(
 
 def load_scheduler_config(flux_dir: str | Path) -> dict[str, Any]:
     """The FlowMatchEulerDiscreteScheduler config (shift, dynamic shifting bounds, ...) as a plain dict."""
-    import json
 
     root = require_flux_dir(flux_dir)
     path = root / "scheduler" / "scheduler_config.json"
@@ -105,7 +99,6 @@ def load_scheduler_config(flux_dir: str | Path) -> dict[str, Any]:
 
 def read_transformer_config(flux_dir: str | Path) -> dict[str, Any]:
     """``transformer/config.json`` as a dict (joint_attention_dim, pooled_projection_dim, ...), without weights."""
-    import json
 
     path = Path(flux_dir) / "transformer" / "config.json"
     try:
@@ -142,10 +135,6 @@ def load_text_encoders(
     flux_dir: str | Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
 ) -> TextEncoders:
     """CLIP (``text_encoder``, ``tokenizer``) and T5 (``text_encoder_2``, ``tokenizer_2``) from a FLUX folder."""
-    import torch
-    from transformers import CLIPTextModel, CLIPTokenizer, T5EncoderModel, T5Tokenizer
-
-    from fluxgrpo.safe_load import load_pretrained
 
     root = require_flux_dir(flux_dir)
     dtype = dtype or torch.float32
@@ -189,7 +178,6 @@ def encode_prompts(encoders: TextEncoders, prompts: list[str], max_sequence_leng
     truncated, no attention mask (FLUX was trained on unmasked padded T5 outputs), ``last_hidden_state``. Outputs
     are in the dtype the encoders produced; run this under the runtime's autocast for mixed precision.
     """
-    import torch
 
     device = encoders.device
     clip_ids = encoders.clip_tokenizer(

@@ -24,14 +24,13 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
+from diffusers import FluxTransformer2DModel
+from torch.distributed.tensor import Shard
 
 from fluxgrpo.errors import FluxgrpoError
-
-if TYPE_CHECKING:
-    from diffusers import FluxTransformer2DModel
+from fluxgrpo.models.flux import read_transformer_config
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
@@ -111,9 +110,6 @@ def transformer_weight_files(flux_dir: str | Path) -> list[Path]:
 def empty_transformer(flux_dir: str | Path) -> FluxTransformer2DModel:
     """The FLUX transformer from ``transformer/config.json`` on the meta device (no storage), in torch's default
     dtype (fp32), in eval mode and naming its source as ``from_pretrained`` leaves it."""
-    from diffusers import FluxTransformer2DModel
-
-    from fluxgrpo.models.flux import read_transformer_config
 
     config = read_transformer_config(flux_dir)
     with torch.device("meta"):
@@ -127,7 +123,6 @@ def own_rows(parameter: torch.Tensor) -> tuple[torch.Tensor, int]:
     placements = getattr(parameter, "placements", None)
     if placements is None:
         return parameter.data, 0
-    from torch.distributed.tensor import Shard
 
     if len(placements) != 1 or placements[0] != Shard(0):
         raise FluxgrpoError(

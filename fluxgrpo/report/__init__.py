@@ -12,6 +12,9 @@ from typing import Any
 
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.paths import check_replaceable_output, write_atomic
+from fluxgrpo.report.figures import panel_svgs, require_matplotlib, summary_png
+from fluxgrpo.report.html import grid_columns, grid_strip, render_html, summary_text
+from fluxgrpo.report.run import read_run
 
 REPORT_HTML = "report.html"
 REPORT_PNG = "report.png"
@@ -54,9 +57,6 @@ def build_report(
         UsageError: matplotlib is not installed.
         FluxgrpoError: a folder is not a training run, or the report cannot be written.
     """
-    from fluxgrpo.report.figures import panel_svgs, require_matplotlib, summary_png
-    from fluxgrpo.report.html import grid_columns, grid_strip, render_html, summary_text
-    from fluxgrpo.report.run import read_run
 
     require_matplotlib()
     runs = [read_run(folder) for folder in run_dirs]

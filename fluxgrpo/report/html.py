@@ -11,14 +11,21 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
+
 from fluxgrpo import __version__
+from fluxgrpo.grpo.objectives.catalogue import settings_not_read
 from fluxgrpo.metrics import held_out_trend, noise_verdict, reward_trend
+from fluxgrpo.report.figures import flat_metrics
 from fluxgrpo.report.run import Evaluation, RunData
+from fluxgrpo.rewards.registry import reward_names as known_rewards
+from fluxgrpo.rewards.registry import reward_record
 from fluxgrpo.training.collapse import evaluation_spread_sign, record_signs, warning_line
 
 MAX_GRID_COLUMNS = 10  # evaluations shown side by side; the first and last always, the rest evenly spaced
@@ -78,7 +85,6 @@ def grid_columns(evaluations: list[Evaluation], ema: bool) -> list[GridColumn]:
 def thumbnail(path: Path, side: int = THUMBNAIL_SIDE) -> Any:
     """The image shrunk to fit ``side``; a damaged or unreadable file becomes a gray tile (the report still
     renders, and the gap shows where)."""
-    from PIL import Image
 
     try:
         with Image.open(path) as source:
@@ -97,7 +103,6 @@ def _data_uri(image: Any) -> str:
 
 def grid_strip(columns: list[GridColumn], prompts: int = STRIP_PROMPTS) -> Any | None:
     """A PIL image: the first ``prompts`` prompts (rows) across the evaluations (columns); None without images."""
-    from PIL import Image
 
     rows = sorted({i for column in columns for i in column.images})[:prompts]
     if not rows or not columns:
@@ -207,7 +212,6 @@ def _why_not_best(run: RunData, reward: str, iteration: int, fired_at: dict[int,
 
 def flat_metrics_line(runs: list[RunData]) -> str:
     """The numbers the curves leave out, as one line ("" when none): a flat line's value is all it would show."""
-    from fluxgrpo.report.figures import flat_metrics
 
     flat = flat_metrics(runs)
     these = "these runs" if len(runs) > 1 else "this run"
@@ -275,8 +279,6 @@ def _column_class(iteration: int, best: int | None, fired: frozenset[int]) -> st
 
 def _explanations(image: Any, reward_names: list[str]) -> list[str]:
     """The lines the evaluated rewards give for one image (``RewardRecord.explain``; shapes: each claim ✓/✗)."""
-    from fluxgrpo.rewards.registry import reward_names as known_rewards
-    from fluxgrpo.rewards.registry import reward_record
 
     lines: list[str] = []
     for name in reward_names:
@@ -294,7 +296,6 @@ def _facts_table(items: dict[str, Any]) -> str:
 def _config_table(config: dict[str, Any]) -> str:
     """The resolved config without the settings its objective does not read (the objectives' catalogue says which),
     named in a line under it: a clip range beside an nft run would read as if it had shaped the run."""
-    from fluxgrpo.grpo.objectives.catalogue import settings_not_read
 
     objective = config.get("objective")
     unread = settings_not_read(objective, config) if isinstance(objective, str) else []
@@ -309,8 +310,6 @@ def _config_table(config: dict[str, Any]) -> str:
 
 def _fact(value: Any) -> str:
     if isinstance(value, dict | list):
-        import json
-
         return json.dumps(value)
     return str(value)
 

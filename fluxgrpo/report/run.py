@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from fluxgrpo.checkpoint.best import read_best
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.metrics import read_metrics
 from fluxgrpo.run_folder import CONFIG_FILE, EVAL_DIR, INDEX_FILE, METRICS_FILE, RUN_INFO_FILE
@@ -176,8 +179,6 @@ def _plain_info(info: Any) -> dict[str, dict[str, str]]:
 
 
 def _read_best(folder: Path, left_out: list[str]) -> dict[str, Any] | None:
-    from fluxgrpo.checkpoint.best import read_best
-
     try:
         return read_best(folder)
     except FluxgrpoError as exc:
@@ -187,7 +188,6 @@ def _read_best(folder: Path, left_out: list[str]) -> dict[str, Any] | None:
 
 def _read_config(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """The resolved config's keys and its ``#   key: value`` header lines (derived numbers, device, env)."""
-    import yaml
 
     if not path.is_file():
         return {}, {}

@@ -31,6 +31,7 @@ resize but without its rounding to 1/255).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import check_batch, check_pil_batch, load_pretrained, normalize_clip, resize_like_pil
 from fluxgrpo.rewards.registry import RewardRecord, WeightsPart
+from fluxgrpo.tiny_tokenizers import byte_level_symbols
 from fluxgrpo.weights.hub_parts import REWARD_HUB_PARTS
 from fluxgrpo.weights.layout import (
     HPSV3_BASE_DIR,
@@ -180,7 +182,6 @@ def read_base_config_values(values: dict[str, Any], vocab_rows: int) -> Qwen2VLC
 def build_hpsv3_modules(config: Qwen2VLConfig, empty: bool = False) -> Any:
     """An ``nn.ModuleDict`` of ``visual`` (the vision tower with its merger), ``language_model`` (the decoder without
     lm_head) and ``rm_head``, random; ``empty`` puts the parameters on the meta device (buffers stay real)."""
-    import contextlib
 
     import torch.nn as nn
 
@@ -562,8 +563,6 @@ TINY_HPSV3_VISION: dict[str, Any] = {
 def build_tiny_qwen2_tokenizer() -> Qwen2Tokenizer:
     """A Qwen2 tokenizer: the 256 byte symbols, merges spelling the instruction's words, then Qwen2-VL's specials."""
     from transformers import Qwen2Tokenizer
-
-    from fluxgrpo.tiny_tokenizers import byte_level_symbols
 
     symbols = byte_level_symbols()
     bytes_only = Qwen2Tokenizer(vocab={s: i for i, s in enumerate(symbols)}, merges=[])

@@ -26,10 +26,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError, not_usable
-from fluxgrpo.rewards.base import check_batch, check_pil_batch, load_pretrained, normalize_clip, read_state_dict
+from fluxgrpo.rewards.base import (
+    CLIP_MEAN,
+    CLIP_STD,
+    TextFeatureCache,
+    check_batch,
+    check_pil_batch,
+    load_pretrained,
+    normalize_clip,
+    read_state_dict,
+)
 from fluxgrpo.rewards.clipscore import center_crop_rounded
 from fluxgrpo.rewards.pickscore import resize_shortest_edge
 from fluxgrpo.rewards.registry import RewardRecord, WeightsPart
+from fluxgrpo.runtime.device import autocast
 from fluxgrpo.weights.hub_parts import REWARD_HUB_PARTS
 from fluxgrpo.weights.layout import (
     IMAGEREWARD_CHECKPOINT,
@@ -233,8 +243,6 @@ class ImageRewardReward:
     ) -> None:
         import torch
 
-        from fluxgrpo.rewards.base import TextFeatureCache
-
         vision_model, text_model, head, tokenizer = load_imagereward(folder)
         self.device = torch.device(device)
         self.vision_model = vision_model.to(self.device)
@@ -261,8 +269,6 @@ class ImageRewardReward:
         import torch
         from torchvision.transforms import CenterCrop, Compose, InterpolationMode, Normalize, Resize, ToTensor
 
-        from fluxgrpo.rewards.base import CLIP_MEAN, CLIP_STD
-
         check_pil_batch(images, prompts)
         transform = Compose(
             [
@@ -278,8 +284,6 @@ class ImageRewardReward:
     def score_pixels(self, pixels: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         """Normalised pixels [B, 3, 224, 224] → ImageReward scores [B] float32."""
         import torch
-
-        from fluxgrpo.runtime.device import autocast
 
         if len(prompts) != pixels.shape[0]:
             raise ValueError(f"{pixels.shape[0]} images but {len(prompts)} prompts: one prompt per image")

@@ -16,6 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.rewards.base import TextFeatureCache
+from fluxgrpo.runtime.device import autocast
 from fluxgrpo.weights.config_guard import open_clip_architecture
 from fluxgrpo.weights.layout import REWARD_ARCH_FILE, reward_architecture
 
@@ -105,8 +108,6 @@ class OpenClipCosine:
         import open_clip
         import torch
 
-        from fluxgrpo.rewards.base import TextFeatureCache
-
         self.device = torch.device(device)
         self.model = model.eval().requires_grad_(False).to(self.device)
         self.architecture = arch
@@ -144,8 +145,6 @@ class OpenClipCosine:
     def _image_features(self, pixels: torch.Tensor) -> torch.Tensor:
         import torch.nn.functional as F
 
-        from fluxgrpo.runtime.device import autocast
-
         with autocast(self.device.type, dtype=self.compute_dtype):
             features = self.model.encode_image(pixels)
         return F.normalize(features.float(), dim=-1)
@@ -154,8 +153,6 @@ class OpenClipCosine:
         """[n, E] float32 L2-normalised text features."""
         import torch
         import torch.nn.functional as F
-
-        from fluxgrpo.runtime.device import autocast
 
         with torch.no_grad(), autocast(self.device.type, dtype=self.compute_dtype):
             features = self.model.encode_text(self.tokenizer(prompts).to(self.device))
@@ -227,7 +224,6 @@ def architecture_mismatch(config: dict[str, Any], state: dict[str, Any]) -> str 
 def create_fitting_open_clip(hps_dir: str | Path, state: dict[str, Any], weights: Path, fix: str) -> tuple[Any, str]:
     """(the empty open_clip model for ``hps_dir``, its architecture name), refused in one line when the tiny
     architecture file disagrees with the sizes of ``state`` (the tensors read from ``weights``)."""
-    from fluxgrpo.errors import FluxgrpoError
 
     config = reward_architecture(hps_dir)
     if config is not None:

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 from fluxgrpo.errors import FluxgrpoError, not_usable
 from fluxgrpo.rewards.base import TextFeatureCache, check_batch, check_pil_batch, load_pretrained, resize_like_pil
 from fluxgrpo.rewards.registry import RewardRecord, WeightsPart
+from fluxgrpo.runtime.device import autocast
+from fluxgrpo.tiny_tokenizers import build_tiny_clip_tokenizer
 from fluxgrpo.weights.hub_parts import REWARD_HUB_PARTS
 from fluxgrpo.weights.layout import (
     PICKSCORE_BPE_FILES,
@@ -187,8 +189,6 @@ class PickScoreReward:
         import torch
         import torch.nn.functional as F
 
-        from fluxgrpo.runtime.device import autocast
-
         if len(prompts) != pixel_values.shape[0]:
             raise ValueError(f"{pixel_values.shape[0]} images but {len(prompts)} prompts: one prompt per image")
         text_embeds = self._text_embeds(prompts)
@@ -208,8 +208,6 @@ class PickScoreReward:
         """[n, E] float32 L2-normalised text embeddings."""
         import torch
         import torch.nn.functional as F
-
-        from fluxgrpo.runtime.device import autocast
 
         tokens = self.tokenizer(
             prompts, padding="max_length", max_length=PICKSCORE_MAX_LENGTH, truncation=True, return_tensors="pt"
@@ -252,7 +250,6 @@ def write_tiny_pickscore(folder: Path, seed: int = 0) -> int:
     from transformers import CLIPImageProcessor
 
     from fluxgrpo.rewards.tiny import PICKSCORE_PROCESSOR_CONFIG, build_tiny_pickscore_model
-    from fluxgrpo.tiny_tokenizers import build_tiny_clip_tokenizer
 
     folder = Path(folder)
     model_dir, processor_dir = folder / PICKSCORE_MODEL_DIR, folder / PICKSCORE_PROCESSOR_DIR

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import fluxgrpo.rewards
 from fluxgrpo.errors import UsageError
+from fluxgrpo.rewards.registry import reward_names
 
 if TYPE_CHECKING:
     import torch
@@ -38,7 +40,6 @@ def parse_reward_list(
     """The one parser of a comma-separated reward list: ``train --reward`` (``name[:weight]``, ``weights=True``),
     ``score --reward`` and ``--eval-rewards`` (names only). Returns the terms and every problem found, each message
     naming ``flag``; ``empty_ok`` accepts an empty spec as no reward (``--eval-rewards ""``)."""
-    from fluxgrpo.rewards.registry import reward_names
 
     known = reward_names()
     if empty_ok and not spec.strip():
@@ -162,7 +163,8 @@ def load_reward_set(
     spec: str, hps_dir: str | Path, device: torch.device | str = "cpu", reward_dtype: str = "fp32"
 ) -> RewardSet:
     """Parse ``spec`` and load each reward it names (``rewards.load_reward``) onto ``device``."""
-    from fluxgrpo.rewards import load_reward
 
     terms = parse_reward_spec(spec)
-    return RewardSet(terms, [load_reward(term.name, hps_dir, device, reward_dtype) for term in terms], device)
+    return RewardSet(
+        terms, [fluxgrpo.rewards.load_reward(term.name, hps_dir, device, reward_dtype) for term in terms], device
+    )

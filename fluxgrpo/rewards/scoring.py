@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+from PIL import Image, UnidentifiedImageError
+
 from fluxgrpo.errors import FluxgrpoError
-from fluxgrpo.rewards import load_reward
+from fluxgrpo.rewards import load_reward, reward_record
 from fluxgrpo.rewards.base import pil_to_tensor
 
 if TYPE_CHECKING:
-    import torch
-    from PIL import Image
-
     from fluxgrpo.rewards.base import RewardFn
 
 DEFAULT_SCORE_BATCH = 16
@@ -69,7 +69,6 @@ def _checked_size(path: Path, image: Image.Image) -> None:
 def check_images_readable(items: Iterable[ImageToScore]) -> None:
     """Open every image's header, so a file that is no image, or one too large to decode, fails before any model
     loads."""
-    from PIL import Image, UnidentifiedImageError
 
     for item in items:
         try:
@@ -83,7 +82,6 @@ def check_images_readable(items: Iterable[ImageToScore]) -> None:
 
 def load_image(path: Path) -> Image.Image:
     """The image at ``path``, fully decoded, as RGB."""
-    from PIL import Image, UnidentifiedImageError
 
     try:
         with warnings.catch_warnings():
@@ -117,7 +115,6 @@ def score_items(
     progress: Callable[[int], None] | None = None,
 ) -> list[ScoredImage]:
     """Score ``items`` in batches of ``batch_size`` images (decoded per batch, so memory stays bounded)."""
-    import torch
 
     scored: list[ScoredImage] = []
     for start in range(0, len(items), batch_size):
@@ -155,7 +152,6 @@ def score_items(
 def reward_details(name: str, prompts: Sequence[str], scores: Sequence[float]) -> dict[str, float]:
     """Reward ``name``'s own numbers beside the mean (``RewardRecord.summarize``; shapes: the strict rate, seen and
     novel combinations apart), {} for a reward without any."""
-    from fluxgrpo.rewards import reward_record
 
     summarize = reward_record(name).summarize
     return summarize(prompts, scores) if summarize is not None else {}

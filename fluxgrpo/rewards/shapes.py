@@ -12,6 +12,7 @@ shapes-heldout``) and images 64² or 128²; anything else is one line naming the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -75,7 +76,6 @@ def summarize(prompts: Sequence[str], scores: Sequence[float]) -> dict[str, floa
     rate of the seen-combination and novel-combination captions apart (``seen``, ``seen_strict``, ``novel``,
     ``novel_strict``; ``shapes.world.combination_kind``). Non-finite scores are left out. (No key ends in ``_mean``:
     ``eval_<name>_mean`` is a reward's own mean in metrics.jsonl.)"""
-    import math
 
     from fluxgrpo.shapes.world import is_novel
 

@@ -9,14 +9,14 @@ tiny ImageReward and HPSv3 are built in their own modules, which own the archite
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
+from open_clip.model import CLIP
+from transformers import CLIPConfig, CLIPModel
 
 from fluxgrpo.rewards.base import CLIP_MEAN, CLIP_STD
 from fluxgrpo.tiny_tokenizers import CLIP_MAX_LENGTH, build_tiny_clip_tokenizer
-
-if TYPE_CHECKING:
-    from open_clip.model import CLIP
-    from transformers import CLIPModel
 
 # open_clip model config (the format of open_clip's model_configs/*.json). The tokenizer is open_clip's real one
 # (49408 tokens, context 77), so the text tower's vocabulary matches ViT-H-14's.
@@ -44,8 +44,6 @@ PICKSCORE_PROCESSOR_CONFIG: dict[str, Any] = {
 
 def build_tiny_reward_model(seed: int = 0) -> CLIP:
     """A random open_clip CLIP with the TINY_REWARD_CONFIG architecture, seeded; the global RNG is untouched."""
-    import torch
-    from open_clip.model import CLIP
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -59,8 +57,6 @@ def build_tiny_pickscore_model(seed: int = 0) -> CLIPModel:
     The vision tower takes 224 x 224 inputs, what the processor config produces (49 patches of 32); the text tower
     uses the tiny CLIP tokenizer's 514 ids with CLIP's 77 positions. The global RNG is left untouched.
     """
-    import torch
-    from transformers import CLIPConfig, CLIPModel
 
     tokenizer = build_tiny_clip_tokenizer()
     config = CLIPConfig(

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fluxgrpo.errors import UsageError
+from fluxgrpo.models.tiny import build_tiny_flux_pipeline
+from fluxgrpo.rewards.registry import reward_records
 from fluxgrpo.weights.manifest import MANIFEST_NAME, Manifest, describe_files, write_manifest
 from fluxgrpo.weights.tiny_writing import TINY_SOURCE, refuse_unless_tiny_or_empty, relative_files
 
@@ -22,7 +24,6 @@ def tiny_parts() -> tuple[str, ...]:
     """What --only can name for --source tiny: flux, then every reward weights part with a tiny writer (its record's
     ``write_tiny``), in registry order. A reward's parts are written together (hps and clip: the HPS checkpoint
     and the initial weights it was fine-tuned from)."""
-    from fluxgrpo.rewards.registry import reward_records
 
     return ("flux", *(part.name for record in reward_records() if record.write_tiny for part in record.parts))
 
@@ -43,7 +44,6 @@ class TinyWeightsSummary:
 
 def write_tiny_flux(flux_dir: Path, seed: int = 0) -> int:
     """Write the tiny FLUX pipeline and its manifest; returns the bytes written (manifest excluded)."""
-    from fluxgrpo.models.tiny import build_tiny_flux_pipeline
 
     flux_dir = Path(flux_dir)
     refuse_unless_tiny_or_empty(flux_dir, (MANIFEST_NAME,), None, "--flux-dir")
@@ -66,7 +66,6 @@ def write_tiny_weights(
     gives the same weights. A folder holding non-tiny weights (another source's manifest, or files without one) is
     never overwritten: FluxgrpoError names the flag to change.
     """
-    from fluxgrpo.rewards.registry import reward_records
 
     choices = tiny_parts()
     parts = choices if parts is None else parts

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import torch
+
 THREADS_ENV = "FLUXGRPO_CPU_THREADS"  # the workers' intra-op threads (the launcher's choice, or the user's)
 _CGROUP = Path("/sys/fs/cgroup")
 
@@ -88,7 +90,6 @@ def plan_cpu_threads(workers: int) -> CpuThreads:
 def apply_cpu_threads(distributed: bool) -> None:
     """In a CPU worker: the launcher's thread count (``THREADS_ENV``); without one, 1 when several workers share
     the host (a worker started by other means)."""
-    import torch
 
     threads = _positive_int(os.environ.get(THREADS_ENV))
     if threads is not None:

@@ -40,9 +40,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 
+from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.runtime import npu
 from fluxgrpo.runtime.adapt import FORCE_NPU_ADAPT_ENV
+from fluxgrpo.runtime.npu import NpuFusedRMSNorm, patch_rope
 
 FLUX_HEADS, FLUX_HEAD_DIM = 24, 128
 FLUX_ROPE_AXES = (16, 56, 56)
@@ -102,7 +107,6 @@ def _rms_norm(device: torch.device, tokens: int, dtype: str, affine: bool = True
     """The fused q/k norm against torch.nn.RMSNorm and against float64 (a kernel that normalises in low precision
     is caught by the latter); ``affine=False``: a norm without weight, which npu_rms_norm cannot take as such (it
     crashes without a gamma, diffusers issue 14380): the swap must hand it a unit one."""
-    from fluxgrpo.runtime.npu import NpuFusedRMSNorm
 
     generator = torch.Generator().manual_seed(0)
     plain = torch.nn.RMSNorm(FLUX_HEAD_DIM, eps=1e-6, elementwise_affine=affine)
@@ -175,11 +179,6 @@ def _flux_ids(height: int, width: int, text_tokens: int) -> torch.Tensor:
 
 
 def _rope(device: torch.device, device_type: str, ids: torch.Tensor, dtypes: tuple[str, ...]) -> list[KernelComparison]:
-    from diffusers.models.embeddings import apply_rotary_emb
-    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
-
-    from fluxgrpo.runtime.npu import patch_rope
-
     holder = torch.nn.Module()
     holder.pos_embed = FluxPosEmbed(theta=FLUX_ROPE_THETA, axes_dim=list(FLUX_ROPE_AXES))
     patch_rope(holder, force=device_type != "npu")  # off the device, diffusers' own would run in float64
@@ -221,10 +220,8 @@ def _rope(device: torch.device, device_type: str, ids: torch.Tensor, dtypes: tup
 def _accepts_half_ids(holder: torch.nn.Module, ids: torch.Tensor) -> str | None:
     """None when the adapted model refuses position ids in bf16 (``npu.guard_position_ids``); else the problem:
     bf16 ids would reach RoPE unnoticed."""
-    from fluxgrpo.errors import FluxgrpoError
-    from fluxgrpo.runtime.npu import guard_position_ids
 
-    guard_position_ids(holder)  # as adapt_flux_for_npu guards the run's model
+    npu.guard_position_ids(holder)  # as adapt_flux_for_npu guards the run's model
     pos_embed: Any = holder.pos_embed  # a module set by the caller, so typed by what it returns
     try:
         with torch.no_grad():

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
+import subprocess
 import time
 import uuid
 from collections.abc import Mapping
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.runtime.launch import endpoint_reachable, parse_endpoint
 
 if TYPE_CHECKING:
     from fluxgrpo.runtime.dist import DistContext
@@ -84,7 +88,6 @@ def restarted(ctx: DistContext, marker: Path | None) -> bool:
     but the nodes that stayed do, so the ranks agree on any. torchrun's restart count alone cannot tell: a
     restart caused by a node rejoining is not counted.
     """
-    from fluxgrpo.runtime import dist as rt_dist
 
     again = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if marker is not None:
@@ -101,7 +104,6 @@ def check_shared_folder(ctx: DistContext, folder: Path, wait_s: float = SHARED_C
 
     A no-op on one node. Raises FluxgrpoError on every rank, naming the nodes that do not see the file.
     """
-    from fluxgrpo.runtime import dist as rt_dist
 
     if not (ctx.distributed and multi_node()):
         return
@@ -163,8 +165,6 @@ def route_interface(host: str, port: int) -> tuple[str, str | None] | None:
 
 def _interface_of(address: str) -> str | None:
     """The interface holding ``address`` (Linux: from ``ip -o addr``; None when it cannot tell)."""
-    import shutil
-    import subprocess
 
     if shutil.which("ip") is None:
         return None
@@ -197,7 +197,6 @@ def rendezvous_checks(
       accept a connection (node 0's run started first);
     - the interface variables of this device's backends: set, or inferable from the route to node 0.
     """
-    from fluxgrpo.runtime.launch import endpoint_reachable, parse_endpoint
 
     environ = os.environ if environ is None else environ
     checks: list[tuple[str, str, str, str | None]] = []

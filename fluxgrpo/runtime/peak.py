@@ -13,12 +13,12 @@ from __future__ import annotations
 import contextlib
 import platform
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from fluxgrpo.runtime import device as rt_device
-
-if TYPE_CHECKING:
-    import torch
+from fluxgrpo.runtime.cann import peak_tflops
 
 # (fragment of torch.cuda.get_device_name(), dense bf16 TFLOPS, dense tf32 TFLOPS). The first fragment contained
 # in the name wins, so the more specific variants (PCIe, NVL) come before the family name.
@@ -61,8 +61,6 @@ def peak_throughput(
                 return PeakThroughput(tf32, f"datasheet: {fragment} tf32 dense (fp32 matmuls run in TF32)")
         return PeakThroughput(None, f"unknown: {device_name!r} is not in the table; pass --peak-tflops")
     if device_type == "npu":
-        from fluxgrpo.runtime.cann import peak_tflops
-
         if compute_dtype == "fp32":
             return PeakThroughput(None, "unknown: Ascend publishes no fp32 (HF32) cube peak; pass --peak-tflops")
         tflops = peak_tflops(device_name)
@@ -87,7 +85,6 @@ def device_name(device: torch.device) -> str:
 
 def accelerator_stack(device_type: str) -> dict[str, Any]:
     """Versions of the accelerator stack torch runs on (empty for cpu)."""
-    import torch
 
     if device_type == "cuda":
         cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
@@ -105,7 +102,6 @@ def accelerator_stack(device_type: str) -> dict[str, Any]:
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` is a device allocator running out of memory (torch's own error, or torch_npu's message)."""
-    import torch
 
     if isinstance(exc, torch.OutOfMemoryError):
         return True

@@ -5,6 +5,7 @@ Never raises: a broken accelerator stack is exactly what a user runs env-check t
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 from typing import Any
@@ -119,7 +120,6 @@ PACKAGES = (
 
 def package_versions() -> dict[str, str | None]:
     """Installed versions (None when absent), read from metadata without importing anything."""
-    import importlib.metadata
 
     versions: dict[str, str | None] = {}
     for name in PACKAGES:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -87,8 +88,6 @@ def _recorded_attempt(path: Path) -> int | None:
 def worker_whereabouts(rank: int) -> str:
     """``node 1 (host h) rank 5`` in a multi-node run, ``rank 5`` on one node (torchrun's variables)."""
     if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
-        import socket
-
         return f"node {os.environ.get('GROUP_RANK', '?')} (host {socket.gethostname()}) rank {rank}"
     return f"rank {rank}"
 

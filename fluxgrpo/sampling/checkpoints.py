@@ -16,6 +16,7 @@ from fluxgrpo.checkpoint.layout import (
     read_checkpoint_info,
 )
 from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.lora import LORA_WEIGHTS_NAME, check_adapter_file
 from fluxgrpo.models.flux import read_transformer_config
 from fluxgrpo.weights.config_guard import folder_config_problems
 from fluxgrpo.weights.integrity import folder_safetensors_problems
@@ -27,7 +28,6 @@ def resolve_checkpoint(path: str | Path, ema: bool) -> Path:
     Raises:
         FluxgrpoError: no complete checkpoint there, or ``ema`` but the checkpoint holds no EMA weights.
     """
-    from fluxgrpo.lora import LORA_WEIGHTS_NAME
 
     given = Path(path).expanduser()
     if is_usable_checkpoint(given):
@@ -57,7 +57,6 @@ def resolve_checkpoint(path: str | Path, ema: bool) -> Path:
         weights = found / (EMA_LORA_DIR if ema else LORA_DIR) / LORA_WEIGHTS_NAME
         if not weights.is_file():
             raise FluxgrpoError(f"{weights} is missing: the checkpoint is damaged; pass another --checkpoint")
-        from fluxgrpo.lora import check_adapter_file
 
         check_adapter_file(weights, "the checkpoint is damaged; pass another --checkpoint")
         return found

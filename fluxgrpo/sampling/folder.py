@@ -9,10 +9,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from PIL import Image, ImageDraw, ImageFont
+
 from fluxgrpo import __version__
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.paths import ensure_writable_dir, write_atomic
-from fluxgrpo.run_folder import INDEX_FILE  # a sample folder's index, and each evaluation's in a run folder
+from fluxgrpo.run_folder import (
+    INDEX_FILE,  # a sample folder's index, and each evaluation's in a run folder
+    enclosing_run,
+)
 from fluxgrpo.sampling.request import SampledImage, SampleRequest, SampleSettings
 
 GRID_FILE = "grid.png"
@@ -52,7 +57,6 @@ def check_output_dir(out_dir: str | Path) -> Path:
 def check_not_inside_a_run(out: Path, overwrite: bool) -> None:
     """A training run's folders (its eval/iteration-<k>/ above all) are its record: ``--out`` there only with
     ``--overwrite``, which moves what is there aside (``run_folder.move_aside``) instead of replacing it."""
-    from fluxgrpo.run_folder import enclosing_run
 
     run = enclosing_run(out)
     if run is not None and not overwrite:
@@ -103,7 +107,6 @@ def _caption(text: str, width: int, measure: Any) -> str:
 def write_grid(out: Path, images: list[SampledImage], num_prompts: int, settings: SampleSettings) -> Path:
     """``grid.png``: row i, under its prompt as caption ("i: prompt"), column j holds image j of prompt i,
     downscaled to the tile size."""
-    from PIL import Image, ImageDraw, ImageFont
 
     cols = settings.images_per_prompt
     tile_w, tile_h = grid_tile_size(num_prompts, cols, settings.height, settings.width)

@@ -6,14 +6,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+from diffusers import FluxPipeline, FluxTransformer2DModel
+from PIL.PngImagePlugin import PngInfo
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from fluxgrpo.grpo.latents import latent_shape, pack_latents
+from fluxgrpo.models.compile import compile_repeated_blocks
 from fluxgrpo.paths import write_atomic
 from fluxgrpo.runtime.adapt import adapt_transformer, compile_backend
 from fluxgrpo.runtime.device import autocast, compute_dtype
+from fluxgrpo.safe_load import load_pretrained
 from fluxgrpo.sampling.request import SampledImage, SampleRequest, SampleSettings, image_filename, image_seed
 
 if TYPE_CHECKING:
-    import torch
-    from diffusers import FluxPipeline
     from PIL import Image
 
     from fluxgrpo.runtime.dist import DistContext
@@ -22,9 +29,6 @@ if TYPE_CHECKING:
 def load_pipeline(request: SampleRequest, ctx: DistContext) -> FluxPipeline:
     """FluxPipeline from ``request.model`` in the compute dtype on ``ctx.device``, with the trained transformer
     swapped in when there is a checkpoint, adapted to the device by the runtime."""
-    from diffusers import FluxPipeline, FluxTransformer2DModel
-
-    from fluxgrpo.safe_load import load_pretrained
 
     dtype = compute_dtype(ctx.device_type)
     components: dict[str, Any] = {}
@@ -57,8 +61,6 @@ def load_pipeline(request: SampleRequest, ctx: DistContext) -> FluxPipeline:
     pipe.set_progress_bar_config(disable=True)
     adapt_transformer(pipe.transformer, ctx.device_type, attention=request.settings.attention, compute_dtype=dtype)
     if request.settings.compile:
-        from fluxgrpo.models.compile import compile_repeated_blocks
-
         compile_repeated_blocks(pipe.transformer, compile_backend(ctx.device_type))
     return pipe
 
@@ -88,9 +90,6 @@ def denoise(
 
 def initial_latents(seeds: list[int], height: int, width: int) -> torch.Tensor:
     """[B, L, 64] packed float32 cpu noise, row b drawn from a generator seeded ``seeds[b]``."""
-    import torch
-
-    from fluxgrpo.grpo.latents import latent_shape, pack_latents
 
     shape = latent_shape(height, width)
     rows = [
@@ -102,7 +101,6 @@ def initial_latents(seeds: list[int], height: int, width: int) -> torch.Tensor:
 
 def _save_png(image: Image.Image, path: Path, prompt: str, seed: int) -> None:
     """Write a PNG under a temp name and rename it, so a killed run never leaves a truncated image."""
-    from PIL.PngImagePlugin import PngInfo
 
     info = PngInfo()
     info.add_itxt("prompt", prompt)
@@ -116,15 +114,6 @@ class _Progress:
     def __init__(self, enabled: bool, total: int, description: str):
         self._bar = None
         if enabled and total:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-
             self._bar = Progress(
                 TextColumn("{task.description}", markup=False),  # the description names the output folder
                 BarColumn(),
@@ -148,7 +137,6 @@ def encode_prompt(
     pipe: FluxPipeline, prompt: str, ctx: DistContext, max_sequence_length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(T5 embeddings, pooled CLIP embedding) of one prompt, encoded on its own (a batch of one)."""
-    import torch
 
     with torch.no_grad(), autocast(ctx.device_type):
         embeds, pooled, _ = pipe.encode_prompt(
@@ -169,7 +157,6 @@ def generate_images(
 
     ``encoded`` (prompt index → ``encode_prompt``'s output) supplies the prompts' embeddings, for a pipeline
     without text encoders (the in-training evaluation); without it each prompt is encoded when first needed."""
-    import torch
 
     settings = request.settings
     out = Path(request.out_dir)

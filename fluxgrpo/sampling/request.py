@@ -9,6 +9,8 @@ from typing import Any
 
 from fluxgrpo.checkpoint.layout import EMA_LORA_DIR, EMA_TRANSFORMER_DIR, LORA_DIR, TRANSFORMER_DIR
 from fluxgrpo.errors import UsageError
+from fluxgrpo.grpo.latents import image_size_problem
+from fluxgrpo.lora import LORA_WEIGHTS_NAME
 from fluxgrpo.runtime.adapt import ATTENTION_BACKENDS
 
 # --------------------------------------------------------------------------------------------- settings
@@ -31,7 +33,6 @@ class SampleSettings:
 
     def validate(self) -> SampleSettings:
         """Raise UsageError naming the flag for the first bad value."""
-        from fluxgrpo.grpo.latents import image_size_problem
 
         size_problem = image_size_problem(self.height, self.width)
         if size_problem is not None:
@@ -82,7 +83,6 @@ class SampleRequest:
     @property
     def lora_file(self) -> Path | None:
         """The checkpoint's adapter (``pytorch_lora_weights.safetensors``) for a LoRA run's checkpoint, else None."""
-        from fluxgrpo.lora import LORA_WEIGHTS_NAME
 
         if self.checkpoint is None:
             return None

@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from PIL import Image
+
 from fluxgrpo.metrics import held_out_trend, reward_trend
 
 VELOCITY_NORM_ALARM = 1.05
@@ -136,8 +139,6 @@ def _percent(value: float, reference: float) -> str:
 def image_spread(paths: Sequence[Path]) -> float:
     """RMS distance (0–255) of the images at ``paths`` from their mean image, each resized to SPREAD_SIDE²: 0 when
     they are all the same image, about 21 for the tiny base model's samples. NaN for fewer than two images."""
-    import numpy as np
-    from PIL import Image
 
     arrays = []
     for path in paths:

@@ -18,12 +18,13 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.nn.functional as F
+
 from fluxgrpo.rewards.scoring import load_image
 
 if TYPE_CHECKING:
     from pathlib import Path
-
-    import torch
 
 
 def diversity(features: torch.Tensor, prompt_indices: Sequence[int]) -> float:
@@ -32,8 +33,6 @@ def diversity(features: torch.Tensor, prompt_indices: Sequence[int]) -> float:
     ``features`` [N, D] (any scale: normalised here), ``prompt_indices`` [N] the prompt of each row. NaN when no
     prompt has two images.
     """
-    import torch
-    import torch.nn.functional as F
 
     if features.shape[0] != len(prompt_indices):
         raise ValueError(f"{features.shape[0]} feature rows for {len(prompt_indices)} prompt indices")
@@ -53,7 +52,6 @@ def diversity(features: torch.Tensor, prompt_indices: Sequence[int]) -> float:
 
 def image_diversity(scorer: Any, paths: Sequence[Path], prompt_indices: Sequence[int], batch_size: int) -> float:
     """``diversity`` of the images at ``paths`` in ``scorer.embed_pil``'s features, read back from disk."""
-    import torch
 
     rows = []
     for start in range(0, len(paths), batch_size):

@@ -32,7 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fluxgrpo.grpo.objectives.grpo.loss import draw_train_timesteps
+from fluxgrpo.grpo.reference import AdapterDisabledReference
+from fluxgrpo.grpo.rollout import predict_velocity
+from fluxgrpo.grpo.schedule import model_timesteps
+from fluxgrpo.lora import is_lora_model
 from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.runtime.dist import reshard_sharded_modules
 
 if TYPE_CHECKING:
     from fluxgrpo.config import TrainConfig
@@ -47,9 +53,6 @@ class DriftProbe:
     """The per-iteration velocity-norm probe of one rank (a collective: call it on every rank)."""
 
     def __init__(self, cfg: TrainConfig, parts: TrainingParts, state: dict[str, Any] | None = None) -> None:
-        from fluxgrpo.grpo.reference import AdapterDisabledReference
-        from fluxgrpo.lora import is_lora_model
-
         self.cfg = cfg
         self.parts = parts
         if parts.reference is not None:
@@ -71,10 +74,6 @@ class DriftProbe:
         objectives that keep no trajectory to probe: ``--objective nft/awm``)."""
         if not hasattr(rollout, "latents"):  # FinalSamples: the final latents only
             return {"velocity_norm_ratio": math.nan}
-        from fluxgrpo.grpo.objectives.grpo.loss import draw_train_timesteps
-        from fluxgrpo.grpo.rollout import predict_velocity
-        from fluxgrpo.grpo.schedule import model_timesteps
-        from fluxgrpo.runtime.dist import reshard_sharded_modules
 
         ctx, transformer = self.parts.ctx, self.parts.transformer
         replay = torch.Generator().manual_seed(0)

@@ -28,16 +28,26 @@ Evaluation draws from no training RNG, so training numbers are the same with and
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+from PIL import Image
+
 from fluxgrpo.config import TrainConfig
 from fluxgrpo.data.benchmarks import TRAINING_SET, eval_prompts_path
+from fluxgrpo.data.embeddings import EmbeddingDataset
 from fluxgrpo.data.prompts import read_prompts
+from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.grpo.rollout import reshard_sharded_modules
 from fluxgrpo.headroom import best_of_n_mean
+from fluxgrpo.metrics import paired_change_noise
 from fluxgrpo.preprocess import rank_indices
 from fluxgrpo.rewards import scoring
 from fluxgrpo.rewards.reward_set import embedding_reward, eval_reward_names
@@ -47,15 +57,12 @@ from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime.device import autocast
 from fluxgrpo.runtime.worker import quiet_library_progress
-from fluxgrpo.sampling.folder import clear_previous_run, write_grid, write_index
+from fluxgrpo.sampling.folder import clear_previous_run, read_index, write_grid, write_index
 from fluxgrpo.sampling.generate import denoise, encode_prompt, generate_images
 from fluxgrpo.sampling.request import SampledImage, SampleRequest, SampleSettings
 from fluxgrpo.training.diversity import image_diversity
 
 if TYPE_CHECKING:
-    import torch
-    from diffusers import FluxPipeline
-
     from fluxgrpo.metrics import MetricsLogger
     from fluxgrpo.rewards.base import RewardFn
     from fluxgrpo.rewards.reward_set import RewardSet
@@ -76,8 +83,6 @@ def eval_prompt_list(cfg: TrainConfig) -> list[str]:
     """The held-out prompts ``--eval-prompts`` names (the shipped set when empty), in order."""
 
     if cfg.eval_prompts == TRAINING_SET:  # the overfit check: the captions the run trains on, each once
-        from fluxgrpo.data.embeddings import EmbeddingDataset
-
         return list(dict.fromkeys(EmbeddingDataset(cfg.data_json_path).captions))
     path = eval_prompts_path(cfg.eval_prompts) if cfg.eval_prompts else shipped_eval_prompts_path()
     return read_prompts(path, flag="--eval-prompts")
@@ -90,7 +95,6 @@ def eval_folder(output_dir: str | Path, iteration: int, ema: bool = False) -> Pa
 def training_text_length(cfg: TrainConfig) -> int:
     """S, the T5 length the training prompts were preprocessed to (512, FLUX's, unless `preprocess` was told
     otherwise)."""
-    from fluxgrpo.data.embeddings import EmbeddingDataset
 
     return int(EmbeddingDataset(cfg.data_json_path)[0].prompt_embeds.shape[0])
 
@@ -190,8 +194,6 @@ class Evaluator:
     # ----------------------------------------------------------------------------------------- one evaluation
 
     def _evaluate(self, iteration: int, parts: TrainingParts, ema: bool) -> dict[str, float]:
-        from fluxgrpo.grpo.rollout import reshard_sharded_modules
-
         ctx = self.ctx
         out = eval_folder(self.cfg.output_dir, iteration, ema)
         if ctx.is_main:
@@ -236,8 +238,6 @@ class Evaluator:
         training_rewards: RewardSet,
     ) -> dict:
         """Rank 0: grid, scores, index.json (last), image and histograms to the trackers; the metrics values."""
-        import numpy as np
-        from PIL import Image
 
         grid = write_grid(out, images, len(self.prompts), self.settings)
         scores = {name: self._score(self._scorer(name, training_rewards), out, images) for name in self.rewards}
@@ -296,7 +296,6 @@ class Evaluator:
         live weights, and ``eval_change_from``, its iteration: the same seeds, so the change is read image by image.
         The first evaluation becomes that reference; a resumed run reads it back from the earliest evaluation
         folder. Nothing when the two drew different images (other prompts or seeds after a resume)."""
-        from fluxgrpo.metrics import paired_change_noise
 
         if self._reference is None:
             self._reference = earliest_evaluation(self.cfg.output_dir, current.iteration) or current
@@ -344,8 +343,6 @@ class Evaluator:
     def _pipeline(self, parts: TrainingParts) -> FluxPipeline:
         """A FluxPipeline around the live transformer and the training VAE, without text encoders."""
         if self._pipe is None:
-            from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
-
             scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(self.cfg.model, subfolder="scheduler")
             self._pipe = FluxPipeline(
                 scheduler=scheduler,
@@ -363,8 +360,6 @@ class Evaluator:
         """This rank's prompts encoded once with `sample`'s code (text encoders loaded, used, and freed); a rank
         without prompts encodes prompt 0 for its padding forwards."""
         if self._encoded is None:
-            from diffusers import FluxPipeline
-
             with quiet_library_progress():
                 encoders = FluxPipeline.from_pretrained(
                     self.cfg.model,
@@ -385,7 +380,6 @@ class Evaluator:
         self, pipe: FluxPipeline, prompts_here: int, encoded: dict[int, tuple[torch.Tensor, torch.Tensor]]
     ) -> None:
         """Discarded pipeline calls so this rank runs as many sharded forwards as the busiest rank."""
-        import torch
 
         if not self.ctx.distributed:
             return
@@ -416,10 +410,6 @@ def earliest_evaluation(output_dir: str | Path, before: int) -> PerImageScores |
     """The per-image scores of the earliest evaluation of the live weights in ``output_dir`` before iteration
     ``before`` (read from its ``index.json``); None when there is none or it cannot be read (then no paired noise
     is logged: a damaged old folder never stops a run)."""
-    import json
-
-    from fluxgrpo.errors import FluxgrpoError
-    from fluxgrpo.sampling.folder import read_index
 
     folders = []
     for folder in (Path(output_dir) / EVAL_DIR).glob("iteration-*"):
@@ -449,10 +439,6 @@ def per_prompt_change(output_dir: str | Path, first: int, last: int) -> dict[str
     """Each held-out reward's per-prompt mean at two evaluations of the live weights (the overfit check's table):
     ``{reward: [{"prompt", "images", "first", "last"[, "first_strict", "last_strict"]}]}``; the shapes checker's
     rewards also give the share of images where every claim holds. Empty when either evaluation cannot be read."""
-    import json
-
-    from fluxgrpo.errors import FluxgrpoError
-    from fluxgrpo.sampling.folder import read_index
 
     documents = []
     for iteration in (first, last):

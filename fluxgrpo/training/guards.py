@@ -40,6 +40,7 @@ progress line says when a rule has fired.
 from __future__ import annotations
 
 import math
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,7 @@ from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.metrics import read_metrics
 from fluxgrpo.rewards.reward_set import eval_reward_names
 from fluxgrpo.runtime import dist as rt_dist
+from fluxgrpo.training.drift import DriftProbe
 from fluxgrpo.training.resume_state import read_training_state
 
 GUARD_STOP_EXIT_CODE = 3
@@ -115,8 +117,6 @@ class RunMonitor:
     STATE_KEY = "guards"  # in trainer_state
 
     def __init__(self, cfg: TrainConfig, parts: TrainingParts, metrics: MetricsLogger, checkpoint: Path | None) -> None:
-        from fluxgrpo.training.drift import DriftProbe
-
         self.cfg, self.ctx, self.metrics = cfg, parts.ctx, metrics
         self.rules = parse_guard_spec(cfg.guard, eval_reward_names(cfg.reward, cfg.eval_rewards))
         self.best_key = metric_key(cfg.keep_best.strip()) if cfg.keep_best.strip() else None
@@ -185,7 +185,6 @@ class RunMonitor:
         """Make ``best/`` the best this run's state knows: a run resumed from an earlier checkpoint than the dead
         run's last may find a ``best/`` from iterations it is about to redo; it is put back to the checkpoint the
         state names (when that checkpoint is still on disk), else removed."""
-        import shutil
 
         output_dir = Path(self.cfg.output_dir)
         try:
@@ -209,7 +208,6 @@ class RunMonitor:
             )
 
     def _check(self, iteration: int, evaluation: dict[str, Any], records: list[dict[str, Any]]) -> Verdict:
-
         state = self.state
         window = [r for r in records if state.last_evaluation < r.get("iteration", 0) <= iteration]
         record: dict[str, Any] = {"iteration": iteration, "record": GUARD_RECORD}

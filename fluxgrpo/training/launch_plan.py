@@ -9,26 +9,51 @@ arithmetic is consistent, and the output directory is writable. ``runtime.launch
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
+import os
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fluxgrpo.checkpoint.layout import read_checkpoint_info, resolve_resume
 from fluxgrpo.config import TrainConfig, save_resolved
+from fluxgrpo.data.embeddings import EmbeddingDataset
+from fluxgrpo.envcheck import embeddings_status
 from fluxgrpo.errors import FluxgrpoError, UsageError, not_usable
+from fluxgrpo.metrics import read_metrics
 from fluxgrpo.paths import ensure_writable_dir
 from fluxgrpo.rewards import reward_weights_status
-from fluxgrpo.rewards.reward_set import run_reward_names
+from fluxgrpo.rewards.registry import reward_record
+from fluxgrpo.rewards.reward_set import eval_reward_names, reward_spec_names, run_reward_names
 from fluxgrpo.run_folder import (
     CONFIG_FILE,
+    EVAL_DIR,
+    INDEX_FILE,
     LOGS_DIR,
     check_not_in_use,
     check_run_files,
     foreign_run_files,
+    lock_run_folder,
+    move_previous_run,
     previous_run,
 )
+from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.runtime.adapt import compile_backend
 from fluxgrpo.runtime.dist import CollectiveTimeout
-from fluxgrpo.runtime.launch import DEFAULT_PORT, LaunchSpec, check_dies_fit, run_id_for, run_workers
+from fluxgrpo.runtime.launch import (
+    DEFAULT_PORT,
+    LaunchSpec,
+    check_dies_fit,
+    run_id_for,
+    run_workers,
+    worker_env_defaults,
+)
+from fluxgrpo.runtime.nodes import slurm_job
+from fluxgrpo.training.eval import eval_prompt_list
+from fluxgrpo.training.memory import plan_memory
+from fluxgrpo.training.resume_state import read_training_state
 from fluxgrpo.weights.layout import check_flux_dir
 
 if TYPE_CHECKING:
@@ -57,7 +82,6 @@ def preflight(cfg: TrainConfig, absent_ok: bool = False) -> list[str]:
     With ``absent_ok`` (a dry run: its plan needs no weights) a folder that does not exist at all is not checked,
     and the returned lines say so; whatever is there is checked as always (a damaged file still fails).
     """
-    from fluxgrpo.envcheck import embeddings_status
 
     absent = []
     if absent_ok and not Path(cfg.model).exists():
@@ -86,8 +110,6 @@ def preflight(cfg: TrainConfig, absent_ok: bool = False) -> list[str]:
     if not absent:
         _check_embeddings_match_model(cfg)
     if cfg.eval_every > 0:
-        from fluxgrpo.training.eval import eval_prompt_list
-
         eval_prompt_list(cfg)  # an empty, blank or binary --eval-prompts file, refused before any run file exists
     if not absent:
         _check_rewards_read_their_prompts(cfg)
@@ -97,9 +119,6 @@ def preflight(cfg: TrainConfig, absent_ok: bool = False) -> list[str]:
 def _check_rewards_read_their_prompts(cfg: TrainConfig) -> None:
     """A reward that reads only some prompts (shapes: its world's captions) checks the training captions, and with
     evaluation on the held-out prompts, before any worker starts."""
-    from fluxgrpo.data.embeddings import EmbeddingDataset
-    from fluxgrpo.rewards.registry import reward_record
-    from fluxgrpo.rewards.reward_set import eval_reward_names, reward_spec_names
 
     evaluated = eval_reward_names(cfg.reward, cfg.eval_rewards) if cfg.eval_every > 0 else []
     checks = [
@@ -108,7 +127,6 @@ def _check_rewards_read_their_prompts(cfg: TrainConfig) -> None:
     ]
     if not any(check for _, check in checks):
         return
-    from fluxgrpo.training.eval import eval_prompt_list
 
     training = EmbeddingDataset(cfg.data_json_path).captions
     held_out = eval_prompt_list(cfg) if evaluated else []
@@ -127,7 +145,6 @@ def _check_rewards_read_their_prompts(cfg: TrainConfig) -> None:
 def _check_embeddings_match_model(cfg: TrainConfig) -> None:
     """Every embedding file is a tensor file of the right shape for this transformer, checked now rather than when
     its prompt is first drawn hours into the run (headers only: the files are memory-mapped, not read)."""
-    from fluxgrpo.data.embeddings import EmbeddingDataset
 
     EmbeddingDataset(cfg.data_json_path).validate(cfg.model)
 
@@ -166,7 +183,6 @@ RESUME_FREE_FIELDS = frozenset(
 
 def check_output_dir(output_dir: Path, create: bool) -> None:
     """The output directory can be written (created when ``create``; a dry run only checks its nearest parent)."""
-    import os
 
     if create:
         ensure_writable_dir(output_dir, "checkpoints", "--output-dir")
@@ -182,8 +198,6 @@ def check_output_dir(output_dir: Path, create: bool) -> None:
 
 def check_resume_compatible(cfg: TrainConfig, checkpoint: Path, world_size: int) -> None:
     """A resume is exact only with the same world size and the same algorithm settings; say which differ."""
-    from fluxgrpo.checkpoint.layout import read_checkpoint_info
-    from fluxgrpo.training.resume_state import read_training_state
 
     info = read_checkpoint_info(checkpoint)
     problems = []
@@ -212,8 +226,6 @@ def check_eval_prompts_unchanged(cfg: TrainConfig, output_dir: Path) -> None:
     """A resumed run evaluates the prompts its earlier evaluations did: one eval curve, one prompt set."""
     if cfg.eval_every <= 0:
         return
-    from fluxgrpo.run_folder import EVAL_DIR, INDEX_FILE
-    from fluxgrpo.training.eval import eval_prompt_list
 
     earlier = sorted((output_dir / EVAL_DIR).glob(f"iteration-*/{INDEX_FILE}"), key=lambda p: p.stat().st_mtime)
     for index in reversed(earlier):
@@ -256,7 +268,6 @@ def check_previous_run(output_dir: Path, resume: str | None, overwrite: bool) ->
 
 def check_resume_not_done(cfg: TrainConfig, checkpoint: Path) -> None:
     """A resume must have iterations left to run; one already at --max-train-steps would silently do nothing."""
-    from fluxgrpo.checkpoint.layout import read_checkpoint_info
 
     done = int(read_checkpoint_info(checkpoint)["iteration"])
     if done >= cfg.max_train_steps:
@@ -272,12 +283,6 @@ def plan_training(
     """Validate and decide everything about the launch without starting it: config, devices, weights,
     embeddings, output directory (not in use by a live run, not holding an earlier run unless resumed or
     overwritten), logging back-ends and the checkpoint to resume from."""
-    import importlib.util
-
-    from fluxgrpo.checkpoint.layout import resolve_resume
-    from fluxgrpo.runtime import device as rt_device
-    from fluxgrpo.runtime.launch import worker_env_defaults
-    from fluxgrpo.training.memory import plan_memory
 
     cfg.validate()
     spec.validate()
@@ -298,8 +303,6 @@ def plan_training(
         device_type = cfg.device
         skipped.append(f"{cfg.device} × {spec.nproc_per_node} on this machine ({exc})")
     if cfg.compile and not skipped:
-        from fluxgrpo.runtime.adapt import compile_backend
-
         compile_backend(device_type)  # refuses --compile where it is not supported, before any worker starts
     for flag, module, extra in (("tensorboard", "tensorboard", "tensorboard"), ("wandb", "wandb", "wandb")):
         if getattr(cfg, flag) and importlib.util.find_spec(module) is None:
@@ -351,7 +354,6 @@ def launch_spec(
     """The launch that ``fluxgrpo train``'s flags describe; under Slurm (``srun``, one task per node) the job's
     node count, this node's index and node 0's host fill in what the flags leave out. The elastic rendezvous
     is named after the output folder, so two runs never meet."""
-    from fluxgrpo.runtime.nodes import slurm_job
 
     job = slurm_job() if nnodes is None and node_rank is None and not (master_addr or rdzv_endpoint) else None
     if job is not None:
@@ -377,8 +379,6 @@ def launch_spec(
 def launch_training(plan: TrainPlan, log=print) -> list[dict[str, Any]]:
     """Save the resolved config and run the workers, holding the output directory's lock (node 0) for the
     run's life; returns the run's metrics records (metrics.jsonl)."""
-    from fluxgrpo.metrics import read_metrics
-    from fluxgrpo.run_folder import lock_run_folder, move_previous_run
 
     output_dir = Path(plan.cfg.output_dir)
     owner = plan.spec.node_rank == 0
@@ -399,8 +399,6 @@ def launch_training(plan: TrainPlan, log=print) -> list[dict[str, Any]]:
         log(f"resolved config saved to {plan.resolved_path}")
         payload: dict[str, Any] = {"config": plan.cfg.to_dict(), "resume": plan.resume_checkpoint}
         if plan.spec.max_restarts:  # restarted workers tell a restart from a first start by this token
-            import uuid
-
             payload["launch_token"] = uuid.uuid4().hex
         run_workers(WORKER_MODULE, payload, plan.spec, plan.device_type, log_dir=output_dir / LOGS_DIR, log=log)
     return read_metrics(output_dir)

@@ -35,10 +35,23 @@ With one die (no FSDP) the fp32 weights are not gathered but autocast keeps a bf
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fluxgrpo.errors import FluxgrpoError, UsageError
+from fluxgrpo.grpo.objectives.catalogue import objective_entry
+from fluxgrpo.models.flux_shapes import transformer_layout, vae_parameter_count
+from fluxgrpo.models.known import KNOWN_MODELS, identify
+from fluxgrpo.rewards.registry import reward_record
+from fluxgrpo.rewards.reward_set import eval_reward_names, reward_spec_names
+from fluxgrpo.runtime import device as rt_device
 
 if TYPE_CHECKING:
     from fluxgrpo.config import TrainConfig
@@ -89,7 +102,6 @@ def shard_elements(shapes: dict[str, tuple[int, ...]] | list[tuple[int, ...]], d
 def transformer_shape(config: dict[str, Any]) -> TransformerShape:
     """FluxTransformer2DModel's sizes for ``config``: from its architecture written out (``models/flux_shapes.py``,
     no diffusers import in the launching command), else from a build on the meta device (no memory)."""
-    from fluxgrpo.models.flux_shapes import transformer_layout
 
     layout = transformer_layout(config)
     if layout is None:
@@ -123,7 +135,6 @@ def _built_transformer_shape(config: dict[str, Any]) -> TransformerShape:
 
 def _meta_transformer(config: dict[str, Any]) -> Any:
     """FluxTransformer2DModel from ``config`` on the meta device: its shapes, no storage (imports diffusers)."""
-    import torch
     from diffusers import FluxTransformer2DModel
 
     with torch.device("meta"):
@@ -146,14 +157,11 @@ def shape_of(model: Any) -> TransformerShape:
 
 def lora_adapter_shapes(config: dict[str, Any], targets: tuple[str, ...], rank: int) -> tuple[tuple[int, ...], ...]:
     """The A (rank × in) and B (out × rank) matrices LoRA adds to every Linear that ``targets`` name."""
-    from fluxgrpo.models.flux_shapes import transformer_layout
 
     layout = transformer_layout(config)
     if layout is not None:
         linears = layout[1]
     else:  # a config the written-out architecture does not model: build it on the meta device
-        import torch
-
         linears = {
             name: (module.in_features, module.out_features)
             for name, module in _meta_transformer(config).named_modules()
@@ -173,11 +181,8 @@ class VaeShape:
 
 
 def vae_shape(config: dict[str, Any]) -> VaeShape:
-    from fluxgrpo.models.flux_shapes import vae_parameter_count
-
     parameters = vae_parameter_count(config)
     if parameters is None:  # a config the written-out architecture does not model: build it on the meta device
-        import torch
         from diffusers import AutoencoderKL
 
         with torch.device("meta"):
@@ -218,8 +223,6 @@ class RunShape:
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, dies: int, compute_bytes: int = 2, **extra: Any) -> RunShape:
-        from fluxgrpo.grpo.objectives.catalogue import objective_entry
-
         objective = objective_entry(cfg.objective)
         rows = objective.rows_per_forward(cfg) if objective.rows_per_forward is not None else 1
         return cls(
@@ -250,7 +253,6 @@ def _eval_only_reward_models(cfg: TrainConfig) -> tuple[str, ...]:
     training reward already in float32, whose model it shares (``eval.Evaluator._scorer``)."""
     if cfg.eval_every <= 0:
         return ()
-    from fluxgrpo.rewards.reward_set import eval_reward_names, reward_spec_names
 
     shared = set(reward_spec_names(cfg.reward)) if cfg.reward_dtype == "fp32" else set()
     return tuple(name for name in eval_reward_names(cfg.reward, cfg.eval_rewards) if name not in shared)
@@ -335,8 +337,6 @@ def retained_bytes(model: TransformerShape, run: RunShape) -> int:
 
 def estimate(model: TransformerShape, vae: VaeShape, run: RunShape) -> MemoryEstimate:
     """The per-die memory of a run (see the module docstring for every term)."""
-    from fluxgrpo.rewards.registry import reward_record
-    from fluxgrpo.rewards.reward_set import reward_spec_names
 
     dies, cb = run.dies, run.compute_bytes
     base = shard_elements(model.parameter_shapes, dies)
@@ -418,9 +418,6 @@ def model_source(cfg: TrainConfig, from_family: bool) -> ModelSource:
     """The shapes to size ``cfg``'s run from: with ``from_family`` (a dry run) the known shapes of the model the
     config names (``model_family``), else, and for ``model_family: weights``, the config.json files in --model (what
     the run will load). Either way a warning when --model holds another model than the config names."""
-    import json
-
-    from fluxgrpo.models.known import KNOWN_MODELS, identify
 
     named = KNOWN_MODELS.get(cfg.model_family)
     on_disk: dict[str, Any] | None = None
@@ -446,8 +443,6 @@ def model_source(cfg: TrainConfig, from_family: bool) -> ModelSource:
             tuple(warnings),
         )
     if on_disk is None:
-        from fluxgrpo.errors import FluxgrpoError
-
         raise FluxgrpoError(
             f"cannot read transformer/config.json and vae/config.json in {cfg.model} (model_family: weights sizes "
             f"the run from them): run `fluxgrpo fetch-weights --flux-dir {cfg.model}`, or name the model with "
@@ -461,9 +456,7 @@ def model_source(cfg: TrainConfig, from_family: bool) -> ModelSource:
 def estimate_for_config(cfg: TrainConfig, dies: int, device_type: str, from_family: bool = False) -> MemoryEstimate:
     """The estimate for a validated config (no weights loaded): sized from the weights in ``cfg.model``, or with
     ``from_family`` from the known shapes of the model the config names (``model_source``)."""
-    import dataclasses
-
-    from fluxgrpo.training.settings import lora_spec
+    from fluxgrpo.training.settings import lora_spec  # the run's settings import the model code (diffusers)
 
     source = model_source(cfg, from_family)
     lora = lora_spec(cfg)
@@ -478,9 +471,6 @@ def estimate_for_config(cfg: TrainConfig, dies: int, device_type: str, from_fami
 
 def _text_tokens(cfg: TrainConfig) -> int:
     """The T5 sequence length of the preprocessed embeddings (the first one's), or FLUX's 512 if unreadable."""
-    import json
-
-    import torch
 
     try:
         root = Path(cfg.data_json_path).parent
@@ -493,7 +483,6 @@ def _text_tokens(cfg: TrainConfig) -> int:
 
 def host_memory_per_worker(workers: int) -> int | None:
     """The host's physical memory divided among ``workers`` CPU workers (None where the OS does not say)."""
-    import os
 
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -523,7 +512,6 @@ def check_fits(
     knobs that would bring it under, with their estimates."""
     if capacity is None or checked_peak(estimate_, device_type) <= capacity:
         return []
-    import dataclasses
 
     options = []
     for flag, change in _knobs(cfg, dies):
@@ -548,8 +536,6 @@ def check_fits(
 def _fitting_resolution(cfg: TrainConfig, dies: int, device_type: str, capacity: int) -> str | None:
     """The largest smaller image (same aspect, multiples of 16, each side shrunk by √2 per try) whose estimate fits:
     at a huge resolution the activations dominate, and no other knob brings them under."""
-    import dataclasses
-    import math
 
     for step in range(1, 13):
         scale = math.sqrt(2) ** -step
@@ -563,9 +549,6 @@ def _fitting_resolution(cfg: TrainConfig, dies: int, device_type: str, capacity:
 
 
 def _knobs(cfg: TrainConfig, dies: int) -> list[tuple[str, dict[str, Any]]]:
-    from fluxgrpo.rewards.registry import reward_record
-    from fluxgrpo.rewards.reward_set import reward_spec_names
-
     knobs: list[tuple[str, dict[str, Any]]] = [(f"--dies {dies * 2}", {"dies": dies * 2})]
     if cfg.retain_rollout_graphs:  # the kept forwards of the trained steps: the first thing to give back
         knobs.insert(0, ("--no-retain-rollout-graphs", {"cfg": {"retain_rollout_graphs": False}}))
@@ -591,10 +574,6 @@ def plan_memory(cfg: TrainConfig, dies: int, device_type: str, dry_run: bool = F
     device (on cpu: the host's memory shared by the workers), naming the knobs that would fit. No check when no
     device is visible. A ``dry_run`` plans from the known shapes of the model the config names (``model_source``):
     it may be planning a cluster run on a laptop that holds other weights, or none."""
-    import os
-
-    from fluxgrpo.errors import UsageError
-    from fluxgrpo.runtime import device as rt_device
 
     estimate_ = estimate_for_config(cfg, dies, device_type, from_family=dry_run)
     capacity = host_memory_per_worker(dies) if device_type == "cpu" else None

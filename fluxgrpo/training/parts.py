@@ -7,19 +7,28 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from diffusers.optimization import get_scheduler
 
 from fluxgrpo.config import TrainConfig
+from fluxgrpo.data.embeddings import EmbeddingDataset
+from fluxgrpo.data.sampler import PromptSampler
+from fluxgrpo.grpo.ema import ShardedEMA
+from fluxgrpo.grpo.policy_copy import PolicyCopy
+from fluxgrpo.grpo.reference import AdapterDisabledReference, FrozenReference
+from fluxgrpo.lora import add_lora, base_weight_name, init_adapters, is_lora_model
+from fluxgrpo.models.compile import CompileMeter, compile_repeated_blocks
+from fluxgrpo.models.flux import load_vae
+from fluxgrpo.models.shard_loading import empty_transformer, fill_transformer
+from fluxgrpo.rewards.reward_set import load_reward_set
 from fluxgrpo.runtime import device as rt_device
+from fluxgrpo.runtime.adapt import adapt_transformer, compile_backend
 from fluxgrpo.runtime.dist import DistContext, shard_transformer
+from fluxgrpo.training.settings import lora_spec, policy_copy_names
 
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
-    from fluxgrpo.data.embeddings import EmbeddingDataset
-    from fluxgrpo.data.sampler import PromptSampler
-    from fluxgrpo.grpo.policy_copy import PolicyCopy
     from fluxgrpo.grpo.reference import ReferenceModel
-    from fluxgrpo.models.compile import CompileMeter
     from fluxgrpo.rewards.reward_set import RewardSet
 
 
@@ -42,14 +51,6 @@ class TrainingParts:
 
 
 def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
-    from diffusers.optimization import get_scheduler
-
-    from fluxgrpo.data.embeddings import EmbeddingDataset
-    from fluxgrpo.data.sampler import PromptSampler
-    from fluxgrpo.grpo.ema import ShardedEMA
-    from fluxgrpo.models.flux import load_vae
-    from fluxgrpo.rewards.reward_set import load_reward_set
-
     dataset = EmbeddingDataset(cfg.data_json_path)
     transformer = build_transformer(cfg, ctx)
     params = [p for p in transformer.parameters() if p.requires_grad]
@@ -70,11 +71,7 @@ def build_parts(cfg: TrainConfig, ctx: DistContext) -> TrainingParts:
     reference = build_reference(cfg, ctx, transformer) if cfg.kl_beta > 0 else None
     compile_meter = None
     if cfg.compile:
-        from fluxgrpo.models.compile import CompileMeter
-
         compile_meter = CompileMeter()
-    from fluxgrpo.grpo.policy_copy import PolicyCopy
-    from fluxgrpo.training.settings import policy_copy_names
 
     copies = {name: PolicyCopy(transformer) for name in policy_copy_names(cfg)}  # θ at the start, as the authors'
     return TrainingParts(
@@ -98,9 +95,6 @@ def build_reference(cfg: TrainConfig, ctx: DistContext, transformer: torch.nn.Mo
     fine-tuning the base weights again, frozen, in the compute dtype (a forward is all it does), built and sharded
     like the policy (meta device, each rank reading its own shards). Built from ``cfg.model``, so a resumed run gets
     the same reference."""
-    from fluxgrpo.grpo.reference import AdapterDisabledReference, FrozenReference
-    from fluxgrpo.lora import is_lora_model
-    from fluxgrpo.models.shard_loading import empty_transformer, fill_transformer
 
     if is_lora_model(transformer):
         return AdapterDisabledReference(transformer)
@@ -120,9 +114,6 @@ def build_transformer(cfg: TrainConfig, ctx: DistContext) -> torch.nn.Module:
     Built on the meta device and sharded before any weight exists; each rank then reads only its own shards from
     the safetensors, so the job holds one copy of the weights in host memory, not one per rank.
     """
-    from fluxgrpo.lora import add_lora, base_weight_name, init_adapters
-    from fluxgrpo.models.shard_loading import empty_transformer, fill_transformer
-    from fluxgrpo.training.settings import lora_spec
 
     compute_dtype = rt_device.compute_dtype(ctx.device_type)
     lora = lora_spec(cfg)
@@ -148,15 +139,12 @@ def compile_if_asked(transformer: torch.nn.Module, cfg: TrainConfig, ctx: DistCo
     the compiled blocks, and no call site knows."""
     if not cfg.compile:
         return
-    from fluxgrpo.models.compile import compile_repeated_blocks
-    from fluxgrpo.runtime.adapt import compile_backend
 
     compile_repeated_blocks(transformer, compile_backend(ctx.device_type))
 
 
 def adapt_for_device(transformer: torch.nn.Module, cfg: TrainConfig, ctx: DistContext) -> None:
     """Accelerator-specific kernels (fused RMSNorm, float32 RoPE, fused attention), decided by the runtime."""
-    from fluxgrpo.runtime.adapt import adapt_transformer
 
     adapt_transformer(
         transformer, ctx.device_type, attention=cfg.attention, compute_dtype=rt_device.compute_dtype(ctx.device_type)

@@ -10,25 +10,32 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from PIL import Image
 
+import fluxgrpo.paths
 from fluxgrpo.config import TrainConfig
-from fluxgrpo.grpo.update import Trainee
+from fluxgrpo.grpo.latents import latent_shape, pack_latents, unpack_latents
+from fluxgrpo.grpo.rollout import sample_final_latents, sample_trajectories
+from fluxgrpo.grpo.step_plan import StepPlan
+from fluxgrpo.grpo.types import Conditioning
+from fluxgrpo.grpo.update import Trainee, run_update, skipped_update, update_metrics
+from fluxgrpo.models.flux import decode_latents
+from fluxgrpo.run_folder import IMAGES_DIR, check_regular_or_absent
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.training.parts import TrainingParts
+from fluxgrpo.training.settings import objective_initial_noise
 
 if TYPE_CHECKING:
     from fluxgrpo.grpo.ema import ShardedEMA
     from fluxgrpo.grpo.objectives.base import Objective
     from fluxgrpo.grpo.rollout import RolloutSettings
-    from fluxgrpo.grpo.step_plan import StepPlan
-    from fluxgrpo.grpo.types import Conditioning, FinalSamples, Rollout, UpdateStats
+    from fluxgrpo.grpo.types import FinalSamples, Rollout, UpdateStats
     from fluxgrpo.grpo.update import UpdatePlumbing
     from fluxgrpo.rewards.base import RewardFn
 
 
 def draw_prompts(parts: TrainingParts, cfg: TrainConfig):
     """Conditioning for this rank's prompts, each row repeated G times (groups contiguous)."""
-    from fluxgrpo.grpo.types import Conditioning
 
     indices = parts.sampler.next_batch()
     items = [parts.dataset[i] for i in indices]
@@ -45,8 +52,6 @@ def draw_prompts(parts: TrainingParts, cfg: TrainConfig):
 def initial_noise(cfg: TrainConfig, num_prompts: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
     """[B, L, C] packed Gaussian noise, shared by the G members of a group when ``shares_group_noise``; or the
     noise the objective draws itself (its catalogue entry's ``initial_noise``: Neighbor GRPO's neighbourhoods)."""
-    from fluxgrpo.grpo.latents import latent_shape, pack_latents
-    from fluxgrpo.training.settings import objective_initial_noise
 
     shape = latent_shape(cfg.height, cfg.width)
     own = objective_initial_noise(cfg)
@@ -75,8 +80,6 @@ def decode_images(
 ) -> torch.Tensor:
     """Images [B,3,H,W] in [0,1], fp32: the final x̂0 [B,L,C] decoded by the VAE, ``chunk`` at a time, under the
     device's autocast (``compute_dtype``: the runtime's choice when None)."""
-    from fluxgrpo.grpo.latents import unpack_latents
-    from fluxgrpo.models.flux import decode_latents
 
     images = []
     with torch.no_grad():
@@ -111,10 +114,6 @@ def decode_and_score(
 
 def save_sample_images(images: torch.Tensor, output_dir: Path, iteration: int, rank: int, count: int) -> None:
     """``images/flux_{iteration}_{rank}_{idx}.png`` for the first ``count`` trajectories: one set per save, kept."""
-    from PIL import Image
-
-    from fluxgrpo.paths import write_atomic
-    from fluxgrpo.run_folder import IMAGES_DIR, check_regular_or_absent
 
     folder = output_dir / IMAGES_DIR
     folder.mkdir(parents=True, exist_ok=True)
@@ -122,7 +121,7 @@ def save_sample_images(images: torch.Tensor, output_dir: Path, iteration: int, r
     for idx, array in enumerate(pixels):
         path = folder / f"flux_{iteration}_{rank}_{idx}.png"
         check_regular_or_absent(path)
-        write_atomic(path, lambda f, array=array: Image.fromarray(array).save(f, format="PNG"))
+        fluxgrpo.paths.write_atomic(path, lambda f, array=array: Image.fromarray(array).save(f, format="PNG"))
 
 
 @dataclass(frozen=True)
@@ -151,8 +150,6 @@ def rollout_stage(
     ``draws.noise`` its step noise; with ``settings.retain_graphs`` the forwards of the steps the update will draw from
     ``draws.timestep``, kept), or the ODE's final latents (``FinalSamples``) sampled with the objective's rollout
     policy (NFT: θ_old) swapped in."""
-    from fluxgrpo.grpo.rollout import sample_final_latents, sample_trajectories
-    from fluxgrpo.grpo.step_plan import StepPlan
 
     if objective.keeps_trajectory:
         assert draws.noise is not None  # the SDE draws its step noise
@@ -198,7 +195,6 @@ def update_stage(
     """Train on the rollout (``grpo.update.run_update``), then the objective's after-update step (its policy copies)
     and the EMA; with ``learnable`` False (no finite reward on any rank) nothing runs and nothing moves, not even
     weight decay or Adam's step count, and the statistics say the update was skipped."""
-    from fluxgrpo.grpo.update import run_update, skipped_update, update_metrics
 
     if not learnable:
         retained = getattr(rollout, "retained", None)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from fluxgrpo.config import TrainConfig
+from fluxgrpo.grpo.advantages import finite_mean_std, flat_groups
 from fluxgrpo.grpo.types import UpdateStats
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime import dist as rt_dist
@@ -24,7 +25,6 @@ def reward_statistics(ctx: DistContext, rewards: torch.Tensor, group_size: int) 
     0 when fewer than two are finite. ``zero_std_group_fraction`` counts the groups whose advantages are all 0
     because their rewards are equal (``flat_groups``, the same rule ``group_advantages`` applies).
     """
-    from fluxgrpo.grpo.advantages import finite_mean_std, flat_groups
 
     gathered = rt_dist.all_gather_tensor(ctx, rewards.detach().float())  # [B·world]
     finite, count, mean, std = finite_mean_std(gathered, dim=0)
@@ -74,7 +74,6 @@ def per_reward_statistics(ctx: DistContext, scores: torch.Tensor, names: list[st
     if len(names) < 2:
         return {}
     gathered = rt_dist.all_gather_tensor(ctx, scores.detach().float())  # [B·world, K]
-    from fluxgrpo.grpo.advantages import finite_mean_std
 
     _, count, mean, std = finite_mean_std(gathered, dim=0)
     out = {}

@@ -35,6 +35,8 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock, Timeout
+
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.paths import DEFAULT_FLUX_DIR, DEFAULT_HPS_DIR, DEFAULT_PROMPTS_DIR, ensure_writable_dir
 from fluxgrpo.weights.hub_clients import (
@@ -545,7 +547,6 @@ def _log_plan(view: ProgressView, plan: PartPlan) -> None:
 @contextlib.contextmanager
 def _hold(roots: list[Path]) -> Iterator[None]:
     """One fetch per folder at a time: two would race on the same files and manifests."""
-    from filelock import FileLock, Timeout
 
     with contextlib.ExitStack() as stack:
         for root in roots:

@@ -11,6 +11,9 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
 if TYPE_CHECKING:
     from rich.progress import TaskID
 
@@ -63,16 +66,6 @@ class ProgressView:
         self._overall: TaskID | None = None
         self._lock = threading.Lock()
         if enabled:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
-
             self._progress = Progress(
                 TextColumn("{task.description}", markup=False),
                 BarColumn(bar_width=16),
