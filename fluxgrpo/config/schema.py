@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fluxgrpo.config.checks import config_problems
 from fluxgrpo.config.choices import LR_SCHEDULERS, WANDB_MODES
 from fluxgrpo.errors import UsageError
-from fluxgrpo.grpo.objectives.catalogue import CATALOGUE, ObjectiveEntry, option_groups, option_key_fields
+from fluxgrpo.grpo.objectives.catalogue import (
+    CATALOGUE,
+    ObjectiveEntry,
+    objective_help,
+    option_groups,
+    option_key_fields,
+)
 from fluxgrpo.grpo.objectives.flow_matching import FlowMatchingOptions, resolved_draws
 from fluxgrpo.grpo.objectives.options import Options, OptionSet
 from fluxgrpo.models.known import LORA_DEFAULT_TARGETS, MODEL_FAMILIES
@@ -110,12 +116,7 @@ class TrainConfig:
     lora_targets: str = _opt(LORA_DEFAULT_TARGETS, "Comma-separated module names that get LoRA adapters.")
     lora_dropout: float = _opt(0.0, "Dropout on the LoRA adapters' input.")
     # --- algorithm options (the peers' methods; the defaults are DanceGRPO's) ---------------------------
-    objective: str = _opt(
-        "grpo",
-        "Training objective: grpo (PPO-clip on the SDE's per-step log-probs), nft (DiffusionNFT), awm "
-        "(Advantage-Weighted Matching), vgrpo (V-GRPO: PPO-clip on an ELBO surrogate) or neighbor (Neighbor GRPO: "
-        "PPO-clip on a softmax-distance policy over ODE neighbours); all but grpo roll out with the DPM-Solver++(2M) ODE.",
-    )
+    objective: str = _opt("grpo", objective_help())  # config_fields() asks again: one registered since is named
     sampler: str = _opt(
         "dance",
         "SDE of the rollout and its log-prob: dance (η at every step), flow-grpo (Flow-GRPO's σ-dependent noise) "
@@ -330,13 +331,16 @@ TrainConfig.__init__ = _init_with_flat_settings  # type: ignore[method-assign, a
 
 def config_fields() -> list[dataclasses.Field]:
     """Every config key as a field (name, type, default, help): ``TrainConfig``'s, with the registered objectives'
-    settings generated after ``objective`` (the flags, the YAML keys)."""
+    settings generated after ``objective`` (the flags, the YAML keys), and ``objective``'s help naming every
+    objective registered by now."""
     out = []
     for f in fields(TrainConfig):
         if f.name == "objective_settings":
             continue
-        out.append(f)
-        if f.name == "objective":
+        if f.name != "objective":
+            out.append(f)
+        else:
+            out.append(_as_field(f.name, str(f.type), f.default, objective_help()))
             out += [_as_field(key, found.type, found.default, found.help) for key, found in option_key_fields().items()]
     return out
 

@@ -125,7 +125,9 @@ def toy_conditioning(num_prompts: int, group_size: int) -> Conditioning:
 
 def toy_noise(cfg: TrainConfig, num_prompts: int, generator: torch.Generator) -> torch.Tensor:
     """[B, 1, C] initial noise as ``training.stages.initial_noise`` draws it, in the toy's shape: Neighbor GRPO's
-    neighbourhoods (``neighborhood_noise``), a group-shared draw with ``shares_group_noise``, else one per row."""
+    neighbourhoods (``neighborhood_noise``), a group-shared draw with ``shares_group_noise``, else one per row.
+    Not through the entry's ``initial_noise`` hook: it packs 2×2 latent patches (4c channels a token), and the toy's
+    one token of 2 channels is no packed latent."""
     group, shape = cfg.num_generations, (1, CHANNELS)
     if cfg.objective == "neighbor":
         base = torch.randn((num_prompts, *shape), generator=generator)

@@ -178,6 +178,16 @@ def test_its_settings_module_is_torch_free_and_its_flag_is_generated(toyfold, tm
         build_config(None, {"toyfold_noise_scale": 0.5})
 
 
+def test_its_name_is_in_the_objective_flags_help(toyfold):
+    from fluxgrpo.config import config_fields
+
+    text = next(f for f in config_fields() if f.name == "objective").metadata["help"]
+    assert text.startswith("Training objective: grpo (PPO-clip on the SDE's per-step log-probs), nft (DiffusionNFT)")
+    assert "neighbor (Neighbor GRPO: PPO-clip on a softmax-distance policy over ODE neighbours) or toyfold; " in text
+    option = next(p for p in train_command._hyperparameter_parameters() if p.name == "objective")
+    assert "toyfold" in option.default.help
+
+
 def test_the_toy_folder_trains_with_its_own_noise_and_resumes_bit_for_bit(
     toyfold, tiny_weights, tiny_embeddings, tmp_path
 ):

@@ -46,6 +46,7 @@ __all__ = [
     "ObjectiveEntry",
     "ObjectiveRun",
     "objective_entry",
+    "objective_help",
     "objective_names",
     "option_groups",
     "option_key_fields",
@@ -82,6 +83,17 @@ register_objective(neighbor.ENTRY)
 
 def objective_names() -> tuple[str, ...]:
     return tuple(CATALOGUE)
+
+
+def objective_help() -> str:
+    """--objective's help, from the catalogue: each objective's name and summary, and which roll out with the ODE."""
+    named = [f"{entry.name} ({entry.summary})" if entry.summary else entry.name for entry in CATALOGUE.values()]
+    listed = named[0] if len(named) == 1 else f"{', '.join(named[:-1])} or {named[-1]}"
+    sde = [entry.name for entry in CATALOGUE.values() if entry.keeps_trajectory]
+    ode = "" if len(sde) == len(named) else f"; all but {' and '.join(sde)} roll out with the DPM-Solver++(2M) ODE"
+    if not sde:
+        ode = "; all roll out with the DPM-Solver++(2M) ODE"
+    return f"Training objective: {listed}{ode}."
 
 
 def objective_entry(name: str) -> ObjectiveEntry:

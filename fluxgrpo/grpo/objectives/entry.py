@@ -84,6 +84,8 @@ class ObjectiveEntry:
     # (None: Gaussian noise, group-shared with ``TrainConfig.shares_group_noise``). What the rollout keeps is the
     # objective's to say (``base.Objective``: the trajectory, the step means, the ODE path).
     initial_noise: str | Callable[..., Any] | None = None
+    # A few words on what it is, shown after its name in --objective's help: "grpo (PPO-clip on …)".
+    summary: str = ""
 
     @property
     def groups(self) -> tuple[type[Options], ...]:

@@ -77,4 +77,5 @@ ENTRY = ObjectiveEntry(
     settings=AwmOptions,
     shared=(FlowMatchingOptions,),
     train_timesteps=fm_train_timesteps,
+    summary="Advantage-Weighted Matching",
 )

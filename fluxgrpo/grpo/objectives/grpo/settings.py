@@ -11,4 +11,5 @@ ENTRY = ObjectiveEntry(
     "fluxgrpo.grpo.objectives.grpo.loss:GrpoObjective",
     keeps_trajectory=True,
     trainable_timesteps=lambda cfg: cfg.sde_window or cfg.sampling_steps - 1,
+    summary="PPO-clip on the SDE's per-step log-probs",
 )

@@ -84,4 +84,5 @@ ENTRY = ObjectiveEntry(
     trained_samples=_anchors_per_rank,
     kept_latents=lambda cfg: 0,
     initial_noise="fluxgrpo.grpo.objectives.neighbor.loss:neighborhood_initial_noise",
+    summary="Neighbor GRPO: PPO-clip on a softmax-distance policy over ODE neighbours",
 )

@@ -43,4 +43,5 @@ ENTRY = ObjectiveEntry(
     train_timesteps=fm_train_timesteps,
     draws=("sample", "random"),
     ignores=("clip_range",),  # no probability ratio to clip: its loss is the implicit policies' regression
+    summary="DiffusionNFT",
 )

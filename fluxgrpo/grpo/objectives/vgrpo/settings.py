@@ -66,4 +66,5 @@ ENTRY = ObjectiveEntry(
     draws=("group", "stratified"),
     rows_per_forward=_mc_samples,
     ignores=("timestep_fraction", "fm_timesteps"),  # its N_MC pairs are its T_train
+    summary="V-GRPO: PPO-clip on an ELBO surrogate",
 )
