@@ -261,8 +261,7 @@ class TrainConfig:
         """Transformer forwards per trajectory in a rollout (with dpm2 and a sliding window: at its first position)."""
         if self.ode_solver != "dpm2" or not 0 < self.sde_window < self.sampling_steps:
             return self.sampling_steps
-        from fluxgrpo.grpo.schedule import sigma_schedule
-        from fluxgrpo.grpo.step_plan import tail_schedule
+        from fluxgrpo.grpo.schedule import sigma_schedule, tail_schedule
 
         sigmas = sigma_schedule(self.sampling_steps, self.shift)
         return self.sde_window + tail_schedule(sigmas, self.sde_window, self.shift, self.ode_compress_ratio).numel() - 1

@@ -11,8 +11,7 @@ from torch import nn
 
 from fluxgrpo.grpo.retain import RetainedGraphs
 from fluxgrpo.grpo.samplers import Sampler, dpm_solver_2m_step, euler_step
-from fluxgrpo.grpo.schedule import model_timesteps
-from fluxgrpo.grpo.step_plan import StepPlan
+from fluxgrpo.grpo.schedule import StepPlan, model_timesteps
 from fluxgrpo.grpo.types import Conditioning, FinalSamples, Rollout
 from fluxgrpo.runtime.device import autocast
 from fluxgrpo.runtime.dist import has_sharded_modules, reshard_sharded_modules

@@ -3,7 +3,7 @@
 Each iteration, on each rank:
 
 1. draw ``train_batch_size`` prompts (a seeded distributed sampler whose epoch advances) and repeat each G times;
-2. rollout: SDE sampling with per-step log-probs (every step, or a window with ODE elsewhere: ``step_plan.py``),
+2. rollout: SDE sampling with per-step log-probs (every step, or a window with ODE elsewhere: ``schedule.py``),
    in chunks of ``rollout_batch_size`` (``rollout.py``, the steps in ``samplers.py``); or, for the objectives
    that train on final samples (``--objective nft/awm/vgrpo/neighbor``: every objective whose catalogue entry keeps
    no trajectory), the ODE keeping the final latents (and the path, where the objective asks) (``rollout_stage``);
@@ -37,8 +37,7 @@ from fluxgrpo.checkpoint.state import TrainingState, load_checkpoint, save_check
 from fluxgrpo.config import TrainConfig
 from fluxgrpo.grpo.latents import image_ids
 from fluxgrpo.grpo.reward_aggregation import aggregate_rewards
-from fluxgrpo.grpo.schedule import sigma_schedule
-from fluxgrpo.grpo.step_plan import plan_for_iteration
+from fluxgrpo.grpo.schedule import plan_for_iteration, sigma_schedule
 from fluxgrpo.metrics import MetricsLogger, WandbRun, run_info
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime import dist as rt_dist

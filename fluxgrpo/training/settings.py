@@ -17,7 +17,7 @@ from fluxgrpo.grpo.objectives.catalogue import objective_entry
 from fluxgrpo.grpo.objectives.entry import ObjectiveRun
 from fluxgrpo.grpo.rollout import RolloutSettings
 from fluxgrpo.grpo.samplers import make_sampler
-from fluxgrpo.grpo.step_plan import PlanSettings
+from fluxgrpo.grpo.schedule import PlanSettings
 from fluxgrpo.grpo.update import UpdatePlumbing
 from fluxgrpo.lora import LoraSpec, parse_targets
 

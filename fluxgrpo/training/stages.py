@@ -16,7 +16,7 @@ import fluxgrpo.paths
 from fluxgrpo.config import TrainConfig
 from fluxgrpo.grpo.latents import latent_shape, pack_latents, unpack_latents
 from fluxgrpo.grpo.rollout import sample_final_latents, sample_trajectories
-from fluxgrpo.grpo.step_plan import StepPlan
+from fluxgrpo.grpo.schedule import StepPlan
 from fluxgrpo.grpo.types import Conditioning
 from fluxgrpo.grpo.update import Trainee, run_update, skipped_update, update_metrics
 from fluxgrpo.models.flux import decode_latents

@@ -44,8 +44,7 @@ from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.reference import FrozenReference
 from fluxgrpo.grpo.reward_aggregation import aggregate_rewards
 from fluxgrpo.grpo.rollout import sample_final_latents
-from fluxgrpo.grpo.schedule import sigma_schedule
-from fluxgrpo.grpo.step_plan import plan_for_iteration
+from fluxgrpo.grpo.schedule import plan_for_iteration, sigma_schedule
 from fluxgrpo.grpo.types import Conditioning
 from fluxgrpo.training.loop import iteration_randomness
 from fluxgrpo.training.settings import (

@@ -16,8 +16,14 @@ from fluxgrpo.grpo.latents import image_ids
 from fluxgrpo.grpo.objectives.grpo.loss import guard_log_ratio
 from fluxgrpo.grpo.reference import FrozenReference
 from fluxgrpo.grpo.samplers import make_sampler
-from fluxgrpo.grpo.schedule import sigma_schedule
-from fluxgrpo.grpo.step_plan import PlanSettings, StepPlan, plan_for_iteration, tail_schedule, window_start
+from fluxgrpo.grpo.schedule import (
+    PlanSettings,
+    StepPlan,
+    plan_for_iteration,
+    sigma_schedule,
+    tail_schedule,
+    window_start,
+)
 
 NUM_STEPS, ETA, GUIDANCE = 6, 0.3, 3.5
 

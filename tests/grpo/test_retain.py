@@ -20,8 +20,7 @@ from fluxgrpo.grpo.objectives.grpo.loss import GrpoObjective, GrpoSettings
 from fluxgrpo.grpo.retain import RetainedGraphs
 from fluxgrpo.grpo.rollout import RolloutSettings, sample_trajectories
 from fluxgrpo.grpo.samplers import make_sampler
-from fluxgrpo.grpo.schedule import sigma_schedule
-from fluxgrpo.grpo.step_plan import StepPlan
+from fluxgrpo.grpo.schedule import StepPlan, sigma_schedule
 from fluxgrpo.grpo.types import Rollout
 from fluxgrpo.grpo.update import UpdatePlumbing, run_update
 
