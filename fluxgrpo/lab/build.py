@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 
 
 def render_dataset(
-    count: int, seed: int, captions: list[str] | None = None, size: int = 64
+    count: int, seed: int, captions: list[str] | None = None, size: int = 64, layout: str = "free"
 ) -> tuple[np.ndarray, list[int]]:
     """``count`` images [N, size, size, 3] uint8 of ``captions`` (the training captions by default), and each image's
     caption index.
@@ -89,7 +89,7 @@ def render_dataset(
     indices = []
     for n in range(count):
         index = rng.choice(by_family[rng.choice(families)])
-        images[n] = world.render(world.sample_scene(world.parse_caption(captions[index]), rng, size))
+        images[n] = world.render(world.sample_scene(world.parse_caption(captions[index]), rng, size, layout))
         indices.append(index)
     return images, indices
 
@@ -458,9 +458,9 @@ def build(
     info: dict[str, Any] = {"plan": asdict(plan), "torch": torch.__version__, "seconds": {}}
     start = time.monotonic()
 
-    images, caption_index = render_dataset(plan.images, plan.seed, size=plan.image_size)
+    images, caption_index = render_dataset(plan.images, plan.seed, size=plan.image_size, layout=plan.layout)
     every_caption = [caption.text() for caption in world.all_captions()]
-    vae_images, _ = render_dataset(plan.vae_images, plan.seed + 50, every_caption, plan.image_size)
+    vae_images, _ = render_dataset(plan.vae_images, plan.seed + 50, every_caption, plan.image_size, plan.layout)
     info["seconds"]["render"] = round(time.monotonic() - start, 1)
 
     stage = time.monotonic()
@@ -563,7 +563,7 @@ def rebuild_hps(out: Path, plan: BuildPlan = FULL_PLAN) -> dict[str, Any]:
         raise UsageError(
             f"--only hps: {out} was built with another plan ({', '.join(changed)} differ); rebuild every stage"
         )
-    images, caption_index = render_dataset(plan.images, plan.seed, size=plan.image_size)
+    images, caption_index = render_dataset(plan.images, plan.seed, size=plan.image_size, layout=plan.layout)
     hps_record, seconds = hps_stage(out, plan, images, caption_index)
     info["plan"] = wanted
     info["hps"] = {**hps_record, "rebuilt_alone": True}

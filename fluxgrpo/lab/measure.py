@@ -112,8 +112,10 @@ def claim_breakdown(prompts: list[str], results: list[list[Any]]) -> dict[str, A
     }
 
 
-def vae_reconstruction_strict(flux_dir: Path, per_caption: int = 2, seed: int = 0) -> dict[str, Any]:
-    """The checker's strict rate on VAE reconstructions of rendered images of every caption of the grammar."""
+def vae_reconstruction_strict(
+    flux_dir: Path, per_caption: int = 2, seed: int = 0, layout: str = "free"
+) -> dict[str, Any]:
+    """The checker's strict rate on VAE reconstructions of rendered images (in ``layout``) of every caption."""
     import torch
 
     from fluxgrpo.models.flux import load_vae
@@ -124,7 +126,7 @@ def vae_reconstruction_strict(flux_dir: Path, per_caption: int = 2, seed: int = 
     strict = []
     for start in range(0, len(captions), 64):
         chunk = captions[start : start + 64]
-        images = np.stack([world.render_caption(c, seed + k) for c in chunk for k in range(per_caption)])
+        images = np.stack([world.render_caption(c, seed + k, layout=layout) for c in chunk for k in range(per_caption)])
         pixels = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
         with torch.no_grad():
             recon = vae.decode(vae.encode(pixels).latent_dist.mean).sample
@@ -158,7 +160,14 @@ def hps_agreement(hps_dir: Path, prompts: list[str], groups: list[list[np.ndarra
     }
 
 
-def measure(flux_dir: Path, hps_dir: Path | None, per_prompt: int = 8, steps: int = 12, train_prompts: int = 40):
+def measure(
+    flux_dir: Path,
+    hps_dir: Path | None,
+    per_prompt: int = 8,
+    steps: int = 12,
+    train_prompts: int = 40,
+    layout: str = "free",
+):
     heldout = list(world.prompt_set("shapes-heldout"))
     held_groups = sample_images(flux_dir, heldout, per_prompt, steps)
     held_results = check_groups(heldout, held_groups)
@@ -168,7 +177,7 @@ def measure(flux_dir: Path, hps_dir: Path | None, per_prompt: int = 8, steps: in
         "settings": {"images_per_prompt": per_prompt, "steps": steps, "guidance": 3.5},
         "heldout": accuracy(heldout, held_results),
         "train": accuracy(train, check_groups(train, train_groups)),
-        "vae": vae_reconstruction_strict(flux_dir),
+        "vae": vae_reconstruction_strict(flux_dir, layout=layout),
     }
     if hps_dir is not None:
         report["hps"] = hps_agreement(hps_dir, heldout, held_groups, held_results)
@@ -183,11 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hps-dir", default="hps_ckpt", help="the tiny HPS; '' to skip the agreement")
     parser.add_argument("--images-per-prompt", type=int, default=8)
     parser.add_argument("--steps", type=int, default=12, help="sampler steps (the shapes configs' --eval-steps)")
+    parser.add_argument("--layout", choices=world.LAYOUTS, default="free", help="the renders' layout (the build's)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    report = measure(Path(args.flux_dir), Path(args.hps_dir) if args.hps_dir else None, args.images_per_prompt,
-                     args.steps)  # fmt: skip
+    hps_dir = Path(args.hps_dir) if args.hps_dir else None
+    report = measure(Path(args.flux_dir), hps_dir, args.images_per_prompt, args.steps, layout=args.layout)
     print(json.dumps(report, indent=2))
     return 0
 

@@ -36,6 +36,7 @@ class BuildPlan:
     # The rendered (and generated) images' side: 64 gives the transformer a 4×4 grid of tokens (16 px each), 128 an
     # 8×8 grid, the objects then spanning 2-3 tokens (the checker reads both sizes).
     image_size: int = 64
+    layout: str = "free"  # where the renders place objects (``world.LAYOUTS``)
     images: int = 8000  # rendered training images (train-split captions, families weighed evenly)
     vae_images: int = 8000  # rendered images of every caption of the grammar, for the caption-free VAE
     vae_steps: int = 400
@@ -93,7 +94,13 @@ QUICK_PLAN = BuildPlan(
 # on an 8×8 grid of tokens (2-3 tokens across each) instead of 4×4, the transformer trained for the same number of
 # images; the VAE's and HPS's lengths as shipped. Its build is about 2.5 h on 2 cores (the VAE ~4× today's): build it
 # in sittings with --stop-after and --resume.
-PLANS = {"shipped": FULL_PLAN, "grid8": replace(FULL_PLAN, image_size=128)}
+PLANS = {
+    "shipped": FULL_PLAN,
+    "grid8": replace(FULL_PLAN, image_size=128),
+    # Issue 48's rebuild: one object to a quadrant (``world.LAYOUTS``), the flow stage half as long (the quadrant world is
+    # easier to draw, and a shorter-trained model moved further under fine-tuning on its own samples).
+    "quadrants": replace(FULL_PLAN, layout="quadrants", transformer_steps=4000),
+}
 
 
 _START = time.monotonic()

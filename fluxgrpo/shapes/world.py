@@ -64,6 +64,13 @@ PROMPT_SETS = ("shapes-train", "shapes-heldout")
 # 64², about one packed latent token (16 px) or more, so a tiny FLUX draws a legible shape (at 0.10–0.16 its
 # triangles and squares came out as blobs).
 OBJECT_RADIUS = (0.14, 0.20)
+# Where objects may sit. ``free``: anywhere, apart (the first shipped world). ``quadrants``: one object to a quadrant
+# of the image, its centre within ±2 px (at 64²) of the quadrant's: the 4×4-token transformer then decides which
+# quadrant holds what instead of drawing a continuum of layouts, which a model of its size averages into blobs and
+# blended colours (issue 48: the same model trained alike on four captions' renders reaches 0.79 strict with
+# quadrants, 0.46 without). Relations in this layout join objects in one row or one column, never diagonally.
+LAYOUTS = ("free", "quadrants")
+QUADRANT_JITTER = 2 / 64  # of the image side
 
 
 @dataclass(frozen=True)
@@ -302,8 +309,13 @@ def _reach(shape: str, radius: float) -> float:
     return _REACH[shape] * radius
 
 
-def sample_scene(caption: Caption, rng: random.Random, size: int = 64) -> Scene:
-    """A random scene the caption describes truly: its objects, any colour where it names none, placed apart."""
+def sample_scene(caption: Caption, rng: random.Random, size: int = 64, layout: str = "free") -> Scene:
+    """A random scene the caption describes truly: its objects, any colour where it names none, placed apart
+    (anywhere, or one to a quadrant: ``layout``, one of :data:`LAYOUTS`)."""
+    if layout == "quadrants":
+        return _quadrant_scene(caption, rng, size)
+    if layout != "free":
+        raise ValueError(f"unknown layout {layout!r}: one of {', '.join(LAYOUTS)}")
     specs = list(caption.objects) * (caption.count or 1)
     for _ in range(1000):
         placed: list[PlacedObject] = []
@@ -325,6 +337,34 @@ def sample_scene(caption: Caption, rng: random.Random, size: int = 64) -> Scene:
             continue
         return Scene(size, placed)
     raise RuntimeError(f"no scene found for {caption.text()!r} at {size}px")  # never hit at 64px or more
+
+
+_QUADRANTS = ((0, 0), (1, 0), (0, 1), (1, 1))  # (column, row)
+
+
+def _quadrant_scene(caption: Caption, rng: random.Random, size: int) -> Scene:
+    specs = list(caption.objects) * (caption.count or 1)
+    jitter = QUADRANT_JITTER * size
+    for _ in range(1000):
+        cells = rng.sample(_QUADRANTS, len(specs))
+        if caption.relation and cells[0][0] != cells[1][0] and cells[0][1] != cells[1][1]:
+            continue  # a diagonal pair reads as neither above nor beside
+        placed = []
+        for spec, (column, row) in zip(specs, cells, strict=True):
+            radius = rng.uniform(*OBJECT_RADIUS) * size
+            colour = spec.colour or rng.choice(sorted(COLOURS))
+            x = (column + 0.5) * size / 2 + rng.uniform(-jitter, jitter)
+            y = (row + 0.5) * size / 2 + rng.uniform(-jitter, jitter)
+            placed.append(PlacedObject(spec.shape, colour, x, y, radius))
+        apart = all(
+            (a.x - b.x) ** 2 + (a.y - b.y) ** 2 > (_reach(a.shape, a.radius) + _reach(b.shape, b.radius) + 1) ** 2
+            for i, a in enumerate(placed)
+            for b in placed[i + 1 :]
+        )
+        if not apart or (caption.relation and not _relation_holds(caption.relation, placed[0], placed[1], 0.15 * size)):
+            continue
+        return Scene(size, placed)
+    raise RuntimeError(f"no scene found for {caption.text()!r} at {size}px")
 
 
 _SUPERSAMPLE = 4
@@ -350,9 +390,9 @@ def render(scene: Scene) -> np.ndarray:
     return np.asarray(image.resize((scene.size, scene.size), Image.Resampling.BOX))
 
 
-def render_caption(text: str, seed: int, size: int = 64) -> np.ndarray:
+def render_caption(text: str, seed: int, size: int = 64, layout: str = "free") -> np.ndarray:
     """One true image of a caption, seeded."""
-    return render(sample_scene(parse_caption(text), random.Random(seed), size))
+    return render(sample_scene(parse_caption(text), random.Random(seed), size, layout))
 
 
 def _capped(captions: tuple[str, ...], per_family: int, seed: int) -> list[str]:

@@ -14,7 +14,7 @@ from fluxgrpo.shapes.world import Caption, ObjectSpec, PlacedObject, Scene, pars
 IMAGES_PER_FAMILY = 400
 
 
-def _strict_rate(family: str, size: int, n: int, blur: float = 0.0) -> float:
+def _strict_rate(family: str, size: int, n: int, blur: float = 0.0, layout: str = "free") -> float:
     from scipy import ndimage
 
     captions = [c for c in world.all_captions() if c.family == family]
@@ -22,7 +22,7 @@ def _strict_rate(family: str, size: int, n: int, blur: float = 0.0) -> float:
     passed = 0
     for seed in range(n):
         caption = captions[rng.randrange(len(captions))]
-        image = render(sample_scene(caption, random.Random(seed), size))
+        image = render(sample_scene(caption, random.Random(seed), size, layout))
         if blur:
             noise = np.random.default_rng(seed).normal(0.0, 4.0, image.shape)
             blurred = ndimage.gaussian_filter(image.astype(np.float64), (blur, blur, 0)) + noise
@@ -39,6 +39,29 @@ def test_strict_on_the_renderers_own_images_for_every_family(family):
 @pytest.mark.parametrize("family", world.FAMILIES)
 def test_strict_survives_a_blur_and_noise_like_a_vae_reconstruction(family):
     assert _strict_rate(family, 64, 150, blur=1.2) >= 0.99
+
+
+@pytest.mark.parametrize("family", world.FAMILIES)
+def test_the_quadrant_layouts_renders_pass_too_sharp_and_blurred(family):
+    assert _strict_rate(family, 64, 200, layout="quadrants") >= 0.99
+    assert _strict_rate(family, 64, 100, blur=1.2, layout="quadrants") >= 0.99
+    assert _strict_rate(family, 128, 50, layout="quadrants") >= 0.99
+
+
+def test_the_quadrant_layout_puts_one_object_to_a_quadrant_and_relations_in_a_row_or_column():
+    for seed, caption in enumerate(world.all_captions()):
+        scene = sample_scene(caption, random.Random(seed), 64, "quadrants")
+        cells = [(int(o.x // 32), int(o.y // 32)) for o in scene.objects]
+        assert len(set(cells)) == len(cells)
+        for o, (column, row) in zip(scene.objects, cells, strict=True):
+            assert abs(o.x - (column + 0.5) * 32) <= 2 and abs(o.y - (row + 0.5) * 32) <= 2
+        if caption.relation:
+            assert cells[0][0] == cells[1][0] or cells[0][1] == cells[1][1]
+
+
+def test_an_unknown_layout_is_refused_by_name():
+    with pytest.raises(ValueError, match="quadrants"):
+        sample_scene(parse_caption("a circle"), random.Random(0), 64, "grid")
 
 
 def test_shape_features_match_their_closed_forms_on_large_ideal_shapes():
