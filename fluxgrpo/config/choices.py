@@ -24,7 +24,7 @@ WINDOW_POLICIES = ("sliding", "random", "random-early")
 DECODE_SAMPLES = ("x0", "final")
 ODE_SOLVERS = ("euler", "dpm2")
 RATIO_NORMALIZATIONS = ("none", "grpo-guard")
-AGGREGATIONS = ("sum-rewards", "sum-advantages")  # --advantage-aggregation: grpo/reward_aggregation.py
+AGGREGATIONS = ("sum-rewards", "sum-advantages")  # --advantage-aggregation: grpo/advantages.py
 # The objectives (--objective), their own choices and what each needs: grpo/objectives/catalogue.py (torch-free).
 
 

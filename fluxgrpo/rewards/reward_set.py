@@ -3,7 +3,7 @@
 The spec is a comma-separated list of ``name`` or ``name:weight`` (weight 1 when omitted, > 0). As MixGRPO does,
 the weights are normalised to sum to 1, so ``hpsv2`` and ``hpsv2:2`` are the same run and a single reward is
 today's reward exactly (weight 1.0). How the scores become advantages (``sum-rewards`` or ``sum-advantages``) is
-``grpo/reward_aggregation.py``'s business; the set only scores.
+``grpo/advantages.py``'s business; the set only scores.
 
 ``parse_reward_list`` is the one parser of every reward list (``train --reward``, ``score --reward``,
 ``--eval-rewards``), with one set of error messages; ``run_reward_names`` says which rewards' weights a run loads

@@ -35,8 +35,8 @@ import torch
 from fluxgrpo.checkpoint.layout import latest_checkpoint, resolve_resume
 from fluxgrpo.checkpoint.state import TrainingState, load_checkpoint, save_checkpoint
 from fluxgrpo.config import TrainConfig
+from fluxgrpo.grpo.advantages import aggregate_rewards
 from fluxgrpo.grpo.latents import image_ids
-from fluxgrpo.grpo.reward_aggregation import aggregate_rewards
 from fluxgrpo.grpo.schedule import plan_for_iteration, sigma_schedule
 from fluxgrpo.metrics import MetricsLogger, WandbRun, run_info
 from fluxgrpo.runtime import device as rt_device

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from fluxgrpo.errors import UsageError
-from fluxgrpo.grpo.advantages import group_advantages
-from fluxgrpo.grpo.reward_aggregation import aggregate_rewards
+from fluxgrpo.grpo.advantages import aggregate_rewards, group_advantages
 from fluxgrpo.rewards.reward_set import parse_reward_spec, reward_spec_problems
 
 REWARDS = torch.tensor([0.31, 0.27, 0.35, float("nan"), 0.22, 0.22, 0.29, 0.40])
@@ -19,7 +18,7 @@ REWARDS = torch.tensor([0.31, 0.27, 0.35, float("nan"), 0.22, 0.22, 0.29, 0.40])
 
 def test_the_config_offers_exactly_the_aggregations_the_algorithm_implements():
     from fluxgrpo.config.choices import AGGREGATIONS as offered
-    from fluxgrpo.grpo.reward_aggregation import AGGREGATIONS as implemented
+    from fluxgrpo.grpo.advantages import AGGREGATIONS as implemented
 
     assert offered == implemented
 
