@@ -44,7 +44,8 @@ def full_weights(model) -> dict[str, torch.Tensor]:
 
 
 class TinyEma:
-    """Stand-in with the interface of fluxgrpo.grpo.ema: a full CPU copy kept on rank 0 only, like DanceGRPO's."""
+    """Stand-in with the interface of fluxgrpo.grpo.weight_copies.ShardedEMA: a full CPU copy kept on rank 0 only,
+    like DanceGRPO's."""
 
     def __init__(self, model, decay: float = 0.5):
         self.decay = decay

@@ -31,9 +31,9 @@ from fluxgrpo.grpo.objectives.base import (
     UpdateWork,
     unmeasured,
 )
-from fluxgrpo.grpo.reference import ReferenceModel
 from fluxgrpo.grpo.rollout import predict_velocity
 from fluxgrpo.grpo.types import Conditioning, FinalSamples, Rollout, UpdateStats
+from fluxgrpo.grpo.weight_copies import ReferenceModel
 from fluxgrpo.runtime.dist import reshard_sharded_modules
 
 

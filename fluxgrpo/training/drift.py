@@ -33,17 +33,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fluxgrpo.grpo.objectives.grpo.loss import draw_train_timesteps
-from fluxgrpo.grpo.reference import AdapterDisabledReference
 from fluxgrpo.grpo.rollout import predict_velocity
 from fluxgrpo.grpo.schedule import model_timesteps
+from fluxgrpo.grpo.weight_copies import AdapterDisabledReference
 from fluxgrpo.lora import is_lora_model
 from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime.dist import reshard_sharded_modules
 
 if TYPE_CHECKING:
     from fluxgrpo.config import TrainConfig
-    from fluxgrpo.grpo.reference import ReferenceModel
     from fluxgrpo.grpo.types import Conditioning
+    from fluxgrpo.grpo.weight_copies import ReferenceModel
     from fluxgrpo.training.parts import TrainingParts
 
 PAIRED, FIRST_ITERATION = "paired", "iteration-1"

@@ -12,9 +12,7 @@ from diffusers.optimization import get_scheduler
 from fluxgrpo.config import TrainConfig
 from fluxgrpo.data.embeddings import EmbeddingDataset
 from fluxgrpo.data.sampler import PromptSampler
-from fluxgrpo.grpo.ema import ShardedEMA
-from fluxgrpo.grpo.policy_copy import PolicyCopy
-from fluxgrpo.grpo.reference import AdapterDisabledReference, FrozenReference
+from fluxgrpo.grpo.weight_copies import AdapterDisabledReference, FrozenReference, PolicyCopy, ShardedEMA
 from fluxgrpo.lora import add_lora, base_weight_name, init_adapters, is_lora_model
 from fluxgrpo.models.compile import CompileMeter, compile_repeated_blocks
 from fluxgrpo.models.flux import load_vae
@@ -28,7 +26,7 @@ from fluxgrpo.training.settings import lora_spec, policy_copy_names
 if TYPE_CHECKING:
     from torch.optim.lr_scheduler import LRScheduler
 
-    from fluxgrpo.grpo.reference import ReferenceModel
+    from fluxgrpo.grpo.weight_copies import ReferenceModel
     from fluxgrpo.rewards.reward_set import RewardSet
 
 
@@ -42,7 +40,7 @@ class TrainingParts:
     reward_fn: RewardSet  # images, prompts → scores [B, K], one column per --reward entry
     optimizer: torch.optim.Optimizer
     lr_scheduler: LRScheduler
-    ema: Any  # a grpo.ema.ShardedEMA with --use-ema, else None
+    ema: Any  # a grpo.weight_copies.ShardedEMA with --use-ema, else None
     dataset: EmbeddingDataset
     sampler: PromptSampler
     reference: ReferenceModel | None = None  # the KL's reference model (``--kl-beta`` > 0)

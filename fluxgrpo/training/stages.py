@@ -26,11 +26,11 @@ from fluxgrpo.training.parts import TrainingParts
 from fluxgrpo.training.settings import objective_initial_noise
 
 if TYPE_CHECKING:
-    from fluxgrpo.grpo.ema import ShardedEMA
     from fluxgrpo.grpo.objectives.base import Objective
     from fluxgrpo.grpo.rollout import RolloutSettings
     from fluxgrpo.grpo.types import FinalSamples, Rollout, UpdateStats
     from fluxgrpo.grpo.update import UpdatePlumbing
+    from fluxgrpo.grpo.weight_copies import ShardedEMA
     from fluxgrpo.rewards.base import RewardFn
 
 

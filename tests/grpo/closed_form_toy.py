@@ -41,11 +41,10 @@ from fluxgrpo.config import TrainConfig
 from fluxgrpo.grpo.advantages import aggregate_rewards
 from fluxgrpo.grpo.latents import image_ids
 from fluxgrpo.grpo.objectives.neighbor.loss import neighborhood_noise
-from fluxgrpo.grpo.policy_copy import PolicyCopy
-from fluxgrpo.grpo.reference import FrozenReference
 from fluxgrpo.grpo.rollout import sample_final_latents
 from fluxgrpo.grpo.schedule import plan_for_iteration, sigma_schedule
 from fluxgrpo.grpo.types import Conditioning
+from fluxgrpo.grpo.weight_copies import FrozenReference, PolicyCopy
 from fluxgrpo.training.loop import iteration_randomness
 from fluxgrpo.training.settings import (
     build_objective,

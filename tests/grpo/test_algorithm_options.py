@@ -14,7 +14,6 @@ from fluxgrpo.config import build_config
 from fluxgrpo.errors import UsageError
 from fluxgrpo.grpo.latents import image_ids
 from fluxgrpo.grpo.objectives.grpo.loss import guard_log_ratio
-from fluxgrpo.grpo.reference import FrozenReference
 from fluxgrpo.grpo.samplers import make_sampler
 from fluxgrpo.grpo.schedule import (
     PlanSettings,
@@ -24,6 +23,7 @@ from fluxgrpo.grpo.schedule import (
     tail_schedule,
     window_start,
 )
+from fluxgrpo.grpo.weight_copies import FrozenReference
 
 NUM_STEPS, ETA, GUIDANCE = 6, 0.3, 3.5
 
@@ -268,8 +268,8 @@ def test_guard_log_ratio_is_the_noise_projection_with_zero_mean():
 
 
 def test_a_lora_runs_reference_is_the_policy_with_its_adapters_off(base_transformer):
-    from fluxgrpo.grpo.reference import AdapterDisabledReference
     from fluxgrpo.grpo.rollout import predict_velocity
+    from fluxgrpo.grpo.weight_copies import AdapterDisabledReference
     from fluxgrpo.lora import LoraSpec, add_lora, init_adapters
 
     base = copy.deepcopy(base_transformer)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fluxgrpo.errors import FluxgrpoError
-from fluxgrpo.grpo.ema import ShardedEMA
+from fluxgrpo.grpo.weight_copies import ShardedEMA
 
 
 def two_weight_model() -> nn.Module:

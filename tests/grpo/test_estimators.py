@@ -34,10 +34,10 @@ from fluxgrpo.grpo.objectives.vgrpo.loss import (
     tensor_split_strata,
     vgrpo_policy_loss,
 )
-from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.rollout import predict_velocity, sample_final_latents
 from fluxgrpo.grpo.schedule import model_timesteps, sigma_schedule
 from fluxgrpo.grpo.update import UpdatePass, UpdatePlumbing
+from fluxgrpo.grpo.weight_copies import PolicyCopy
 
 NUM_STEPS, GUIDANCE = 8, 3.5
 

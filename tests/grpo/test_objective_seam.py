@@ -15,8 +15,8 @@ from fluxgrpo.errors import UsageError
 from fluxgrpo.grpo.objectives.base import Metric, ModelInput, ObjectiveBase, StepLoss, UpdateLayout, UpdateStep
 from fluxgrpo.grpo.objectives.catalogue import CATALOGUE, ObjectiveEntry
 from fluxgrpo.grpo.objectives.nft.loss import FlowMatchingBatch
-from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.types import FinalSamples
+from fluxgrpo.grpo.weight_copies import PolicyCopy
 
 ANCHOR = "toy_anchor"  # a policy copy the toy keeps: θ_anchor ← ½·θ_anchor + ½·θ after every update
 

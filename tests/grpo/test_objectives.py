@@ -22,11 +22,11 @@ from fluxgrpo.grpo.objectives.awm.loss import (
 )
 from fluxgrpo.grpo.objectives.base import Metric, MetricTally, StepResult
 from fluxgrpo.grpo.objectives.nft.loss import NftObjective, NftSettings, nft_policy_loss, old_policy_decay
-from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.rollout import sample_final_latents
 from fluxgrpo.grpo.samplers import euler_step
 from fluxgrpo.grpo.schedule import sigma_schedule
 from fluxgrpo.grpo.update import UpdatePass, UpdatePlumbing
+from fluxgrpo.grpo.weight_copies import PolicyCopy
 
 NUM_STEPS, GUIDANCE = 8, 3.5
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from fluxgrpo.grpo.policy_copy import PolicyCopy
+from fluxgrpo.grpo.weight_copies import PolicyCopy
 
 # How a metric is reduced: over the micro-batch steps of one update on a rank, then over ranks.
 #   sum      Σ over steps of the reported value;                      mean over ranks

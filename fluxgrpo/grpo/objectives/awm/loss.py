@@ -35,8 +35,8 @@ from fluxgrpo.grpo.objectives.base import (
 from fluxgrpo.grpo.objectives.draws import group_bounds, indices_per_unit, linspace_strata, random_indices
 from fluxgrpo.grpo.objectives.entry import EMA_POLICY, ObjectiveRun
 from fluxgrpo.grpo.objectives.nft.loss import FlowMatchingBatch
-from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.types import FinalSamples
+from fluxgrpo.grpo.weight_copies import PolicyCopy
 
 AWM_METRICS = {
     "policy_loss": Metric("policy_loss", "mean"),

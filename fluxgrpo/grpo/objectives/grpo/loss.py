@@ -34,10 +34,10 @@ import torch
 
 from fluxgrpo.grpo.objectives.base import Metric, ModelInput, ObjectiveBase, StepLoss, UpdateLayout, UpdateStep
 from fluxgrpo.grpo.objectives.entry import ObjectiveRun
-from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.samplers import SdeStep
 from fluxgrpo.grpo.schedule import model_timesteps
 from fluxgrpo.grpo.types import Rollout
+from fluxgrpo.grpo.weight_copies import PolicyCopy
 
 GRPO_METRICS = {
     "ratio_mean": Metric("ratio_mean", "mean"),  # mean ρ over every trained (trajectory, timestep)

@@ -42,9 +42,9 @@ from fluxgrpo.grpo.objectives.base import (
 )
 from fluxgrpo.grpo.objectives.entry import ObjectiveRun
 from fluxgrpo.grpo.objectives.neighbor.settings import NeighborOptions
-from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.schedule import model_timesteps
 from fluxgrpo.grpo.types import FinalSamples
+from fluxgrpo.grpo.weight_copies import PolicyCopy
 
 NEIGHBOR_METRICS = {
     "policy_loss": Metric("policy_loss", "mean"),

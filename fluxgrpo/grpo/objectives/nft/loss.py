@@ -34,9 +34,9 @@ from fluxgrpo.grpo.objectives.draws import (
 )
 from fluxgrpo.grpo.objectives.entry import OLD_POLICY, ObjectiveRun
 from fluxgrpo.grpo.objectives.nft.settings import NftOptions
-from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.schedule import model_timesteps
 from fluxgrpo.grpo.types import FinalSamples
+from fluxgrpo.grpo.weight_copies import PolicyCopy
 
 # The authors' decay types: (steps held at 0, rise per step, ceiling).
 DECAY_TYPES = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}

@@ -39,8 +39,8 @@ from fluxgrpo.grpo.objectives.draws import group_bounds, indices_per_unit, rando
 from fluxgrpo.grpo.objectives.entry import ObjectiveRun
 from fluxgrpo.grpo.objectives.nft.loss import FlowMatchingBatch
 from fluxgrpo.grpo.objectives.vgrpo.settings import VgrpoOptions
-from fluxgrpo.grpo.policy_copy import PolicyCopy
 from fluxgrpo.grpo.types import FinalSamples
+from fluxgrpo.grpo.weight_copies import PolicyCopy
 
 VGRPO_METRICS = {
     "policy_loss": Metric("policy_loss", "mean"),

@@ -1,15 +1,33 @@
-"""An exponential moving average of the trainable weights that lives where the weights live.
+"""The copies of the weights beside the policy's own: the EMA of the trainable weights (``ShardedEMA``), the policy
+copies the objectives keep (``PolicyCopy``), and the reference the KL option pulls towards (``ReferenceModel``).
+
+``ShardedEMA``: an exponential moving average of the trainable weights that lives where the weights live.
 
 DanceGRPO gathered the full fp32 model to rank 0's host memory for every EMA update (about 95 GB of host
 RAM for FLUX.1-dev). Here each rank keeps the EMA of its own parameter shards only: for an FSDP2
 (``fully_shard``) model the EMA tensors are DTensors with the parameters' placements, updated locally with
 no communication. Only ``full_state_dict`` (export) gathers, one tensor at a time, to rank 0.
+
+``PolicyCopy``: a second set of the trainable weights that lives where the weights live: DiffusionNFT's old policy
+θ_old and AWM's EMA policy, soft-updated towards θ once per iteration.
+
+For a LoRA run the copy holds the adapters only (the authors' named adapter "old" / "ema"); for full fine-tuning it
+is a second copy of this rank's parameter shards (DTensors under FSDP2), in the parameters' own dtype, so swapping
+it into the model and back is exact. Swapping goes tensor by tensor, so it needs one tensor's worth of scratch, not
+a third copy.
+
+``ReferenceModel``: what the KL option (``--kl-beta``) pulls the policy towards (each objective's KL is its own:
+GRPO's is Flow-GRPO's, in ``objectives/grpo/loss.py``; NFT's and AWM's the mean squared velocity difference).
+
+The reference is behind ``ReferenceModel.reference_prediction``: a LoRA run answers it with the adapter disabled
+(the authors' way, no second copy of the weights), full fine-tuning with a frozen copy of the base weights.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -17,6 +35,8 @@ from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
 from fluxgrpo.errors import FluxgrpoError
+from fluxgrpo.grpo.rollout import predict_velocity
+from fluxgrpo.grpo.types import Conditioning
 from fluxgrpo.runtime.dist import reshard_sharded_modules
 
 # Wrappers that insert a path segment into parameter names; EMA keys use the unwrapped (diffusers) names.
@@ -131,3 +151,114 @@ class ShardedEMA:
             with torch.no_grad():
                 for backup, (_, parameter) in zip(backups, pairs, strict=True):
                     _local(parameter).copy_(backup)
+
+
+class PolicyCopy(ShardedEMA):
+    """θ_c, initialised to θ; ``blend`` sets θ_c ← d·θ_c + (1−d)·θ; ``swapped_in`` runs the model with θ_c."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model, decay=0.0)
+        with torch.no_grad():  # the parameters' own dtype (fp32 master weights): a swap is a pure exchange
+            pairs = self._matched(model)
+            for name, (_, parameter) in zip(list(self._shadow), pairs, strict=True):
+                self._shadow[name] = parameter.detach().clone()
+
+    @torch.no_grad()
+    def blend(self, model: nn.Module, decay: float) -> None:
+        """θ_c ← decay·θ_c + (1−decay)·θ (decay 0: θ_c = θ exactly)."""
+        for shadow, parameter in self._matched(model):
+            local_shadow, local_parameter = _local(shadow), _local(parameter)
+            if decay == 0:
+                local_shadow.copy_(local_parameter)
+            else:
+                local_shadow.mul_(decay).add_(local_parameter.to(local_shadow.dtype), alpha=1.0 - decay)
+
+    @contextlib.contextmanager
+    def swapped_in(self, model: nn.Module) -> Iterator[nn.Module]:
+        """Run ``model`` with θ_c; θ comes back exactly on exit (the two sets are exchanged, then exchanged back)."""
+        self._exchange(model)
+        try:
+            yield model
+        finally:
+            reshard_sharded_modules(model)
+            self._exchange(model)
+
+    @torch.no_grad()
+    def _exchange(self, model: nn.Module) -> None:
+        for shadow, parameter in self._matched(model):
+            local_shadow, local_parameter = _local(shadow), _local(parameter)
+            scratch = local_parameter.clone()
+            local_parameter.copy_(local_shadow)
+            local_shadow.copy_(scratch)
+
+
+class ReferenceModel(Protocol):
+    def reference_prediction(
+        self,
+        latents: torch.Tensor,
+        cond: Conditioning,
+        timesteps: torch.Tensor,
+        guidance: torch.Tensor,
+        img_ids: torch.Tensor,
+        device_type: str,
+        compute_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor: ...
+
+
+class FrozenReference:
+    """The base weights, frozen (no gradients, eval mode), in a module of their own: plain or sharded like the
+    policy (FSDP2), so it costs one more copy of this rank's shards."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module.requires_grad_(False).eval()
+
+    @torch.no_grad()
+    def reference_prediction(
+        self,
+        latents: torch.Tensor,
+        cond: Conditioning,
+        timesteps: torch.Tensor,
+        guidance: torch.Tensor,
+        img_ids: torch.Tensor,
+        device_type: str,
+        compute_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """The reference velocity v_ref at (latents, σ), fed exactly as the policy is."""
+        try:
+            return predict_velocity(
+                self.module, latents, cond, timesteps, guidance, img_ids, device_type, compute_dtype
+            ).detach()
+        finally:
+            reshard_sharded_modules(self.module)
+
+
+class AdapterDisabledReference:
+    """The base model of a LoRA run: the policy itself with its adapters switched off for one forward (diffusers'
+    peft integration, ``disable_adapters``/``enable_adapters``). Call it outside the policy's forward-backward (the
+    update does, before the policy's forward), so no graph or FSDP2 gather of the policy is in flight."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @torch.no_grad()
+    def reference_prediction(
+        self,
+        latents: torch.Tensor,
+        cond: Conditioning,
+        timesteps: torch.Tensor,
+        guidance: torch.Tensor,
+        img_ids: torch.Tensor,
+        device_type: str,
+        compute_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        was_training = self.module.training
+        self.module.eval()  # no adapter dropout either
+        self.module.disable_adapters()  # type: ignore[operator]  # a peft/diffusers method reached through nn.Module.__getattr__
+        try:
+            return predict_velocity(
+                self.module, latents, cond, timesteps, guidance, img_ids, device_type, compute_dtype
+            ).detach()
+        finally:
+            self.module.enable_adapters()  # type: ignore[operator]  # a peft/diffusers method reached through nn.Module.__getattr__
+            self.module.train(was_training)
+            reshard_sharded_modules(self.module)
