@@ -131,7 +131,7 @@ class OpenClipCosine:
 
     def image_features(self, pixels: torch.Tensor) -> torch.Tensor:
         """Normalised pixels [B, 3, S, S] → [B, E] float32 L2-normalised image features (the evaluation's
-        diversity embedding, ``training/diversity.py``)."""
+        diversity embedding, ``training/eval.py``)."""
         import torch
 
         with torch.no_grad():

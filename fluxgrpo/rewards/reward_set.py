@@ -124,7 +124,7 @@ def eval_reward_names(reward: str, eval_rewards: str) -> list[str]:
 
 # Rewards whose scorer exposes ``embed_pil`` (CLIP image features), most general first: plain CLIP, then HPSv2's
 # fine-tuned CLIP. Named here, away from torch, so the config can validate a diversity guard without loading them
-# (``training/diversity.py`` measures the diversity).
+# (``training/eval.py`` measures the diversity).
 EMBEDDING_REWARDS = ("clipscore", "hpsv2")
 
 

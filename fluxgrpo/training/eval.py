@@ -16,7 +16,7 @@ transformer forwards (the ones with fewer prompts run discarded padding batches)
 the image records, writes the grid, scores every image with every reward through ``fluxgrpo score``'s own code
 (the PNGs read back from disk, fp32 HPSv2), so ``fluxgrpo score --index eval/iteration-<k>`` reports the same
 numbers, writes ``index.json`` last (with the iteration and the scores), logs ``eval_<reward>_mean/std``
-and, with two or more images per prompt, ``eval_diversity`` (``diversity.py``; ``eval_ema_…`` for the EMA) to
+and, with two or more images per prompt, ``eval_diversity`` (``diversity``, below; ``eval_ema_…`` for the EMA) to
 metrics.jsonl at that iteration, and the grid and score histograms to TensorBoard / wandb. The loop hands the
 record to the guards (``guards.py``).
 
@@ -24,6 +24,18 @@ Resume-safety: an evaluation at iteration k finishes before checkpoint k is writ
 checkpoint k already has it (metrics.jsonl keeps records up to k) and does not repeat it; one resumed from an
 earlier checkpoint repeats iteration k's evaluation, replacing the folder and the record the dead run left.
 Evaluation draws from no training RNG, so training numbers are the same with and without it.
+
+Diversity: how different a prompt's images are from one another across seeds. RL fine-tuning collapses a prompt's
+seeds towards one image (DanceGRPO's paper shows it) while every per-image reward still looks fine, so the
+evaluation measures it directly. With ``--eval-images-per-prompt`` n ≥ 2, each image is embedded with the CLIP
+image tower of a reward the evaluation already loads (the first of ``rewards/reward_set.py``'s ``EMBEDDING_REWARDS``
+among the training and ``--eval-rewards`` rewards), L2-normalised, and
+
+    diversity = mean over prompts of  mean over the n·(n−1)/2 pairs of that prompt's images of (1 − cos(fᵢ, fⱼ))
+
+0 when a prompt's images are identical, larger as they spread (at most 2), the same whatever order the seeds come
+in. It is logged as ``eval_diversity`` (``eval_ema_diversity`` for the EMA) and can be guarded (``--guard
+diversity:-15%``).
 """
 
 from __future__ import annotations
@@ -31,12 +43,14 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 from PIL import Image
 
@@ -51,7 +65,7 @@ from fluxgrpo.metrics import paired_change_noise
 from fluxgrpo.preprocess import rank_indices
 from fluxgrpo.rewards import scoring
 from fluxgrpo.rewards.reward_set import embedding_reward, eval_reward_names
-from fluxgrpo.rewards.scoring import DEFAULT_SCORE_BATCH, ImageToScore, mean_std, score_items
+from fluxgrpo.rewards.scoring import DEFAULT_SCORE_BATCH, ImageToScore, load_image, mean_std, score_items
 from fluxgrpo.run_folder import EVAL_DIR, INDEX_FILE
 from fluxgrpo.runtime import device as rt_device
 from fluxgrpo.runtime import dist as rt_dist
@@ -60,7 +74,6 @@ from fluxgrpo.runtime.worker import quiet_library_progress
 from fluxgrpo.sampling.folder import clear_previous_run, read_index, write_grid, write_index
 from fluxgrpo.sampling.generate import denoise, encode_prompt, generate_images
 from fluxgrpo.sampling.request import SampledImage, SampleRequest, SampleSettings
-from fluxgrpo.training.diversity import image_diversity
 
 if TYPE_CHECKING:
     from fluxgrpo.metrics import MetricsLogger
@@ -71,6 +84,40 @@ if TYPE_CHECKING:
 
 EVAL_SEED = 0  # `fluxgrpo sample`'s default --seed: evaluations of different runs start from the same noise
 EVAL_PROMPTS_FILE = "eval_prompts.txt"
+
+
+def diversity(features: torch.Tensor, prompt_indices: Sequence[int]) -> float:
+    """Mean over prompts (those with ≥ 2 images) of the mean pairwise cosine distance of their images' features.
+
+    ``features`` [N, D] (any scale: normalised here), ``prompt_indices`` [N] the prompt of each row. NaN when no
+    prompt has two images.
+    """
+
+    if features.shape[0] != len(prompt_indices):
+        raise ValueError(f"{features.shape[0]} feature rows for {len(prompt_indices)} prompt indices")
+    unit = F.normalize(features.double(), dim=-1)
+    per_prompt = []
+    for prompt in sorted(set(prompt_indices)):
+        rows = [i for i, p in enumerate(prompt_indices) if p == prompt]
+        if len(rows) < 2:
+            continue
+        group = unit[rows]
+        cosine = group @ group.T
+        upper = torch.triu_indices(len(rows), len(rows), offset=1)
+        distances = (1.0 - cosine[upper[0], upper[1]]).clamp(min=0.0)
+        per_prompt.append(float(distances.mean()))
+    return math.fsum(per_prompt) / len(per_prompt) if per_prompt else math.nan
+
+
+def image_diversity(scorer: Any, paths: Sequence[Path], prompt_indices: Sequence[int], batch_size: int) -> float:
+    """``diversity`` of the images at ``paths`` in ``scorer.embed_pil``'s features, read back from disk."""
+
+    rows = []
+    for start in range(0, len(paths), batch_size):
+        images = [load_image(path) for path in paths[start : start + batch_size]]
+        with torch.no_grad():
+            rows.append(scorer.embed_pil(images).float().cpu())
+    return diversity(torch.cat(rows), prompt_indices)
 
 
 def shipped_eval_prompts_path() -> Path:

@@ -29,7 +29,7 @@ from fluxgrpo.config import TrainConfig, build_config
 from fluxgrpo.config.guard_rules import GuardRule, parse_guard_spec
 from fluxgrpo.errors import UsageError
 from fluxgrpo.metrics import read_metrics, reward_trend
-from fluxgrpo.training.diversity import diversity
+from fluxgrpo.training.eval import diversity
 from fluxgrpo.training.guards import GUARD_RECORD, GUARD_STOP_EXIT_CODE
 
 runner = CliRunner()
