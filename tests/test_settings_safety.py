@@ -11,7 +11,7 @@ from training_helpers import run, tiny_config
 
 from fluxgrpo.config import build_config
 from fluxgrpo.errors import FluxgrpoError, UsageError
-from fluxgrpo.training.health import SkippedUpdateWatch
+from fluxgrpo.training.stats import SkippedUpdateWatch
 
 
 @pytest.mark.parametrize(

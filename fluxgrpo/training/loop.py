@@ -46,7 +46,6 @@ from fluxgrpo.runtime.nodes import check_shared_folder, restarted
 from fluxgrpo.runtime.worker import worker_session
 from fluxgrpo.training.eval import Evaluator
 from fluxgrpo.training.guards import RunMonitor
-from fluxgrpo.training.health import SkippedUpdateWatch
 from fluxgrpo.training.parts import TrainingParts, build_parts
 from fluxgrpo.training.resume_state import read_training_state
 from fluxgrpo.training.settings import build_objective, plan_settings, rollout_settings, update_plumbing
@@ -59,7 +58,7 @@ from fluxgrpo.training.stages import (
     save_sample_images,
     update_stage,
 )
-from fluxgrpo.training.stats import PhaseClock, any_finite_reward, iteration_record, progress_line
+from fluxgrpo.training.stats import PhaseClock, SkippedUpdateWatch, any_finite_reward, iteration_record, progress_line
 
 
 def derive_seed(seed: int, rank: int, iteration: int, stream: int) -> int:
