@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 
 
 def render_dataset(
-    count: int, seed: int, captions: list[str] | None = None, size: int = 64, layout: str = "free"
+    count: int, seed: int, captions: list[str] | None = None, size: int = 64, layout: str = world.LAYOUT
 ) -> tuple[np.ndarray, list[int]]:
     """``count`` images [N, size, size, 3] uint8 of ``captions`` (the training captions by default), and each image's
     caption index.

@@ -113,7 +113,7 @@ def claim_breakdown(prompts: list[str], results: list[list[Any]]) -> dict[str, A
 
 
 def vae_reconstruction_strict(
-    flux_dir: Path, per_caption: int = 2, seed: int = 0, layout: str = "free"
+    flux_dir: Path, per_caption: int = 2, seed: int = 0, layout: str = world.LAYOUT
 ) -> dict[str, Any]:
     """The checker's strict rate on VAE reconstructions of rendered images (in ``layout``) of every caption."""
     import torch
@@ -166,7 +166,7 @@ def measure(
     per_prompt: int = 8,
     steps: int = 12,
     train_prompts: int = 40,
-    layout: str = "free",
+    layout: str = world.LAYOUT,
 ):
     heldout = list(world.prompt_set("shapes-heldout"))
     held_groups = sample_images(flux_dir, heldout, per_prompt, steps)
@@ -192,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hps-dir", default="hps_ckpt", help="the tiny HPS; '' to skip the agreement")
     parser.add_argument("--images-per-prompt", type=int, default=8)
     parser.add_argument("--steps", type=int, default=12, help="sampler steps (the shapes configs' --eval-steps)")
-    parser.add_argument("--layout", choices=world.LAYOUTS, default="free", help="the renders' layout (the build's)")
+    parser.add_argument(
+        "--layout", choices=world.LAYOUTS, default=world.LAYOUT, help="the renders' layout (the build's)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -36,7 +36,8 @@ class BuildPlan:
     # The rendered (and generated) images' side: 64 gives the transformer a 4×4 grid of tokens (16 px each), 128 an
     # 8×8 grid, the objects then spanning 2-3 tokens (the checker reads both sizes).
     image_size: int = 64
-    layout: str = "free"  # where the renders place objects (``world.LAYOUTS``)
+    # Where the renders place objects (``world.LAYOUTS``): one object to a quadrant since issue 48's rebuild.
+    layout: str = "quadrants"
     images: int = 8000  # rendered training images (train-split captions, families weighed evenly)
     vae_images: int = 8000  # rendered images of every caption of the grammar, for the caption-free VAE
     vae_steps: int = 400
@@ -47,7 +48,9 @@ class BuildPlan:
     # The objects cover ~15 % of an image: unweighted, the loss spends itself on the plain background while an
     # object's colour drifts towards another palette colour. Object pixels (and a 1-px rim) weigh 1 + this.
     decoder_object_weight: float = 8.0
-    transformer_steps: int = 8000
+    # Half the first world's 8,000: the quadrant world is easier to draw, and a shorter-trained model moved further
+    # under fine-tuning on its own samples (fluxgrpo/docs/results/shapes-world.md).
+    transformer_steps: int = 4000
     transformer_batch: int = 48
     transformer_lr: float = 1e-3
     ema_decay: float = 0.998
@@ -90,16 +93,13 @@ QUICK_PLAN = BuildPlan(
 )
 
 
-# Named plans (``--plan``). ``grid8``: the candidate world of issue 48, 128² images so the transformer sees its objects
-# on an 8×8 grid of tokens (2-3 tokens across each) instead of 4×4, the transformer trained for the same number of
-# images; the VAE's and HPS's lengths as shipped. Its build is about 2.5 h on 2 cores (the VAE ~4× today's): build it
-# in sittings with --stop-after and --resume.
+# Named plans (``--plan``). ``free``: the first shipped world (objects anywhere, 8,000 flow steps), kept to rebuild and
+# compare it. ``grid8``: 128² images so the transformer sees its objects on an 8×8 grid of tokens instead of 4×4 (about
+# 2.5 h on 2 cores: build it in sittings with --stop-after and --resume).
 PLANS = {
     "shipped": FULL_PLAN,
+    "free": replace(FULL_PLAN, layout="free", transformer_steps=8000),
     "grid8": replace(FULL_PLAN, image_size=128),
-    # Issue 48's rebuild: one object to a quadrant (``world.LAYOUTS``), the flow stage half as long (the quadrant world is
-    # easier to draw, and a shorter-trained model moved further under fine-tuning on its own samples).
-    "quadrants": replace(FULL_PLAN, layout="quadrants", transformer_steps=4000),
 }
 
 

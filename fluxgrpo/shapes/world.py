@@ -4,7 +4,7 @@ Everything the laptop test-bed knows about the world is here, torch-free: the ch
 builder of the shipped weights all read it.
 
 - **Objects**: a circle, square or triangle in one of four saturated colours on a plain light background, 1–3 per
-  image, none touching.
+  image, none touching, one to a quadrant of the image (:data:`LAYOUT`; the first shipped world placed them anywhere).
 - **Captions** (GenEval's six task families, in its wording without "a photo of"):
   ``single_object`` "a circle"; ``two_object`` "a circle and a square"; ``counting`` "two triangles" or "three
   blue squares"; ``colors`` "a red circle"; ``position`` "a circle left of a square" or "a red circle left of a
@@ -70,6 +70,7 @@ OBJECT_RADIUS = (0.14, 0.20)
 # blended colours (issue 48: the same model trained alike on four captions' renders reaches 0.79 strict with
 # quadrants, 0.46 without). Relations in this layout join objects in one row or one column, never diagonally.
 LAYOUTS = ("free", "quadrants")
+LAYOUT = "quadrants"  # the shipped world's (``fluxgrpo/shapes/weights``); ``free`` was the first's
 QUADRANT_JITTER = 2 / 64  # of the image side
 
 
@@ -309,7 +310,7 @@ def _reach(shape: str, radius: float) -> float:
     return _REACH[shape] * radius
 
 
-def sample_scene(caption: Caption, rng: random.Random, size: int = 64, layout: str = "free") -> Scene:
+def sample_scene(caption: Caption, rng: random.Random, size: int = 64, layout: str = LAYOUT) -> Scene:
     """A random scene the caption describes truly: its objects, any colour where it names none, placed apart
     (anywhere, or one to a quadrant: ``layout``, one of :data:`LAYOUTS`)."""
     if layout == "quadrants":
@@ -390,7 +391,7 @@ def render(scene: Scene) -> np.ndarray:
     return np.asarray(image.resize((scene.size, scene.size), Image.Resampling.BOX))
 
 
-def render_caption(text: str, seed: int, size: int = 64, layout: str = "free") -> np.ndarray:
+def render_caption(text: str, seed: int, size: int = 64, layout: str = LAYOUT) -> np.ndarray:
     """One true image of a caption, seeded."""
     return render(sample_scene(parse_caption(text), random.Random(seed), size, layout))
 
