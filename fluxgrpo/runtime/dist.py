@@ -17,13 +17,8 @@ import contextlib
 import datetime
 import os
 import sys
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from fluxgrpo.errors import UsageError
 from fluxgrpo.runtime import device as rt_device
@@ -31,6 +26,7 @@ from fluxgrpo.runtime import liveness
 from fluxgrpo.runtime.npu_env import apply_npu_env_defaults
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 
@@ -114,6 +110,7 @@ def init_distributed(requested_device: str | None = None) -> DistContext:
     On NPU the recipe's environment defaults are applied first (the user's values win). The group waits the
     start-up collective timeout; every rank then registers in the store and starts its heartbeat.
     """
+    import torch.distributed as dist
 
     rank, local_rank, world_size = torchrun_env()
     device_type = rt_device.resolve_device_type(requested_device)
@@ -139,6 +136,9 @@ def init_distributed(requested_device: str | None = None) -> DistContext:
 def _start_liveness(rank: int, world_size: int) -> None:
     """Register this rank and start its heartbeat under a prefix new to this start of the workers (after an
     elastic restart the store still holds the last start's keys)."""
+    import uuid
+
+    import torch.distributed as dist
 
     box = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -151,6 +151,8 @@ def steady_state(ctx: DistContext) -> None:
     """The first iteration is done: collectives now wait the steady-state timeout (a no-op without one)."""
     timeouts = collective_timeout_from_env()
     if ctx.distributed and timeouts is not None:
+        import torch.distributed as dist
+
         dist.set_timeout(datetime.timedelta(seconds=timeouts.steady))
         global _timeout_now
         _timeout_now = timeouts.steady
@@ -186,6 +188,7 @@ def mark_phase_done(phase: str) -> None:
 
 def teardown(*, failed: bool = False) -> None:
     """Leave the process group; after a failure skip the barrier, which would wait forever for busy peers."""
+    import torch.distributed as dist
 
     liveness.install(None)
     if dist.is_available() and dist.is_initialized():
@@ -198,6 +201,8 @@ def teardown(*, failed: bool = False) -> None:
 
 def barrier(ctx: DistContext) -> None:
     if ctx.distributed:
+        import torch.distributed as dist
+
         dist.barrier()
 
 
@@ -205,6 +210,8 @@ def all_gather_tensor(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
     """Concatenate equally shaped tensors from all ranks along dim 0, in rank order."""
     if not ctx.distributed:
         return tensor
+    import torch
+    import torch.distributed as dist
 
     tensor = tensor.contiguous()  # HCCL requires contiguous inputs
     parts = [torch.empty_like(tensor) for _ in range(ctx.world_size)]
@@ -215,6 +222,7 @@ def all_gather_tensor(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
 def all_gather_object(ctx: DistContext, obj: Any) -> list[Any]:
     if not ctx.distributed:
         return [obj]
+    import torch.distributed as dist
 
     out: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(out, obj)
@@ -224,12 +232,16 @@ def all_gather_object(ctx: DistContext, obj: Any) -> list[Any]:
 def all_reduce_sum(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
     """In-place sum over ranks (float32/int tensors only: HCCL cannot reduce fp64 or bool)."""
     if ctx.distributed:
+        import torch.distributed as dist
+
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
 
 def all_reduce_max(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
     if ctx.distributed:
+        import torch.distributed as dist
+
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor
 
@@ -238,6 +250,7 @@ def broadcast_object(ctx: DistContext, obj: Any, src: int = 0) -> Any:
     """``obj`` from rank ``src`` on every rank (picklable objects; ``obj`` itself when not distributed)."""
     if not ctx.distributed:
         return obj
+    import torch.distributed as dist
 
     box = [obj]
     dist.broadcast_object_list(box, src=src)
@@ -261,6 +274,8 @@ def shard_transformer(transformer: nn.Module, cpu_offload: bool, compute_dtype: 
     the fp32 master shards. The rollout and the update run the same forward, so the ratio is still 1.
     None means float32.
     """
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs: dict[str, Any] = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
     if compute_dtype is not None and compute_dtype != torch.float32:
@@ -283,6 +298,7 @@ def reshard_sharded_modules(module: nn.Module) -> None:
     DTensors that the optimizer holds. Anything that walks the parameters (gradient clipping, the EMA) must
     see the sharded ones.
     """
+    from torch.distributed.fsdp import FSDPModule
 
     for submodule in module.modules():
         if isinstance(submodule, FSDPModule):
@@ -291,5 +307,6 @@ def reshard_sharded_modules(module: nn.Module) -> None:
 
 def has_sharded_modules(module: nn.Module) -> bool:
     """Whether any submodule is FSDP2-sharded (``fully_shard``)."""
+    from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(submodule, FSDPModule) for submodule in module.modules())

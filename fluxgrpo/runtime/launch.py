@@ -28,13 +28,10 @@ followed from it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,10 +44,7 @@ from typing import Any
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.paths import write_atomic
 from fluxgrpo.run_folder import ERRORS_FILE
-from fluxgrpo.runtime import device as rt_device
-from fluxgrpo.runtime import worker
 from fluxgrpo.runtime.agent import AGENT_RECORD, ERROR_DIR_ENV, PARENT_PID_ENV, describe_exit
-from fluxgrpo.runtime.cpu_threads import THREADS_ENV, plan_cpu_threads
 from fluxgrpo.runtime.dist import COLLECTIVE_TIMEOUT_ENV, CollectiveTimeout
 from fluxgrpo.runtime.npu_env import NPU_ENV_DEFAULTS
 from fluxgrpo.runtime.worker_errors import first_worker_error, worker_records
@@ -143,6 +137,7 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
 def run_id_for(output_dir: str | Path) -> str:
     """The rendezvous id of the run writing ``output_dir``: nodes meet only when they name the same folder (the
     path as given, made absolute, so the same command on every node gives the same id)."""
+    import hashlib
 
     return "fluxgrpo-" + hashlib.sha256(os.path.abspath(output_dir).encode()).hexdigest()[:16]
 
@@ -414,6 +409,9 @@ def run_workers(
         log_dir: keep every worker's output in files there; only local rank 0 reaches the console.
         log: gets the torchrun command line.
     """
+    from fluxgrpo.runtime import device as rt_device
+    from fluxgrpo.runtime import worker
+    from fluxgrpo.runtime.cpu_threads import THREADS_ENV, plan_cpu_threads
 
     spec.validate()
     device_type = rt_device.resolve_device_type(device)
@@ -470,6 +468,7 @@ def _process_alive(pid: int) -> bool:
 def remove_stale_temp_folders(root: str | Path | None = None) -> list[Path]:
     """Remove this user's launch folders in ``root`` (default: the temporary folder) whose process has exited;
     returns what was removed. Never follows a link, never touches another user's folder."""
+    import shutil
 
     removed = []
     folder = Path(root or tempfile.gettempdir())
@@ -488,6 +487,7 @@ def remove_stale_temp_folders(root: str | Path | None = None) -> list[Path]:
 
 def endpoint_reachable(host: str, port: int, timeout_s: float = 2.0) -> str | None:
     """None when a TCP connection to ``host:port`` opens, else why not (one attempt)."""
+    import socket
 
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
@@ -523,6 +523,7 @@ def check_dies_fit(device_type: str, nproc: int) -> None:
                 f"use --dies {cores} or fewer"
             )
         return
+    from fluxgrpo.runtime import device as rt_device
 
     available = rt_device.device_count(device_type)
     if nproc > available:

@@ -23,10 +23,8 @@ value as JSON to ``S.json``.
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import importlib
-import importlib.util
 import json
 import os
 import signal
@@ -40,7 +38,6 @@ from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.runtime import dist as rt_dist
 from fluxgrpo.runtime import liveness
 from fluxgrpo.runtime.agent import die_with_parent
-from fluxgrpo.runtime.cpu_threads import apply_cpu_threads
 from fluxgrpo.runtime.worker_errors import launcher_reports_errors, record_worker_error, worker_errors
 
 ENTRY_NAME = "worker_entry"
@@ -50,6 +47,7 @@ FSDP_VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
 @contextlib.contextmanager
 def quiet_library_progress() -> Iterator[None]:
     """Hide diffusers' and transformers' per-file loading and saving bars while the block runs."""
+    import importlib.util
 
     switches = []
     for name in ("diffusers.utils.logging", "transformers.utils.logging"):
@@ -73,6 +71,8 @@ def worker_session(requested_device: str | None) -> Iterator[rt_dist.DistContext
     ctx = rt_dist.init_distributed(requested_device)
     try:
         if ctx.device_type == "cpu":
+            from fluxgrpo.runtime.cpu_threads import apply_cpu_threads
+
             apply_cpu_threads(ctx.distributed)  # the launcher's choice from the cores free for each worker
         with quiet_library_progress():
             yield ctx
@@ -167,6 +167,7 @@ def exit_now(code: int) -> None:
     c10d/gloo thread still joinable aborts the process now and then ("terminate called without an active
     exception", SIGABRT), which the launcher would rightly report as a failed rank.
     """
+    import atexit
 
     atexit._run_exitfuncs()
     sys.stdout.flush()
