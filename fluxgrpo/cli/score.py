@@ -155,7 +155,7 @@ def _pass_threshold(reward: str, given: float | None) -> float | None:
     """--pass-threshold, or the checker rewards' own: 1.0 (every claim holds)."""
     if given is not None:
         return given
-    return 1.0 if reward in ("shapes", "shapes-scene") else None
+    return 1.0 if reward in ("shapes", "shapes-scene", "shapes-strict") else None
 
 
 def _print_headroom(reward: str, room) -> None:

@@ -43,6 +43,7 @@ BUILTIN_REWARD_MODULES = (
     "fluxgrpo.rewards.structure",
     "fluxgrpo.rewards.shapes",  # the shapes world's checker
     "fluxgrpo.rewards.shapes_scene",  # the checker and "nothing else in the image", a training reward
+    "fluxgrpo.rewards.shapes_strict",  # shapes-scene all or nothing, a training reward
 )
 
 

@@ -45,11 +45,13 @@ def _caption(prompt: str, reward: str = "shapes") -> Caption:
 
 class ShapesReward:
     """The fraction of the caption's claims each image satisfies, in [0, 1] (deterministic, on the CPU); with
-    ``scene``, the claim that nothing else is in the image counts too (``shapes-scene``)."""
+    ``scene``, the claim that nothing else is in the image counts too (``shapes-scene``); with ``all_or_nothing``,
+    1 when every claim holds and 0 otherwise (``shapes-strict``)."""
 
-    def __init__(self, scene: bool = False) -> None:
+    def __init__(self, scene: bool = False, all_or_nothing: bool = False, name: str | None = None) -> None:
         self.scene = scene
-        self.name = "shapes-scene" if scene else "shapes"
+        self.all_or_nothing = all_or_nothing
+        self.name = name or ("shapes-scene" if scene else "shapes")
 
     def check(self, images: torch.Tensor, prompts: list[str]) -> list[Any]:
         """One ``shapes.checker.CheckResult`` per image: each claim, whether it holds and what was found."""
@@ -67,7 +69,8 @@ class ShapesReward:
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         import torch
 
-        scores = [result.score for result in self.check(images, prompts)]
+        results = self.check(images, prompts)
+        scores = [float(result.strict) if self.all_or_nothing else result.score for result in results]
         return torch.tensor(scores, dtype=torch.float32, device=images.device)
 
 

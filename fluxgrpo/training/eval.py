@@ -504,7 +504,7 @@ def per_prompt_change(output_dir: str | Path, first: int, last: int) -> dict[str
             row = rows.setdefault(image.prompt, {"first": [], "last": []})
             row["first"].append(float(b))
             row["last"].append(float(a))
-        strict = name in ("shapes", "shapes-scene")  # a score of 1.0: every claim holds
+        strict = name in ("shapes", "shapes-scene", "shapes-strict")  # a score of 1.0: every claim holds
         table = []
         for prompt, row in rows.items():
             entry: dict[str, Any] = {"prompt": prompt, "images": len(row["first"])}

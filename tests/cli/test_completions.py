@@ -56,7 +56,7 @@ def test_bash_completion_offers_the_names_a_flag_takes():
         )
         return subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout.split()
 
-    assert complete("fluxgrpo train --reward sha") == ["shapes", "shapes-scene"]
+    assert complete("fluxgrpo train --reward sha") == ["shapes", "shapes-scene", "shapes-strict"]
     assert complete("fluxgrpo train --eval-prompts shapes-h") == ["shapes-heldout"]
     assert complete("fluxgrpo preprocess --prompts shapes-t") == ["shapes-train"]
     assert "tiny-cpu" in complete("fluxgrpo train --config tiny")

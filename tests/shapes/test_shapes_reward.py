@@ -68,6 +68,20 @@ def test_shapes_scene_adds_the_nothing_else_claim_and_names_itself_in_its_errors
     assert record.explain(path, "a red circle")[-1] == "✗ nothing else (1 object) (2 found)"
 
 
+def test_shapes_strict_pays_only_when_every_scene_claim_holds(tmp_path):
+    from fluxgrpo.rewards import load_reward, reward_record
+
+    reward = load_reward("shapes-strict", tmp_path)
+    two = _true_image("two blue triangles")
+    extra = render(Scene(64, [PlacedObject("circle", "red", 16, 32, 8), PlacedObject("square", "blue", 48, 32, 8)]))
+    # The extra blue square fails the scene claim (shapes-scene 2/3): all or nothing makes that 0; a wrong colour too.
+    scores = reward(_tensor(two, extra, two), ["two blue triangles", "a red circle", "two red triangles"])
+    assert scores.tolist() == [1.0, 0.0, 0.0]
+    record = reward_record("shapes-strict")
+    assert record.prompt_problems is not None
+    assert record.prompt_problems(["a purple dog"])[0].startswith("--reward shapes-strict cannot read the prompt")
+
+
 def test_summary_gives_the_strict_rate_and_seen_and_novel_apart():
     from fluxgrpo.rewards.shapes import summarize
 
