@@ -91,7 +91,7 @@ def command(
 
     Examples:
       fluxgrpo env-check
-      fluxgrpo env-check --config shapes-cpu --dies 2
+      fluxgrpo env-check --config shapes-quickstart --dies 2
       fluxgrpo env-check --reward hpsv2:1,pickscore:0.5
       fluxgrpo env-check --json > env.json
       fluxgrpo env-check --nnodes 2 --rdzv-endpoint 10.0.0.1:29500

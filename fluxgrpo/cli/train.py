@@ -369,6 +369,7 @@ def command(
 
     \b
     Examples:
+      fluxgrpo train --config shapes-quickstart --dies 2
       fluxgrpo train --config shapes-cpu --dies 2
       fluxgrpo train --config shapes-cpu-vgrpo --dies 2
       fluxgrpo train --config tiny-cpu --dies 2
