@@ -5,7 +5,8 @@ Measures the four properties issue 29 asks of the shipped weights, through the p
 - **base accuracy**: the base model's images of the held-out prompts (``shapes-heldout``), sampled as ``fluxgrpo
   sample`` and the training's evaluation sample them (FluxPipeline's deterministic Euler sampler, ``image_seed``
   seeds), checked by the rule checker: strict (all claims) rate and mean score, seen and novel combinations apart,
-  and the strict rate per task family;
+  the strict rate per task family, the share of each kind of claim that holds, and how often a relation caption's
+  two objects, when both are drawn, stand as it says (``relation_when_both_drawn``; 1/3 by chance in quadrants);
 - **spread**: the fraction of groups (the images of one prompt, 8 by default) whose checker scores are not all
   equal, on the training prompts (what GRPO's groups see) and on the held-out ones;
 - **VAE**: the checker's strict rate on VAE reconstructions of rendered images of every caption;
@@ -100,15 +101,23 @@ def claim_breakdown(prompts: list[str], results: list[list[Any]]) -> dict[str, A
 
     held: dict[str, list[bool]] = {}
     extra = []
+    placed = []  # relation captions, images with both objects drawn: does the relation hold?
     for prompt, group in zip(prompts, results, strict=True):
         asked = objects_asked(world.parse_caption(prompt))
         for result in group:
             extra.append(len(result.objects) - asked)
             for claim in result.claims:
                 held.setdefault(claim.kind, []).append(claim.holds)
+            relations = [claim.holds for claim in result.claims if claim.kind == "relation"]
+            if relations and all(claim.holds for claim in result.claims if claim.kind == "present"):
+                placed.append(relations[0])
     return {
         "claims_held": {kind: round(float(np.mean(v)), 4) for kind, v in sorted(held.items())},
         "objects_found_minus_asked": round(float(np.mean(extra)), 4) if extra else None,
+        # Whether the model reads the relation words: two objects in distinct random quadrants stand as a relation
+        # says 1 time in 3 (a diagonal pair holds both of its relations), so a rate near 1/3 is no relation learned.
+        "relation_when_both_drawn": round(float(np.mean(placed)), 4) if placed else None,
+        "relation_images_with_both_drawn": len(placed),
     }
 
 

@@ -43,6 +43,14 @@ def test_claim_breakdown_counts_each_kind_of_claim_and_the_extra_objects():
     # the present and colour claims hold in all three images, the relation in the first and the third
     assert breakdown["claims_held"] == {"colour": 1.0, "present": 1.0, "relation": round(2 / 3, 4)}
     assert breakdown["objects_found_minus_asked"] == round(1 / 3, 4)  # 0, 0 and 1 extra
+    # the relation among the images where both objects are drawn; one without the square does not count
+    assert (
+        breakdown["relation_when_both_drawn"] == round(2 / 3, 4) and breakdown["relation_images_with_both_drawn"] == 3
+    )
+    lone = scene(("circle", "red", 16, 40))
+    alone = claim_breakdown([prompt], [[check(lone, prompt), check(swapped, prompt)]])
+    assert alone["relation_when_both_drawn"] == 0.0 and alone["relation_images_with_both_drawn"] == 1
+    assert claim_breakdown(["two red circles"], [[check(true, "two red circles")]])["relation_when_both_drawn"] is None
 
 
 def test_slot_probe_reads_a_linearly_coded_label_and_not_a_random_one():
