@@ -8,16 +8,16 @@ _fluxgrpo() {
     local words=""
     case "${COMP_WORDS[1]} ${COMP_WORDS[COMP_CWORD-1]}" in
         "bench --algorithms") words="dance dance-t2 dance-t4 dance-retain mixgrpo mixgrpo-flash mixgrpo-flash-w2 flow-grpo-fast cps nft awm nft-t2 awm-t4 vgrpo neighbor" ;;
-        "bench --config") words="a3-16die a3-16die-awm-lora a3-16die-flow-grpo-fast a3-16die-mixgrpo a3-16die-mixgrpo-flash a3-16die-nft-lora a3-8die a3-8die-awm-lora a3-8die-lora a3-8die-nft-lora gpu-1x-awm-lora gpu-1x-lora gpu-1x-nft-lora shapes-cpu shapes-cpu-awm shapes-cpu-hps shapes-cpu-vgrpo shapes-overfit tiny-cpu" ;;
-        "env-check --reward") words="hpsv2 pickscore clipscore imagereward hpsv3 brightness exposure structure shapes shapes-scene" ;;
-        "env-check --config") words="a3-16die a3-16die-awm-lora a3-16die-flow-grpo-fast a3-16die-mixgrpo a3-16die-mixgrpo-flash a3-16die-nft-lora a3-8die a3-8die-awm-lora a3-8die-lora a3-8die-nft-lora gpu-1x-awm-lora gpu-1x-lora gpu-1x-nft-lora shapes-cpu shapes-cpu-awm shapes-cpu-hps shapes-cpu-vgrpo shapes-overfit tiny-cpu" ;;
+        "bench --config") words="a3-16die a3-16die-awm-lora a3-16die-flow-grpo-fast a3-16die-mixgrpo a3-16die-mixgrpo-flash a3-16die-nft-lora a3-8die a3-8die-awm-lora a3-8die-lora a3-8die-nft-lora gpu-1x-awm-lora gpu-1x-lora gpu-1x-nft-lora shapes-cpu shapes-cpu-awm shapes-cpu-hps shapes-cpu-vgrpo shapes-overfit shapes-quickstart tiny-cpu" ;;
+        "env-check --reward") words="hpsv2 pickscore clipscore imagereward hpsv3 brightness exposure structure shapes shapes-scene shapes-strict" ;;
+        "env-check --config") words="a3-16die a3-16die-awm-lora a3-16die-flow-grpo-fast a3-16die-mixgrpo a3-16die-mixgrpo-flash a3-16die-nft-lora a3-8die a3-8die-awm-lora a3-8die-lora a3-8die-nft-lora gpu-1x-awm-lora gpu-1x-lora gpu-1x-nft-lora shapes-cpu shapes-cpu-awm shapes-cpu-hps shapes-cpu-vgrpo shapes-overfit shapes-quickstart tiny-cpu" ;;
         "fetch-weights --source") words="tiny shapes hf modelscope" ;;
         "preprocess --prompts") words="shapes-train shapes-heldout" ;;
-        "score --reward") words="hpsv2 pickscore clipscore imagereward hpsv3 brightness exposure structure shapes shapes-scene" ;;
-        "train --config") words="a3-16die a3-16die-awm-lora a3-16die-flow-grpo-fast a3-16die-mixgrpo a3-16die-mixgrpo-flash a3-16die-nft-lora a3-8die a3-8die-awm-lora a3-8die-lora a3-8die-nft-lora gpu-1x-awm-lora gpu-1x-lora gpu-1x-nft-lora shapes-cpu shapes-cpu-awm shapes-cpu-hps shapes-cpu-vgrpo shapes-overfit tiny-cpu" ;;
-        "train --reward") words="hpsv2 pickscore clipscore imagereward hpsv3 brightness exposure structure shapes shapes-scene" ;;
+        "score --reward") words="hpsv2 pickscore clipscore imagereward hpsv3 brightness exposure structure shapes shapes-scene shapes-strict" ;;
+        "train --config") words="a3-16die a3-16die-awm-lora a3-16die-flow-grpo-fast a3-16die-mixgrpo a3-16die-mixgrpo-flash a3-16die-nft-lora a3-8die a3-8die-awm-lora a3-8die-lora a3-8die-nft-lora gpu-1x-awm-lora gpu-1x-lora gpu-1x-nft-lora shapes-cpu shapes-cpu-awm shapes-cpu-hps shapes-cpu-vgrpo shapes-overfit shapes-quickstart tiny-cpu" ;;
+        "train --reward") words="hpsv2 pickscore clipscore imagereward hpsv3 brightness exposure structure shapes shapes-scene shapes-strict" ;;
         "train --eval-prompts") words="shapes-train shapes-heldout hpdv2" ;;
-        "train --eval-rewards") words="hpsv2 pickscore clipscore imagereward hpsv3 brightness exposure structure shapes shapes-scene" ;;
+        "train --eval-rewards") words="hpsv2 pickscore clipscore imagereward hpsv3 brightness exposure structure shapes shapes-scene shapes-strict" ;;
     esac
     if [[ -n "$words" && "$cur" != -* ]]; then
         COMPREPLY=( $(compgen -W "$words" -- "$cur") $(compgen -f -- "$cur") )
