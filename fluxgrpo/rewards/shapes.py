@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError
 from fluxgrpo.rewards.base import check_batch
-from fluxgrpo.rewards.registry import RewardRecord
+from fluxgrpo.rewards.registry import RewardLoader, RewardRecord
 
 if TYPE_CHECKING:
     import torch
@@ -145,3 +145,16 @@ RECORD = RewardRecord(  # no weights
     prompt_problems=prompt_problems,
     image_size_problems=image_size_problems,
 )
+
+
+def scene_record(name: str, load: RewardLoader) -> RewardRecord:
+    """The registry record of a training reward that reads the scene claim too (``shapes-scene``, ``shapes-strict``):
+    the checker's summary, its claims with the scene claim, its one-line errors under ``name``."""
+    return RewardRecord(  # no weights
+        name,
+        load,
+        summarize=summarize,
+        explain=partial(explain, scene=True),
+        prompt_problems=partial(prompt_problems, reward=name),
+        image_size_problems=partial(image_size_problems, reward=name),
+    )

@@ -10,12 +10,10 @@ which the shapes configs do.
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fluxgrpo.rewards import shapes
-from fluxgrpo.rewards.registry import RewardRecord
 
 if TYPE_CHECKING:
     import torch
@@ -27,11 +25,4 @@ def _load(hps_dir: Path, device: torch.device | str, dtype: torch.dtype) -> shap
     return shapes.ShapesReward(scene=True)
 
 
-RECORD = RewardRecord(  # no weights
-    NAME,
-    _load,
-    summarize=shapes.summarize,
-    explain=partial(shapes.explain, scene=True),
-    prompt_problems=partial(shapes.prompt_problems, reward=NAME),
-    image_size_problems=partial(shapes.image_size_problems, reward=NAME),
-)
+RECORD = shapes.scene_record(NAME, _load)
