@@ -12,8 +12,10 @@ CPU, seeded, in four stages:
    split's scenes alone it decoded such pairs blue (0.80 strict on reconstructions). The transformer and the HPS,
    which read captions, learn from the training split only.
 2. **Text encoders**: FLUX's CLIP-L and T5 classes, tiny, with the world's tokenizers (``shapes/tokenizers.py``),
-   seeded. FLUX's encoders arrive pretrained; random ones give nearly one pooled vector for every caption, so ours
-   train with the transformer (stage 3) and ship as trained, frozen from then on like FLUX's.
+   seeded. FLUX's encoders arrive pretrained; random ones give nearly one pooled vector for every caption and no
+   word order, so ours first learn to parse the training captions (``lab/build_text.py``: each T5 token's word and
+   the place of its object, CLIP's pooled parts), then train on with the transformer (stage 3) and ship as trained,
+   frozen from then on like FLUX's.
 3. **Transformer** (``FluxTransformer2DModel``) by rectified flow on the VAE's normalised, packed latents:
    x_σ = (1 − σ)·x0 + σ·ε, target v = ε − x0, σ = FLUX's time shift (3) of a logit-normal/uniform draw, fed
    quantised as the sampler feeds it (``grpo.schedule.model_timesteps``) with a random guidance value (this
@@ -49,6 +51,7 @@ import numpy as np
 from fluxgrpo.errors import UsageError
 from fluxgrpo.lab import stages
 from fluxgrpo.lab.build_hps import judged_base_samples, train_hps, write_hps
+from fluxgrpo.lab.build_text import pretrain_text_encoders, text_stage_captions, tokenize_captions
 from fluxgrpo.lab.plan import (
     BUILD_INFO,
     FLUX_SUBDIR,
@@ -189,9 +192,10 @@ def encode_dataset(vae: AutoencoderKL, images: np.ndarray, batch: int = 256) -> 
 
 
 def build_text_encoders(
-    seed: int,
+    seed: int, t5_dropout: float = FULL_PLAN.text_dropout
 ) -> tuple[CLIPTextModel, PreTrainedTokenizerBase, T5EncoderModel, PreTrainedTokenizerBase]:
-    """The world's CLIP-L and T5 text encoders (random, seeded, frozen) and their tokenizers."""
+    """The world's CLIP-L and T5 text encoders (random, seeded, frozen) and their tokenizers; ``t5_dropout`` is the
+    T5's dropout while it trains (``BuildPlan.text_dropout``)."""
     import torch
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
@@ -223,6 +227,7 @@ def build_text_encoders(
                 num_layers=2,
                 num_heads=4,
                 relative_attention_num_buckets=8,
+                dropout_rate=t5_dropout,
                 feed_forward_proj="gated-gelu",
                 is_encoder_decoder=False,
                 use_cache=False,
@@ -245,21 +250,6 @@ def draw_sigmas(count: int, generator: torch.Generator, shift: float = 3.0) -> t
     uniform = torch.rand(count, generator=generator)
     u = torch.where(torch.rand(count, generator=generator) < 0.5, u, uniform)
     return shift * u / (1 + (shift - 1) * u)
-
-
-def tokenize_captions(
-    clip_tokenizer: PreTrainedTokenizerBase, t5_tokenizer: PreTrainedTokenizerBase, captions: list[str]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(CLIP ids [n, 77], T5 ids [n, 12]) padded exactly as ``models.flux.encode_prompts`` pads them."""
-    from fluxgrpo.models.flux import CLIP_MAX_LENGTH
-
-    clip_ids = clip_tokenizer(
-        captions, padding="max_length", max_length=CLIP_MAX_LENGTH, truncation=True, return_tensors="pt"
-    ).input_ids
-    t5_ids = t5_tokenizer(
-        captions, padding="max_length", max_length=WORLD_TEXT_LENGTH, truncation=True, return_tensors="pt"
-    ).input_ids
-    return clip_ids, t5_ids
 
 
 def _ema_step(ema: torch.nn.Module, live: torch.nn.Module, step: int, decay: float) -> None:
@@ -489,7 +479,7 @@ def build(
         return info
 
     stage = time.monotonic()
-    _, clip_tokenizer, _, t5_tokenizer = built = build_text_encoders(plan.seed + 3)
+    _, clip_tokenizer, _, t5_tokenizer = built = build_text_encoders(plan.seed + 3, plan.text_dropout)
     # the training captions and, last, the empty one (caption dropout's and the distillation's unconditional row)
     token_ids = tokenize_captions(clip_tokenizer, t5_tokenizer, [*training_captions(), ""])
     record = stages.finished(out, "transformer", plan) if resume else None
@@ -498,12 +488,15 @@ def build(
         log(f"transformer: read back from {stages.stage_dir(out, 'transformer')}")
     else:
         stages.forget(out, "transformer")
+        text_losses = pretrain_text_encoders(*built, text_stage_captions(plan), plan)
         teacher, clip, t5, flow_losses = train_transformer(latents, caption_index, built[0], built[2], token_ids, plan)
         record = {"final_loss": float(np.mean(flow_losses[-50:])), "seconds": round(time.monotonic() - stage, 1)}
+        if text_losses:
+            record["text_final_loss"] = float(np.mean(text_losses[-20:]))
         stages.save_transformer_stage(out, teacher, clip, t5)
         stages.mark_finished(out, "transformer", plan, record)
     info["seconds"]["transformer"] = record["seconds"]
-    info["transformer"] = {"final_loss": record["final_loss"]}
+    info["transformer"] = {k: record[k] for k in ("final_loss", "text_final_loss") if k in record}
     if stop_after == "transformer":
         return info
 

@@ -9,7 +9,12 @@ document:
   the model is short of fitting even what it saw;
 - how well a linear read-out of the T5 features the transformer is handed, fitted on the training captions, recovers
   each part of the held-out captions (colours, shapes, relation, count), seen and novel combinations apart: whether
-  the captions reach the transformer intact.
+  the captions reach the transformer intact. The read-out sees the tokens in order; the transformer does not (FLUX's
+  text positions are all zero), so a second read-out asks each colour or shape word alone whether its object is the
+  one a relation puts first (top or left): 0.5 is a caption whose word order never reaches the transformer;
+- the flow loss on renders of the relation captions told with the true caption, with its relation's direction
+  swapped (above ↔ below) and with its axis swapped (above ↔ left of): equal losses are a model that ignores the
+  relation words.
 
 The results page (``fluxgrpo/docs/results/shapes-world.md``, "Where RL tops out") reads them against what RL changes
 (``lab.measure``'s claim breakdown).
@@ -134,7 +139,55 @@ def capacity(flux_dir: Path, images: int = 2000) -> dict[str, Any]:
             train_y = [labels[slot] for labels in train_slots]
             test_y = [labels[slot] for labels in test_slots]
             probe.setdefault(name, {})[kind] = round(slot_probe(train_x, train_y, test_x, test_y), 4)
-    return {"flow_loss": {k: round(v, 4) for k, v in loss.items()}, "t5_slot_probe_heldout": probe}
+    relation_train = [c for c in train_captions if world.parse_caption(c).relation]
+    relation_held = [c for c in heldout_captions if world.parse_caption(c).relation]
+    order = slot_probe(*word_leads(pipe, relation_train), *word_leads(pipe, relation_held))
+    rendered, index = render_dataset(images, FULL_PLAN.seed + 1002, relation_train)
+    told = [relation_train[i] for i in index]
+    relation_loss = {
+        "true_caption": flow_loss(pipe, rendered, told, seed=3),
+        "direction_swapped": flow_loss(pipe, rendered, [swap_relation(c, _OPPOSITE) for c in told], seed=3),
+        "axis_swapped": flow_loss(pipe, rendered, [swap_relation(c, _OTHER_AXIS) for c in told], seed=3),
+    }
+    return {
+        "flow_loss": {k: round(v, 4) for k, v in loss.items()},
+        "t5_slot_probe_heldout": probe,
+        "t5_word_knows_its_object_leads_heldout": round(order, 4),
+        "relation_renders_flow_loss": {k: round(v, 5) for k, v in relation_loss.items()},
+    }
+
+
+_OPPOSITE = {"above": "below", "below": "above", "left of": "right of", "right of": "left of"}
+_OTHER_AXIS = {"above": "left of", "below": "right of", "left of": "above", "right of": "below"}
+
+
+def swap_relation(caption: str, swap: dict[str, str]) -> str:
+    """``caption`` with its relation words replaced as ``swap`` says (its objects kept in place)."""
+    parsed = world.parse_caption(caption)
+    assert parsed.relation is not None
+    return caption.replace(f" {parsed.relation} ", f" {swap[parsed.relation]} ")
+
+
+def word_leads(pipe: Any, captions: list[str]) -> tuple[np.ndarray, list[str]]:
+    """Each colour and shape word of the relation ``captions``: its own T5 feature (the transformer reads text
+    tokens without their order: FLUX's text positions are all zero) and whether its object is the one the relation
+    puts first (top or left): :func:`slot_probe`'s input for "does a word know where its object goes"."""
+    import torch
+
+    from fluxgrpo.lab.build_text import ROLES, token_roles
+    from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH
+
+    tokenizer = pipe.tokenizer_2
+    ids = tokenizer(captions, padding="max_length", max_length=WORLD_TEXT_LENGTH, return_tensors="pt").input_ids
+    with torch.no_grad():
+        features = pipe.text_encoder_2(ids)[0]
+    rows, labels = [], []
+    for caption, row, feature in zip(captions, ids, features, strict=True):
+        for k, role in enumerate(token_roles(caption, tokenizer.convert_ids_to_tokens(row.tolist()))):
+            if ROLES[role] in ("top", "bottom", "left", "right"):
+                rows.append(feature[k].numpy())
+                labels.append(str(ROLES[role] in ("top", "left")))
+    return np.array(rows), labels
 
 
 def main(argv: list[str] | None = None) -> int:

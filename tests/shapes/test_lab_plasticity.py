@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, replace
 
 import pytest
 
 from fluxgrpo.lab.candidate import candidate
+from fluxgrpo.lab.plan import PLANS
 from fluxgrpo.lab.plasticity import PlasticitySettings, plasticity
 from fluxgrpo.shapes.shipped import shipped_weights_dir
 from fluxgrpo.shapes.sizes import FLUX_SUBDIR
@@ -28,10 +30,12 @@ def test_plasticity_judges_fresh_seeds_at_each_step_and_restores_nothing_it_did_
 
 
 @needs_shipped
-@pytest.mark.parametrize(("size", "distill_steps"), [(64, 2), (128, 0)])
-def test_a_candidate_is_a_flux_folder_the_plasticity_test_reads(tmp_path, size, distill_steps):
-    record = candidate(tmp_path, image_size=size, steps=2, images=8, threads=1, distill_steps=distill_steps)
-    assert record["image_size"] == size and record["distill_steps"] == distill_steps
+@pytest.mark.parametrize(("size", "distill_steps", "plan"), [(64, 2, "parsed"), (128, 0, "shipped")])
+def test_a_candidate_is_a_flux_folder_the_plasticity_test_reads(tmp_path, size, distill_steps, plan):
+    shortened = replace(PLANS[plan], image_size=size, transformer_steps=2, images=8, threads=1,
+                        distill_steps=distill_steps, text_steps=min(PLANS[plan].text_steps, 2))  # fmt: skip
+    record = candidate(tmp_path, shortened)
+    assert record["plan"] == asdict(shortened)
     assert json.loads((tmp_path / "candidate.json").read_text()) == record
     assert (tmp_path / FLUX_SUBDIR / "model_index.json").is_file()
     settings = PlasticitySettings(pool=2, steps=1, batch=2, at=(), judge=1, size=size)
