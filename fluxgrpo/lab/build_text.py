@@ -9,7 +9,7 @@ a shape word's T5 feature told the top (or left) object from the other in 0.46 o
 So the encoders first learn, from the training captions' words alone (no image), what a pretrained encoder knows:
 - T5, per token: the word itself and its **role**, the place in the scene of the object the word belongs to
   (``top``/``bottom``/``left``/``right`` in a relation caption, ``object`` in any other, ``none`` for the rest);
-- CLIP's pooled vector: every part of the caption (:data:`fluxgrpo.lab.capacity.CAPTION_SLOTS`) and which object
+- CLIP's pooled vector: every part of the caption (:data:`CAPTION_SLOTS`) and which object
   the relation puts first (top or left).
 The heads are dropped afterwards. The build then keeps the encoders as this stage leaves them (``plan.text_encoders``
 False), as FLUX keeps its pretrained ones; trained on by the flow loss, they lose part of what they learnt here.
@@ -53,11 +53,27 @@ def token_roles(caption: str, pieces: list[str]) -> list[int]:
     return out
 
 
+CAPTION_SLOTS = ("first_colour", "first_shape", "second_colour", "second_shape", "relation", "count")
+
+
+def caption_slots(text: str) -> tuple[str, ...]:
+    """A caption's parts as labels, one per :data:`CAPTION_SLOTS` ("-" where it has none)."""
+    caption = world.parse_caption(text)
+    first = caption.objects[0]
+    second = caption.objects[1] if len(caption.objects) > 1 else None
+    return (
+        first.colour or "-",
+        first.shape,
+        (second.colour or "-") if second else "-",
+        second.shape if second else "-",
+        caption.relation or "-",
+        str(caption.count or "-"),
+    )
+
+
 def pooled_targets(caption: str) -> tuple[str, ...]:
     """What CLIP's pooled vector learns to tell: the caption's parts and whether its first object is the top or left
     one (``-`` without a relation)."""
-    from fluxgrpo.lab.capacity import caption_slots
-
     relation = world.parse_caption(caption).relation
     first_leads = "-" if relation is None else str(relation in ("above", "left of"))
     return (*caption_slots(caption), first_leads)

@@ -29,7 +29,10 @@ from typing import Any
 
 import numpy as np
 
+from fluxgrpo.lab.build_text import CAPTION_SLOTS, caption_slots
 from fluxgrpo.shapes import world
+
+__all__ = ["CAPTION_SLOTS", "capacity", "caption_slots", "slot_probe"]
 
 
 def flow_loss(pipe: Any, images: np.ndarray, captions: list[str], seed: int = 7, batch: int = 250) -> float:
@@ -62,24 +65,6 @@ def flow_loss(pipe: Any, images: np.ndarray, captions: list[str], seed: int = 7,
                                         torch.ones(len(x0)), image_ids(64, 64), "cpu")  # fmt: skip
             losses.append((velocity.float() - (noise - x0)).pow(2).mean(dim=(1, 2)))
     return float(torch.cat(losses).mean())
-
-
-CAPTION_SLOTS = ("first_colour", "first_shape", "second_colour", "second_shape", "relation", "count")
-
-
-def caption_slots(text: str) -> tuple[str, ...]:
-    """A caption's parts as labels, one per :data:`CAPTION_SLOTS` ("-" where it has none)."""
-    caption = world.parse_caption(text)
-    first = caption.objects[0]
-    second = caption.objects[1] if len(caption.objects) > 1 else None
-    return (
-        first.colour or "-",
-        first.shape,
-        (second.colour or "-") if second else "-",
-        second.shape if second else "-",
-        caption.relation or "-",
-        str(caption.count or "-"),
-    )
 
 
 def slot_probe(train: np.ndarray, train_labels: list[str], test: np.ndarray, test_labels: list[str]) -> float:
