@@ -30,7 +30,7 @@ def test_plasticity_judges_fresh_seeds_at_each_step_and_restores_nothing_it_did_
 
 
 @needs_shipped
-@pytest.mark.parametrize(("size", "distill_steps", "plan"), [(64, 2, "parsed"), (128, 0, "shipped")])
+@pytest.mark.parametrize(("size", "distill_steps", "plan"), [(64, 2, "shipped"), (128, 0, "quadrant")])
 def test_a_candidate_is_a_flux_folder_the_plasticity_test_reads(tmp_path, size, distill_steps, plan):
     shortened = replace(PLANS[plan], image_size=size, transformer_steps=2, images=8, threads=1,
                         distill_steps=distill_steps, text_steps=min(PLANS[plan].text_steps, 2))  # fmt: skip

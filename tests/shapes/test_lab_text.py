@@ -64,7 +64,7 @@ def test_the_text_stage_teaches_t5_which_object_a_relation_puts_first():
     parts = world.split()
     seen = [c for c in parts.train if world.parse_caption(c).relation]
     unseen = [c for c in (*parts.eval_seen, *parts.eval_novel) if world.parse_caption(c).relation]
-    clip, clip_tokenizer, t5, t5_tokenizer = build.build_text_encoders(3, t5_dropout=0.0)  # the parsed plan's
+    clip, clip_tokenizer, t5, t5_tokenizer = build.build_text_encoders(3, t5_dropout=0.0)  # the shipped plan's
     before = slot_probe(*_leads(t5, t5_tokenizer, seen), *_leads(t5, t5_tokenizer, unseen))
     plan = replace(build.QUICK_PLAN, text_steps=400, text_batch=16, text_lr=1e-2)
     losses = pretrain_text_encoders(clip, clip_tokenizer, t5, t5_tokenizer, seen, plan)

@@ -224,9 +224,9 @@ def test_sample_defaults_to_the_world_models_own_size_and_text_length(tmp_path):
 
 
 def test_shipped_text_encoders_carry_every_part_of_the_heldout_captions():
-    """The T5 the shipped transformer reads codes each part of a held-out caption (novel combinations too) linearly
-    when its tokens are read in order, but not which object a relation puts first, and the transformer ignores the
-    relation words (docs/results/shapes-world.md, "A world with a text stage")."""
+    """The T5 the shipped transformer reads codes each part of a held-out caption (novel combinations too) linearly,
+    each colour or shape word knows where a relation puts its object, and the transformer reads the relation words
+    (docs/results/shapes-world.md, "Relations")."""
     from fluxgrpo.lab.capacity import CAPTION_SLOTS, capacity
 
     report = capacity(shipped_weights_dir() / build.FLUX_SUBDIR, images=16)
@@ -235,13 +235,13 @@ def test_shipped_text_encoders_carry_every_part_of_the_heldout_captions():
     assert all(v >= 0.9 for probe in report["t5_slot_probe_heldout"].values() for v in probe.values())
     losses = report["flow_loss"]
     assert all(0 < v < 1 for v in losses.values())
-    # FLUX's transformer reads the text tokens without their order, so a word must carry where its object goes. The
-    # shipped world's words do not (0.47; 0.94 on the parsed plan's build) and its transformer ignores the relation
-    # words (the loss is the same told backwards; 0.15 higher on the parsed plan's): results/shapes-world.md
-    assert report["t5_word_knows_its_object_leads_heldout"] < 0.7
+    # FLUX's transformer reads the text tokens without their order, so each word must carry where its object goes
+    # (0.94 shipped; 0.47 before the text stage) and the transformer must read the relation words (told backwards,
+    # the flow loss rises by 0.15 shipped; by nothing before): results/shapes-world.md, "Relations"
+    assert report["t5_word_knows_its_object_leads_heldout"] >= 0.85
     relation = report["relation_renders_flow_loss"]
-    assert abs(relation["direction_swapped"] - relation["true_caption"]) < 0.01
-    assert abs(relation["axis_swapped"] - relation["true_caption"]) < 0.01
+    assert relation["direction_swapped"] > relation["true_caption"] + 0.05
+    assert relation["axis_swapped"] > relation["true_caption"] + 0.02
 
 
 def test_a_build_stopped_after_a_stage_resumes_to_the_same_files(quick_build, tmp_path):
