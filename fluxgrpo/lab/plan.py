@@ -110,9 +110,10 @@ QUADRANT_PLAN = replace(FULL_PLAN, text_steps=0, text_encoders=True, text_dropou
 
 
 # Named plans (``--plan``). ``quadrant``: the world shipped before the text stage. ``parsed-grammar``: the text stage
-# reads every caption of the grammar, not the training split's alone. ``free``: the first shipped world (objects
-# anywhere, 8,000 flow steps, no text stage). ``grid8``: 128² images so the transformer sees its objects on an 8×8
-# grid of tokens instead of 4×4 (about 2.5 h on 2 cores: build it in sittings with --stop-after and --resume).
+# reads every caption of the grammar, not the training split's alone (a better base that RL moved less). ``free``:
+# the first shipped world (objects anywhere, 8,000 flow steps, no text stage). ``grid8``: 128² images so the
+# transformer sees its objects on an 8×8 grid of tokens instead of 4×4 (about 2.5 h on 2 cores: build it in sittings
+# with --stop-after and --resume).
 PLANS = {
     "shipped": FULL_PLAN,
     "quadrant": QUADRANT_PLAN,
