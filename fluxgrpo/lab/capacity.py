@@ -126,7 +126,8 @@ def capacity(flux_dir: Path, images: int = 2000) -> dict[str, Any]:
             probe.setdefault(name, {})[kind] = round(slot_probe(train_x, train_y, test_x, test_y), 4)
     relation_train = [c for c in train_captions if world.parse_caption(c).relation]
     relation_held = [c for c in heldout_captions if world.parse_caption(c).relation]
-    order = slot_probe(*word_leads(pipe, relation_train), *word_leads(pipe, relation_held))
+    t5, t5_tokenizer = pipe.text_encoder_2, pipe.tokenizer_2
+    order = slot_probe(*word_leads(t5, t5_tokenizer, relation_train), *word_leads(t5, t5_tokenizer, relation_held))
     rendered, index = render_dataset(images, FULL_PLAN.seed + 1002, relation_train)
     told = [relation_train[i] for i in index]
     relation_loss = {
@@ -153,7 +154,7 @@ def swap_relation(caption: str, swap: dict[str, str]) -> str:
     return caption.replace(f" {parsed.relation} ", f" {swap[parsed.relation]} ")
 
 
-def word_leads(pipe: Any, captions: list[str]) -> tuple[np.ndarray, list[str]]:
+def word_leads(t5: Any, tokenizer: Any, captions: list[str]) -> tuple[np.ndarray, list[str]]:
     """Each colour and shape word of the relation ``captions``: its own T5 feature (the transformer reads text
     tokens without their order: FLUX's text positions are all zero) and whether its object is the one the relation
     puts first (top or left): :func:`slot_probe`'s input for "does a word know where its object goes"."""
@@ -162,10 +163,9 @@ def word_leads(pipe: Any, captions: list[str]) -> tuple[np.ndarray, list[str]]:
     from fluxgrpo.lab.build_text import ROLES, token_roles
     from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH
 
-    tokenizer = pipe.tokenizer_2
     ids = tokenizer(captions, padding="max_length", max_length=WORLD_TEXT_LENGTH, return_tensors="pt").input_ids
     with torch.no_grad():
-        features = pipe.text_encoder_2(ids)[0]
+        features = t5(ids)[0]
     rows, labels = [], []
     for caption, row, feature in zip(captions, ids, features, strict=True):
         for k, role in enumerate(token_roles(caption, tokenizer.convert_ids_to_tokens(row.tolist()))):

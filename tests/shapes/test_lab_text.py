@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
 
 from fluxgrpo.lab import build
 from fluxgrpo.lab.build_text import ROLES, pooled_targets, pretrain_text_encoders, token_roles
-from fluxgrpo.lab.capacity import slot_probe
+from fluxgrpo.lab.capacity import slot_probe, word_leads
 from fluxgrpo.shapes import world
 
 
@@ -41,23 +40,6 @@ def test_the_pooled_targets_say_which_object_leads():
     assert pooled_targets("two red circles")[-1] == "-"
 
 
-def _leads(t5, tokenizer, captions):
-    """Each colour or shape word of a relation caption: its T5 feature, and whether its object is the top or left one
-    (what FLUX's transformer, which sees the text tokens without their order, needs to stand the relation)."""
-    import torch
-
-    _, ids = build.tokenize_captions(build.build_world_clip_tokenizer(), tokenizer, captions)
-    with torch.no_grad():
-        features = t5(ids)[0]
-    rows, labels = [], []
-    for caption, row, feature in zip(captions, ids, features, strict=True):
-        for k, role in enumerate(token_roles(caption, tokenizer.convert_ids_to_tokens(row.tolist()))):
-            if ROLES[role] in ("top", "bottom", "left", "right"):
-                rows.append(feature[k].numpy())
-                labels.append(str(ROLES[role] in ("top", "left")))
-    return np.array(rows), labels
-
-
 def test_the_text_stage_teaches_t5_which_object_a_relation_puts_first():
     """Before it, a linear read-out of a colour or shape word's T5 feature cannot tell the top (or left) object from
     the other; after it, it can, on the held-out relation captions, which the stage never saw."""
@@ -65,9 +47,9 @@ def test_the_text_stage_teaches_t5_which_object_a_relation_puts_first():
     seen = [c for c in parts.train if world.parse_caption(c).relation]
     unseen = [c for c in (*parts.eval_seen, *parts.eval_novel) if world.parse_caption(c).relation]
     clip, clip_tokenizer, t5, t5_tokenizer = build.build_text_encoders(3, t5_dropout=0.0)  # the shipped plan's
-    before = slot_probe(*_leads(t5, t5_tokenizer, seen), *_leads(t5, t5_tokenizer, unseen))
+    before = slot_probe(*word_leads(t5, t5_tokenizer, seen), *word_leads(t5, t5_tokenizer, unseen))
     plan = replace(build.QUICK_PLAN, text_steps=400, text_batch=16, text_lr=1e-2)
     losses = pretrain_text_encoders(clip, clip_tokenizer, t5, t5_tokenizer, seen, plan)
-    after = slot_probe(*_leads(t5, t5_tokenizer, seen), *_leads(t5, t5_tokenizer, unseen))
+    after = slot_probe(*word_leads(t5, t5_tokenizer, seen), *word_leads(t5, t5_tokenizer, unseen))
     assert len(losses) == 400 and not t5.training and not any(p.requires_grad for p in t5.parameters())
     assert before < 0.65 and after > 0.85, (before, after)
