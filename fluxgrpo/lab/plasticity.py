@@ -13,7 +13,12 @@ update will: RL's best case is to move the policy towards its own best samples, 
    four captions.
 
 Prints one JSON document. The default captions are the four issue 48 names (base strict 0.22 on the previous build);
-``--captions`` takes any of the world's.
+``--captions`` takes any of the world's, ``--prompt-set shapes-train`` all training captions.
+
+**Transfer** (``--judge-prompt-set shapes-heldout``): judge captions the fine-tuning never saw. Fine-tuning on the
+best of N of every training caption is RL's best case on that set (the policy moved straight to its own correct
+samples), so the held-out change it reaches bounds what an RL run on the training captions can transfer: the
+"distillation ceiling" a missed held-out target is read against. Each judging also reports the checker's mean.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from fluxgrpo.lab.build import draw_sigmas
 from fluxgrpo.lab.measure import sample_with
 from fluxgrpo.lab.plan import log
 from fluxgrpo.shapes.checker import check
+from fluxgrpo.shapes.world import PROMPT_SETS, prompt_set
 
 DEFAULT_CAPTIONS = (
     "three circles",
@@ -65,11 +71,21 @@ class PlasticitySettings:
     size: int = 64  # the world's image side
 
 
+def judged_rates(
+    pipe: Any, captions: list[str], per_caption: int, steps: int, seed: int, size: int = 64
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The strict rate and the checker's mean score per caption over ``per_caption`` fresh images."""
+    groups = sample_with(pipe, captions, per_caption, steps, seed=seed, size=size)
+    results = {c: [check(im, c) for im in g] for c, g in zip(captions, groups, strict=True)}
+    strict = {c: float(np.mean([r.strict for r in rs])) for c, rs in results.items()}
+    mean = {c: float(np.mean([r.score for r in rs])) for c, rs in results.items()}
+    return strict, mean
+
+
 def strict_rates(
     pipe: Any, captions: list[str], per_caption: int, steps: int, seed: int, size: int = 64
 ) -> dict[str, float]:
-    groups = sample_with(pipe, captions, per_caption, steps, seed=seed, size=size)
-    return {c: float(np.mean([check(im, c).strict for im in g])) for c, g in zip(captions, groups, strict=True)}
+    return judged_rates(pipe, captions, per_caption, steps, seed, size)[0]
 
 
 def best_of_n(pipe: Any, captions: list[str], pool: int, steps: int, size: int = 64) -> dict[str, list[np.ndarray]]:
@@ -79,10 +95,14 @@ def best_of_n(pipe: Any, captions: list[str], pool: int, steps: int, size: int =
 
 
 def finetune_on(
-    pipe: Any, kept: dict[str, list[np.ndarray]], settings: PlasticitySettings, seed: int = 0
+    pipe: Any,
+    kept: dict[str, list[np.ndarray]],
+    settings: PlasticitySettings,
+    seed: int = 0,
+    judged: list[str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Rectified-flow fine-tuning of ``pipe.transformer`` on ``kept`` (in place); the strict rates at each of
-    ``settings.at``."""
+    """Rectified-flow fine-tuning of ``pipe.transformer`` on ``kept`` (in place); the strict rates (and checker
+    means) of ``judged`` (default: the fine-tuned captions) at each of ``settings.at``."""
     import torch
 
     from fluxgrpo.grpo.latents import image_ids, pack_latents
@@ -94,20 +114,22 @@ def finetune_on(
     steps, lr, batch, guidance = settings.steps, settings.lr, settings.batch, settings.guidance
     at, judge, sample_steps, size = settings.at, settings.judge, settings.sample_steps, settings.size
     captions = [c for c in kept if kept[c]]
-    judged_captions = list(kept)
+    judged_captions = list(kept) if judged is None else judged
     history: list[dict[str, Any]] = []
 
     def judge_now(step: int) -> None:
         transformer.eval()
-        rates = strict_rates(pipe, judged_captions, judge, sample_steps, JUDGE_SEED, size)
+        rates, means = judged_rates(pipe, judged_captions, judge, sample_steps, JUDGE_SEED, size)
         history.append(
             {
                 "step": step,
                 "strict": round(float(np.mean(list(rates.values()))), 4),
+                "mean": round(float(np.mean(list(means.values()))), 4),
                 "per_caption": {c: round(r, 4) for c, r in rates.items()},
             }
         )
-        log(f"plasticity step {step}: strict {history[-1]['strict']:.3f} {history[-1]['per_caption']}")
+        shown = history[-1]["per_caption"] if len(judged_captions) <= 8 else f"{len(judged_captions)} captions"
+        log(f"plasticity step {step}: strict {history[-1]['strict']:.3f} mean {history[-1]['mean']:.3f} {shown}")
 
     transformer = pipe.transformer
     if not captions:
@@ -117,7 +139,8 @@ def finetune_on(
     with torch.no_grad():
         images = np.stack([im for c in captions for im in kept[c]])
         pixels = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
-        raw = vae.encode(pixels).latent_dist.mean
+        # in chunks: a whole prompt set's best of N (thousands of images) at once would hold gigabytes of activations
+        raw = torch.cat([vae.encode(chunk).latent_dist.mean for chunk in pixels.split(256)])
         packed = pack_latents((raw - vae.config.shift_factor) * vae.config.scaling_factor)
         embeds, pooled, _ = pipe.encode_prompt(prompt=captions, prompt_2=None, max_sequence_length=WORLD_TEXT_LENGTH)
     rows_caption = torch.tensor([i for i, c in enumerate(captions) for _ in kept[c]])
@@ -150,7 +173,10 @@ def finetune_on(
     return history
 
 
-def plasticity(flux_dir: Path, captions: list[str], settings: PlasticitySettings) -> dict[str, Any]:
+def plasticity(
+    flux_dir: Path, captions: list[str], settings: PlasticitySettings, judged: list[str] | None = None
+) -> dict[str, Any]:
+    """Fine-tune on the best of ``settings.pool`` of ``captions`` and judge ``judged`` (default: the same)."""
     import torch
     from diffusers import FluxPipeline
 
@@ -163,10 +189,12 @@ def plasticity(flux_dir: Path, captions: list[str], settings: PlasticitySettings
     at = tuple(sorted({0, *settings.at, settings.steps} & set(range(settings.steps + 1))))
     # no correct sample of any caption: nothing to fine-tune on, only the base is judged
     trainable = any(kept.values())
-    history = finetune_on(pipe, kept, replace(settings, at=at if trainable else (0,), steps=settings.steps * trainable))
+    shortened = replace(settings, at=at if trainable else (0,), steps=settings.steps * trainable)
+    history = finetune_on(pipe, kept, shortened, judged=judged)
     pipe.transformer.load_state_dict(base)
     return {
         "settings": asdict(settings),
+        "judged": "the fine-tuned captions" if judged is None else f"{len(judged)} other captions",
         "best_of_pool": {c: round(len(v) / settings.pool, 4) for c, v in kept.items()},
         "history": history,
         "seconds": round(time.monotonic() - start, 1),
@@ -179,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fluxgrpo.lab.plasticity", description=__doc__.splitlines()[0])
     parser.add_argument("--flux-dir", default="data/flux")
     parser.add_argument("--captions", nargs="+", default=list(DEFAULT_CAPTIONS))
+    parser.add_argument("--prompt-set", choices=PROMPT_SETS, help="fine-tune on a shipped set instead of --captions")
+    parser.add_argument(
+        "--judge-prompt-set", choices=PROMPT_SETS, help="judge this set instead of the fine-tuned captions (transfer)"
+    )
     parser.add_argument("--pool", type=int, default=64, help="base samples per caption to keep the correct ones of")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--lr", type=float, default=3e-4)
@@ -199,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         judge=args.judge,
         size=args.image_size,
     )
-    report = plasticity(Path(args.flux_dir), args.captions, settings)
+    captions = list(prompt_set(args.prompt_set)) if args.prompt_set else args.captions
+    judged = list(prompt_set(args.judge_prompt_set)) if args.judge_prompt_set else None
+    report = plasticity(Path(args.flux_dir), captions, settings, judged)
     print(json.dumps(report, indent=2))
     return 0
 

@@ -30,6 +30,19 @@ def test_plasticity_judges_fresh_seeds_at_each_step_and_restores_nothing_it_did_
 
 
 @needs_shipped
+def test_transfer_judges_other_captions_with_the_checker_mean():
+    settings = PlasticitySettings(pool=4, steps=1, lr=1e-3, batch=2, at=(), judge=2)
+    judged = ["a red circle", "two blue squares", "three triangles"]
+    report = plasticity(SHIPPED_FLUX, ["three circles"], settings, judged)
+    assert report["judged"] == "3 other captions"
+    learnt = report["best_of_pool"]["three circles"] > 0
+    assert [entry["step"] for entry in report["history"]] == ([0, 1] if learnt else [0])
+    for entry in report["history"]:
+        assert set(entry["per_caption"]) == set(judged)  # the fine-tuned caption is not judged
+        assert 0.0 <= entry["strict"] <= entry["mean"] <= 1.0  # every claim holding counts 1 in the mean too
+
+
+@needs_shipped
 @pytest.mark.parametrize(("size", "distill_steps", "plan"), [(64, 2, "shipped"), (128, 0, "quadrant")])
 def test_a_candidate_is_a_flux_folder_the_plasticity_test_reads(tmp_path, size, distill_steps, plan):
     shortened = replace(PLANS[plan], image_size=size, transformer_steps=2, images=8, threads=1,
