@@ -9,6 +9,7 @@ training captions.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -127,7 +128,8 @@ _START = time.monotonic()
 
 
 def log(message: str) -> None:
-    print(f"[{time.monotonic() - _START:7.1f}s] {message}", flush=True)
+    """Progress to stderr: stdout carries the lab commands' one JSON document."""
+    print(f"[{time.monotonic() - _START:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 def training_captions() -> list[str]:

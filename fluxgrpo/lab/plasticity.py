@@ -45,12 +45,14 @@ DEFAULT_CAPTIONS = (
     "a green triangle above a red circle",
     "a yellow square above a red triangle",
 )
-# A second set for the overfit target, never tuned on (issue 48: base strict 0.1-0.3, best-of-32 1.0 on the build).
+# Issue 48's second overfit set, never tuned on, chosen mechanically on the shipped world (2026-12-06): the training
+# captions whose base strict rate among 32 seeds lies in [0.1, 0.3] (so best-of-32 is 1.0), not the four above, taken
+# in turn from each eligible family (colour attribution, counting, position) in an order seeded by random.Random(0).
 SECOND_CAPTIONS = (
-    "two blue squares",
-    "a red square below a yellow circle",
-    "a blue circle and a green square",
-    "three yellow triangles",
+    "a yellow square and a red circle",
+    "three red circles",
+    "a blue square above a red triangle",
+    "a green triangle and a green circle",
 )
 POOL_SEED = 1000  # the pool's seeds; judging uses JUDGE_SEED, disjoint
 JUDGE_SEED = 2000
@@ -69,6 +71,7 @@ class PlasticitySettings:
     judge: int = 128  # fresh images per caption at each judging
     sample_steps: int = 12  # the evaluation sampler's
     size: int = 64  # the world's image side
+    coupled: bool = False  # reflow: each kept image with its own starting noise (see finetune_on)
 
 
 def judged_rates(
@@ -88,21 +91,57 @@ def strict_rates(
     return judged_rates(pipe, captions, per_caption, steps, seed, size)[0]
 
 
-def best_of_n(pipe: Any, captions: list[str], pool: int, steps: int, size: int = 64) -> dict[str, list[np.ndarray]]:
-    """The strict-passing images among ``pool`` base samples of each caption."""
-    groups = sample_with(pipe, captions, pool, steps, seed=POOL_SEED, size=size)
-    return {c: [im for im in g if check(im, c).strict] for c, g in zip(captions, groups, strict=True)}
+@dataclass(frozen=True)
+class KeptSample:
+    """A strict-passing base sample: its image, and the sampler's starting noise and final latent (packed [L, C])."""
+
+    image: np.ndarray
+    noise: Any
+    latent: Any
+
+
+def best_of_n(pipe: Any, captions: list[str], pool: int, steps: int, size: int = 64) -> dict[str, list[KeptSample]]:
+    """The strict-passing samples among ``pool`` base samples of each caption (the evaluation's sampler, the seeds
+    ``sample_with`` gives seed :data:`POOL_SEED`)."""
+    import torch
+
+    from fluxgrpo.grpo.latents import unpack_latents
+    from fluxgrpo.models.flux import decode_latents
+    from fluxgrpo.sampling.generate import denoise, initial_latents
+    from fluxgrpo.sampling.request import SampleSettings, image_seed
+    from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH
+
+    settings = SampleSettings(height=size, width=size, steps=steps, guidance=3.5, max_sequence_length=WORLD_TEXT_LENGTH)
+    kept: dict[str, list[KeptSample]] = {}
+    with torch.no_grad():
+        for i, caption in enumerate(captions):
+            embeds, pooled, _ = pipe.encode_prompt(
+                prompt=[caption] * pool, prompt_2=None, max_sequence_length=WORLD_TEXT_LENGTH
+            )
+            seeds = [image_seed(POOL_SEED, i, j) for j in range(pool)]
+            latents = denoise(pipe, settings, embeds, pooled, seeds, "latent").images
+            pixels = decode_latents(pipe.vae, unpack_latents(latents, size, size)).permute(0, 2, 3, 1).numpy()
+            images = np.clip(np.rint(pixels * 255), 0, 255).astype(np.uint8)
+            noise = initial_latents(seeds, size, size)
+            kept[caption] = [
+                KeptSample(im, noise[j], latents[j]) for j, im in enumerate(images) if check(im, caption).strict
+            ]
+    return kept
 
 
 def finetune_on(
     pipe: Any,
-    kept: dict[str, list[np.ndarray]],
+    kept: dict[str, list[KeptSample]],
     settings: PlasticitySettings,
     seed: int = 0,
     judged: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Rectified-flow fine-tuning of ``pipe.transformer`` on ``kept`` (in place); the strict rates (and checker
-    means) of ``judged`` (default: the fine-tuned captions) at each of ``settings.at``."""
+    means) of ``judged`` (default: the fine-tuned captions) at each of ``settings.at``.
+
+    ``settings.coupled``: each image is paired with the noise the sampler started it from and its own final latent
+    (reflow), so the loss teaches the path the sampler took; otherwise (the default) the VAE's encoding of the image
+    with fresh noise each step, the builder's loss."""
     import torch
 
     from fluxgrpo.grpo.latents import image_ids, pack_latents
@@ -136,12 +175,16 @@ def finetune_on(
         judge_now(0)
         return history
     vae = pipe.vae
+    samples = [sample for c in captions for sample in kept[c]]
     with torch.no_grad():
-        images = np.stack([im for c in captions for im in kept[c]])
-        pixels = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
-        # in chunks: a whole prompt set's best of N (thousands of images) at once would hold gigabytes of activations
-        raw = torch.cat([vae.encode(chunk).latent_dist.mean for chunk in pixels.split(256)])
-        packed = pack_latents((raw - vae.config.shift_factor) * vae.config.scaling_factor)
+        if settings.coupled:
+            packed = torch.stack([sample.latent for sample in samples]).float()
+            start_noise = torch.stack([sample.noise for sample in samples]).float()
+        else:
+            pixels = torch.from_numpy(np.stack([sample.image for sample in samples])).permute(0, 3, 1, 2) / 127.5 - 1
+            # in chunks: a prompt set's best of N (thousands of images) at once would hold gigabytes of activations
+            raw = torch.cat([vae.encode(chunk.float()).latent_dist.mean for chunk in pixels.split(256)])
+            packed = pack_latents((raw - vae.config.shift_factor) * vae.config.scaling_factor)
         embeds, pooled, _ = pipe.encode_prompt(prompt=captions, prompt_2=None, max_sequence_length=WORLD_TEXT_LENGTH)
     rows_caption = torch.tensor([i for i, c in enumerate(captions) for _ in kept[c]])
     img_ids, text_ids = image_ids(size, size), torch.zeros(WORLD_TEXT_LENGTH, 3)
@@ -153,7 +196,7 @@ def finetune_on(
     for step in range(1, steps + 1):
         rows = torch.randint(len(packed), (batch,), generator=generator)
         x0 = packed[rows]
-        noise = torch.randn(x0.shape, generator=generator)
+        noise = start_noise[rows] if settings.coupled else torch.randn(x0.shape, generator=generator)
         sigma = draw_sigmas(batch, generator)
         noisy = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
         which = rows_caption[rows]
@@ -219,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--judge", type=int, default=128, help="fresh images per caption at each judging")
     parser.add_argument("--image-size", type=int, choices=(64, 128), default=64, help="the world's image side")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--coupled", action="store_true", help="reflow: pair each kept image with the noise it was sampled from"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -230,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         at=tuple(args.at),
         judge=args.judge,
         size=args.image_size,
+        coupled=args.coupled,
     )
     captions = list(prompt_set(args.prompt_set)) if args.prompt_set else args.captions
     judged = list(prompt_set(args.judge_prompt_set)) if args.judge_prompt_set else None

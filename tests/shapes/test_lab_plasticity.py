@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, replace
 
+import numpy as np
 import pytest
 
 from fluxgrpo.lab.candidate import candidate
@@ -40,6 +41,59 @@ def test_transfer_judges_other_captions_with_the_checker_mean():
     for entry in report["history"]:
         assert set(entry["per_caption"]) == set(judged)  # the fine-tuned caption is not judged
         assert 0.0 <= entry["strict"] <= entry["mean"] <= 1.0  # every claim holding counts 1 in the mean too
+
+
+@needs_shipped
+def test_the_pool_keeps_the_evaluation_samplers_images_with_their_noise_and_latents():
+    import torch
+    from diffusers import FluxPipeline
+
+    from fluxgrpo.lab.measure import sample_with
+    from fluxgrpo.lab.plasticity import POOL_SEED, best_of_n
+    from fluxgrpo.sampling.generate import initial_latents
+    from fluxgrpo.sampling.request import image_seed
+    from fluxgrpo.shapes.checker import check
+
+    pipe = FluxPipeline.from_pretrained(SHIPPED_FLUX, dtype=torch.float32, trust_remote_code=False)
+    pipe.set_progress_bar_config(disable=True)
+    captions = ["a red circle", "three circles"]
+    kept = best_of_n(pipe, captions, pool=6, steps=4)
+    groups = sample_with(pipe, captions, 6, 4, seed=POOL_SEED)
+    for i, (caption, group) in enumerate(zip(captions, groups, strict=True)):
+        passing = [j for j, image in enumerate(group) if check(image, caption).strict]
+        assert len(kept[caption]) == len(passing)
+        for sample, j in zip(kept[caption], passing, strict=True):
+            assert np.array_equal(sample.image, group[j])  # the same pixels the evaluation's sampler draws
+            assert torch.equal(sample.noise, initial_latents([image_seed(POOL_SEED, i, j)], 64, 64)[0])
+            assert sample.latent.shape == sample.noise.shape
+
+
+@needs_shipped
+def test_coupled_fine_tuning_trains_on_the_samplers_own_noise():
+    import copy
+
+    import torch
+    from diffusers import FluxPipeline
+
+    from fluxgrpo.lab.plasticity import best_of_n, finetune_on
+
+    pipe = FluxPipeline.from_pretrained(SHIPPED_FLUX, dtype=torch.float32, trust_remote_code=False)
+    pipe.set_progress_bar_config(disable=True)
+    kept = best_of_n(pipe, ["a blue circle"], pool=4, steps=4)
+    assert kept["a blue circle"], "the base draws a blue circle in most seeds"
+    base = copy.deepcopy(pipe.transformer.state_dict())
+    trained = {}
+    for coupled in (False, True):
+        pipe.transformer.load_state_dict(base)
+        settings = PlasticitySettings(pool=4, steps=2, lr=1e-3, batch=2, at=(), judge=1, coupled=coupled)
+        torch.manual_seed(0)
+        finetune_on(pipe, kept, settings)
+        trained[coupled] = copy.deepcopy(pipe.transformer.state_dict())
+    changed = [name for name in base if not torch.equal(base[name], trained[True][name])]
+    assert changed, "coupled fine-tuning moved no weight"
+    # the same rows and σ draws either way: only the noise (its own vs fresh) and the latent (the sampler's vs the
+    # VAE's encoding of the image) differ, and the weights with them
+    assert any(not torch.equal(trained[False][name], trained[True][name]) for name in changed)
 
 
 @needs_shipped
