@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +41,18 @@ def sample_images(
     return sample_with(pipe, prompts, per_prompt, steps, guidance, seed)
 
 
-def sample_with(
-    pipe: Any, prompts: list[str], per_prompt: int, steps: int, guidance: float = 3.5, seed: int = 0, size: int = 64
-) -> list[list[np.ndarray]]:
-    """:func:`sample_images` with a pipeline already loaded (its transformer perhaps being trained)."""
+def denoise_each_prompt(
+    pipe: Any,
+    prompts: list[str],
+    per_prompt: int,
+    steps: int,
+    output_type: str,
+    guidance: float = 3.5,
+    seed: int = 0,
+    size: int = 64,
+) -> Iterator[tuple[list[int], Any]]:
+    """Per prompt, the seeds of its ``per_prompt`` images (image j of prompt i seeded ``image_seed(seed, i, j)``) and
+    the evaluation sampler's output for them (``output_type`` "np": images in [0, 1]; "latent": packed latents)."""
     import torch
 
     from fluxgrpo.sampling.generate import denoise
@@ -53,16 +62,29 @@ def sample_with(
     settings = SampleSettings(
         height=size, width=size, steps=steps, guidance=guidance, max_sequence_length=WORLD_TEXT_LENGTH
     )
-    out = []
-    with torch.no_grad():
-        for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(prompts):
+        seeds = [image_seed(seed, i, j) for j in range(per_prompt)]
+        with torch.no_grad():  # closed before the yield: grad mode never leaks into the caller's loop
             embeds, pooled, _ = pipe.encode_prompt(
                 prompt=[prompt] * per_prompt, prompt_2=None, max_sequence_length=WORLD_TEXT_LENGTH
             )
-            seeds = [image_seed(seed, i, j) for j in range(per_prompt)]
-            images = denoise(pipe, settings, embeds, pooled, seeds, "np").images
-            out.append([np.clip(np.rint(image * 255), 0, 255).astype(np.uint8) for image in images])
-    return out
+            output = denoise(pipe, settings, embeds, pooled, seeds, output_type).images
+        yield seeds, output
+
+
+def as_uint8(images: Any) -> np.ndarray:
+    """Images in [0, 1] as the checker reads them: rounded to uint8."""
+    return np.clip(np.rint(np.asarray(images) * 255), 0, 255).astype(np.uint8)
+
+
+def sample_with(
+    pipe: Any, prompts: list[str], per_prompt: int, steps: int, guidance: float = 3.5, seed: int = 0, size: int = 64
+) -> list[list[np.ndarray]]:
+    """:func:`sample_images` with a pipeline already loaded (its transformer perhaps being trained)."""
+    return [
+        [as_uint8(image) for image in images]
+        for _, images in denoise_each_prompt(pipe, prompts, per_prompt, steps, "np", guidance, seed, size)
+    ]
 
 
 def check_groups(prompts: list[str], groups: list[list[np.ndarray]]) -> list[list[Any]]:

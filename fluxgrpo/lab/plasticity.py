@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from fluxgrpo.lab.build import draw_sigmas
-from fluxgrpo.lab.measure import sample_with
+from fluxgrpo.lab.measure import as_uint8, denoise_each_prompt, sample_with
 from fluxgrpo.lab.plan import log
 from fluxgrpo.shapes.checker import check
 from fluxgrpo.shapes.world import PROMPT_SETS, prompt_set
@@ -107,25 +107,18 @@ def best_of_n(pipe: Any, captions: list[str], pool: int, steps: int, size: int =
 
     from fluxgrpo.grpo.latents import unpack_latents
     from fluxgrpo.models.flux import decode_latents
-    from fluxgrpo.sampling.generate import denoise, initial_latents
-    from fluxgrpo.sampling.request import SampleSettings, image_seed
-    from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH
+    from fluxgrpo.sampling.generate import initial_latents
 
-    settings = SampleSettings(height=size, width=size, steps=steps, guidance=3.5, max_sequence_length=WORLD_TEXT_LENGTH)
     kept: dict[str, list[KeptSample]] = {}
-    with torch.no_grad():
-        for i, caption in enumerate(captions):
-            embeds, pooled, _ = pipe.encode_prompt(
-                prompt=[caption] * pool, prompt_2=None, max_sequence_length=WORLD_TEXT_LENGTH
-            )
-            seeds = [image_seed(POOL_SEED, i, j) for j in range(pool)]
-            latents = denoise(pipe, settings, embeds, pooled, seeds, "latent").images
-            pixels = decode_latents(pipe.vae, unpack_latents(latents, size, size)).permute(0, 2, 3, 1).numpy()
-            images = np.clip(np.rint(pixels * 255), 0, 255).astype(np.uint8)
-            noise = initial_latents(seeds, size, size)
-            kept[caption] = [
-                KeptSample(im, noise[j], latents[j]) for j, im in enumerate(images) if check(im, caption).strict
-            ]
+    sampled = denoise_each_prompt(pipe, captions, pool, steps, "latent", seed=POOL_SEED, size=size)
+    for caption, (seeds, latents) in zip(captions, sampled, strict=True):
+        with torch.no_grad():
+            pixels = decode_latents(pipe.vae, unpack_latents(latents, size, size)).permute(0, 2, 3, 1)
+        images = as_uint8(pixels.numpy())
+        noise = initial_latents(seeds, size, size)
+        kept[caption] = [
+            KeptSample(im, noise[j], latents[j]) for j, im in enumerate(images) if check(im, caption).strict
+        ]
     return kept
 
 
