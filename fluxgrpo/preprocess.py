@@ -55,7 +55,8 @@ class PreprocessSummary:
 
     out_dir: str
     index_path: str
-    prompts: int  # prompts in the file after blank lines and duplicates are dropped
+    prompts: int  # distinct prompts in the file (blank lines dropped), each encoded once
+    draws: int  # entries of the index: ``prompts``, or with keep_repeats every line (repeats are sampling weights)
     encoded: int  # encoded by this run, all ranks together
     skipped: int  # already present and valid from an earlier run
     truncated: int  # prompts longer than seq_len T5 tokens, cut to seq_len
@@ -70,15 +71,20 @@ class PreprocessSummary:
 
 
 def check_inputs(
-    prompts_path: str | Path, flux_dir: str | Path, out_dir: str | Path, max_sequence_length: int
+    prompts_path: str | Path,
+    flux_dir: str | Path,
+    out_dir: str | Path,
+    max_sequence_length: int,
+    keep_repeats: bool = False,
 ) -> list[str]:
     """Everything that can be checked before a model loads: the prompts, the weights, a writable ``out_dir``.
 
-    Returns the prompts. Creates ``out_dir`` and its three sub-folders.
+    Returns the prompt lines (with ``keep_repeats`` a repeated line stays, else only its first occurrence). Creates
+    ``out_dir`` and its three sub-folders.
     """
     if max_sequence_length < 1:
         raise UsageError(f"--max-sequence-length must be at least 1 (got {max_sequence_length}); FLUX uses 512")
-    prompts = read_prompts(prompts_path)
+    prompts = read_prompts(prompts_path, keep_repeats=keep_repeats)
     require_flux_dir(flux_dir)
     out = Path(out_dir)
     for folder in EMBEDDING_DIRS:
@@ -127,7 +133,7 @@ def _fingerprint(prompts: list[str], max_sequence_length: int, flux_dir: Path) -
     }
 
 
-def _check_folder_matches(out: Path, prompts: list[str], fingerprint: dict[str, Any]) -> None:
+def _check_folder_matches(out: Path, lines: list[str], fingerprint: dict[str, Any]) -> None:
     """Refuse a folder whose files were made from other inputs; every rank runs it and reaches the same verdict."""
     state_path = out / STATE_FILE
     fix = f"pass a new --out, or delete {out} to start over"
@@ -147,7 +153,7 @@ def _check_folder_matches(out: Path, prompts: list[str], fingerprint: dict[str, 
     index = out / EMBEDDINGS_INDEX
     if index.is_file():  # a folder from DanceGRPO or an older run: adopt it if it lists exactly these prompts
         try:
-            if EmbeddingDataset(index).captions == prompts:
+            if EmbeddingDataset(index).captions == lines:
                 return
         except FluxgrpoError:
             pass
@@ -160,8 +166,12 @@ def preprocess(
     out_dir: str | Path,
     max_sequence_length: int = 512,
     device: str | None = None,
+    keep_repeats: bool = False,
 ) -> PreprocessSummary:
     """Encode every prompt in ``prompts_path`` with the text encoders in ``flux_dir`` into ``out_dir``.
+
+    ``keep_repeats``: a prompt listed k times is encoded once and listed k times in the index, so training draws it k
+    times as often (the lines' repeats are sampling weights, as in ``shapes-train-balanced``); else once.
 
     Call it from every rank under torchrun, or once in a plain process (a world of one). ``device`` is a device
     type or None/"auto" for the best one found. Only the text encoders are loaded, and only on ranks that have
@@ -173,16 +183,21 @@ def preprocess(
     """
 
     with worker_session(device) as ctx:
-        return _preprocess_on_rank(ctx, Path(prompts_path), Path(flux_dir), Path(out_dir), max_sequence_length)
+        return _preprocess_on_rank(
+            ctx, Path(prompts_path), Path(flux_dir), Path(out_dir), max_sequence_length, keep_repeats
+        )
 
 
 def _preprocess_on_rank(
-    ctx: DistContext, prompts_path: Path, flux_dir: Path, out: Path, max_sequence_length: int
+    ctx: DistContext, prompts_path: Path, flux_dir: Path, out: Path, max_sequence_length: int, keep_repeats: bool
 ) -> PreprocessSummary:
-    prompts = check_inputs(prompts_path, flux_dir, out, max_sequence_length)
+    lines = check_inputs(prompts_path, flux_dir, out, max_sequence_length, keep_repeats)
+    prompts = list(dict.fromkeys(lines))  # each encoded once, whatever its repeats
+    position = {prompt: i for i, prompt in enumerate(prompts)}
+    draws = [position[line] for line in lines]
     embed_dim, pooled_dim = _encoder_dims(flux_dir)
-    fingerprint = _fingerprint(prompts, max_sequence_length, flux_dir)
-    _check_folder_matches(out, prompts, fingerprint)
+    fingerprint = _fingerprint(lines, max_sequence_length, flux_dir)
+    _check_folder_matches(out, lines, fingerprint)
     rt_dist.barrier(ctx)  # every rank has passed the check before rank 0 records it
     if ctx.is_main:
         write_atomic(out / STATE_FILE, json.dumps(fingerprint, indent=2) + "\n")
@@ -210,12 +225,13 @@ def _preprocess_on_rank(
         missing = [str(p) for i in range(len(prompts)) for p in embedding_files(out, i).values() if not p.is_file()]
         if missing:
             raise FluxgrpoError(f"{len(missing)} embedding file(s) were not written, e.g. {missing[0]}: run again")
-        write_index(out, prompts)
+        write_index(out, prompts, draws)
     rt_dist.barrier(ctx)  # no rank returns before the index exists
     return PreprocessSummary(
         out_dir=str(out),
         index_path=str(out / EMBEDDINGS_INDEX),
         prompts=len(prompts),
+        draws=len(draws),
         encoded=encoded,
         skipped=len(prompts) - encoded,
         truncated=truncated_total,

@@ -6,10 +6,11 @@ every part, into ``--prompts-dir``, default ``data/eval_prompts``) and never ven
 - ``hpdv2``: HPDv2's 400 test prompts (``zhwang/HPDv2`` on Hugging Face, ``test.json``; Apache-2.0, the HPSv2
   authors' release), the prompts HPS scores are usually reported on.
 
-Two sets ship inside the package, no fetch (``SHIPPED_SETS``): the shapes world's training captions
-``shapes-train`` (``preprocess --prompts shapes-train``) and its held-out captions ``shapes-heldout``
-(``train --eval-prompts shapes-heldout``), seen and novel attribute combinations (``shapes/world.py``); a test keeps
-the files equal to ``shapes.world.prompt_set``.
+Three sets ship inside the package, no fetch (``SHIPPED_SETS``): the shapes world's training captions
+``shapes-train`` (``preprocess --prompts shapes-train``), the same drawn about evenly per family
+``shapes-train-balanced`` (repeated lines: its sampling weights, which ``preprocess`` keeps) and its held-out
+captions ``shapes-heldout`` (``train --eval-prompts shapes-heldout``), seen and novel attribute combinations
+(``shapes/world.py``); a test keeps the files equal to ``shapes.world.prompt_set``.
 
 GenEval's 553 prompts (MIT, published on GitHub only) and DrawBench's 200 (no stated licence) have no verified copy
 on either hub yet, so they are not offered; pass their prompt file with ``--eval-prompts FILE``.
@@ -34,7 +35,9 @@ class Benchmark:
 BENCHMARKS = {b.name: b for b in (Benchmark("hpdv2", "hpdv2-prompts", "hpdv2/test.json", 400),)}
 
 
-SHIPPED_SETS = ("shapes-train", "shapes-heldout")
+SHIPPED_SETS = ("shapes-train", "shapes-train-balanced", "shapes-heldout")
+# Shipped sets whose repeated lines are sampling weights: `preprocess` keeps them (once encoded, listed per line).
+WEIGHTED_SETS = ("shapes-train-balanced",)
 
 
 def shipped_set_path(name: str) -> Path:

@@ -90,9 +90,13 @@ def write_embedding(
     save_tensor_atomic(text_ids_row, files[TEXT_IDS_DIR])
 
 
-def write_index(out_dir: str | Path, captions: list[str]) -> Path:
-    """Write videos2caption.json for prompts 0..N-1 atomically; call it only once every file is in place."""
-    entries = [index_entry(i, caption) for i, caption in enumerate(captions)]
+def write_index(out_dir: str | Path, captions: list[str], draws: list[int] | None = None) -> Path:
+    """Write videos2caption.json for prompts 0..N-1 atomically; call it only once every file is in place.
+
+    ``draws`` lists the prompt index of each entry, in order (a prompt listed twice is drawn twice as often by the
+    training sampler, from one set of files); None: each prompt once."""
+    order = range(len(captions)) if draws is None else draws
+    entries = [index_entry(i, captions[i]) for i in order]
     return write_atomic(Path(out_dir) / EMBEDDINGS_INDEX, json.dumps(entries, indent=4))
 
 

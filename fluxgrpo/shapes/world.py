@@ -60,6 +60,14 @@ SEEN_EVAL_FRACTION = 0.2  # of the seen-combination captions, held out from RL b
 TRAIN_PER_FAMILY = 40
 EVAL_PER_FAMILY = 4
 PROMPT_SETS = ("shapes-train", "shapes-heldout")
+# RL's prompt list with every family drawn about equally often (``prompt_set``): its repeated lines are sampling
+# weights, kept by ``fluxgrpo preprocess``. Trained on ``shapes-train`` (111 captions: 80 of them position and colour
+# attribution, 7 single-object colour captions), the shared update teaches counts and places and rebinds "green" to
+# blue on the held-out captions (fluxgrpo/docs/results/shapes-world.md, "Where the gain comes from"); drawn evenly, with the
+# colour family twice, the colours hold.
+BALANCED_TRAIN_SET = "shapes-train-balanced"
+BALANCED_DRAWS_PER_FAMILY = 16  # a larger family is drawn down to this many captions (seeded), a smaller one repeated
+BALANCED_COLOUR_WEIGHT = 2  # the single-object colour family's draws, times its even share
 # An object's radius (the circle it is drawn inside), as a fraction of the image size, drawn uniformly: 9–13 px at
 # 64², about one packed latent token (16 px) or more, so a tiny FLUX draws a legible shape (at 0.10–0.16 its
 # triangles and squares came out as blobs).
@@ -405,13 +413,37 @@ def _capped(captions: tuple[str, ...], per_family: int, seed: int) -> list[str]:
     return out
 
 
+def _balanced(captions: tuple[str, ...], seed: int) -> list[str]:
+    """Each family's captions as :data:`BALANCED_DRAWS_PER_FAMILY` draws: a seeded sample of that many from a larger
+    family, every caption of a smaller one repeated round(draws / captions) times; the colour family's repeats
+    :data:`BALANCED_COLOUR_WEIGHT` times as many."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    for family in FAMILIES:
+        members = [t for t in captions if parse_caption(t).family == family]
+        if not members:
+            continue
+        if len(members) > BALANCED_DRAWS_PER_FAMILY:
+            out += sorted(rng.sample(members, BALANCED_DRAWS_PER_FAMILY))
+            continue
+        repeats = round(BALANCED_DRAWS_PER_FAMILY / len(members)) * (
+            BALANCED_COLOUR_WEIGHT if family == "colors" else 1
+        )
+        out += [caption for caption in members for _ in range(repeats)]
+    return out
+
+
 @cache
 def prompt_set(name: str) -> tuple[str, ...]:
-    """A named prompt set: ``shapes-train`` (RL's prompts; seen combinations) or ``shapes-heldout`` (evaluation:
-    up to :data:`EVAL_PER_FAMILY` seen-combination and as many novel-combination captions per family)."""
+    """A named prompt set: ``shapes-train`` (RL's prompts; seen combinations), ``shapes-train-balanced`` (the same
+    captions, a sample of them, drawn about equally often per family: repeated lines, see
+    :data:`BALANCED_TRAIN_SET`) or ``shapes-heldout`` (evaluation: up to :data:`EVAL_PER_FAMILY` seen-combination and
+    as many novel-combination captions per family)."""
     parts = split()
     if name == "shapes-train":
         return tuple(_capped(parts.train, TRAIN_PER_FAMILY, SPLIT_SEED + 2))
+    if name == BALANCED_TRAIN_SET:
+        return tuple(_balanced(prompt_set("shapes-train"), SPLIT_SEED + 5))
     if name == "shapes-heldout":
         seen = _capped(parts.eval_seen, EVAL_PER_FAMILY, SPLIT_SEED + 3)
         novel = _capped(parts.eval_novel, EVAL_PER_FAMILY, SPLIT_SEED + 4)

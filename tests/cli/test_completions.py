@@ -58,7 +58,7 @@ def test_bash_completion_offers_the_names_a_flag_takes():
 
     assert complete("fluxgrpo train --reward sha") == ["shapes", "shapes-scene", "shapes-strict"]
     assert complete("fluxgrpo train --eval-prompts shapes-h") == ["shapes-heldout"]
-    assert complete("fluxgrpo preprocess --prompts shapes-t") == ["shapes-train"]
+    assert complete("fluxgrpo preprocess --prompts shapes-t") == ["shapes-train", "shapes-train-balanced"]
     assert "tiny-cpu" in complete("fluxgrpo train --config tiny")
     assert complete("fluxgrpo bench --algorithms mixgrpo-flash-") == ["mixgrpo-flash-w2"]
     assert complete("fluxgrpo train --num-gen") == ["--num-generations"]  # flags still complete as flags

@@ -180,6 +180,32 @@ def test_a_folder_made_from_other_prompts_is_refused(tiny_embeddings, tmp_path):
         preprocess(tiny_embeddings.prompts_path, tiny_embeddings.flux_dir, out, 16, device="cpu")
 
 
+def test_kept_repeats_are_draws_of_one_encoding(tiny_weights, tmp_path):
+    """--keep-repeats: a prompt on k lines is encoded once and listed k times in the index, in line order; without it
+    the repeat is dropped, and a folder made one way is refused the other way (its index would list other draws)."""
+    prompts = tmp_path / "weighted.txt"
+    prompts.write_text("a red cube\na blue ball\na red cube\na red cube\n")
+    out = tmp_path / "emb"
+    summary = preprocess(prompts, tiny_weights.flux_dir, out, SEQ, device="cpu", keep_repeats=True)
+    assert (summary.prompts, summary.draws, summary.encoded) == (2, 4, 2)
+    entries = json.loads((out / "videos2caption.json").read_text())
+    assert [(e["caption"], e["prompt_embed_path"]) for e in entries] == [
+        ("a red cube", "0.pt"),
+        ("a blue ball", "1.pt"),
+        ("a red cube", "0.pt"),
+        ("a red cube", "0.pt"),
+    ]
+    assert not embedding_files(out, 2)["prompt_embed"].exists()
+    dataset = EmbeddingDataset(out / "videos2caption.json")
+    assert len(dataset) == 4 and torch.equal(dataset[0].prompt_embeds, dataset[3].prompt_embeds)
+    again = preprocess(prompts, tiny_weights.flux_dir, out, SEQ, device="cpu", keep_repeats=True)
+    assert (again.encoded, again.skipped, again.draws) == (0, 2, 4)
+    with pytest.raises(FluxgrpoError, match=r"another prompt list.*--out"):
+        preprocess(prompts, tiny_weights.flux_dir, out, SEQ, device="cpu")
+    once = preprocess(prompts, tiny_weights.flux_dir, tmp_path / "once", SEQ, device="cpu")
+    assert (once.prompts, once.draws) == (2, 2)
+
+
 def test_input_errors_come_before_any_model_loads(tiny_weights, tmp_path, monkeypatch):
     from fluxgrpo.models import flux
 
@@ -229,6 +255,25 @@ def test_cli_preprocess_in_process(tiny_embeddings, tmp_path):
     summary = json.loads(result.stdout)
     assert (summary["prompts"], summary["encoded"], summary["world_size"]) == (8, 8, 1)
     assert EmbeddingDataset(out / "videos2caption.json").captions == tiny_embeddings.prompts
+
+
+def test_cli_keeps_the_balanced_sets_repeats_and_others_on_request(tiny_weights, tmp_path):
+    from fluxgrpo.shapes import world
+
+    def run(*args: str) -> dict:
+        common = ["--model", str(tiny_weights.flux_dir), "--max-sequence-length", "8", "--device", "cpu", "--json"]
+        result = runner.invoke(app, ["preprocess", *args, *common])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)
+
+    balanced = world.prompt_set(world.BALANCED_TRAIN_SET)
+    summary = run("--prompts", world.BALANCED_TRAIN_SET, "--out", str(tmp_path / "balanced"))
+    assert (summary["prompts"], summary["draws"]) == (len(set(balanced)), len(balanced))
+    assert EmbeddingDataset(tmp_path / "balanced" / "videos2caption.json").captions == list(balanced)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("one\ntwo\none\n")
+    assert run("--prompts", str(prompts), "--out", str(tmp_path / "a"))["draws"] == 2
+    assert run("--prompts", str(prompts), "--out", str(tmp_path / "b"), "--keep-repeats")["draws"] == 3
 
 
 def test_cli_preprocess_exit_codes(tiny_weights, tmp_path):

@@ -141,6 +141,30 @@ def test_the_shipped_prompt_sets_are_the_worlds_and_are_named():
     assert {world.combination_kind(t) for t in train} == {"seen"}
 
 
+def test_the_balanced_training_set_draws_each_family_about_evenly_and_colours_twice():
+    from collections import Counter
+
+    from fluxgrpo.data.benchmarks import WEIGHTED_SETS, shipped_set_path
+    from fluxgrpo.data.prompts import read_prompts
+
+    balanced = world.prompt_set(world.BALANCED_TRAIN_SET)
+    assert world.BALANCED_TRAIN_SET in WEIGHTED_SETS
+    assert tuple(read_prompts(shipped_set_path(world.BALANCED_TRAIN_SET), keep_repeats=True)) == balanced
+    assert set(balanced) <= set(world.prompt_set("shapes-train"))  # no caption of its own: held-out stays held out
+    draws = Counter(world.parse_caption(t).family for t in balanced)
+    train = Counter(world.parse_caption(t).family for t in world.prompt_set("shapes-train"))
+    even = world.BALANCED_DRAWS_PER_FAMILY
+    for family, captions in train.items():
+        expected = even if captions > even else round(even / captions) * captions
+        assert draws[family] == expected * (world.BALANCED_COLOUR_WEIGHT if family == "colors" else 1), family
+    # A large family keeps distinct captions; a small one repeats every caption equally often.
+    position = [t for t in balanced if world.parse_caption(t).family == "position"]
+    assert len(set(position)) == len(position) == even
+    assert set(Counter(t for t in balanced if world.parse_caption(t).family == "colors").values()) == {
+        round(even / train["colors"]) * world.BALANCED_COLOUR_WEIGHT
+    }
+
+
 def _write_scored_folder(folder: Path, captions: list[str], wrong: set[int]) -> Path:
     folder.mkdir()
     lines = []

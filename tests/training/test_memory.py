@@ -306,7 +306,15 @@ def test_a_dry_run_without_any_weights_still_plans_and_says_what_a_launch_would_
 
 @pytest.mark.parametrize(
     "name",
-    ["shapes-quickstart", "shapes-cpu", "shapes-cpu-awm", "shapes-cpu-hps", "shapes-cpu-vgrpo", "shapes-overfit"],
+    [
+        "shapes-quickstart",
+        "shapes-balanced",
+        "shapes-cpu",
+        "shapes-cpu-awm",
+        "shapes-cpu-hps",
+        "shapes-cpu-vgrpo",
+        "shapes-overfit",
+    ],
 )
 def test_the_shapes_configs_size_a_dry_run_from_the_world_model_and_fit_a_laptop(name, tmp_path):
     """The quickstart's configs name the world model: a --dry-run before fetch-weights plans its shapes (not
