@@ -53,7 +53,7 @@ def command(
       fluxgrpo preprocess
       fluxgrpo preprocess --prompts my_prompts.txt --dies 8
       fluxgrpo preprocess --prompts shapes-train
-      fluxgrpo preprocess --prompts shapes-train-balanced --out data/rl_embeddings-balanced
+      fluxgrpo preprocess --prompts shapes-train-balanced --out data/rl_balanced
     """
     from fluxgrpo.data.prompts import bundled_prompts_path
     from fluxgrpo.preprocess import check_inputs
