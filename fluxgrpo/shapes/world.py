@@ -18,6 +18,7 @@ builder of the shipped weights all read it.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from itertools import product
@@ -414,22 +415,15 @@ def _capped(captions: tuple[str, ...], per_family: int, seed: int) -> list[str]:
 
 
 def _balanced(captions: tuple[str, ...], seed: int) -> list[str]:
-    """Each family's captions as :data:`BALANCED_DRAWS_PER_FAMILY` draws: a seeded sample of that many from a larger
-    family, every caption of a smaller one repeated round(draws / captions) times; the colour family's repeats
-    :data:`BALANCED_COLOUR_WEIGHT` times as many."""
-    rng = random.Random(seed)
+    """Each family's captions as :data:`BALANCED_DRAWS_PER_FAMILY` draws: a larger family drawn down to that many
+    (:func:`_capped`), every caption of a smaller one repeated round(draws / captions) times; the colour family's
+    repeats :data:`BALANCED_COLOUR_WEIGHT` times as many."""
+    sizes = Counter(parse_caption(t).family for t in captions)
     out: list[str] = []
-    for family in FAMILIES:
-        members = [t for t in captions if parse_caption(t).family == family]
-        if not members:
-            continue
-        if len(members) > BALANCED_DRAWS_PER_FAMILY:
-            out += sorted(rng.sample(members, BALANCED_DRAWS_PER_FAMILY))
-            continue
-        repeats = round(BALANCED_DRAWS_PER_FAMILY / len(members)) * (
-            BALANCED_COLOUR_WEIGHT if family == "colors" else 1
-        )
-        out += [caption for caption in members for _ in range(repeats)]
+    for caption in _capped(captions, BALANCED_DRAWS_PER_FAMILY, seed):
+        family = parse_caption(caption).family
+        repeats = max(1, round(BALANCED_DRAWS_PER_FAMILY / sizes[family]))
+        out += [caption] * (repeats * (BALANCED_COLOUR_WEIGHT if family == "colors" else 1))
     return out
 
 
