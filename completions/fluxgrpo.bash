@@ -7,8 +7,9 @@ _fluxgrpo() {
     fi
     local words=""
     case "${COMP_WORDS[1]} ${COMP_WORDS[COMP_CWORD-1]}" in
-        "bench --algorithms") words="dance dance-t2 dance-t4 dance-retain mixgrpo mixgrpo-flash mixgrpo-flash-w2 flow-grpo-fast cps nft awm nft-t2 awm-t4 vgrpo neighbor" ;;
+        "bench --algorithms") words="dance dance-t2 dance-t4 dance-retain mixgrpo mixgrpo-flash mixgrpo-flash-w2 flow-grpo-fast cps nft awm nft-t2 awm-t4 vgrpo vgrpo-own-steps neighbor" ;;
         "bench --config") words="a3-16die a3-16die-awm-lora a3-16die-flow-grpo-fast a3-16die-mixgrpo a3-16die-mixgrpo-flash a3-16die-nft-lora a3-8die a3-8die-awm-lora a3-8die-lora a3-8die-nft-lora gpu-1x-awm-lora gpu-1x-lora gpu-1x-nft-lora shapes-balanced shapes-cpu shapes-cpu-awm shapes-cpu-hps shapes-cpu-vgrpo shapes-overfit shapes-quickstart tiny-cpu" ;;
+        "bench --prompts") words="shapes-train shapes-train-balanced shapes-heldout" ;;
         "env-check --reward") words="hpsv2 pickscore clipscore imagereward hpsv3 brightness exposure structure shapes shapes-scene shapes-strict" ;;
         "env-check --config") words="a3-16die a3-16die-awm-lora a3-16die-flow-grpo-fast a3-16die-mixgrpo a3-16die-mixgrpo-flash a3-16die-nft-lora a3-8die a3-8die-awm-lora a3-8die-lora a3-8die-nft-lora gpu-1x-awm-lora gpu-1x-lora gpu-1x-nft-lora shapes-balanced shapes-cpu shapes-cpu-awm shapes-cpu-hps shapes-cpu-vgrpo shapes-overfit shapes-quickstart tiny-cpu" ;;
         "fetch-weights --source") words="tiny shapes hf modelscope" ;;
@@ -24,7 +25,7 @@ _fluxgrpo() {
         return 0
     fi
     case "${COMP_WORDS[1]}" in
-        bench) opts="--model --blocks --resolution --steps --sampler --rollout-batch-sizes --micro-batch-sizes --activation-checkpointing --trajectories --train-timesteps --text-tokens --dies --device --dtype --attention --peak-tflops --repeats --warmup --reward --hps-dir --compile --seed --algorithms --iterations --vary-seed --config --plot --json --help" ;;
+        bench) opts="--model --blocks --resolution --steps --sampler --rollout-batch-sizes --micro-batch-sizes --activation-checkpointing --trajectories --train-timesteps --text-tokens --dies --device --dtype --attention --peak-tflops --repeats --warmup --reward --hps-dir --compile --seed --algorithms --iterations --vary-seed --config --prompts --plot --json --help" ;;
         completion) opts="--help" ;;
         env-check) opts="--json --flux-dir --hps-dir --embeddings --device --reward --deep --quick --config --dies --report-file --nnodes --rdzv-endpoint --node-rank --master-addr --master-port --help" ;;
         export) opts="--checkpoint --out --merge --ema --model --json --help" ;;

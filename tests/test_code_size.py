@@ -84,3 +84,11 @@ def test_the_measures_count_what_they_say():
     (method,) = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)]
     assert body_lines(method) == 3
     assert parameter_count(method) == 5
+
+
+def test_the_files_scheduled_first_exist():
+    """conftest's SLOWEST_FILES go to the workers first: a renamed file there would quietly lose its place."""
+    from conftest import SLOWEST_FILES
+
+    root = PACKAGE.parent
+    assert [name for name in SLOWEST_FILES if not (root / name).is_file()] == []

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.config import build_config
-from fluxgrpo.data.benchmarks import shipped_set_path
+from fluxgrpo.data.benchmarks import SHIPPED_SETS, WEIGHTED_SETS, prompts_path, shipped_set_path
 from fluxgrpo.errors import UsageError
 from fluxgrpo.rewards.reward_set import eval_reward_names
 
@@ -188,6 +188,12 @@ ALGORITHMS: dict[str, Algorithm] = {
             lambda base: {"objective": "vgrpo", "sampling_steps": 16, "vgrpo_mc_samples": 4, "clip_range": 6e-3},
         ),
         Algorithm(
+            "vgrpo-own-steps",
+            "V-GRPO at --config's own step count and N_MC (shapes-balanced's recipe: 10-step rollouts, N_MC 4), "
+            "ratio clip 6e-3",
+            lambda base: {"objective": "vgrpo", "clip_range": 6e-3},
+        ),
+        Algorithm(
             "neighbor",
             "Neighbor GRPO: 8-step ODE rollouts from a σ 0.3 noise neighbourhood, 4 anchors per group at 4 of the 7 "
             "transitions, quasi-norm p 0.8",
@@ -220,6 +226,9 @@ class EfficiencyConfig:
     # Repeat k trains with --seed + k − 1 (other prompts, noise and timesteps), so the spread of the reward gain is
     # measured too; off, every repeat reproduces the first's rewards and only the time varies.
     vary_seed: bool = False
+    # The training prompts: a shipped set's name or a file; None: the world's shapes-train for a config scored by the
+    # world's checker, else the bundled prompts. A weighted set (shapes-train-balanced) keeps its repeated lines.
+    prompts: str | None = None
     base_overrides: dict[str, Any] = field(default_factory=dict)
 
     def problems(self) -> list[str]:
@@ -235,6 +244,8 @@ class EfficiencyConfig:
             out.append(f"--text-tokens {self.text_tokens} must be at least 1")
         if self.repeats < 1:
             out.append(f"--repeats {self.repeats}: at least 1 (training runs per algorithm)")
+        if self.prompts is not None and not prompts_path(self.prompts).is_file():
+            out.append(f"--prompts {self.prompts}: no such file and not a shipped set ({', '.join(SHIPPED_SETS)})")
         return out
 
     def validate(self) -> EfficiencyConfig:
@@ -283,22 +294,26 @@ class Workspace:
     runs_dir: Path
 
 
-def training_prompts(config: str, overrides: dict[str, Any]) -> Path:
-    """The prompts every algorithm trains on: the shapes world's training captions when ``config`` scores with the
-    world's checker (``shapes``, trained or evaluated), else the bundled prompts."""
-    from fluxgrpo.bench.heldout import WORLD_REWARD
+def training_prompts(config: str, overrides: dict[str, Any], prompts: str | None = None) -> Path:
+    """The prompts every algorithm trains on: ``prompts`` (a shipped set's name or a file) when given, else the
+    shapes world's training captions when ``config`` scores with the world's checker (``shapes``, trained or
+    evaluated), else the bundled prompts."""
     from fluxgrpo.data.prompts import bundled_prompts_path
 
-    settings = build_config(config, overrides)
-    if WORLD_REWARD in eval_reward_names(settings.reward, settings.eval_rewards):
+    if prompts is not None:
+        return prompts_path(prompts)
+    if trains_in_the_world(config, overrides):
         return shipped_set_path("shapes-train")
     return bundled_prompts_path()
 
 
 def trains_in_the_world(config: str, overrides: dict[str, Any]) -> bool:
-    """Whether ``config`` trains on the shapes world's captions, and so on its weights with its evaluation kept."""
+    """Whether ``config`` is scored by the shapes world's checker, and so trains on the world's weights with its
+    held-out evaluation kept."""
+    from fluxgrpo.bench.heldout import WORLD_REWARD
 
-    return training_prompts(config, overrides) == shipped_set_path("shapes-train")
+    settings = build_config(config, overrides)
+    return WORLD_REWARD in eval_reward_names(settings.reward, settings.eval_rewards)
 
 
 def prepare_workspace(
@@ -308,11 +323,12 @@ def prepare_workspace(
     log: Callable[[str], None],
     prompts: Path | None = None,
     world: bool = False,
+    keep_repeats: bool = False,
 ) -> Workspace:
     """Write the weights and encode ``prompts`` (the bundled ones by default) with their text encoders, under
     ``root``. With ``world`` the weights are the shapes world's pretrained ones (``fetch-weights --source shapes``):
     a held-out checker gain means something only for a model that draws the world; else the tiny random weights
-    (seeded by ``seed``)."""
+    (seeded by ``seed``). ``keep_repeats``: a prompt on k lines is drawn k times as often (``preprocess``)."""
     from fluxgrpo.data.prompts import bundled_prompts_path
     from fluxgrpo.preprocess import preprocess
     from fluxgrpo.rewards.tiny_weights import write_tiny_weights
@@ -326,7 +342,9 @@ def prepare_workspace(
     else:
         log(f"writing the tiny weights (seed {seed}) and encoding {prompts.name} ({text_tokens} T5 tokens)")
         write_tiny_weights(flux_dir, hps_dir, seed=seed)
-    summary = preprocess(prompts, flux_dir, root / "rl_embeddings", text_tokens, device="cpu")
+    summary = preprocess(
+        prompts, flux_dir, root / "rl_embeddings", text_tokens, device="cpu", keep_repeats=keep_repeats
+    )
     return Workspace(flux_dir, hps_dir, Path(summary.index_path), root / "runs")
 
 
@@ -534,10 +552,14 @@ def compare(
 
 
 def with_heldout_verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from fluxgrpo.bench.heldout import heldout_verdict
+    """Each row with its held-out verdict against the baseline and when it reached the baseline's final score."""
+    from fluxgrpo.bench.heldout import heldout_verdict, time_to_baseline_final
 
     baseline = next(row for row in rows if row["algorithm"] == BASELINE)
-    return [{**row, "heldout_verdict": heldout_verdict(row, baseline)} for row in rows]
+    return [
+        {**row, "heldout_verdict": heldout_verdict(row, baseline), **time_to_baseline_final(row, baseline)}
+        for row in rows
+    ]
 
 
 def run_efficiency(
@@ -550,11 +572,12 @@ def run_efficiency(
     from fluxgrpo.training.loop import train
 
     cfg.validate()
-    prompts = training_prompts(cfg.config, cfg.base_overrides)
+    prompts = training_prompts(cfg.config, cfg.base_overrides, cfg.prompts)
     world = trains_in_the_world(cfg.config, cfg.base_overrides)
+    keep_repeats = cfg.prompts in WEIGHTED_SETS
     counter = WorkCounter()
     with tempfile.TemporaryDirectory(prefix="fluxgrpo-bench-efficiency-") as folder:
-        workspace = prepare_workspace(Path(folder), cfg.seed, cfg.text_tokens, log, prompts, world)
+        workspace = prepare_workspace(Path(folder), cfg.seed, cfg.text_tokens, log, prompts, world, keep_repeats)
         base = base_training_config(cfg, workspace, evaluate=world)
         rows = compare(cfg, base, counted(train, counter), log, counter)
     shared = {key: value for key, value in base.to_dict().items() if key not in WORKSPACE_FIELDS}

@@ -96,6 +96,38 @@ def heldout_verdict(row: dict[str, Any], baseline: dict[str, Any]) -> str | None
     return "within noise"
 
 
+def median_curve(curves: list[list[list[float]]]) -> list[tuple[int, float]]:
+    """The repeats' held-out curves as one: at every evaluation iteration all of them reached, their median score."""
+    shared = sorted(set.intersection(*({int(point[0]) for point in curve} for curve in curves)))
+    scores = [{int(point[0]): float(point[1]) for point in curve} for curve in curves]
+    return [(iteration, statistics.median(score[iteration] for score in scores)) for iteration in shared]
+
+
+def time_to_baseline_final(row: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
+    """When the row's median held-out curve first reaches the baseline's final median score: that evaluation's
+    iteration, its seconds of training (iteration × the row's median seconds per iteration) and their share of the
+    baseline's whole run. None where a run has no curve or the row never reaches it (within its evaluations, so
+    evaluate more often, --eval-every, to resolve it finer)."""
+    empty = {
+        "iteration_to_baseline_final": None,
+        "seconds_to_baseline_final": None,
+        "time_to_baseline_final_ratio": None,
+    }
+    if row["algorithm"] == baseline["algorithm"] or not row.get("heldout_curves") or not baseline.get("heldout_curves"):
+        return empty
+    target = median_curve(baseline["heldout_curves"])[-1][1]
+    reached = next((it for it, score in median_curve(row["heldout_curves"]) if it > 0 and score >= target), None)
+    if reached is None:
+        return empty
+    seconds = reached * row["seconds_per_iteration"]
+    baseline_seconds = baseline["seconds_per_iteration"] * baseline["iterations"]
+    return {
+        "iteration_to_baseline_final": reached,
+        "seconds_to_baseline_final": seconds,
+        "time_to_baseline_final_ratio": seconds / baseline_seconds,
+    }
+
+
 # --------------------------------------------------------------------------------------------- work counts
 
 

@@ -84,6 +84,15 @@ def command(
             "trains on shapes-train and reports the held-out checker.",
         ),
     ] = "tiny-cpu",
+    prompts: Annotated[
+        str | None,
+        _option(
+            "--prompts",
+            "With --algorithms: the training prompts, a shipped set (shapes-train, shapes-train-balanced, ...) or a "
+            "file; default shapes-train on a config scored by the shapes checker, else the bundled prompts. "
+            "shapes-train-balanced is what --config shapes-balanced trains on (repeated lines kept as weights).",
+        ),
+    ] = None,
     plot: Annotated[
         str | None,
         _option(
@@ -117,6 +126,7 @@ def command(
         "algorithms": algorithms,
         "iterations": iterations,
         "config": config,
+        "prompts": prompts,
         "plot": plot,
         "json_output": json_output,
     }
@@ -135,6 +145,7 @@ def command(
             json_output,
             vary_seed,
             plot,
+            prompts,
         )
         return
     _refuse_flags(arguments, PHASE_FLAGS | SHARED_FLAGS, "--algorithms only: add --algorithms, or drop it")
@@ -169,7 +180,7 @@ command = _with_generated_signature(handle_errors(command))
 
 # Flags that mean the same in both benches; the others belong to one of them.
 SHARED_FLAGS = frozenset({"text_tokens", "seed", "device", "repeats", "json_output"})
-EFFICIENCY_FLAGS = frozenset({"algorithms", "iterations", "config", "vary_seed", "plot"})
+EFFICIENCY_FLAGS = frozenset({"algorithms", "iterations", "config", "prompts", "vary_seed", "plot"})
 PHASE_FLAGS = frozenset(inspect.signature(command).parameters) - SHARED_FLAGS - EFFICIENCY_FLAGS
 
 
@@ -202,6 +213,7 @@ def _run_efficiency(
     json_output: bool,
     vary_seed: bool = False,
     plot: str | None = None,
+    prompts: str | None = None,
 ) -> None:
     cfg = EfficiencyConfig(
         algorithms=parse_algorithms(algorithms),
@@ -212,6 +224,7 @@ def _run_efficiency(
         seed=seed,
         device=None if device == "auto" else device,
         vary_seed=vary_seed,
+        prompts=prompts,
     ).validate()
     if plot is not None:
         _check_plot(cfg, Path(plot))
@@ -309,6 +322,15 @@ def _render_efficiency(document: dict[str, Any]) -> None:
             )
 
 
+def _reached_baseline_final(row: dict[str, Any]) -> str:
+    if row["algorithm"] == BASELINE or row.get("heldout_gain") is None:
+        return "-"
+    if row.get("seconds_to_baseline_final") is None:
+        return "not reached"
+    share = row["time_to_baseline_final_ratio"]
+    return f"it {row['iteration_to_baseline_final']}, {row['seconds_to_baseline_final']:.0f} s ({share:.0%})"
+
+
 def _render_heldout_and_work(console: Console, rows: list[dict[str, Any]], repeats: int) -> None:
     """The held-out gain (with evaluation on) and the work per iteration, one row per algorithm."""
 
@@ -328,6 +350,7 @@ def _render_heldout_and_work(console: Console, rows: list[dict[str, Any]], repea
             ("gain min–max", measured(lambda r: "{:+.4f}–{:+.4f}".format(*r["heldout_gain_spread"]))),
             (f"vs {BASELINE}", lambda r: r.get("heldout_verdict") or "-"),
             ("gain/s", measured(lambda r: f"{r['heldout_gain_per_second']:.3g}")),
+            (f"{BASELINE}'s final at", _reached_baseline_final),
         ]
         if repeats < 2:
             columns = [c for c in columns if c[0] not in ("gain min–max", f"vs {BASELINE}")]
@@ -352,7 +375,9 @@ def _render_heldout_and_work(console: Console, rows: list[dict[str, Any]], repea
         notes.append(
             f"held-out: eval_{reward}_mean on the held-out prompts, last evaluation − iteration 0's (median over the "
             f"runs); vs {BASELINE}: better or worse where every run's gain was above or below every run of "
-            f"{BASELINE}'s, else within noise; gain/s: over s/iter × iterations"
+            f"{BASELINE}'s, else within noise; gain/s: over s/iter × iterations; {BASELINE}'s final at: the first "
+            f"evaluation where the median score reached {BASELINE}'s final median, its seconds of training and their "
+            f"share of {BASELINE}'s run ('not reached' within the evaluations)"
         )
     if counted:
         notes.append(

@@ -48,6 +48,7 @@ def known_values() -> dict[tuple[str, str], tuple[tuple[str, ...], bool]]:
         ("bench", "--algorithms"): (tuple(ALGORITHMS), False),
         ("train", "--eval-prompts"): ((*SHIPPED_SETS, *BENCHMARKS), True),
         ("preprocess", "--prompts"): (SHIPPED_SETS, True),
+        ("bench", "--prompts"): (SHIPPED_SETS, True),
         ("fetch-weights", "--source"): (SOURCES, False),
     }
 

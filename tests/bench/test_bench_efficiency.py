@@ -388,3 +388,7 @@ def test_the_final_sample_objectives_are_bench_rows_at_their_own_step_counts(tmp
     assert (vgrpo.objective, vgrpo.train_timesteps, vgrpo.flow_matching_draws) == ("vgrpo", 4, ("group", "stratified"))
     # NFE_θ = B/G·K = 4/12·4 = 1.33 at the paper's G 12: K = int(7·0.6) = 4 transitions per anchor
     assert (neighbor.objective, neighbor.sampling_steps, neighbor.train_timesteps) == ("neighbor", 8, 4)
+    # shapes-balanced's recipe as a row: V-GRPO at the config's own step count
+    own = algorithm_config(base, "vgrpo-own-steps")
+    assert (own.objective, own.sampling_steps, own.clip_range) == ("vgrpo", base.sampling_steps, 6e-3)
+    assert own.sampling_steps != vgrpo.sampling_steps

@@ -71,6 +71,25 @@ def test_a_config_scored_by_the_checker_trains_on_the_worlds_captions():
     assert training_prompts("tiny-cpu", {"eval_every": 2, "eval_rewards": "shapes"}) == shipped_set_path("shapes-train")
 
 
+def test_prompts_names_the_training_list_and_a_weighted_set_keeps_its_repeats(tmp_path):
+    from fluxgrpo.bench.efficiency import prepare_workspace, trains_in_the_world
+    from fluxgrpo.data.benchmarks import shipped_set_path
+
+    balanced = shipped_set_path("shapes-train-balanced")
+    assert training_prompts("shapes-cpu", {}, "shapes-train-balanced") == balanced
+    assert trains_in_the_world("shapes-cpu", {}) and not trains_in_the_world("tiny-cpu", {})
+    own = tmp_path / "mine.txt"
+    own.write_text("a red circle\n")
+    assert training_prompts("tiny-cpu", {}, str(own)) == own
+    problems = EfficiencyConfig(prompts=str(tmp_path / "missing.txt")).problems()
+    assert any("--prompts" in problem and "shapes-train-balanced" in problem for problem in problems)
+
+    lines = [line for line in balanced.read_text().splitlines() if line.strip()]
+    space = prepare_workspace(tmp_path / "w", 0, 12, lambda line: None, balanced, True, keep_repeats=True)
+    listed = json.loads(space.index_path.read_text())
+    assert len(listed) == len(lines) > len(set(lines))  # one entry per line: repeated captions drawn more often
+
+
 def test_a_world_config_keeps_its_evaluation_and_others_train_without_one(tmp_path):
     workspace = Workspace(tmp_path / "flux", tmp_path / "hps", tmp_path / "index.json", tmp_path / "runs")
     cfg = EfficiencyConfig(config="shapes-cpu", iterations=16)
@@ -178,6 +197,7 @@ def test_the_table_shows_the_heldout_gain_and_the_work_per_iteration(tmp_path, c
     rows[0]["work_per_iteration"] = {"forwards": 22.0, "backwards": 4.0, "optimizer_steps": 2.0}
     rows[1]["work_per_iteration"] = {"forwards": 50.0, "backwards": 36.0, "optimizer_steps": 4.0}
     rows[1]["heldout_verdict"] = "better"
+    rows[1].update(iteration_to_baseline_final=4, seconds_to_baseline_final=20.0, time_to_baseline_final_ratio=0.25)
     rows[0]["heldout_gain_per_kilo_forward_equivalent"] = None
     rows[1]["heldout_gain_per_kilo_forward_equivalent"] = 0.0205
     from rich.console import Console
@@ -185,11 +205,40 @@ def test_the_table_shows_the_heldout_gain_and_the_work_per_iteration(tmp_path, c
     _render_heldout_and_work(Console(width=200), rows, repeats=3)
     lines = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
     assert (
-        "algorithm held-out shapes first→last gain gain min–max vs dance gain/s forwards/it backwards/it optimizer "
-        "steps/it gain/1k fwd-eq" in lines
+        "algorithm held-out shapes first→last gain gain min–max vs dance gain/s dance's final at forwards/it "
+        "backwards/it optimizer steps/it gain/1k fwd-eq" in lines
     )
-    assert "nft 0.4000→0.6500 +0.2500 +0.2000–+0.3000 better 0.01 50 36 4 0.0205" in lines
-    assert "dance 0.4000→0.4500 +0.0500 +0.0000–+0.1000 - 0.01 22 4 2 -" in lines
+    assert "nft 0.4000→0.6500 +0.2500 +0.2000–+0.3000 better 0.01 it 4, 20 s (25%) 50 36 4 0.0205" in lines
+    assert "dance 0.4000→0.4500 +0.0500 +0.0000–+0.1000 - 0.01 - 22 4 2 -" in lines
+
+
+def test_the_time_to_the_baselines_final_score_reads_the_median_curves():
+    """Hand-worked: dance's three runs end at 0.50, 0.46, 0.48 (median 0.48) after 8 iterations of 10 s (80 s). The
+    row's median curve is 0.42 at 2, 0.47 at 4 and 0.49 at 6: it first reaches 0.48 at iteration 6, 6 × 5 s = 30 s,
+    0.375 of dance's 80 s. A row whose median never reaches it has no time."""
+    from fluxgrpo.bench.heldout import median_curve, time_to_baseline_final
+
+    dance = {
+        "algorithm": "dance",
+        "iterations": 8,
+        "seconds_per_iteration": 10.0,
+        "heldout_curves": [[[0, 0.4], [8, 0.50]], [[0, 0.4], [8, 0.46]], [[0, 0.4], [8, 0.48]]],
+    }
+    curves = [
+        [[0, 0.4], [2, 0.42], [4, 0.47], [6, 0.49], [8, 0.3]],
+        [[0, 0.4], [2, 0.50], [4, 0.40], [6, 0.49], [8, 0.3]],
+        [[0, 0.4], [2, 0.41], [4, 0.48], [6, 0.60], [8, 0.3]],
+    ]
+    assert median_curve(curves) == [(0, 0.4), (2, 0.42), (4, 0.47), (6, 0.49), (8, 0.3)]
+    row = {"algorithm": "vgrpo", "iterations": 8, "seconds_per_iteration": 5.0, "heldout_curves": curves}
+    assert time_to_baseline_final(row, dance) == {
+        "iteration_to_baseline_final": 6,
+        "seconds_to_baseline_final": 30.0,
+        "time_to_baseline_final_ratio": pytest.approx(0.375),
+    }
+    low = {**row, "heldout_curves": [[[0, 0.4], [8, 0.45]]]}
+    assert time_to_baseline_final(low, dance)["seconds_to_baseline_final"] is None
+    assert time_to_baseline_final(dance, dance)["time_to_baseline_final_ratio"] is None
 
 
 def test_the_gain_per_forward_equivalent_counts_a_backward_as_two_forwards():
