@@ -25,7 +25,7 @@ _fluxgrpo() {
         return 0
     fi
     case "${COMP_WORDS[1]}" in
-        bench) opts="--model --blocks --resolution --steps --sampler --rollout-batch-sizes --micro-batch-sizes --activation-checkpointing --trajectories --train-timesteps --text-tokens --dies --device --dtype --attention --peak-tflops --repeats --warmup --reward --hps-dir --compile --seed --algorithms --iterations --vary-seed --config --prompts --plot --json --help" ;;
+        bench) opts="--model --blocks --resolution --steps --sampler --rollout-batch-sizes --micro-batch-sizes --activation-checkpointing --trajectories --train-timesteps --text-tokens --dies --device --dtype --attention --peak-tflops --repeats --warmup --reward --hps-dir --compile --seed --algorithms --iterations --vary-seed --config --prompts --baseline-from --plot --json --help" ;;
         completion) opts="--help" ;;
         env-check) opts="--json --flux-dir --hps-dir --embeddings --device --reward --deep --quick --config --dies --report-file --nnodes --rdzv-endpoint --node-rank --master-addr --master-port --help" ;;
         export) opts="--checkpoint --out --merge --ema --model --json --help" ;;

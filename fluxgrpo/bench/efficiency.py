@@ -31,6 +31,9 @@ over the repeats is measured as well (``reward_gain_spread``) and the gain is th
 The rewards come from seeded generators only, so every repeat of an algorithm must reproduce them bitwise; the
 bench checks that, and where a repeat differs (training not deterministic on this device) it says so in the row,
 the log and the table, listing every repeat's gain and showing their median, instead of quietly averaging.
+
+``--baseline-from earlier.json`` takes the baseline's row from an earlier comparison of the same settings instead of
+training the baseline again (``bench/reused_baseline.py``).
 """
 
 from __future__ import annotations
@@ -229,6 +232,10 @@ class EfficiencyConfig:
     # The training prompts: a shipped set's name or a file; None: the world's shapes-train for a config scored by the
     # world's checker, else the bundled prompts. A weighted set (shapes-train-balanced) keeps its repeated lines.
     prompts: str | None = None
+    # An earlier `bench --algorithms ... --json` document of the same settings whose baseline row stands in for
+    # training the baseline again (its runs are deterministic, so a rerun would give the same gains): a campaign adds
+    # options block by block at the cost of the options alone. Its times are that run's (same machine, other hour).
+    baseline_from: str | None = None
     base_overrides: dict[str, Any] = field(default_factory=dict)
 
     def problems(self) -> list[str]:
@@ -246,6 +253,12 @@ class EfficiencyConfig:
             out.append(f"--repeats {self.repeats}: at least 1 (training runs per algorithm)")
         if self.prompts is not None and not prompts_path(self.prompts).is_file():
             out.append(f"--prompts {self.prompts}: no such file and not a shipped set ({', '.join(SHIPPED_SETS)})")
+        if self.baseline_from is not None and not Path(self.baseline_from).is_file():
+            out.append(
+                f"--baseline-from {self.baseline_from}: no such file (an earlier `bench --algorithms --json` output)"
+            )
+        if self.baseline_from is not None and not self.trained:
+            out.append(f"--baseline-from brings {BASELINE}'s row: name an algorithm to compare with it in --algorithms")
         return out
 
     def validate(self) -> EfficiencyConfig:
@@ -260,8 +273,13 @@ class EfficiencyConfig:
         return (BASELINE, *(name for name in self.algorithms if name != BASELINE))
 
     @property
+    def trained(self) -> tuple[str, ...]:
+        """The algorithms this bench trains: ``runs`` less the baseline when ``baseline_from`` brings its row."""
+        return tuple(name for name in self.runs if self.baseline_from is None or name != BASELINE)
+
+    @property
     def rounds(self) -> tuple[tuple[str, ...], ...]:
-        return training_rounds(self.runs, self.repeats)
+        return training_rounds(self.trained, self.repeats)
 
 
 def training_rounds(runs: tuple[str, ...], repeats: int) -> tuple[tuple[str, ...], ...]:
@@ -494,11 +512,13 @@ def compare(
     train: Callable[[TrainConfig], list[dict[str, Any]]],
     log: Callable[[str], None],
     counter: WorkCounter | None = None,
+    baseline_row: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Train the algorithms of ``cfg`` round by round with ``train`` (the real loop, or a stand-in in tests);
     returns their rows with ratios and time verdicts, in ``cfg.runs`` order. With ``counter`` (active around each
     run, ``bench.heldout.counted``) each row also has its work per iteration; with evaluation on, its held-out gain
-    (``bench/heldout.py``)."""
+    (``bench/heldout.py``). ``baseline_row`` (an earlier comparison's, ``--baseline-from``) stands in for training
+    the baseline."""
     from fluxgrpo.bench.heldout import (
         gain_per_kilo_forward_equivalent,
         heldout_gain,
@@ -511,9 +531,9 @@ def compare(
 
     reward = heldout_reward(base)
     eval_prompts = len(eval_prompt_list(base)) if reward else 0
-    heldout: dict[str, list[list[tuple[int, float]]]] = {name: [] for name in cfg.runs}
-    work: dict[str, list[dict[str, float]]] = {name: [] for name in cfg.runs}
-    runs: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in cfg.runs}
+    heldout: dict[str, list[list[tuple[int, float]]]] = {name: [] for name in cfg.trained}
+    work: dict[str, list[dict[str, float]]] = {name: [] for name in cfg.trained}
+    runs: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in cfg.trained}
     for index, order in enumerate(cfg.rounds, start=1):
         if cfg.repeats > 1:
             log(f"round {index} of {cfg.repeats}: {', '.join(order)}")
@@ -534,6 +554,10 @@ def compare(
                 work[name].append(work_per_iteration(counter.reset(), records, run_cfg, len(scores), eval_prompts))
     rows = []
     for name in cfg.runs:
+        if name not in cfg.trained:
+            assert baseline_row is not None, "an untrained baseline needs its row"
+            rows.append(baseline_row)
+            continue
         overrides = ALGORITHMS[name].overrides(base)
         row = summarize_algorithm(name, overrides, algorithm_config(base, name), runs[name], cfg.vary_seed)
         row.update(heldout_summary(reward, heldout[name], row["seconds_per_iteration"], row["iterations"]))
@@ -569,9 +593,11 @@ def run_efficiency(
     """Train every algorithm of ``cfg`` ``cfg.repeats`` times in interleaved rounds and compare them; returns one
     JSON-ready document: ``{"config": ..., "algorithms": [row, ...]}`` with the rows in ``cfg.runs`` order."""
     from fluxgrpo.bench.heldout import WorkCounter, counted
+    from fluxgrpo.bench.reused_baseline import load_baseline
     from fluxgrpo.training.loop import train
 
     cfg.validate()
+    reused = None if cfg.baseline_from is None else load_baseline(cfg, BASELINE)
     prompts = training_prompts(cfg.config, cfg.base_overrides, cfg.prompts)
     world = trains_in_the_world(cfg.config, cfg.base_overrides)
     keep_repeats = cfg.prompts in WEIGHTED_SETS
@@ -579,8 +605,11 @@ def run_efficiency(
     with tempfile.TemporaryDirectory(prefix="fluxgrpo-bench-efficiency-") as folder:
         workspace = prepare_workspace(Path(folder), cfg.seed, cfg.text_tokens, log, prompts, world, keep_repeats)
         base = base_training_config(cfg, workspace, evaluate=world)
-        rows = compare(cfg, base, counted(train, counter), log, counter)
-    shared = {key: value for key, value in base.to_dict().items() if key not in WORKSPACE_FIELDS}
+        shared = {key: value for key, value in base.to_dict().items() if key not in WORKSPACE_FIELDS}
+        if reused is not None:
+            reused.check_training(shared)
+            log(f"{BASELINE}: its row from {reused.path} (same settings; its times were measured then)")
+        rows = compare(cfg, base, counted(train, counter), log, counter, None if reused is None else reused.as_row())
     return {
         "config": {
             **dataclasses.asdict(cfg),

@@ -93,6 +93,15 @@ def command(
             "shapes-train-balanced is what --config shapes-balanced trains on (repeated lines kept as weights).",
         ),
     ] = None,
+    baseline_from: Annotated[
+        str | None,
+        _option(
+            "--baseline-from",
+            f"With --algorithms: take {BASELINE}'s row from this earlier `bench --algorithms ... --json` output "
+            f"instead of training {BASELINE} again (refused unless made with the same settings; training is "
+            "deterministic, so only its times are of another hour).",
+        ),
+    ] = None,
     plot: Annotated[
         str | None,
         _option(
@@ -127,6 +136,7 @@ def command(
         "iterations": iterations,
         "config": config,
         "prompts": prompts,
+        "baseline_from": baseline_from,
         "plot": plot,
         "json_output": json_output,
     }
@@ -146,6 +156,7 @@ def command(
             vary_seed,
             plot,
             prompts,
+            baseline_from,
         )
         return
     _refuse_flags(arguments, PHASE_FLAGS | SHARED_FLAGS, "--algorithms only: add --algorithms, or drop it")
@@ -180,7 +191,7 @@ command = _with_generated_signature(handle_errors(command))
 
 # Flags that mean the same in both benches; the others belong to one of them.
 SHARED_FLAGS = frozenset({"text_tokens", "seed", "device", "repeats", "json_output"})
-EFFICIENCY_FLAGS = frozenset({"algorithms", "iterations", "config", "prompts", "vary_seed", "plot"})
+EFFICIENCY_FLAGS = frozenset({"algorithms", "iterations", "config", "prompts", "baseline_from", "vary_seed", "plot"})
 PHASE_FLAGS = frozenset(inspect.signature(command).parameters) - SHARED_FLAGS - EFFICIENCY_FLAGS
 
 
@@ -214,6 +225,7 @@ def _run_efficiency(
     vary_seed: bool = False,
     plot: str | None = None,
     prompts: str | None = None,
+    baseline_from: str | None = None,
 ) -> None:
     cfg = EfficiencyConfig(
         algorithms=parse_algorithms(algorithms),
@@ -225,6 +237,7 @@ def _run_efficiency(
         device=None if device == "auto" else device,
         vary_seed=vary_seed,
         prompts=prompts,
+        baseline_from=baseline_from,
     ).validate()
     if plot is not None:
         _check_plot(cfg, Path(plot))
@@ -268,6 +281,14 @@ def _render_efficiency(document: dict[str, Any]) -> None:
         f"{document['config']['text_tokens']} text tokens) on {settings['device']}; × = ratio to {BASELINE}",
         highlight=False,
     )
+    reused = next((row["baseline_from"] for row in document["algorithms"] if row.get("baseline_from")), None)
+    if reused is not None:
+        console.print(
+            f"{BASELINE}'s row is from {reused} (--baseline-from: the same settings, not trained again; its times "
+            "were measured in that run)",
+            highlight=False,
+            markup=False,
+        )
     # (header, cell); the spread and the verdict need repeats: with one run the table is the single-run one.
     columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("algorithm", lambda row: row["algorithm"]),
