@@ -7,10 +7,11 @@ baseline trained again under the same settings would read the same gains and cur
 another hour. A campaign can then add options block by block, each block costing the options alone.
 
 The earlier document is only trusted where it was made under the same settings: the bench's own (iterations,
-config, prompts, text tokens, weights seed, repeats, seed variation, device) and the whole resolved training config
-the baseline trained with, compared key by key (a key one side lacks counts as its default, so a document written
-before a new option existed still matches at that option's neutral setting). Anything else is refused, naming what
-differs. The file is read as JSON: nothing in it runs.
+prompts, text tokens, weights seed, repeats, seed variation, device) and the whole resolved training config the
+baseline trained with, compared key by key (a key one side lacks counts as its default, so a document written before
+a new option existed still matches at that option's neutral setting). ``--config`` is compared by what it resolves
+to, not by its name, so a YAML moved to another folder still matches and one edited under the same name does not.
+Anything else is refused, naming what differs. The file is read as JSON: nothing in it runs.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 # The bench settings that decide what the baseline's runs were (the algorithm list and the output flags do not).
 DECIDING_SETTINGS = (
     "iterations",
-    "config",
     "prompts",
     "text_tokens",
     "seed",

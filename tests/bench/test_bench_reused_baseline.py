@@ -92,6 +92,8 @@ def test_a_document_made_with_other_bench_or_training_settings_is_refused_naming
     changed = _reusing(cfg, path, base_overrides={**SETTINGS, "learning_rate": 1e-3})
     with pytest.raises(UsageError, match="--base-overrides"):
         load_baseline(changed, "dance")
+    # --config by what it resolves to (below), not by its name: a YAML moved elsewhere still matches
+    load_baseline(_reusing(cfg, path, config="elsewhere/tiny-cpu.yaml"), "dance")
     # the training config itself (a --config YAML edited under the same name): compared key by key
     reused = load_baseline(_reusing(cfg, path), "dance")
     workspace = Workspace(tmp_path / "f", tmp_path / "h", tmp_path / "i.json", tmp_path / "r")
