@@ -8,14 +8,14 @@ _fluxgrpo() {
     local words=""
     case "${COMP_WORDS[1]} ${COMP_WORDS[COMP_CWORD-1]}" in
         "bench --algorithms") words="dance dance-t2 dance-t4 dance-retain mixgrpo mixgrpo-flash mixgrpo-flash-w2 flow-grpo-fast cps nft awm nft-t2 awm-t4 vgrpo vgrpo-own-steps neighbor" ;;
-        "bench --config") words="a3-16die a3-16die-awm-lora a3-16die-flow-grpo-fast a3-16die-mixgrpo a3-16die-mixgrpo-flash a3-16die-nft-lora a3-8die a3-8die-awm-lora a3-8die-lora a3-8die-nft-lora gpu-1x-awm-lora gpu-1x-lora gpu-1x-nft-lora shapes-balanced shapes-cpu shapes-cpu-awm shapes-cpu-hps shapes-cpu-vgrpo shapes-overfit shapes-quickstart tiny-cpu" ;;
+        "bench --config") words="a3-16die a3-16die-awm-lora a3-16die-flow-grpo-fast a3-16die-mixgrpo a3-16die-mixgrpo-flash a3-16die-nft-lora a3-8die a3-8die-awm-lora a3-8die-lora a3-8die-nft-lora gpu-1x-awm-lora gpu-1x-lora gpu-1x-nft-lora shapes-balanced shapes-balanced-nft shapes-cpu shapes-cpu-awm shapes-cpu-hps shapes-cpu-vgrpo shapes-overfit shapes-quickstart tiny-cpu" ;;
         "bench --prompts") words="shapes-train shapes-train-balanced shapes-heldout" ;;
         "env-check --reward") words="hpsv2 pickscore clipscore imagereward hpsv3 brightness exposure structure shapes shapes-scene shapes-strict" ;;
-        "env-check --config") words="a3-16die a3-16die-awm-lora a3-16die-flow-grpo-fast a3-16die-mixgrpo a3-16die-mixgrpo-flash a3-16die-nft-lora a3-8die a3-8die-awm-lora a3-8die-lora a3-8die-nft-lora gpu-1x-awm-lora gpu-1x-lora gpu-1x-nft-lora shapes-balanced shapes-cpu shapes-cpu-awm shapes-cpu-hps shapes-cpu-vgrpo shapes-overfit shapes-quickstart tiny-cpu" ;;
+        "env-check --config") words="a3-16die a3-16die-awm-lora a3-16die-flow-grpo-fast a3-16die-mixgrpo a3-16die-mixgrpo-flash a3-16die-nft-lora a3-8die a3-8die-awm-lora a3-8die-lora a3-8die-nft-lora gpu-1x-awm-lora gpu-1x-lora gpu-1x-nft-lora shapes-balanced shapes-balanced-nft shapes-cpu shapes-cpu-awm shapes-cpu-hps shapes-cpu-vgrpo shapes-overfit shapes-quickstart tiny-cpu" ;;
         "fetch-weights --source") words="tiny shapes hf modelscope" ;;
         "preprocess --prompts") words="shapes-train shapes-train-balanced shapes-heldout" ;;
         "score --reward") words="hpsv2 pickscore clipscore imagereward hpsv3 brightness exposure structure shapes shapes-scene shapes-strict" ;;
-        "train --config") words="a3-16die a3-16die-awm-lora a3-16die-flow-grpo-fast a3-16die-mixgrpo a3-16die-mixgrpo-flash a3-16die-nft-lora a3-8die a3-8die-awm-lora a3-8die-lora a3-8die-nft-lora gpu-1x-awm-lora gpu-1x-lora gpu-1x-nft-lora shapes-balanced shapes-cpu shapes-cpu-awm shapes-cpu-hps shapes-cpu-vgrpo shapes-overfit shapes-quickstart tiny-cpu" ;;
+        "train --config") words="a3-16die a3-16die-awm-lora a3-16die-flow-grpo-fast a3-16die-mixgrpo a3-16die-mixgrpo-flash a3-16die-nft-lora a3-8die a3-8die-awm-lora a3-8die-lora a3-8die-nft-lora gpu-1x-awm-lora gpu-1x-lora gpu-1x-nft-lora shapes-balanced shapes-balanced-nft shapes-cpu shapes-cpu-awm shapes-cpu-hps shapes-cpu-vgrpo shapes-overfit shapes-quickstart tiny-cpu" ;;
         "train --reward") words="hpsv2 pickscore clipscore imagereward hpsv3 brightness exposure structure shapes shapes-scene shapes-strict" ;;
         "train --eval-prompts") words="shapes-train shapes-train-balanced shapes-heldout hpdv2" ;;
         "train --eval-rewards") words="hpsv2 pickscore clipscore imagereward hpsv3 brightness exposure structure shapes shapes-scene shapes-strict" ;;

@@ -309,6 +309,7 @@ def test_a_dry_run_without_any_weights_still_plans_and_says_what_a_launch_would_
     [
         "shapes-quickstart",
         "shapes-balanced",
+        "shapes-balanced-nft",
         "shapes-cpu",
         "shapes-cpu-awm",
         "shapes-cpu-hps",
