@@ -106,17 +106,20 @@ def median_curve(curves: list[list[list[float]]]) -> list[tuple[int, float]]:
 def time_to_baseline_final(row: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any]:
     """When the row's median held-out curve first reaches the baseline's final median score: that evaluation's
     iteration, its seconds of training (iteration × the row's median seconds per iteration) and their share of the
-    baseline's whole run. None where a run has no curve or the row never reaches it (within its evaluations, so
-    evaluate more often, --eval-every, to resolve it finer)."""
+    baseline's whole run; and whether the row's own final median score is still at or above it (a row can pass the
+    baseline early and fall below it by the end, as a sliding SDE window does). None where a run has no curve or the
+    row never reaches it (within its evaluations, so evaluate more often, --eval-every, to resolve it finer)."""
     empty = {
         "iteration_to_baseline_final": None,
         "seconds_to_baseline_final": None,
         "time_to_baseline_final_ratio": None,
+        "held_baseline_final": None,
     }
     if row["algorithm"] == baseline["algorithm"] or not row.get("heldout_curves") or not baseline.get("heldout_curves"):
         return empty
     target = median_curve(baseline["heldout_curves"])[-1][1]
-    reached = next((it for it, score in median_curve(row["heldout_curves"]) if it > 0 and score >= target), None)
+    curve = median_curve(row["heldout_curves"])
+    reached = next((it for it, score in curve if it > 0 and score >= target), None)
     if reached is None:
         return empty
     seconds = reached * row["seconds_per_iteration"]
@@ -125,6 +128,7 @@ def time_to_baseline_final(row: dict[str, Any], baseline: dict[str, Any]) -> dic
         "iteration_to_baseline_final": reached,
         "seconds_to_baseline_final": seconds,
         "time_to_baseline_final_ratio": seconds / baseline_seconds,
+        "held_baseline_final": curve[-1][1] >= target,
     }
 
 

@@ -349,7 +349,9 @@ def _reached_baseline_final(row: dict[str, Any]) -> str:
     if row.get("seconds_to_baseline_final") is None:
         return "not reached"
     share = row["time_to_baseline_final_ratio"]
-    return f"it {row['iteration_to_baseline_final']}, {row['seconds_to_baseline_final']:.0f} s ({share:.0%})"
+    reached = f"it {row['iteration_to_baseline_final']}, {row['seconds_to_baseline_final']:.0f} s ({share:.0%})"
+    # A document from before the field was added has no `held_baseline_final`: say only when it was reached.
+    return reached + (", then fell below" if row.get("held_baseline_final") is False else "")
 
 
 def _render_heldout_and_work(console: Console, rows: list[dict[str, Any]], repeats: int) -> None:

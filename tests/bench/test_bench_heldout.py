@@ -212,6 +212,49 @@ def test_the_table_shows_the_heldout_gain_and_the_work_per_iteration(tmp_path, c
     assert "dance 0.4000→0.4500 +0.0500 +0.0000–+0.1000 - 0.01 - 22 4 2 -" in lines
 
 
+def test_the_table_says_when_a_row_reached_the_baselines_final_and_then_fell_below_it(capsys):
+    """A row that passed dance's final score at iteration 4 and ended below it says so beside the time; one that
+    held it, or a document from before the field existed, shows the time alone."""
+    from rich.console import Console
+
+    from fluxgrpo.cli.bench import _render_heldout_and_work
+
+    base = {"repeats": 3, "heldout_reward": "shapes", "heldout_first": 0.4, "heldout_gain_per_second": 0.01}
+    reached = {
+        "iteration_to_baseline_final": 4,
+        "seconds_to_baseline_final": 20.0,
+        "time_to_baseline_final_ratio": 0.25,
+    }
+    rows = [
+        {**base, "algorithm": "dance", "heldout_last": 0.45, "heldout_gain": 0.05, "heldout_gain_spread": [0.0, 0.1]},
+        {
+            **base,
+            **reached,
+            "algorithm": "fell",
+            "heldout_last": 0.35,
+            "heldout_gain": -0.05,
+            "held_baseline_final": False,
+        },
+        {
+            **base,
+            **reached,
+            "algorithm": "held",
+            "heldout_last": 0.65,
+            "heldout_gain": 0.25,
+            "held_baseline_final": True,
+        },
+        {**base, **reached, "algorithm": "older", "heldout_last": 0.65, "heldout_gain": 0.25},
+    ]
+    for row in rows[1:]:
+        row["heldout_gain_spread"] = [row["heldout_gain"], row["heldout_gain"]]
+    _render_heldout_and_work(Console(width=250), rows, repeats=3)
+    lines = [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
+    assert any(line.startswith("fell ") and "it 4, 20 s (25%), then fell below" in line for line in lines)
+    for name in ("held", "older"):
+        line = next(line for line in lines if line.startswith(name + " "))
+        assert "it 4, 20 s (25%)" in line and "fell below" not in line
+
+
 def test_the_time_to_the_baselines_final_score_reads_the_median_curves():
     """Hand-worked: dance's three runs end at 0.50, 0.46, 0.48 (median 0.48) after 8 iterations of 10 s (80 s). The
     row's median curve is 0.42 at 2, 0.47 at 4 and 0.49 at 6: it first reaches 0.48 at iteration 6, 6 × 5 s = 30 s,
@@ -235,7 +278,10 @@ def test_the_time_to_the_baselines_final_score_reads_the_median_curves():
         "iteration_to_baseline_final": 6,
         "seconds_to_baseline_final": 30.0,
         "time_to_baseline_final_ratio": pytest.approx(0.375),
+        "held_baseline_final": False,  # its median ends at 0.3, below dance's 0.48
     }
+    kept = {**row, "heldout_curves": [[*curve[:-1], [8, 0.48]] for curve in curves]}
+    assert time_to_baseline_final(kept, dance)["held_baseline_final"] is True  # ends at 0.48 = the target: held
     low = {**row, "heldout_curves": [[[0, 0.4], [8, 0.45]]]}
     assert time_to_baseline_final(low, dance)["seconds_to_baseline_final"] is None
     assert time_to_baseline_final(dance, dance)["time_to_baseline_final_ratio"] is None
