@@ -593,6 +593,7 @@ def run_efficiency(
     """Train every algorithm of ``cfg`` ``cfg.repeats`` times in interleaved rounds and compare them; returns one
     JSON-ready document: ``{"config": ..., "algorithms": [row, ...]}`` with the rows in ``cfg.runs`` order."""
     from fluxgrpo.bench.heldout import WorkCounter, counted
+    from fluxgrpo.bench.machine_speed import measured_speed, reference_seconds
     from fluxgrpo.bench.reused_baseline import load_baseline
     from fluxgrpo.training.loop import train
 
@@ -609,13 +610,17 @@ def run_efficiency(
         if reused is not None:
             reused.check_training(shared)
             log(f"{BASELINE}: its row from {reused.path} (same settings; its times were measured then)")
+        before = reference_seconds()
         rows = compare(cfg, base, counted(train, counter), log, counter, None if reused is None else reused.as_row())
+        speed = measured_speed(before, reference_seconds())
     return {
         "config": {
             **dataclasses.asdict(cfg),
             "runs": list(cfg.runs),
             "rounds": [list(order) for order in cfg.rounds],
             "training": shared,
+            # What a later --baseline-from reads this run's seconds against (bench/machine_speed.py).
+            "machine_speed": speed,
         },
         "algorithms": rows,
     }

@@ -281,11 +281,14 @@ def _render_efficiency(document: dict[str, Any]) -> None:
         f"{document['config']['text_tokens']} text tokens) on {settings['device']}; × = ratio to {BASELINE}",
         highlight=False,
     )
-    reused = next((row["baseline_from"] for row in document["algorithms"] if row.get("baseline_from")), None)
+    reused = next((row for row in document["algorithms"] if row.get("baseline_from")), None)
     if reused is not None:
+        from fluxgrpo.bench.machine_speed import speed_note
+
+        speed = speed_note(reused.get("baseline_machine_speed"), document["config"].get("machine_speed"))
         console.print(
-            f"{BASELINE}'s row is from {reused} (--baseline-from: the same settings, not trained again; its times "
-            "were measured in that run)",
+            f"{BASELINE}'s row is from {reused['baseline_from']} (--baseline-from: the same settings, not trained "
+            f"again; its times were measured in that run): {speed}",
             highlight=False,
             markup=False,
         )

@@ -328,6 +328,13 @@ def test_two_algorithms_train_from_the_same_start_and_report_ratios(tmp_path):
     assert [row["rewards_identical"] for row in rows] == [True, True]
     assert [len(set(row["reward_gain_runs"])) for row in rows] == [1, 1]
     assert document["config"]["training"]["sampling_steps"] == 4
+    # the machine's speed on both sides of the training, for a later --baseline-from to read these seconds against
+    speed = document["config"]["machine_speed"]
+    assert (
+        speed["before"] > 0
+        and speed["after"] > 0
+        and speed["mean"] == pytest.approx((speed["before"] + speed["after"]) / 2)
+    )
     dance, short = rows
     assert (dance["trained_timesteps"], short["trained_timesteps"]) == (1, 2)  # int(3·0.5) = 1; dance-t2: 2
     assert short["overrides"] == {"timestep_fraction": pytest.approx(2.5 / 3)}

@@ -144,3 +144,35 @@ def test_the_cli_refuses_a_missing_document_and_the_table_says_where_the_row_cam
     _render_efficiency(document)
     out = " ".join(capsys.readouterr().out.split())
     assert f"dance's row is from {path} (--baseline-from" in out
+
+
+def test_the_reused_rows_machine_speed_is_read_against_this_runs(tmp_path, capsys):
+    """The earlier document's reference seconds travel with its baseline row (through a chain of reuses, the first
+    document's), and the table says how many times as fast this machine ran the reference workload: hand-worked,
+    200 ms there and 100 ms here is 2.00× as fast; 102 ms against 100 ms is the same speed within 5 %."""
+    from fluxgrpo.bench.machine_speed import measured_speed, speed_note
+    from fluxgrpo.cli.bench import _render_efficiency
+
+    assert measured_speed(0.1, 0.3) == {"before": 0.1, "after": 0.3, "mean": pytest.approx(0.2)}
+    slow, fast = measured_speed(0.2, 0.2), measured_speed(0.1, 0.1)
+    assert "200 ms there and 100 ms here: this machine ran it 2.00× as fast" in speed_note(slow, fast)
+    assert speed_note(measured_speed(0.102, 0.102), fast).endswith("the same speed within 5%")
+    assert "did not record its machine's speed" in speed_note(None, fast)
+
+    path, _, cfg = _earlier(tmp_path)
+    document = json.loads(path.read_text())
+    assert load_baseline(_reusing(cfg, path), "dance").machine_speed is None  # written before the record existed
+    document["config"]["machine_speed"] = slow
+    path.write_text(json.dumps(document))
+    again = _reusing(cfg, path)
+    row = load_baseline(again, "dance").as_row()
+    assert row["baseline_machine_speed"] == slow
+    _, reusing_document, _ = _comparison(tmp_path / "again", again, row)
+    reusing_document["config"]["machine_speed"] = fast
+    chained = tmp_path / "chained.json"
+    chained.write_text(json.dumps(reusing_document))
+    third = dataclasses.replace(again, baseline_from=str(chained))
+    assert load_baseline(third, "dance").as_row()["baseline_machine_speed"] == slow  # the first document's machine
+    _render_efficiency(reusing_document)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "200 ms there and 100 ms here: this machine ran it 2.00× as fast" in out
