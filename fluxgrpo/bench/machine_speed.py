@@ -18,6 +18,8 @@ import statistics
 import time
 from typing import Any
 
+import torch
+
 REFERENCE_SIDE = 384
 REFERENCE_PRODUCTS = 32
 REFERENCE_REPEATS = 5
@@ -28,8 +30,6 @@ NOTICEABLE = 0.05
 
 def reference_seconds(repeats: int = REFERENCE_REPEATS) -> float:
     """The median seconds, over ``repeats`` timed runs after one untimed, of the reference workload."""
-    import torch
-
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(REFERENCE_SIDE, REFERENCE_SIDE, generator=generator)
     b = torch.randn(REFERENCE_SIDE, REFERENCE_SIDE, generator=generator)
