@@ -413,10 +413,15 @@ def reward_gain(rewards: list[float]) -> float:
     return covariance / variance * (count - 1)
 
 
+def iteration_seconds(record: dict[str, Any]) -> float:
+    """One iteration's training time: the sum of its phases' seconds."""
+    return sum(float(record[key]) for key in PHASE_SECONDS)
+
+
 def run_seconds(records: list[dict[str, Any]]) -> dict[str, Any]:
     """One run's clock: the median over its iterations of the iteration's seconds and of each phase's."""
     return {
-        "seconds_per_iteration": statistics.median(sum(float(r[key]) for key in PHASE_SECONDS) for r in records),
+        "seconds_per_iteration": statistics.median(iteration_seconds(record) for record in records),
         "phase_seconds": {
             key.removeprefix("seconds_"): statistics.median(float(r[key]) for r in records) for key in PHASE_SECONDS
         },
@@ -592,8 +597,8 @@ def run_efficiency(
 ) -> dict[str, Any]:
     """Train every algorithm of ``cfg`` ``cfg.repeats`` times in interleaved rounds and compare them; returns one
     JSON-ready document: ``{"config": ..., "algorithms": [row, ...]}`` with the rows in ``cfg.runs`` order."""
+    from fluxgrpo.bench.baseline_probe import PROBE_ITERATIONS, run_probe, speed_note
     from fluxgrpo.bench.heldout import WorkCounter, counted
-    from fluxgrpo.bench.machine_speed import measured_speed, reference_seconds
     from fluxgrpo.bench.reused_baseline import load_baseline
     from fluxgrpo.training.loop import train
 
@@ -603,6 +608,7 @@ def run_efficiency(
     world = trains_in_the_world(cfg.config, cfg.base_overrides)
     keep_repeats = cfg.prompts in WEIGHTED_SETS
     counter = WorkCounter()
+    probe = None
     with tempfile.TemporaryDirectory(prefix="fluxgrpo-bench-efficiency-") as folder:
         workspace = prepare_workspace(Path(folder), cfg.seed, cfg.text_tokens, log, prompts, world, keep_repeats)
         base = base_training_config(cfg, workspace, evaluate=world)
@@ -610,17 +616,21 @@ def run_efficiency(
         if reused is not None:
             reused.check_training(shared)
             log(f"{BASELINE}: its row from {reused.path} (same settings; its times were measured then)")
-        before = reference_seconds()
+            # Its seconds are that machine's: a few of its iterations here say how this one compares.
+            log(f"probing {BASELINE}'s speed here: {PROBE_ITERATIONS} of its iterations, outside the comparison")
+            baseline_cfg = algorithm_config(base, BASELINE)
+            probe = run_probe(baseline_cfg, float(reused.row["seconds_per_iteration"]), train, iteration_seconds)
+            log(f"  {BASELINE}: {speed_note(probe)}")
         rows = compare(cfg, base, counted(train, counter), log, counter, None if reused is None else reused.as_row())
-        speed = measured_speed(before, reference_seconds())
     return {
         "config": {
             **dataclasses.asdict(cfg),
             "runs": list(cfg.runs),
             "rounds": [list(order) for order in cfg.rounds],
             "training": shared,
-            # What a later --baseline-from reads this run's seconds against (bench/machine_speed.py).
-            "machine_speed": speed,
+            # With --baseline-from: the baseline's iterations timed here against the reused row's
+            # (bench/baseline_probe.py); None when this run trained the baseline itself.
+            "baseline_probe": probe,
         },
         "algorithms": rows,
     }

@@ -62,7 +62,6 @@ class ReusedBaseline:
     path: Path
     row: dict[str, Any]
     training: dict[str, Any]
-    machine_speed: dict[str, Any] | None = None  # the earlier run's reference seconds (None before it was recorded)
 
     def check_training(self, current: dict[str, Any]) -> None:
         """Refuse unless ``current`` (this bench's resolved training config, workspace paths left out) is the one the
@@ -79,9 +78,8 @@ class ReusedBaseline:
 
     def as_row(self) -> dict[str, Any]:
         """The row as this comparison shows it: the earlier one, marked with the file it came from (the first
-        file's, where that document took it from another in turn) and with the speed of the machine its times came
-        from (the first file's too)."""
-        return {"baseline_from": str(self.path), "baseline_machine_speed": self.machine_speed, **self.row}
+        file's, where that document took it from another in turn, as its times are)."""
+        return {"baseline_from": str(self.path), **self.row}
 
 
 def load_baseline(cfg: EfficiencyConfig, baseline: str) -> ReusedBaseline:
@@ -114,8 +112,7 @@ def load_baseline(cfg: EfficiencyConfig, baseline: str) -> ReusedBaseline:
     ]
     if differ:
         raise _mismatch(path, "it was measured with other bench settings", differ)
-    speed = row.get("baseline_machine_speed", earlier.get("machine_speed"))
-    return ReusedBaseline(path, row, earlier["training"], speed if isinstance(speed, dict) else None)
+    return ReusedBaseline(path, row, earlier["training"])
 
 
 def _mismatch(path: Path, why: str, differ: list[str]) -> UsageError:

@@ -99,7 +99,7 @@ def command(
             "--baseline-from",
             f"With --algorithms: take {BASELINE}'s row from this earlier `bench --algorithms ... --json` output "
             f"instead of training {BASELINE} again (refused unless made with the same settings; training is "
-            "deterministic, so only its times are of another hour).",
+            "deterministic, so only its times are of another hour: 6 of its iterations here say how this machine compares).",
         ),
     ] = None,
     plot: Annotated[
@@ -283,9 +283,9 @@ def _render_efficiency(document: dict[str, Any]) -> None:
     )
     reused = next((row for row in document["algorithms"] if row.get("baseline_from")), None)
     if reused is not None:
-        from fluxgrpo.bench.machine_speed import speed_note
+        from fluxgrpo.bench.baseline_probe import speed_note
 
-        speed = speed_note(reused.get("baseline_machine_speed"), document["config"].get("machine_speed"))
+        speed = speed_note(document["config"].get("baseline_probe"))
         console.print(
             f"{BASELINE}'s row is from {reused['baseline_from']} (--baseline-from: the same settings, not trained "
             f"again; its times were measured in that run): {speed}",

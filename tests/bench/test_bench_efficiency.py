@@ -328,13 +328,7 @@ def test_two_algorithms_train_from_the_same_start_and_report_ratios(tmp_path):
     assert [row["rewards_identical"] for row in rows] == [True, True]
     assert [len(set(row["reward_gain_runs"])) for row in rows] == [1, 1]
     assert document["config"]["training"]["sampling_steps"] == 4
-    # the machine's speed on both sides of the training, for a later --baseline-from to read these seconds against
-    speed = document["config"]["machine_speed"]
-    assert (
-        speed["before"] > 0
-        and speed["after"] > 0
-        and speed["mean"] == pytest.approx((speed["before"] + speed["after"]) / 2)
-    )
+    assert document["config"]["baseline_probe"] is None  # dance trained here: its seconds are this machine's
     dance, short = rows
     assert (dance["trained_timesteps"], short["trained_timesteps"]) == (1, 2)  # int(3·0.5) = 1; dance-t2: 2
     assert short["overrides"] == {"timestep_fraction": pytest.approx(2.5 / 3)}
@@ -354,6 +348,17 @@ def test_two_algorithms_train_from_the_same_start_and_report_ratios(tmp_path):
     )
     assert table.exit_code == 0, table.output
     assert "dance" in table.stdout and "gain/s" in table.stdout
+    # Reusing this run's dance: not trained again, but probed for its iterations' seconds on this machine.
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(result.stdout)
+    reusing = runner.invoke(app, [*argv, "--repeats", "2", "--baseline-from", str(earlier), "--json"])
+    assert reusing.exit_code == 0, reusing.output
+    probe = json.loads(reusing.stdout)["config"]["baseline_probe"]
+    assert (probe["iterations"], probe["timed_iterations"]) == (2, 1)  # the run's 2 iterations, the first left out
+    assert probe["reused_seconds_per_iteration"] == dance["seconds_per_iteration"]
+    assert probe["speed_ratio"] == pytest.approx(dance["seconds_per_iteration"] / probe["seconds_per_iteration"])
+    told = " ".join(reusing.stderr.split())  # the log wraps its lines
+    assert "probing dance's speed here" in told and "s here (one probe iteration)" in told
 
 
 def test_vary_seed_gives_each_repeat_its_own_seed_and_reports_the_gains_spread(tmp_path):

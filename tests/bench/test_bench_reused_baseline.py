@@ -146,33 +146,61 @@ def test_the_cli_refuses_a_missing_document_and_the_table_says_where_the_row_cam
     assert f"dance's row is from {path} (--baseline-from" in out
 
 
-def test_the_reused_rows_machine_speed_is_read_against_this_runs(tmp_path, capsys):
-    """The earlier document's reference seconds travel with its baseline row (through a chain of reuses, the first
-    document's), and the table says how many times as fast this machine ran the reference workload: hand-worked,
-    200 ms there and 100 ms here is 2.00× as fast; 102 ms against 100 ms is the same speed within 5 %."""
-    from fluxgrpo.bench.machine_speed import measured_speed, speed_note
+def test_the_reused_rows_seconds_are_read_against_the_baseline_probed_on_this_machine(tmp_path, capsys):
+    """A reusing run trains the baseline for a few iterations here (no evaluation, guards or best/, a folder of its
+    own) and the table says how many times as fast this machine ran them: hand-worked, a reused row of 10 s per
+    iteration against probe iterations of 9 (the first, left out), 4, 5 and 6 s is 2.00× as fast; 5.2 s against
+    5 s is the same speed within 10 %. A chained document's row keeps the first run's seconds, so the probe reads
+    against the machine they came from."""
+    from fluxgrpo.bench.baseline_probe import probe_config, probe_seconds, run_probe, speed_note
+    from fluxgrpo.bench.efficiency import algorithm_config, iteration_seconds
     from fluxgrpo.cli.bench import _render_efficiency
 
-    assert measured_speed(0.1, 0.3) == {"before": 0.1, "after": 0.3, "mean": pytest.approx(0.2)}
-    slow, fast = measured_speed(0.2, 0.2), measured_speed(0.1, 0.1)
-    assert "200 ms there and 100 ms here: this machine ran it 2.00× as fast" in speed_note(slow, fast)
-    assert speed_note(measured_speed(0.102, 0.102), fast).endswith("the same speed within 5%")
-    assert "did not record its machine's speed" in speed_note(None, fast)
-
+    assert probe_seconds([9.0, 4.0, 5.0, 6.0]) == 5.0 and probe_seconds([3.0]) == 3.0
     path, _, cfg = _earlier(tmp_path)
-    document = json.loads(path.read_text())
-    assert load_baseline(_reusing(cfg, path), "dance").machine_speed is None  # written before the record existed
-    document["config"]["machine_speed"] = slow
-    path.write_text(json.dumps(document))
+    guarded = {**SETTINGS, "guard": "shapes:-10%", "keep_best": "shapes"}
+    base = base_training_config(
+        dataclasses.replace(cfg, iterations=8, base_overrides=guarded),
+        Workspace(tmp_path / "f", tmp_path / "h", tmp_path / "i.json", tmp_path / "runs"),
+    )
+    dance = algorithm_config(base, "dance")
+    cut = probe_config(dance)
+    assert (cut.max_train_steps, cut.checkpointing_steps, cut.eval_every, cut.guard, cut.keep_best) == (6, 6, 0, "", "")
+    assert Path(cut.output_dir) == tmp_path / "runs" / "dance" / "probe" and cut.learning_rate == dance.learning_rate
+    assert probe_config(dataclasses.replace(dance, max_train_steps=2, checkpointing_steps=2)).max_train_steps == 2
+
+    trained = []
+
+    def stand_in(probe_cfg):
+        trained.append(probe_cfg.output_dir)
+        return [{"seconds_rollout": s / 2, "seconds_decode_reward": 0.0, "seconds_update": s / 2} for s in (9, 4, 5, 6)]
+
+    probe = run_probe(dance, 10.0, stand_in, iteration_seconds)
+    assert trained == [cut.output_dir]
+    assert probe == {
+        "iterations": 4,
+        "timed_iterations": 3,
+        "seconds_per_iteration": 5.0,
+        "reused_seconds_per_iteration": 10.0,
+        "speed_ratio": 2.0,
+    }
+    assert "took 10 s there and 5 s here (median of 3 probe iterations): this machine ran them 2.00× as fast" in (
+        speed_note(probe)
+    )
+    assert speed_note({**probe, "reused_seconds_per_iteration": 5.2, "speed_ratio": 1.04}).endswith(
+        "the same speed within 10%"
+    )
+    assert "did not probe" in speed_note(None)
+
     again = _reusing(cfg, path)
     row = load_baseline(again, "dance").as_row()
-    assert row["baseline_machine_speed"] == slow
     _, reusing_document, _ = _comparison(tmp_path / "again", again, row)
-    reusing_document["config"]["machine_speed"] = fast
+    reusing_document["config"]["baseline_probe"] = probe
     chained = tmp_path / "chained.json"
     chained.write_text(json.dumps(reusing_document))
     third = dataclasses.replace(again, baseline_from=str(chained))
-    assert load_baseline(third, "dance").as_row()["baseline_machine_speed"] == slow  # the first document's machine
+    first_seconds = load_baseline(third, "dance").row["seconds_per_iteration"]
+    assert first_seconds == row["seconds_per_iteration"]  # the first run's seconds, which the probe reads against
     _render_efficiency(reusing_document)
     out = " ".join(capsys.readouterr().out.split())
-    assert "200 ms there and 100 ms here: this machine ran it 2.00× as fast" in out
+    assert "this machine ran them 2.00× as fast" in out
