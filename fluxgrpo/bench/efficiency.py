@@ -617,7 +617,8 @@ def run_efficiency(
             reused.check_training(shared)
             log(f"{BASELINE}: its row from {reused.path} (same settings; its times were measured then)")
             # Its seconds are that machine's: a few of its iterations here say how this one compares.
-            log(f"probing {BASELINE}'s speed here: {PROBE_ITERATIONS} of its iterations, outside the comparison")
+            probed = min(PROBE_ITERATIONS, cfg.iterations)
+            log(f"probing {BASELINE}'s speed here: {probed} of its iterations, outside the comparison")
             baseline_cfg = algorithm_config(base, BASELINE)
             probe = run_probe(baseline_cfg, float(reused.row["seconds_per_iteration"]), train, iteration_seconds)
             log(f"  {BASELINE}: {speed_note(probe)}")

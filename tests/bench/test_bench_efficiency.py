@@ -358,7 +358,7 @@ def test_two_algorithms_train_from_the_same_start_and_report_ratios(tmp_path):
     assert probe["reused_seconds_per_iteration"] == dance["seconds_per_iteration"]
     assert probe["speed_ratio"] == pytest.approx(dance["seconds_per_iteration"] / probe["seconds_per_iteration"])
     told = " ".join(reusing.stderr.split())  # the log wraps its lines
-    assert "probing dance's speed here" in told and "s here (one probe iteration)" in told
+    assert "probing dance's speed here: 2 of its iterations" in told and "s here (one probe iteration)" in told
 
 
 def test_vary_seed_gives_each_repeat_its_own_seed_and_reports_the_gains_spread(tmp_path):
