@@ -53,12 +53,13 @@ def probe_seconds(iteration_seconds: list[float]) -> float:
 
 
 def run_probe(
-    baseline: TrainConfig, reused_seconds: float, train: Callable[[TrainConfig], list[dict[str, Any]]]
+    baseline: TrainConfig,
+    reused_seconds: float,
+    train: Callable[[TrainConfig], list[dict[str, Any]]],
+    iteration_seconds: Callable[[dict[str, Any]], float],
 ) -> dict[str, Any]:
     """Train the probe with ``train`` and return the document's record: the probe's iterations and median seconds
     per iteration, the reused row's, and how many times as fast this machine ran the baseline (theirs over ours)."""
-    from fluxgrpo.bench.efficiency import iteration_seconds  # the comparison's own clock, so both read alike
-
     records = train(probe_config(baseline))
     seconds = probe_seconds([iteration_seconds(record) for record in records])
     return {

@@ -620,7 +620,7 @@ def run_efficiency(
             probed = min(PROBE_ITERATIONS, cfg.iterations)
             log(f"probing {BASELINE}'s speed here: {probed} of its iterations, outside the comparison")
             baseline_cfg = algorithm_config(base, BASELINE)
-            probe = run_probe(baseline_cfg, float(reused.row["seconds_per_iteration"]), train)
+            probe = run_probe(baseline_cfg, float(reused.row["seconds_per_iteration"]), train, iteration_seconds)
             log(f"  {BASELINE}: {speed_note(probe)}")
         rows = compare(cfg, base, counted(train, counter), log, counter, None if reused is None else reused.as_row())
     return {

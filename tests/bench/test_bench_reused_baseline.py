@@ -153,7 +153,7 @@ def test_the_reused_rows_seconds_are_read_against_the_baseline_probed_on_this_ma
     5 s is the same speed within 10 %. A chained document's row keeps the first run's seconds, so the probe reads
     against the machine they came from."""
     from fluxgrpo.bench.baseline_probe import probe_config, probe_seconds, run_probe, speed_note
-    from fluxgrpo.bench.efficiency import algorithm_config
+    from fluxgrpo.bench.efficiency import algorithm_config, iteration_seconds
     from fluxgrpo.cli.bench import _render_efficiency
 
     assert probe_seconds([9.0, 4.0, 5.0, 6.0]) == 5.0 and probe_seconds([3.0]) == 3.0
@@ -175,7 +175,7 @@ def test_the_reused_rows_seconds_are_read_against_the_baseline_probed_on_this_ma
         trained.append(probe_cfg.output_dir)
         return [{"seconds_rollout": s / 2, "seconds_decode_reward": 0.0, "seconds_update": s / 2} for s in (9, 4, 5, 6)]
 
-    probe = run_probe(dance, 10.0, stand_in)
+    probe = run_probe(dance, 10.0, stand_in, iteration_seconds)
     assert trained == [cut.output_dir]
     assert probe == {
         "iterations": 4,
