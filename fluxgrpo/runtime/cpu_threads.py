@@ -1,6 +1,11 @@
 """How many intra-op threads each CPU worker runs: the cores this process may use (its affinity, capped by a
-container's CPU quota) that other work is not already using (the last minute's load average), shared out among the
-node's workers, at least one each.
+container's CPU quota) that other work is not already using, shared out among the node's workers, at least one each.
+
+"Not already using" is read now, from ``/proc/stat`` over a quarter of a second on this process's cores, not from the
+load average: that decays over about a minute, so for some 40 s after a 1-core job of a few minutes ends (the previous
+command of a script) it still reads above 0.5, and one worker then ran on 1 thread of an idle 2-core machine, 1.1–1.3×
+slower than on 2 (dance's iterations, 2026-12-07, results/performance.md). The load average stays the fallback where
+``/proc/stat`` cannot be read.
 
 torch's own default is every core of the machine whatever else runs on it: on a busy 2-core machine a single
 worker's 2 threads spin against the other jobs (an evaluation took 732 s there, 18 s with one thread, #50.10). The
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -20,6 +26,8 @@ import torch
 
 THREADS_ENV = "FLUXGRPO_CPU_THREADS"  # the workers' intra-op threads (the launcher's choice, or the user's)
 _CGROUP = Path("/sys/fs/cgroup")
+_PROC_STAT = Path("/proc/stat")
+SAMPLE_SECONDS = 0.25  # long enough to see a busy core (the kernel counts in 10 ms ticks), short at start-up
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,55 @@ def available_cores(root: Path = _CGROUP) -> int:
     return max(1, min(cores, quota) if quota else cores)
 
 
+def _cpu_times(cpus: set[int], stat: Path) -> dict[int, tuple[int, int]]:
+    """Each of ``cpus``' (busy, total) clock ticks since boot, from ``/proc/stat``'s per-CPU lines."""
+    times: dict[int, tuple[int, int]] = {}
+    for line in stat.read_text().splitlines():
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        ticks = [int(field) for field in fields[:8]]  # user nice system idle iowait irq softirq steal
+        idle = ticks[3] + ticks[4]
+        times[int(name[3:])] = (sum(ticks) - idle, sum(ticks))
+    return times
+
+
+def busy_cores_now(cpus: set[int], stat: Path = _PROC_STAT, seconds: float = SAMPLE_SECONDS) -> float | None:
+    """How many of ``cpus`` other work keeps busy right now (this process sleeps while it measures); None where
+    ``/proc/stat`` cannot be read (not Linux)."""
+    try:
+        before = _cpu_times(cpus, stat)
+        time.sleep(seconds)
+        after = _cpu_times(cpus, stat)
+    except (OSError, ValueError, IndexError):
+        return None
+    busy = 0.0
+    for cpu, (busy_after, total_after) in after.items():
+        busy_before, total_before = before.get(cpu, (busy_after, total_after))
+        if total_after > total_before:
+            busy += (busy_after - busy_before) / (total_after - total_before)
+    return busy if after else None
+
+
+def _own_cpus() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
+
+
+def other_work(cpus: set[int]) -> tuple[float, str]:
+    """The cores other work is using, and how it was read, for the start-up line."""
+    busy = busy_cores_now(cpus)
+    if busy is not None:
+        return busy, f"{busy:.1f} busy now"
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = 0.0
+    return load, f"load {load:.1f}"
+
+
 def choose_threads(workers: int, cores: int, load: float) -> int:
     """Threads per worker for ``workers`` on this node, from ``cores`` and the ``load`` other work puts on them."""
     idle = max(1, min(cores, round(cores - load)))
@@ -78,13 +135,10 @@ def plan_cpu_threads(workers: int) -> CpuThreads:
         if given is not None:
             return CpuThreads(given, f"{name}={given}")
     cores = available_cores()
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = 0.0
+    load, reading = other_work(_own_cpus())
     threads = choose_threads(workers, cores, load)
     shared = f" shared by {workers} workers" if workers > 1 else ""
-    return CpuThreads(threads, f"{cores} cores{shared}, load {load:.1f}")
+    return CpuThreads(threads, f"{cores} cores{shared}, {reading}")
 
 
 def apply_cpu_threads(distributed: bool) -> None:
