@@ -11,7 +11,8 @@ Measures the four properties issue 29 asks of the shipped weights, through the p
   equal, on the training prompts (what GRPO's groups see) and on the held-out ones;
 - **VAE**: the checker's strict rate on VAE reconstructions of rendered images of every caption;
 - **HPS agreement**: Spearman's ρ between the tiny HPS (``--reward hpsv2``'s own code) and the checker score on
-  the base samples, pooled and within prompts (the mean over prompts whose scores vary).
+  the base samples, pooled and within prompts (the mean over prompts whose scores vary; also for the seen and the
+  novel combinations apart).
 
 Prints one JSON document.
 """
@@ -168,14 +169,17 @@ def vae_reconstruction_strict(
 
 
 def hps_agreement(hps_dir: Path, prompts: list[str], groups: list[list[np.ndarray]], results: list[list[Any]]):
-    """Spearman's ρ of the tiny HPS score and the checker score on the same images: pooled, and within prompts."""
+    """Spearman's ρ of the tiny HPS score and the checker score on the same images: pooled, and within prompts (all
+    of them, and the seen and novel combinations apart: the HPS reads novel pairings worse, results/shapes-world.md)."""
     import torch
     from scipy.stats import spearmanr
 
     from fluxgrpo.rewards.hpsv2 import HpsV2Reward
 
     reward = HpsV2Reward(hps_dir)
-    hps, checker, within = [], [], []
+    hps: list[float] = []
+    checker: list[float] = []
+    within: dict[bool, list[float]] = {False: [], True: []}  # is_novel → each prompt's ρ
     for prompt, group, checked in zip(prompts, groups, results, strict=True):
         pixels = torch.from_numpy(np.stack(group)).permute(0, 3, 1, 2).float() / 255
         scores = reward(pixels, [prompt] * len(group)).tolist()
@@ -183,11 +187,17 @@ def hps_agreement(hps_dir: Path, prompts: list[str], groups: list[list[np.ndarra
         hps += scores
         checker += rule
         if len(set(rule)) > 1:
-            within.append(float(spearmanr(scores, rule).statistic))
+            within[world.is_novel(world.parse_caption(prompt))].append(float(spearmanr(scores, rule).statistic))
+
+    def mean(values: list[float]) -> float | None:
+        return round(float(np.mean(values)), 4) if values else None
+
     return {
         "spearman_pooled": round(float(spearmanr(hps, checker).statistic), 4),
-        "spearman_within_prompt_mean": round(float(np.mean(within)), 4) if within else None,
-        "prompts_with_spread": len(within),
+        "spearman_within_prompt_mean": mean(within[False] + within[True]),
+        "spearman_within_prompt_seen_mean": mean(within[False]),
+        "spearman_within_prompt_novel_mean": mean(within[True]),
+        "prompts_with_spread": len(within[False]) + len(within[True]),
     }
 
 
