@@ -64,10 +64,7 @@ def _quota_cores(root: Path = _CGROUP) -> int | None:
 
 def available_cores(root: Path = _CGROUP) -> int:
     """The cores this process may run on: its CPU affinity, capped by a container's quota."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
+    cores = len(_own_cpus())
     quota = _quota_cores(root)
     return max(1, min(cores, quota) if quota else cores)
 
