@@ -35,7 +35,7 @@ import numpy as np
 
 from fluxgrpo.lab.build import draw_sigmas
 from fluxgrpo.lab.measure import as_uint8, denoise_each_prompt, sample_with
-from fluxgrpo.lab.plan import log
+from fluxgrpo.lab.plan import log, warmup_cosine
 from fluxgrpo.shapes.checker import check
 from fluxgrpo.shapes.world import PROMPT_SETS, prompt_set
 
@@ -72,6 +72,20 @@ class PlasticitySettings:
     sample_steps: int = 12  # the evaluation sampler's
     size: int = 64  # the world's image side
     coupled: bool = False  # reflow: each kept image with its own starting noise (see finetune_on)
+    # "constant" (the test as first measured) or "cosine": the builder's schedule (``plan.warmup_cosine``: 5 % warm-up,
+    # then down to a tenth), so the judged weights are a settled point, not one step of a bouncing constant rate
+    schedule: str = "constant"
+    seed: int = 0  # the fine-tuning's draws (rows, σ, noise); the pool's and the judge's seeds stay fixed
+
+
+SCHEDULES = ("constant", "cosine")
+
+
+def fine_tuning_lr(settings: PlasticitySettings, step: int) -> float:
+    """The learning rate of fine-tuning step ``step`` (1 … ``settings.steps``) under ``settings.schedule``."""
+    if settings.schedule == "constant":
+        return settings.lr
+    return settings.lr * warmup_cosine(step - 1, settings.steps, max(1, settings.steps // 20))
 
 
 def judged_rates(
@@ -126,7 +140,6 @@ def finetune_on(
     pipe: Any,
     kept: dict[str, list[KeptSample]],
     settings: PlasticitySettings,
-    seed: int = 0,
     judged: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Rectified-flow fine-tuning of ``pipe.transformer`` on ``kept`` (in place); the strict rates (and checker
@@ -182,11 +195,13 @@ def finetune_on(
     rows_caption = torch.tensor([i for i, c in enumerate(captions) for _ in kept[c]])
     img_ids, text_ids = image_ids(size, size), torch.zeros(WORLD_TEXT_LENGTH, 3)
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=lr, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(settings.seed)
     if 0 in at:
         judge_now(0)
     transformer.train().requires_grad_(True)
     for step in range(1, steps + 1):
+        for group in optimizer.param_groups:
+            group["lr"] = fine_tuning_lr(settings, step)
         rows = torch.randint(len(packed), (batch,), generator=generator)
         x0 = packed[rows]
         noise = start_noise[rows] if settings.coupled else torch.randn(x0.shape, generator=generator)
@@ -258,6 +273,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--coupled", action="store_true", help="reflow: pair each kept image with the noise it was sampled from"
     )
+    parser.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="constant",
+        help="the learning rate over the fine-tuning: constant, or the builder's warm-up and cosine to a tenth",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the fine-tuning's draws (the pool and the judge keep theirs)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -270,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         judge=args.judge,
         size=args.image_size,
         coupled=args.coupled,
+        schedule=args.schedule,
+        seed=args.seed,
     )
     captions = list(prompt_set(args.prompt_set)) if args.prompt_set else args.captions
     judged = list(prompt_set(args.judge_prompt_set)) if args.judge_prompt_set else None

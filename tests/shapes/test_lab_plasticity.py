@@ -10,7 +10,7 @@ import pytest
 
 from fluxgrpo.lab.candidate import candidate
 from fluxgrpo.lab.plan import PLANS
-from fluxgrpo.lab.plasticity import PlasticitySettings, plasticity
+from fluxgrpo.lab.plasticity import PlasticitySettings, fine_tuning_lr, plasticity
 from fluxgrpo.shapes.shipped import shipped_weights_dir
 from fluxgrpo.shapes.sizes import FLUX_SUBDIR
 
@@ -110,3 +110,40 @@ def test_a_candidate_is_a_flux_folder_the_plasticity_test_reads(tmp_path, size, 
     # a two-step candidate draws nothing correct: with nothing to fine-tune on, only the base is judged
     learnt = report["best_of_pool"]["three circles"] > 0
     assert [entry["step"] for entry in report["history"]] == ([0, 1] if learnt else [0])
+
+
+def test_the_cosine_schedule_is_the_builders_and_constant_keeps_the_rate():
+    constant = PlasticitySettings(lr=1e-3, steps=1000)
+    assert [fine_tuning_lr(constant, step) for step in (1, 500, 1000)] == [1e-3, 1e-3, 1e-3]
+    cosine = replace(constant, schedule="cosine")
+    # 50 warm-up steps (5 % of 1,000): step 1 at 1/50 of the rate, step 50 at the full rate
+    assert fine_tuning_lr(cosine, 1) == pytest.approx(1e-3 / 50)
+    assert fine_tuning_lr(cosine, 50) == pytest.approx(1e-3)
+    assert fine_tuning_lr(cosine, 51) == pytest.approx(1e-3)  # the cosine's start
+    # halfway through the cosine (step 51 + 475): 0.5 · (1 + cos(π/2)) · 0.9 + 0.1 = 0.55 of the rate
+    assert fine_tuning_lr(cosine, 526) == pytest.approx(0.55e-3)
+    # the last step: 0.5 · (1 + cos(π · 949/950)) · 0.9 + 0.1, a tenth of the rate and a hair
+    assert fine_tuning_lr(cosine, 1000) == pytest.approx(1e-4, abs=1e-8)
+
+
+@needs_shipped
+def test_the_fine_tuning_seed_changes_its_draws_and_nothing_else():
+    import copy
+
+    import torch
+    from diffusers import FluxPipeline
+
+    from fluxgrpo.lab.plasticity import best_of_n, finetune_on
+
+    pipe = FluxPipeline.from_pretrained(SHIPPED_FLUX, dtype=torch.float32, trust_remote_code=False)
+    pipe.set_progress_bar_config(disable=True)
+    kept = best_of_n(pipe, ["a blue circle"], pool=4, steps=4)
+    assert kept["a blue circle"], "the base draws a blue circle in most seeds"
+    base = copy.deepcopy(pipe.transformer.state_dict())
+    trained = []
+    for seed in (0, 0, 1):
+        pipe.transformer.load_state_dict(base)
+        finetune_on(pipe, kept, PlasticitySettings(pool=4, steps=2, lr=1e-3, batch=2, at=(), judge=1, seed=seed))
+        trained.append(copy.deepcopy(pipe.transformer.state_dict()))
+    assert all(torch.equal(trained[0][name], trained[1][name]) for name in base)  # a seed repeats itself
+    assert any(not torch.equal(trained[0][name], trained[2][name]) for name in base)
