@@ -7,7 +7,8 @@ update will: RL's best case is to move the policy towards its own best samples, 
 1. **Best of N**: ``--pool`` images per caption from the base model with the evaluation's sampler (12-step Euler,
    guidance 3.5, 64²), checked by the rule checker; the strict-passing ones are the fine-tuning set.
 2. **Fine-tune** the transformer on them by the builder's rectified-flow loss (FLUX's shifted σ draw, the sampler's
-   guidance input, the encoders frozen), AdamW, full fine-tuning.
+   guidance input, the encoders frozen), AdamW, full fine-tuning, at a constant rate or (``--schedule cosine``) the
+   builder's warm-up and cosine, which judges settled weights instead of wherever the last steps threw them.
 3. **Judge** on ``--judge`` fresh seeds per caption (seeds the pool never used) at each of ``--at`` steps: the strict
    rate per caption and overall. 128 per caption give ±0.04 (one binomial s.e. at p = 0.5) per caption and ±0.02 over
    four captions.
