@@ -68,8 +68,9 @@ def test_the_pool_keeps_the_evaluation_samplers_images_with_their_noise_and_late
             assert sample.latent.shape == sample.noise.shape
 
 
-@needs_shipped
-def test_coupled_fine_tuning_trains_on_the_samplers_own_noise():
+def _fine_tuned_on_blue_circles(runs: list[PlasticitySettings]) -> tuple[dict, list[dict]]:
+    """The shipped transformer's weights, and its weights after fine-tuning on the best of 4 `a blue circle` samples
+    under each of ``runs``, every run from the shipped weights."""
     import copy
 
     import torch
@@ -82,13 +83,22 @@ def test_coupled_fine_tuning_trains_on_the_samplers_own_noise():
     kept = best_of_n(pipe, ["a blue circle"], pool=4, steps=4)
     assert kept["a blue circle"], "the base draws a blue circle in most seeds"
     base = copy.deepcopy(pipe.transformer.state_dict())
-    trained = {}
-    for coupled in (False, True):
+    trained = []
+    for settings in runs:
         pipe.transformer.load_state_dict(base)
-        settings = PlasticitySettings(pool=4, steps=2, lr=1e-3, batch=2, at=(), judge=1, coupled=coupled)
         torch.manual_seed(0)
         finetune_on(pipe, kept, settings)
-        trained[coupled] = copy.deepcopy(pipe.transformer.state_dict())
+        trained.append(copy.deepcopy(pipe.transformer.state_dict()))
+    return base, trained
+
+
+@needs_shipped
+def test_coupled_fine_tuning_trains_on_the_samplers_own_noise():
+    import torch
+
+    runs = [PlasticitySettings(pool=4, steps=2, lr=1e-3, batch=2, at=(), judge=1, coupled=c) for c in (False, True)]
+    base, (fresh, coupled) = _fine_tuned_on_blue_circles(runs)
+    trained = {False: fresh, True: coupled}
     changed = [name for name in base if not torch.equal(base[name], trained[True][name])]
     assert changed, "coupled fine-tuning moved no weight"
     # the same rows and σ draws either way: only the noise (its own vs fresh) and the latent (the sampler's vs the
@@ -128,22 +138,9 @@ def test_the_cosine_schedule_is_the_builders_and_constant_keeps_the_rate():
 
 @needs_shipped
 def test_the_fine_tuning_seed_changes_its_draws_and_nothing_else():
-    import copy
-
     import torch
-    from diffusers import FluxPipeline
 
-    from fluxgrpo.lab.plasticity import best_of_n, finetune_on
-
-    pipe = FluxPipeline.from_pretrained(SHIPPED_FLUX, dtype=torch.float32, trust_remote_code=False)
-    pipe.set_progress_bar_config(disable=True)
-    kept = best_of_n(pipe, ["a blue circle"], pool=4, steps=4)
-    assert kept["a blue circle"], "the base draws a blue circle in most seeds"
-    base = copy.deepcopy(pipe.transformer.state_dict())
-    trained = []
-    for seed in (0, 0, 1):
-        pipe.transformer.load_state_dict(base)
-        finetune_on(pipe, kept, PlasticitySettings(pool=4, steps=2, lr=1e-3, batch=2, at=(), judge=1, seed=seed))
-        trained.append(copy.deepcopy(pipe.transformer.state_dict()))
+    runs = [PlasticitySettings(pool=4, steps=2, lr=1e-3, batch=2, at=(), judge=1, seed=s) for s in (0, 0, 1)]
+    base, trained = _fine_tuned_on_blue_circles(runs)
     assert all(torch.equal(trained[0][name], trained[1][name]) for name in base)  # a seed repeats itself
     assert any(not torch.equal(trained[0][name], trained[2][name]) for name in base)
