@@ -81,9 +81,11 @@ def pooled_targets(caption: str) -> tuple[str, ...]:
 
 def text_stage_captions(plan: BuildPlan) -> list[str]:
     """What the text stage reads: the training split's captions, or every caption of the grammar (text alone, as a
-    pretrained encoder has read text the image model never drew)."""
+    pretrained encoder has read text the image model never drew), each training caption then listed
+    ``plan.text_train_weight`` times, as the stage draws its rows uniformly from the list."""
     if plan.text_captions == "grammar":
-        return [caption.text() for caption in world.all_captions()]
+        grammar = [caption.text() for caption in world.all_captions()]
+        return grammar + training_captions() * (plan.text_train_weight - 1)
     return training_captions()
 
 

@@ -74,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=("frozen", "trained"),
         help="after the plan's text stage: kept as they are or trained with the transformer (default: the plan's)",
     )
+    parser.add_argument(
+        "--text-train-weight",
+        type=int,
+        help="with a plan whose text stage reads the grammar: a training caption drawn this many times as often",
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     plan = replace(
@@ -84,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         distill_steps=args.distill_steps,
         threads=args.threads,
     )
+    if args.text_train_weight is not None:
+        plan = replace(plan, text_train_weight=args.text_train_weight)
     if args.text_encoders is not None:
         plan = replace(plan, text_encoders=args.text_encoders == "trained")
     print(json.dumps(candidate(Path(args.out), plan)))

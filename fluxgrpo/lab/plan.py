@@ -65,6 +65,10 @@ class BuildPlan:
     text_batch: int = 64
     text_lr: float = 3e-3
     text_captions: str = "train"  # what the text stage reads: "train" (the training split) or "grammar" (every caption)
+    # With "grammar": how many times as often the stage draws a training caption as any other caption of the grammar
+    # (1: every caption alike; the parsed-grammar build read novel pairings better but RL on the training captions
+    # moved its held-out captions less).
+    text_train_weight: int = 1
     # The share of transformer rows trained on the empty caption, as classifier-free guidance trains the
     # unconditional velocity the distillation below reads.
     caption_dropout: float = 0.1

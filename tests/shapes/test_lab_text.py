@@ -9,8 +9,9 @@ import pytest
 pytest.importorskip("transformers")
 
 from fluxgrpo.lab import build
-from fluxgrpo.lab.build_text import ROLES, pooled_targets, pretrain_text_encoders, token_roles
+from fluxgrpo.lab.build_text import ROLES, pooled_targets, pretrain_text_encoders, text_stage_captions, token_roles
 from fluxgrpo.lab.capacity import slot_probe, word_leads
+from fluxgrpo.lab.plan import FULL_PLAN
 from fluxgrpo.shapes import world
 
 
@@ -38,6 +39,17 @@ def test_the_pooled_targets_say_which_object_leads():
     assert pooled_targets("a red circle below a yellow square")[-1] == "False"
     assert pooled_targets("a red circle left of a yellow square")[-1] == "True"
     assert pooled_targets("two red circles")[-1] == "-"
+
+
+def test_the_text_stage_reads_the_training_split_or_the_grammar_with_training_captions_weighted_up():
+    train = set(world.split().train)
+    grammar = [caption.text() for caption in world.all_captions()]
+    assert sorted(text_stage_captions(FULL_PLAN)) == sorted(train)
+    assert text_stage_captions(replace(FULL_PLAN, text_captions="grammar")) == grammar
+    weighted = text_stage_captions(replace(FULL_PLAN, text_captions="grammar", text_train_weight=3))
+    for caption in (world.split().train[0], world.split().eval_novel[0]):
+        assert weighted.count(caption) == (3 if caption in train else 1)
+    assert len(weighted) == len(grammar) + 2 * len(train)
 
 
 def test_the_text_stage_teaches_t5_which_object_a_relation_puts_first():
