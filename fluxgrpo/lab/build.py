@@ -50,7 +50,7 @@ import numpy as np
 
 from fluxgrpo.errors import UsageError
 from fluxgrpo.lab import stages
-from fluxgrpo.lab.build_hps import judged_base_samples, train_hps, write_hps
+from fluxgrpo.lab.build_hps import hps_caption_list, judged_base_samples, train_hps, write_hps
 from fluxgrpo.lab.build_text import pretrain_text_encoders, text_stage_captions, tokenize_captions
 from fluxgrpo.lab.plan import (
     BUILD_INFO,
@@ -519,10 +519,14 @@ def hps_stage(out: Path, plan: BuildPlan, images: np.ndarray, caption_index: lis
     """Stage 5 on the FLUX folder already written in ``out``: judge its samples, train the tiny HPS, write it.
     Returns its record for ``build.json`` and its seconds.
 
-    It reads the base model from disk and seeds itself, so it gives the same files alone as inside :func:`build`."""
+    It reads the base model from disk and seeds itself, so it gives the same files alone as inside :func:`build`.
+    ``images`` are the training captions' renders; with ``plan.hps_captions`` "grammar" it renders its own."""
     stage = time.monotonic()
+    captions = hps_caption_list(plan)
+    if plan.hps_captions != "train":
+        images, caption_index = render_dataset(plan.images, plan.seed + 60, captions, plan.image_size, plan.layout)
     judged = judged_base_samples(out / FLUX_SUBDIR, plan)
-    hps, hps_losses = train_hps(images, caption_index, judged, plan)
+    hps, hps_losses = train_hps(images, caption_index, captions, judged, plan)
     write_hps(out / HPS_SUBDIR, hps)
     record = {"final_loss": float(np.mean(hps_losses[-20:])), "judged_samples": len(judged.scores),
               "judged_pairs": len(judged.pairs)}  # fmt: skip
@@ -583,8 +587,16 @@ def main(argv: list[str] | None = None) -> int:
         choices=["hps"],
         help="rerun one stage on a finished build in --out (hps: the tiny HPS, judged on that base model)",
     )
+    parser.add_argument(
+        "--hps-captions",
+        choices=("train", "grammar"),
+        help="what the tiny HPS learns from: the training split, or every caption but the held-out evaluation's "
+        "(default: the plan's)",
+    )
     args = parser.parse_args(argv)
     plan = replace(QUICK_PLAN if args.quick else PLANS[args.plan], seed=args.seed, threads=args.threads)
+    if args.hps_captions is not None:
+        plan = replace(plan, hps_captions=args.hps_captions)
     try:
         if args.only == "hps":
             info = rebuild_hps(Path(args.out), plan)

@@ -52,6 +52,15 @@ def hard_negative(text: str, rng: random.Random) -> str | None:
     return rng.choice(seen).text() if seen else None
 
 
+def hps_caption_list(plan: BuildPlan) -> list[str]:
+    """The captions the tiny HPS learns from (``plan.hps_captions``): the training split, or every caption of the
+    grammar but the held-out evaluation's."""
+    if plan.hps_captions == "grammar":
+        evaluated = set(world.prompt_set("shapes-heldout"))
+        return [text for text in (c.text() for c in world.all_captions()) if text not in evaluated]
+    return training_captions()
+
+
 @dataclass(frozen=True)
 class JudgedSamples:
     """The base model's own images of training prompts, each scored by the checker: HPS's "human" preferences.
@@ -66,11 +75,12 @@ class JudgedSamples:
 
 
 def judged_base_samples(flux_dir: Path, plan: BuildPlan) -> JudgedSamples:
-    """``plan.hps_judged_prompts`` training prompts × ``plan.hps_judged_per_prompt`` base samples, checked."""
+    """``plan.hps_judged_prompts`` prompts of :func:`hps_caption_list` × ``plan.hps_judged_per_prompt`` base samples,
+    checked."""
     from fluxgrpo.lab.measure import sample_images
     from fluxgrpo.shapes.checker import check
 
-    captions = training_captions()
+    captions = hps_caption_list(plan)
     prompts = random.Random(plan.seed + 40).sample(captions, min(plan.hps_judged_prompts, len(captions)))
     # Seed 7: apart from the measurement's sampling seeds (0 held-out, 1 training prompts).
     groups = sample_images(flux_dir, prompts, plan.hps_judged_per_prompt, plan.hps_judged_steps, seed=7)
@@ -91,11 +101,12 @@ def judged_base_samples(flux_dir: Path, plan: BuildPlan) -> JudgedSamples:
 
 
 def train_hps(
-    images: np.ndarray, caption_index: list[int], judged: JudgedSamples, plan: BuildPlan
+    images: np.ndarray, caption_index: list[int], captions: list[str], judged: JudgedSamples, plan: BuildPlan
 ) -> tuple[CLIP, list[float]]:
-    """The tiny open_clip CLIP: contrastive (render, caption) training with hard negatives, plus HPSv2's ranking
-    loss on the judged base samples (the better image of a pair gets the higher ``logit_scale · cos``, a softmax over
-    the pair as HPSv2's training computes it). Returns it in eval mode."""
+    """The tiny open_clip CLIP: contrastive (render, caption) training with hard negatives (image ``i`` shows
+    ``captions[caption_index[i]]``), plus HPSv2's ranking loss on the judged base samples (the better image of a pair
+    gets the higher ``logit_scale · cos``, a softmax over the pair as HPSv2's training computes it). Returns it in
+    eval mode."""
     import open_clip
     import torch
     import torch.nn.functional as F
@@ -105,7 +116,6 @@ def train_hps(
     from fluxgrpo.rewards.hpsv2 import resize_longest_and_pad
     from fluxgrpo.rewards.open_clip_model import register_open_clip_config
 
-    captions = training_captions()
     tokenizer = open_clip.get_tokenizer(register_open_clip_config(WORLD_HPS_CONFIG))
     torch.manual_seed(plan.seed + 2)
     model = CLIP(**json.loads(json.dumps(WORLD_HPS_CONFIG)))

@@ -85,6 +85,10 @@ class BuildPlan:
     hps_judged_per_prompt: int = 8
     hps_judged_steps: int = 12  # sampler steps, as the shapes configs evaluate
     hps_pair_batch: int = 64
+    # The captions the tiny HPS learns from (its renders and its judged base samples): "train" (the training split)
+    # or "grammar" (every caption but the held-out evaluation's, ``shapes-heldout``: a preference model has seen far
+    # more captions than the policy trains on, and its agreement is then still measured on captions it never saw).
+    hps_captions: str = "train"
     threads: int = 2
 
 

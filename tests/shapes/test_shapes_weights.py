@@ -46,6 +46,16 @@ def test_hard_negative_changes_one_claim_and_stays_seen():
         assert original.family == changed.family
 
 
+def test_the_hps_learns_from_the_training_split_or_every_caption_but_the_held_out_evaluations():
+    train = list(world.split().train)
+    assert build_hps.hps_caption_list(build.QUICK_PLAN) == train
+    broad = build_hps.hps_caption_list(replace(build.QUICK_PLAN, hps_captions="grammar"))
+    evaluated = set(world.prompt_set("shapes-heldout"))
+    assert not evaluated & set(broad)
+    assert set(train) < set(broad) and len(broad) == len(world.all_captions()) - len(evaluated)
+    assert any(world.combination_kind(text) == "novel" for text in broad)  # pairings the policy never draws
+
+
 def test_the_decoders_loss_weighs_an_object_and_its_one_pixel_rim():
     import numpy as np
 
@@ -103,6 +113,12 @@ def test_the_hps_stage_alone_rebuilds_the_same_hps_on_a_finished_build(quick_bui
         build.rebuild_hps(copy, replace(build.QUICK_PLAN, transformer_steps=3))
     with pytest.raises(UsageError, match="needs a finished build"):
         build.rebuild_hps(tmp_path / "empty", build.QUICK_PLAN)
+    # an HPS taught on the broader captions is a stage-5 setting: rebuilt alone on the same base model, and new
+    broad = build.rebuild_hps(copy, replace(build.QUICK_PLAN, hps_captions="grammar"))
+    assert broad["plan"]["hps_captions"] == "grammar"
+    assert broad["hps"]["judged_samples"] == info["hps"]["judged_samples"]
+    other = torch.load(copy / build.HPS_SUBDIR / "HPS_v2.1_compressed.pt", weights_only=True)["state_dict"]
+    assert any(not torch.equal(other[k], whole[k]) for k in whole)
     capsys.readouterr()  # the stage's own progress above
     assert build.main(["--out", str(tmp_path / "empty"), "--only", "hps", "--quick"]) == 2  # one line, no traceback
     assert capsys.readouterr().err.startswith("error: --only hps needs a finished build")
