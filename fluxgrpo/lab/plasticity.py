@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from fluxgrpo.lab.build import draw_sigmas
+from fluxgrpo.lab.counting import counting_report
 from fluxgrpo.lab.measure import as_uint8, denoise_each_prompt, sample_with
 from fluxgrpo.lab.plan import log, warmup_cosine
 from fluxgrpo.shapes.checker import check
@@ -89,21 +90,26 @@ def fine_tuning_lr(settings: PlasticitySettings, step: int) -> float:
     return settings.lr * warmup_cosine(step - 1, settings.steps, max(1, settings.steps // 20))
 
 
-def judged_rates(
-    pipe: Any, captions: list[str], per_caption: int, steps: int, seed: int, size: int = 64
-) -> tuple[dict[str, float], dict[str, float]]:
-    """The strict rate and the checker's mean score per caption over ``per_caption`` fresh images."""
+@dataclass(frozen=True)
+class Judging:
+    """One judging's readings per caption: the strict rate, the checker's mean score and, for a counting caption,
+    ``counting.counting_report`` (how the model fills the quadrants)."""
+
+    strict: dict[str, float]
+    mean: dict[str, float]
+    counting: dict[str, dict[str, Any]]
+
+
+def judge_captions(pipe: Any, captions: list[str], per_caption: int, steps: int, seed: int, size: int = 64) -> Judging:
+    """:class:`Judging` of ``per_caption`` fresh images of each caption."""
     groups = sample_with(pipe, captions, per_caption, steps, seed=seed, size=size)
     results = {c: [check(im, c) for im in g] for c, g in zip(captions, groups, strict=True)}
-    strict = {c: float(np.mean([r.strict for r in rs])) for c, rs in results.items()}
-    mean = {c: float(np.mean([r.score for r in rs])) for c, rs in results.items()}
-    return strict, mean
-
-
-def strict_rates(
-    pipe: Any, captions: list[str], per_caption: int, steps: int, seed: int, size: int = 64
-) -> dict[str, float]:
-    return judged_rates(pipe, captions, per_caption, steps, seed, size)[0]
+    counting = {c: counting_report(g, c) for c, g in zip(captions, groups, strict=True)}
+    return Judging(
+        strict={c: float(np.mean([r.strict for r in rs])) for c, rs in results.items()},
+        mean={c: float(np.mean([r.score for r in rs])) for c, rs in results.items()},
+        counting={c: report for c, report in counting.items() if report is not None},
+    )
 
 
 @dataclass(frozen=True)
@@ -165,13 +171,14 @@ def finetune_on(
 
     def judge_now(step: int) -> None:
         transformer.eval()
-        rates, means = judged_rates(pipe, judged_captions, judge, sample_steps, JUDGE_SEED, size)
+        judging = judge_captions(pipe, judged_captions, judge, sample_steps, JUDGE_SEED, size)
         history.append(
             {
                 "step": step,
-                "strict": round(float(np.mean(list(rates.values()))), 4),
-                "mean": round(float(np.mean(list(means.values()))), 4),
-                "per_caption": {c: round(r, 4) for c, r in rates.items()},
+                "strict": round(float(np.mean(list(judging.strict.values()))), 4),
+                "mean": round(float(np.mean(list(judging.mean.values()))), 4),
+                "per_caption": {c: round(r, 4) for c, r in judging.strict.items()},
+                "counting": judging.counting,
             }
         )
         shown = history[-1]["per_caption"] if len(judged_captions) <= 8 else f"{len(judged_captions)} captions"

@@ -26,6 +26,8 @@ def test_plasticity_judges_fresh_seeds_at_each_step_and_restores_nothing_it_did_
     for entry in report["history"]:
         assert set(entry["per_caption"]) == {"three circles", "a red square"}
         assert all(0.0 <= rate <= 1.0 for rate in entry["per_caption"].values())
+        assert set(entry["counting"]) == {"three circles"}  # how it fills the quadrants: counting captions only
+        assert entry["counting"]["three circles"]["images"] == 2
     assert set(report["best_of_pool"]) == {"three circles", "a red square"}
     assert report["settings"]["judge"] == 2
 

@@ -1,0 +1,121 @@
+"""Why counting is the stiff part of the shapes world: ``python -m fluxgrpo.lab.counting --flux-dir D``.
+
+In the quadrant world (``world.LAYOUT``) a scene puts one object to a quadrant, so `three circles` is three of the
+four quadrants filled and one left empty. If the model decides each quadrant on its own, the number filled is a sum
+of four independent coin flips, and no setting of their odds makes "exactly three" likelier than
+4 · 0.75³ · 0.25 = 0.42 (:func:`independent_ceiling`); beyond that the model must *coordinate* the quadrants, leaving
+one empty because the others are filled. This reads, on a model's own samples of counting captions:
+
+- which quadrants hold an object (an object's box centre; the checker's :func:`~fluxgrpo.shapes.checker.find_objects`)
+  and how often each is filled;
+- how often exactly the asked number is filled, against what independent quadrants with those odds would give
+  (:func:`exactly_if_independent`, the Poisson-binomial) and the ceiling above;
+- the mean correlation between two quadrants' occupancy (0: decided apart; negative: coordinated);
+- how often an image holds more objects than filled quadrants (a shape drawn in pieces, or two in one quadrant).
+
+Prints one JSON document. ``lab.plasticity`` adds the same reading to its judgings of counting captions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fluxgrpo.shapes import world
+from fluxgrpo.shapes.checker import FoundObject, check, find_objects
+
+QUADRANTS = 4
+DEFAULT_CAPTIONS = ("three circles", "three red circles", "three triangles", "two red triangles")
+
+
+def filled_quadrants(objects: Sequence[FoundObject], size: int) -> tuple[bool, ...]:
+    """Which quadrant (top-left, top-right, bottom-left, bottom-right) holds an object's box centre."""
+    filled = [False] * QUADRANTS
+    for found in objects:
+        x0, y0, x1, y1 = found.box
+        column, row = int((x0 + x1) / 2 >= size / 2), int((y0 + y1) / 2 >= size / 2)
+        filled[column + 2 * row] = True
+    return tuple(filled)
+
+
+def exactly_if_independent(odds: Sequence[float], count: int) -> float:
+    """P(exactly ``count`` of the quadrants filled) if each is filled on its own with its ``odds``."""
+    total = 0.0
+    for pattern in itertools.product((False, True), repeat=len(odds)):
+        if sum(pattern) == count:
+            total += math.prod(p if filled else 1 - p for p, filled in zip(odds, pattern, strict=True))
+    return total
+
+
+def independent_ceiling(count: int, cells: int = QUADRANTS) -> float:
+    """The most "exactly ``count`` of ``cells``" independent, equally likely cells can give: the binomial at its
+    best odds, ``count / cells``."""
+    p = count / cells
+    return math.comb(cells, count) * p**count * (1 - p) ** (cells - count)
+
+
+def counting_report(images: Sequence[np.ndarray], caption: str) -> dict[str, Any] | None:
+    """The reading of the module docstring on ``images`` of ``caption``; None for a caption without a count."""
+    count = world.parse_caption(caption).count
+    if count is None or not images:
+        return None
+    size = images[0].shape[0]
+    filled, objects, strict = [], [], []
+    for image in images:
+        found = find_objects(image)
+        filled.append(filled_quadrants(found, size))
+        objects.append(len(found))
+        strict.append(check(image, caption).strict)
+    occupancy = np.array(filled, dtype=float)
+    odds = occupancy.mean(axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        correlation = np.corrcoef(occupancy.T)[~np.eye(QUADRANTS, dtype=bool)]
+    correlation = correlation[np.isfinite(correlation)]
+    return {
+        "images": len(images),
+        "strict": round(float(np.mean(strict)), 4),
+        "count_asked": count,
+        "quadrants_filled": np.bincount(occupancy.sum(axis=1).astype(int), minlength=QUADRANTS + 1).tolist(),
+        "quadrant_odds": [round(float(p), 3) for p in odds],
+        "exactly_asked_filled": round(float((occupancy.sum(axis=1) == count).mean()), 4),
+        "if_independent": round(exactly_if_independent(odds.tolist(), count), 4),
+        "independent_ceiling": round(independent_ceiling(count), 4),
+        "mean_correlation": round(float(correlation.mean()), 3) if correlation.size else None,
+        "more_objects_than_filled_quadrants": round(float(np.mean(np.array(objects) > occupancy.sum(axis=1))), 4),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fluxgrpo.lab.measure import sample_images
+
+    parser = argparse.ArgumentParser(prog="python -m fluxgrpo.lab.counting", description=__doc__.splitlines()[0])
+    parser.add_argument("--flux-dir", required=True)
+    parser.add_argument("--captions", nargs="+", default=list(DEFAULT_CAPTIONS), help="counting captions to read")
+    parser.add_argument("--images", type=int, default=256, help="samples per caption (256: ±0.03 on a rate)")
+    parser.add_argument("--seed", type=int, default=5, help="the sampling seed (the evaluation's is 0)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    try:
+        unknown = [c for c in args.captions if world.parse_caption(c).count is None]
+    except world.CaptionError as exc:
+        parser.error(f"--captions: {exc}")
+    if unknown:
+        parser.error(f"--captions: {', '.join(unknown)} name no count; give counting captions (e.g. 'three circles')")
+    groups = sample_images(Path(args.flux_dir), args.captions, args.images, 12, seed=args.seed)
+    report = {c: counting_report(g, c) for c, g in zip(args.captions, groups, strict=True)}
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
