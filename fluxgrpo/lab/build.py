@@ -520,7 +520,7 @@ def hps_stage(out: Path, plan: BuildPlan, images: np.ndarray, caption_index: lis
     Returns its record for ``build.json`` and its seconds.
 
     It reads the base model from disk and seeds itself, so it gives the same files alone as inside :func:`build`.
-    ``images`` are the training captions' renders; with ``plan.hps_captions`` "grammar" it renders its own."""
+    ``images`` are the training captions' renders; with ``plan.hps_captions`` "broad" it renders its own."""
     stage = time.monotonic()
     captions = hps_caption_list(plan)
     if plan.hps_captions != "train":
@@ -589,8 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--hps-captions",
-        choices=("train", "grammar"),
-        help="what the tiny HPS learns from: the training split, or every caption but the held-out evaluation's "
+        choices=("train", "broad"),
+        help="what the tiny HPS learns from: the training split, or that and half the grammar's other captions "
         "(default: the plan's)",
     )
     args = parser.parse_args(argv)

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fluxgrpo.lab.plan import WORLD_HPS_CONFIG, BuildPlan, log, training_captions, warmup_cosine
+from fluxgrpo.lab.plan import (
+    WORLD_HPS_CONFIG,
+    BuildPlan,
+    log,
+    other_captions_split,
+    training_captions,
+    warmup_cosine,
+)
 from fluxgrpo.shapes import world
 
 if TYPE_CHECKING:
@@ -53,11 +60,10 @@ def hard_negative(text: str, rng: random.Random) -> str | None:
 
 
 def hps_caption_list(plan: BuildPlan) -> list[str]:
-    """The captions the tiny HPS learns from (``plan.hps_captions``): the training split, or every caption of the
-    grammar but the held-out evaluation's."""
-    if plan.hps_captions == "grammar":
-        evaluated = set(world.prompt_set("shapes-heldout"))
-        return [text for text in (c.text() for c in world.all_captions()) if text not in evaluated]
+    """The captions the tiny HPS learns from (``plan.hps_captions``): the training split, or ("broad") the training
+    split and the half of the grammar's other captions that ``plan.agreement_captions`` leaves out."""
+    if plan.hps_captions == "broad":
+        return [*training_captions(), *other_captions_split()[0]]
     return training_captions()
 
 

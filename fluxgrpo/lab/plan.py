@@ -9,6 +9,7 @@ training captions.
 from __future__ import annotations
 
 import math
+import random
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -86,8 +87,9 @@ class BuildPlan:
     hps_judged_steps: int = 12  # sampler steps, as the shapes configs evaluate
     hps_pair_batch: int = 64
     # The captions the tiny HPS learns from (its renders and its judged base samples): "train" (the training split)
-    # or "grammar" (every caption but the held-out evaluation's, ``shapes-heldout``: a preference model has seen far
-    # more captions than the policy trains on, and its agreement is then still measured on captions it never saw).
+    # or "broad" (and half the grammar's other captions: a preference model has seen far more captions than the
+    # policy trains on; the other half and the held-out evaluation's stay unseen, ``build_hps.agreement_captions``,
+    # where its agreement with the checker is measured).
     hps_captions: str = "train"
     threads: int = 2
 
@@ -142,6 +144,25 @@ def log(message: str) -> None:
 
 def training_captions() -> list[str]:
     return list(world.split().train)
+
+
+AGREEMENT_SEED = 48  # issue 48's: the split of the grammar's other captions between the HPS and its measurement
+
+
+def other_captions_split() -> tuple[list[str], list[str]]:
+    """The grammar's captions outside the training split and the held-out evaluation, shuffled by
+    :data:`AGREEMENT_SEED` and halved: (what a "broad" HPS learns from, what no HPS learns from)."""
+    kept_apart = {*world.split().train, *world.prompt_set("shapes-heldout")}
+    others = sorted(text for text in (c.text() for c in world.all_captions()) if text not in kept_apart)
+    random.Random(AGREEMENT_SEED).shuffle(others)
+    half = len(others) // 2
+    return others[half:], others[:half]
+
+
+def agreement_captions() -> list[str]:
+    """Captions no HPS the builder trains learns from (the held-out evaluation's and half the grammar's other
+    captions, about 170): where ``lab.measure --agreement wide`` measures an HPS against the checker to ±0.02."""
+    return [*world.prompt_set("shapes-heldout"), *other_captions_split()[1]]
 
 
 def warmup_cosine(step: int, total: int, warmup: int) -> float:

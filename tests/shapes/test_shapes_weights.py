@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from fluxgrpo.cli.app import app
 from fluxgrpo.errors import UsageError
 from fluxgrpo.lab import build, build_hps
+from fluxgrpo.lab.plan import agreement_captions
 from fluxgrpo.shapes import world
 from fluxgrpo.shapes.shipped import shipped_weights_dir, write_shapes_weights
 from fluxgrpo.shapes.tokenizers import WORLD_TEXT_LENGTH, build_world_clip_tokenizer, build_world_t5_tokenizer
@@ -46,14 +47,18 @@ def test_hard_negative_changes_one_claim_and_stays_seen():
         assert original.family == changed.family
 
 
-def test_the_hps_learns_from_the_training_split_or_every_caption_but_the_held_out_evaluations():
+def test_a_broad_hps_learns_from_half_the_other_captions_and_is_measured_on_the_rest():
     train = list(world.split().train)
     assert build_hps.hps_caption_list(build.QUICK_PLAN) == train
-    broad = build_hps.hps_caption_list(replace(build.QUICK_PLAN, hps_captions="grammar"))
-    evaluated = set(world.prompt_set("shapes-heldout"))
-    assert not evaluated & set(broad)
-    assert set(train) < set(broad) and len(broad) == len(world.all_captions()) - len(evaluated)
+    broad = build_hps.hps_caption_list(replace(build.QUICK_PLAN, hps_captions="broad"))
+    measured = agreement_captions()
+    assert broad[: len(train)] == train and len(set(broad)) == len(broad)
+    assert not set(measured) & set(broad)  # agreement is read on captions neither HPS learnt from
+    assert set(world.prompt_set("shapes-heldout")) <= set(measured)
+    assert len(broad) + len(measured) == len(world.all_captions())  # every caption on one side
+    assert abs((len(broad) - len(train)) - (len(measured) - 30)) <= 1  # the other captions halved
     assert any(world.combination_kind(text) == "novel" for text in broad)  # pairings the policy never draws
+    assert agreement_captions() == measured  # seeded: the same split every time
 
 
 def test_the_decoders_loss_weighs_an_object_and_its_one_pixel_rim():
@@ -113,9 +118,9 @@ def test_the_hps_stage_alone_rebuilds_the_same_hps_on_a_finished_build(quick_bui
         build.rebuild_hps(copy, replace(build.QUICK_PLAN, transformer_steps=3))
     with pytest.raises(UsageError, match="needs a finished build"):
         build.rebuild_hps(tmp_path / "empty", build.QUICK_PLAN)
-    # an HPS taught on the broader captions is a stage-5 setting: rebuilt alone on the same base model, and new
-    broad = build.rebuild_hps(copy, replace(build.QUICK_PLAN, hps_captions="grammar"))
-    assert broad["plan"]["hps_captions"] == "grammar"
+    # an HPS taught on broader captions is a stage-5 setting: rebuilt alone on the same base model, and new
+    broad = build.rebuild_hps(copy, replace(build.QUICK_PLAN, hps_captions="broad"))
+    assert broad["plan"]["hps_captions"] == "broad"
     assert broad["hps"]["judged_samples"] == info["hps"]["judged_samples"]
     other = torch.load(copy / build.HPS_SUBDIR / "HPS_v2.1_compressed.pt", weights_only=True)["state_dict"]
     assert any(not torch.equal(other[k], whole[k]) for k in whole)
