@@ -1,15 +1,18 @@
 """Why counting is the stiff part of the shapes world: ``python -m fluxgrpo.lab.counting --flux-dir D``.
 
 In the quadrant world (``world.LAYOUT``) a scene puts one object to a quadrant, so `three circles` is three of the
-four quadrants filled and one left empty. If the model decides each quadrant on its own, the number filled is a sum
-of four independent coin flips, and no setting of their odds makes "exactly three" likelier than
-4 · 0.75³ · 0.25 = 0.42 (:func:`independent_ceiling`); beyond that the model must *coordinate* the quadrants, leaving
-one empty because the others are filled. This reads, on a model's own samples of counting captions:
+four quadrants filled and one left empty, each quadrant empty in a quarter of the training renders. A model that
+fills each quadrant on its own at those odds (3/4) draws exactly three in 4 · 0.75³ · 0.25 = 0.42 of its images
+(:func:`independent_ceiling`, the best equally likely independent quadrants can do). Above that it must either
+*coordinate* the quadrants (leave one empty because the others are filled) or break their symmetry (leave one
+quadrant empty more often than the others, which no training render prefers). This reads, on a model's own samples
+of counting captions:
 
 - which quadrants hold an object (an object's box centre; the checker's :func:`~fluxgrpo.shapes.checker.find_objects`)
   and how often each is filled;
 - how often exactly the asked number is filled, against what independent quadrants with those odds would give
-  (:func:`exactly_if_independent`, the Poisson-binomial) and the ceiling above;
+  (:func:`exactly_if_independent`, the Poisson-binomial: the excess is coordination) and the ceiling above (the
+  excess of the independent reading over it is broken symmetry);
 - the mean correlation between two quadrants' occupancy (0: decided apart; negative: coordinated);
 - how often an image holds more objects than filled quadrants (a shape drawn in pieces, or two in one quadrant).
 
@@ -55,8 +58,8 @@ def exactly_if_independent(odds: Sequence[float], count: int) -> float:
 
 
 def independent_ceiling(count: int, cells: int = QUADRANTS) -> float:
-    """The most "exactly ``count`` of ``cells``" independent, equally likely cells can give: the binomial at its
-    best odds, ``count / cells``."""
+    """The most "exactly ``count`` of ``cells``" independent, *equally likely* cells can give: the binomial at its
+    best odds, ``count / cells``. (Unequal odds can do better: a cell never filled and the others always.)"""
     p = count / cells
     return math.comb(cells, count) * p**count * (1 - p) ** (cells - count)
 

@@ -25,8 +25,9 @@ def test_independent_quadrants_cap_exactly_three_of_four_at_the_binomials_best()
     assert exactly_if_independent([0.9] * 4, 3) == pytest.approx(4 * 0.9**3 * 0.1)
     assert exactly_if_independent([1.0, 1.0, 1.0, 0.0], 3) == 1.0
     assert exactly_if_independent([1.0, 1.0, 1.0, 0.0], 4) == 0.0
-    for odds in ([0.2, 0.9, 0.5, 0.7], [0.75] * 4):  # no odds beat the ceiling
-        assert exactly_if_independent(odds, 3) <= independent_ceiling(3) + 1e-12
+    for p in (0.5, 0.7, 0.75, 0.8, 0.95):  # equally likely quadrants never beat the ceiling, reached at 3/4
+        assert exactly_if_independent([p] * 4, 3) <= independent_ceiling(3) + 1e-12
+    assert exactly_if_independent([1.0, 1.0, 0.5, 1.0], 3) == 0.5  # broken symmetry does: one quadrant a coin
 
 
 def test_an_objects_quadrant_is_where_its_box_centre_lies():
