@@ -88,7 +88,7 @@ class BuildPlan:
     hps_pair_batch: int = 64
     # The captions the tiny HPS learns from (its renders and its judged base samples): "train" (the training split)
     # or "broad" (and half the grammar's other captions: a preference model has seen far more captions than the
-    # policy trains on; the other half and the held-out evaluation's stay unseen, ``build_hps.agreement_captions``,
+    # policy trains on; the other half and the held-out evaluation's stay unseen, ``agreement_captions`` below,
     # where its agreement with the checker is measured).
     hps_captions: str = "train"
     threads: int = 2
@@ -161,7 +161,8 @@ def other_captions_split() -> tuple[list[str], list[str]]:
 
 def agreement_captions() -> list[str]:
     """Captions no HPS the builder trains learns from (the held-out evaluation's and half the grammar's other
-    captions, about 170): where ``lab.measure --agreement wide`` measures an HPS against the checker to ±0.02."""
+    captions, about 170): where ``lab.measure --agreement wide`` measures an HPS against the checker (±0.03 on the
+    within-caption mean)."""
     return [*world.prompt_set("shapes-heldout"), *other_captions_split()[1]]
 
 
