@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from fluxgrpo.shapes import world
-from fluxgrpo.shapes.checker import FoundObject, check, find_objects
+from fluxgrpo.shapes.checker import CheckResult, FoundObject, check
 
 QUADRANTS = 4
 DEFAULT_CAPTIONS = ("three circles", "three red circles", "three triangles", "two red triangles")
@@ -64,25 +64,25 @@ def independent_ceiling(count: int, cells: int = QUADRANTS) -> float:
     return math.comb(cells, count) * p**count * (1 - p) ** (cells - count)
 
 
-def counting_report(images: Sequence[np.ndarray], caption: str) -> dict[str, Any] | None:
-    """The reading of the module docstring on ``images`` of ``caption``; None for a caption without a count."""
-    count = world.parse_caption(caption).count
-    if count is None or not images:
+def counting_report(results: Sequence[CheckResult], size: int) -> dict[str, Any] | None:
+    """The reading of the module docstring on the checker's ``results`` for images (``size`` px) of one caption;
+    None for a caption without a count."""
+    if not results:
         return None
-    size = images[0].shape[0]
-    filled, objects, strict = [], [], []
-    for image in images:
-        found = find_objects(image)
-        filled.append(filled_quadrants(found, size))
-        objects.append(len(found))
-        strict.append(check(image, caption).strict)
+    caption = results[0].caption
+    count = world.parse_caption(caption).count
+    if count is None:
+        return None
+    filled = [filled_quadrants(result.objects, size) for result in results]
+    objects = [len(result.objects) for result in results]
+    strict = [result.strict for result in results]
     occupancy = np.array(filled, dtype=float)
     odds = occupancy.mean(axis=0)
     with np.errstate(invalid="ignore", divide="ignore"):
         correlation = np.corrcoef(occupancy.T)[~np.eye(QUADRANTS, dtype=bool)]
     correlation = correlation[np.isfinite(correlation)]
     return {
-        "images": len(images),
+        "images": len(results),
         "strict": round(float(np.mean(strict)), 4),
         "count_asked": count,
         "quadrants_filled": np.bincount(occupancy.sum(axis=1).astype(int), minlength=QUADRANTS + 1).tolist(),
@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--captions: {', '.join(unknown)} name no count; give counting captions (e.g. 'three circles')")
     groups = sample_images(Path(args.flux_dir), args.captions, args.images, 12, seed=args.seed)
-    report = {c: counting_report(g, c) for c, g in zip(args.captions, groups, strict=True)}
+    report = {
+        c: counting_report([check(im, c) for im in g], len(g[0])) for c, g in zip(args.captions, groups, strict=True)
+    }
     print(json.dumps(report, indent=1))
     return 0
 

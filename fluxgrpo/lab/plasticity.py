@@ -104,7 +104,7 @@ def judge_captions(pipe: Any, captions: list[str], per_caption: int, steps: int,
     """:class:`Judging` of ``per_caption`` fresh images of each caption."""
     groups = sample_with(pipe, captions, per_caption, steps, seed=seed, size=size)
     results = {c: [check(im, c) for im in g] for c, g in zip(captions, groups, strict=True)}
-    counting = {c: counting_report(g, c) for c, g in zip(captions, groups, strict=True)}
+    counting = {c: counting_report(rs, size) for c, rs in results.items()}
     return Judging(
         strict={c: float(np.mean([r.strict for r in rs])) for c, rs in results.items()},
         mean={c: float(np.mean([r.score for r in rs])) for c, rs in results.items()},

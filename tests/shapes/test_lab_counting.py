@@ -8,14 +8,20 @@ import pytest
 
 from fluxgrpo.lab.counting import counting_report, exactly_if_independent, filled_quadrants, independent_ceiling, main
 from fluxgrpo.shapes import world
-from fluxgrpo.shapes.checker import FoundObject
+from fluxgrpo.shapes.checker import FoundObject, check
 
 CENTRES = ((16, 16), (48, 16), (16, 48), (48, 48))  # the quadrants' centres at 64², in filled_quadrants' order
 
 
-def scene_image(filled: tuple[bool, ...], shape: str = "circle"):
-    objects = [world.PlacedObject(shape, "red", x, y, 9.0) for (x, y), f in zip(CENTRES, filled, strict=True) if f]
-    return world.render(world.Scene(64, objects))
+def checked(patterns: list[tuple[bool, ...]], caption: str):
+    """The checker's results on one render per pattern: red circles at the filled quadrants' centres."""
+    results = []
+    for filled in patterns:
+        objects = [
+            world.PlacedObject("circle", "red", x, y, 9.0) for (x, y), f in zip(CENTRES, filled, strict=True) if f
+        ]
+        results.append(check(world.render(world.Scene(64, objects)), caption))
+    return results
 
 
 def test_independent_quadrants_cap_exactly_three_of_four_at_the_binomials_best():
@@ -42,7 +48,7 @@ def test_an_objects_quadrant_is_where_its_box_centre_lies():
 
 def test_a_model_that_always_leaves_one_quadrant_empty_is_coordinated():
     patterns = [tuple(q != empty for q in range(4)) for empty in range(4)]
-    report = counting_report([scene_image(p) for p in patterns], "three circles")
+    report = counting_report(checked(patterns, "three circles"), 64)
     assert report is not None
     assert report["strict"] == 1.0 and report["exactly_asked_filled"] == 1.0
     assert report["quadrants_filled"] == [0, 0, 0, 4, 0]
@@ -55,12 +61,12 @@ def test_a_model_that_always_leaves_one_quadrant_empty_is_coordinated():
 
 def test_a_model_that_flips_a_coin_per_quadrant_is_not():
     patterns = list(itertools.product((False, True), repeat=4))  # every pattern once: odds 1/2, no correlation
-    report = counting_report([scene_image(p) for p in patterns], "three circles")
+    report = counting_report(checked(patterns, "three circles"), 64)
     assert report is not None
     assert report["quadrant_odds"] == [0.5] * 4 and report["mean_correlation"] == pytest.approx(0.0, abs=1e-9)
     assert report["exactly_asked_filled"] == report["if_independent"] == 0.25  # 4 of 16 patterns fill exactly three
     assert report["strict"] == 0.25
-    assert counting_report([scene_image(patterns[-1])], "a red circle") is None  # no count asked
+    assert counting_report(checked(patterns[-1:], "a red circle"), 64) is None  # no count asked
 
 
 def test_the_command_refuses_a_caption_without_a_count_before_loading_anything(tmp_path, capsys):
