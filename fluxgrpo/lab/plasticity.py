@@ -5,7 +5,7 @@ base model's *own* correct samples of a few captions. If that cannot lift the ca
 update will: RL's best case is to move the policy towards its own best samples, which this does directly.
 
 1. **Best of N**: ``--pool`` images per caption from the base model with the evaluation's sampler (12-step Euler,
-   guidance 3.5, 64²), checked by the rule checker; the strict-passing ones are the fine-tuning set.
+   guidance 3.5 or ``--guidance``, 64²), checked by the rule checker; the strict-passing ones are the fine-tuning set.
 2. **Fine-tune** the transformer on them by the builder's rectified-flow loss (FLUX's shifted σ draw, the sampler's
    guidance input, the encoders frozen), AdamW, full fine-tuning, at a constant rate or (``--schedule cosine``) the
    builder's warm-up and cosine, which judges settled weights instead of wherever the last steps threw them.
@@ -68,7 +68,8 @@ class PlasticitySettings:
     steps: int = 1000
     lr: float = 3e-4
     batch: int = 32
-    guidance: float = 3.5  # the guidance input the fine-tuning feeds, as the evaluation samples
+    # the evaluation sampler's guidance: the pool and the judge sample at it, and the fine-tuning feeds it as input
+    guidance: float = 3.5
     at: tuple[int, ...] = (250, 500, 1000)  # steps to judge at (0 and the last always)
     judge: int = 128  # fresh images per caption at each judging
     sample_steps: int = 12  # the evaluation sampler's
@@ -100,9 +101,11 @@ class Judging:
     counting: dict[str, dict[str, Any]]
 
 
-def judge_captions(pipe: Any, captions: list[str], per_caption: int, steps: int, seed: int, size: int = 64) -> Judging:
+def judge_captions(
+    pipe: Any, captions: list[str], per_caption: int, steps: int, seed: int, size: int = 64, guidance: float = 3.5
+) -> Judging:
     """:class:`Judging` of ``per_caption`` fresh images of each caption."""
-    groups = sample_with(pipe, captions, per_caption, steps, seed=seed, size=size)
+    groups = sample_with(pipe, captions, per_caption, steps, guidance, seed=seed, size=size)
     results = {c: [check(im, c) for im in g] for c, g in zip(captions, groups, strict=True)}
     counting = {c: counting_report(rs, size) for c, rs in results.items()}
     return Judging(
@@ -121,7 +124,9 @@ class KeptSample:
     latent: Any
 
 
-def best_of_n(pipe: Any, captions: list[str], pool: int, steps: int, size: int = 64) -> dict[str, list[KeptSample]]:
+def best_of_n(
+    pipe: Any, captions: list[str], pool: int, steps: int, size: int = 64, guidance: float = 3.5
+) -> dict[str, list[KeptSample]]:
     """The strict-passing samples among ``pool`` base samples of each caption (the evaluation's sampler, the seeds
     ``sample_with`` gives seed :data:`POOL_SEED`)."""
     import torch
@@ -131,7 +136,7 @@ def best_of_n(pipe: Any, captions: list[str], pool: int, steps: int, size: int =
     from fluxgrpo.sampling.generate import initial_latents
 
     kept: dict[str, list[KeptSample]] = {}
-    sampled = denoise_each_prompt(pipe, captions, pool, steps, "latent", seed=POOL_SEED, size=size)
+    sampled = denoise_each_prompt(pipe, captions, pool, steps, "latent", guidance, seed=POOL_SEED, size=size)
     for caption, (seeds, latents) in zip(captions, sampled, strict=True):
         with torch.no_grad():
             pixels = decode_latents(pipe.vae, unpack_latents(latents, size, size)).permute(0, 2, 3, 1)
@@ -171,7 +176,7 @@ def finetune_on(
 
     def judge_now(step: int) -> None:
         transformer.eval()
-        judging = judge_captions(pipe, judged_captions, judge, sample_steps, JUDGE_SEED, size)
+        judging = judge_captions(pipe, judged_captions, judge, sample_steps, JUDGE_SEED, size, guidance)
         history.append(
             {
                 "step": step,
@@ -243,7 +248,7 @@ def plasticity(
     pipe = FluxPipeline.from_pretrained(flux_dir, dtype=torch.float32, trust_remote_code=False)
     pipe.set_progress_bar_config(disable=True)
     base = copy.deepcopy(pipe.transformer.state_dict())
-    kept = best_of_n(pipe, captions, settings.pool, settings.sample_steps, settings.size)
+    kept = best_of_n(pipe, captions, settings.pool, settings.sample_steps, settings.size, settings.guidance)
     log(f"best of {settings.pool}: {', '.join(f'{c!r} {len(v)}' for c, v in kept.items())}")
     at = tuple(sorted({0, *settings.at, settings.steps} & set(range(settings.steps + 1))))
     # no correct sample of any caption: nothing to fine-tune on, only the base is judged
@@ -277,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--at", type=int, nargs="+", default=[250, 500, 1000], help="steps to judge at")
     parser.add_argument("--judge", type=int, default=128, help="fresh images per caption at each judging")
     parser.add_argument("--image-size", type=int, choices=(64, 128), default=64, help="the world's image side")
+    parser.add_argument(
+        "--guidance", type=float, default=3.5, help="the evaluation sampler's distilled guidance (train --guidance)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--coupled", action="store_true", help="reflow: pair each kept image with the noise it was sampled from"
@@ -301,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         at=tuple(args.at),
         judge=args.judge,
         size=args.image_size,
+        guidance=args.guidance,
         coupled=args.coupled,
         schedule=args.schedule,
         seed=args.seed,

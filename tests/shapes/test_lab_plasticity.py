@@ -46,7 +46,8 @@ def test_transfer_judges_other_captions_with_the_checker_mean():
 
 
 @needs_shipped
-def test_the_pool_keeps_the_evaluation_samplers_images_with_their_noise_and_latents():
+@pytest.mark.parametrize("guidance", [3.5, 1.75])
+def test_the_pool_keeps_the_evaluation_samplers_images_with_their_noise_and_latents(guidance):
     import torch
     from diffusers import FluxPipeline
 
@@ -59,8 +60,8 @@ def test_the_pool_keeps_the_evaluation_samplers_images_with_their_noise_and_late
     pipe = FluxPipeline.from_pretrained(SHIPPED_FLUX, dtype=torch.float32, trust_remote_code=False)
     pipe.set_progress_bar_config(disable=True)
     captions = ["a red circle", "three circles"]
-    kept = best_of_n(pipe, captions, pool=6, steps=4)
-    groups = sample_with(pipe, captions, 6, 4, seed=POOL_SEED)
+    kept = best_of_n(pipe, captions, pool=6, steps=4, guidance=guidance)
+    groups = sample_with(pipe, captions, 6, 4, guidance, seed=POOL_SEED)  # the evaluation sampler at that guidance
     for i, (caption, group) in enumerate(zip(captions, groups, strict=True)):
         passing = [j for j, image in enumerate(group) if check(image, caption).strict]
         assert len(kept[caption]) == len(passing)
@@ -68,6 +69,28 @@ def test_the_pool_keeps_the_evaluation_samplers_images_with_their_noise_and_late
             assert np.array_equal(sample.image, group[j])  # the same pixels the evaluation's sampler draws
             assert torch.equal(sample.noise, initial_latents([image_seed(POOL_SEED, i, j)], 64, 64)[0])
             assert sample.latent.shape == sample.noise.shape
+
+
+@needs_shipped
+def test_the_judge_samples_at_the_settings_guidance():
+    import torch
+    from diffusers import FluxPipeline
+
+    from fluxgrpo.lab.measure import sample_with
+    from fluxgrpo.lab.plasticity import JUDGE_SEED, judge_captions
+    from fluxgrpo.shapes.checker import check
+
+    pipe = FluxPipeline.from_pretrained(SHIPPED_FLUX, dtype=torch.float32, trust_remote_code=False)
+    pipe.set_progress_bar_config(disable=True)
+    captions = ["a red circle", "two blue squares"]
+    for guidance in (3.5, 1.0):
+        judging = judge_captions(pipe, captions, 3, 4, JUDGE_SEED, guidance=guidance)
+        groups = sample_with(pipe, captions, 3, 4, guidance, seed=JUDGE_SEED)
+        expected = {c: float(np.mean([check(im, c).score for im in g])) for c, g in zip(captions, groups, strict=True)}
+        assert judging.mean == expected
+    # the guidance reaches the sampler: guidance 1 (the conditional velocity alone) draws other images than 3.5
+    images = [sample_with(pipe, captions[:1], 1, 4, g, seed=JUDGE_SEED)[0][0] for g in (3.5, 1.0)]
+    assert not np.array_equal(*images)
 
 
 def _fine_tuned_on_blue_circles(runs: list[PlasticitySettings]) -> tuple[dict, list[dict]]:
