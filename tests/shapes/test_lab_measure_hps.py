@@ -50,3 +50,25 @@ def test_within_prompt_rho_is_reported_for_seen_and_novel_captions_apart(monkeyp
     rule_ranks = np.array([1.5, 3.5, 7, 1.5, 3.5, 7, 7, 7, 7])
     expected = np.corrcoef(hps_ranks, rule_ranks)[0, 1]
     assert report["spearman_pooled"] == pytest.approx(expected, abs=1e-4)
+
+
+def test_every_image_measure_draws_is_drawn_at_its_guidance(monkeypatch, tmp_path):
+    from fluxgrpo.lab import measure as lab_measure
+
+    drawn: list[tuple[int, float]] = []
+
+    def fake_sample(flux_dir, prompts, per_prompt, steps, guidance=3.5, seed=0):
+        drawn.append((len(prompts), guidance))
+        return [[np.zeros((64, 64, 3), np.uint8)] * per_prompt for _ in prompts]
+
+    monkeypatch.setattr(lab_measure, "sample_images", fake_sample)
+    monkeypatch.setattr(lab_measure, "vae_reconstruction_strict", lambda flux_dir, layout: 1.0)
+    monkeypatch.setattr(lab_measure, "agreement_captions", lambda: ["a red square", "a blue circle"])
+    monkeypatch.setattr(lab_measure, "hps_agreement", lambda hps_dir, captions, groups, results: {})
+    report = lab_measure.measure(tmp_path, tmp_path, per_prompt=1, steps=2, agreement="wide", guidance=1.75)
+    assert report["settings"]["guidance"] == 1.75
+    # the held-out captions, the training captions' sample and the agreement captions, each at the asked guidance
+    assert [g for _, g in drawn] == [1.75, 1.75, 1.75] and drawn[-1][0] == 2
+    drawn.clear()
+    assert lab_measure.measure(tmp_path, None, per_prompt=1, steps=2)["settings"]["guidance"] == 3.5
+    assert [g for _, g in drawn] == [3.5, 3.5]
