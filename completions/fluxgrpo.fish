@@ -103,7 +103,7 @@ complete -c fluxgrpo -n '__fish_seen_subcommand_from sample' -l images-per-promp
 complete -c fluxgrpo -n '__fish_seen_subcommand_from sample' -l height -r -F -d 'Image height in pixels (multiple of 16). \[default: the models own: 720 for FLUX.1-dev, 64 for the shapes world]'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from sample' -l width -r -F -d 'Image width in pixels (multiple of 16). \[default: the models own: 720 for FLUX.1-dev, 64 for the shapes world]'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from sample' -l steps -r -F -d 'Denoising steps. \[default: the models own: 28 for FLUX.1-dev, 12 for the shapes world, as its evaluation]'
-complete -c fluxgrpo -n '__fish_seen_subcommand_from sample' -l guidance -r -F -d 'FLUX-dev distilled guidance.'
+complete -c fluxgrpo -n '__fish_seen_subcommand_from sample' -l guidance -r -F -d 'FLUX-dev distilled guidance. \[default: the models own: 3.5 for FLUX.1-dev, 1.75 for the shapes world, as its configs]'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from sample' -l seed -r -F -d 'Run seed S; image j of prompt i is seeded from (S, i, j).'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from sample' -l batch-size -r -F -d 'Images per forward pass (does not change the images).'
 complete -c fluxgrpo -n '__fish_seen_subcommand_from sample' -l dies -r -F -d 'Worker processes, one per device (torchrun); prompts are split.'

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from fluxgrpo.errors import FluxgrpoError, UsageError
 from fluxgrpo.models.flux import read_transformer_config, require_flux_dir
-from fluxgrpo.models.known import KNOWN_MODELS, known_model
+from fluxgrpo.models.known import KNOWN_MODELS, KnownModel, known_model
 from fluxgrpo.paths import DEFAULT_SAMPLES_DIR
 from fluxgrpo.preprocess import rank_indices
 from fluxgrpo.run_folder import INDEX_FILE  # a sample folder's index, and each evaluation's in a run folder
@@ -62,28 +62,34 @@ def default_out_dir(checkpoint: str | Path | None, ema: bool) -> Path:
     return Path(DEFAULT_SAMPLES_DIR) / f"{checkpoint.parent.name}-{checkpoint.name}{'-ema' if ema else ''}"
 
 
-def model_sample_steps(model: str | Path) -> int:
-    """The denoising steps `sample` uses when --steps is not given: the model's own (the shapes world: 12, as its
-    evaluation), else FLUX.1-dev's 28."""
+def own_model(model: str | Path) -> KnownModel:
+    """The known model ``--model`` holds, whose own settings `sample` defaults to; FLUX.1-dev's where the folder holds
+    none or has no readable config (the request's checks then say what is wrong with it)."""
 
     try:
         known = known_model(read_transformer_config(model))
     except FluxgrpoError:
         known = None
-    return (known or KNOWN_MODELS["flux-dev"]).sample_steps
+    return known or KNOWN_MODELS["flux-dev"]
+
+
+def model_sample_steps(model: str | Path) -> int:
+    """The denoising steps `sample` uses when --steps is not given: the model's own (the shapes world: 12, as its
+    evaluation), else FLUX.1-dev's 28."""
+    return own_model(model).sample_steps
+
+
+def model_sample_guidance(model: str | Path) -> float:
+    """The distilled guidance `sample` uses when --guidance is not given: the model's own (the shapes world: 1.75, as
+    its configs roll out and evaluate at), else FLUX.1-dev's 3.5."""
+    return own_model(model).sample_guidance
 
 
 def model_sample_defaults(model: str | Path) -> tuple[int, int]:
     """(image side, T5 tokens) `sample` uses when --height/--width/--max-sequence-length are not given: the model's
     own where ``--model`` holds a known model trained at other ones (the shapes world: 64 and 12, where FLUX.1-dev's
-    720 and 512 give noise), else FLUX.1-dev's. A folder without a readable config gets FLUX.1-dev's; the request's
-    checks then say what is wrong with it."""
-
-    try:
-        known = known_model(read_transformer_config(model))
-    except FluxgrpoError:
-        known = None
-    return (known or KNOWN_MODELS["flux-dev"]).sample_defaults
+    720 and 512 give noise), else FLUX.1-dev's."""
+    return own_model(model).sample_defaults
 
 
 def build_request(

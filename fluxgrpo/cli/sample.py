@@ -62,7 +62,15 @@ def command(
             show_default=False,
         ),
     ] = None,
-    guidance: Annotated[float, typer.Option("--guidance", help="FLUX-dev distilled guidance.")] = 3.5,
+    guidance: Annotated[
+        float | None,
+        typer.Option(
+            "--guidance",
+            help="FLUX-dev distilled guidance. [default: the model's own: 3.5 for FLUX.1-dev, 1.75 for the shapes "
+            "world, as its configs]",
+            show_default=False,
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option("--seed", help="Run seed S; image j of prompt i is seeded from (S, i, j).")] = 0,
     batch_size: Annotated[
         int, typer.Option("--batch-size", help="Images per forward pass (does not change the images).")
@@ -124,7 +132,7 @@ def command(
     """
     from fluxgrpo.data.prompts import read_prompts
     from fluxgrpo.runtime.launch import LaunchSpec, run_workers
-    from fluxgrpo.sample import build_request, model_sample_defaults, model_sample_steps
+    from fluxgrpo.sample import build_request, model_sample_defaults, model_sample_guidance, model_sample_steps
     from fluxgrpo.sampling.request import SampleSettings
 
     spec = LaunchSpec(nproc_per_node=dies)
@@ -137,20 +145,22 @@ def command(
         prompts = list(dict.fromkeys(text.strip() for text in prompt or [] if text.strip()))
     side, tokens = model_sample_defaults(model)
     own_steps = model_sample_steps(model)
-    if (side, tokens, own_steps) != (
+    own_guidance = model_sample_guidance(model)
+    if (side, tokens, own_steps, own_guidance) != (
         SampleSettings.height,
         SampleSettings.max_sequence_length,
         SampleSettings.steps,
-    ) and None in (height, width, max_sequence_length, steps):
+        SampleSettings.guidance,
+    ) and None in (height, width, max_sequence_length, steps, guidance):
         log(
             f"{model} holds a model trained at {side}x{side} pixels and {tokens} T5 tokens and evaluated with "
-            f"{own_steps} steps: its own are the defaults"
+            f"{own_steps} steps at guidance {own_guidance}: its own are the defaults"
         )
     settings = SampleSettings(
         height=side if height is None else height,
         width=side if width is None else width,
         steps=own_steps if steps is None else steps,
-        guidance=guidance,
+        guidance=own_guidance if guidance is None else guidance,
         seed=seed,
         images_per_prompt=images_per_prompt,
         batch_size=batch_size,

@@ -75,6 +75,9 @@ class KnownModel:
     # `fluxgrpo sample --steps`'s default: FLUX.1-dev's 28, or the steps its own evaluation samples with (the shapes
     # configs' eval_steps 12), so a sample looks like the run's held-out grids.
     sample_steps: int = 28
+    # `fluxgrpo sample --guidance`'s default: FLUX.1-dev's 3.5, or the distilled guidance the model's own configs
+    # roll out and evaluate at (the shapes world: 1.75, where its best-of-32 headroom passes 0.9).
+    sample_guidance: float = 3.5
 
     def matches(self, transformer_config: dict[str, Any]) -> bool:
         return all(transformer_config.get(key) == self.transformer.get(key) for key in SIZING_KEYS)
@@ -93,6 +96,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         WORLD_TEXT_LENGTH,
         sample_defaults=(WORLD_VAE_CONFIG["sample_size"], WORLD_TEXT_LENGTH),
         sample_steps=12,
+        sample_guidance=1.75,
     ),
 }
 MODEL_FAMILIES = (*KNOWN_MODELS, WEIGHTS)

@@ -410,17 +410,23 @@ def test_two_processes_write_every_image_once_and_match_one_process(tiny_weights
 def test_the_shapes_world_samples_with_its_evaluations_steps_and_its_shipped_prompt_sets(tmp_path):
     """Issue #50.14: `sample --steps` defaulted to FLUX.1-dev's 28 on the shapes world, whose evaluation samples with
     12; its held-out prompts had to be written to a file (eval_prompts.txt left in the working folder)."""
-    from fluxgrpo.sample import model_sample_steps
+    from fluxgrpo.sample import model_sample_guidance, model_sample_steps
     from fluxgrpo.shapes.shipped import write_shapes_weights
 
     write_shapes_weights(tmp_path / "flux", tmp_path / "hps", parts=["flux"])
     assert model_sample_steps(tmp_path / "flux") == 12
     assert model_sample_steps(tmp_path / "nothing") == 28  # FLUX.1-dev's; the request then names the fix
+    assert (model_sample_guidance(tmp_path / "flux"), model_sample_guidance(tmp_path / "nothing")) == (1.75, 3.5)
     out = tmp_path / "samples"
     argv = ["sample", "--model", str(tmp_path / "flux"), "--prompt", "two red squares", "--out", str(out)]
     result = CliRunner().invoke(app, [*argv, "--device", "cpu", "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads((out / INDEX_FILE).read_text())["settings"]["steps"] == 12
-    assert "evaluated with 12 steps: its own are the defaults" in result.stderr
+    settings = json.loads((out / INDEX_FILE).read_text())["settings"]
+    assert (settings["steps"], settings["guidance"]) == (12, 1.75)
+    assert "evaluated with 12 steps at guidance 1.75: its own are the defaults" in result.stderr
+    # a guidance given is the guidance drawn at
+    given = CliRunner().invoke(app, [*argv[:-1], str(tmp_path / "given"), "--guidance", "3.5", "--device", "cpu"])
+    assert given.exit_code == 0, given.output
+    assert json.loads((tmp_path / "given" / INDEX_FILE).read_text())["settings"]["guidance"] == 3.5
     named = CliRunner().invoke(app, ["sample", "--model", str(tmp_path / "none"), "--prompts", "shapes-heldout"])
     assert named.exit_code == 1 and "prompt file" not in named.stderr and "fetch-weights" in named.stderr

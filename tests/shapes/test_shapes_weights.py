@@ -236,8 +236,9 @@ def test_sample_defaults_to_the_world_models_own_size_and_text_length(tmp_path):
     args = ["sample", "--model", str(tmp_path / "flux"), "--prompt", "two red squares", "--steps", "2", "--json"]
     result = runner.invoke(app, [*args, "--out", str(out), "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    assert "trained at 64x64 pixels and 12 T5 tokens and evaluated with 12 steps: its own are the defaults" in (
-        result.stderr
+    assert (
+        "trained at 64x64 pixels and 12 T5 tokens and evaluated with 12 steps at guidance 1.75: its own are the "
+        "defaults" in result.stderr
     )
     index = json.loads((out / "index.json").read_text())
     with Image.open(out / index["images"][0]["file"]) as image:
